@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite: set up, lint, format check, pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff format --check .
+.venv/bin/ruff check .
+.venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,85 @@
+"""Capture: one forward of any Hugging Face causal LM, its final hidden rows taken by a hook.
+
+No `generate`, no all-layer `output_hidden_states`: a forward hook on the backbone (the
+module that applies the final norm) records `last_hidden_state`, and the LM head runs on
+one row only (`logits_to_keep=1`), so a 131k vocabulary costs nothing here.
+The hook writes into a request-scoped sink, never a process-wide stash: the seed's
+original stash raced under concurrent traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The module whose output is the final (normed) hidden state."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        raise TypeError(f"{type(model).__name__} has no backbone to hook (base_model)")
+    return base
+
+
+def lm_head_weight(model: nn.Module) -> Tensor:
+    """The resident output embedding (V, d_base), bound by reference, never copied."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TypeError(f"{type(model).__name__} has no output embedding")
+    return head.weight
+
+
+@torch.no_grad()
+def capture(
+    model: nn.Module,
+    input_ids: Tensor,  # (B, P) right-padded
+    attention_mask: Tensor | None = None,  # (B, P)
+    *,
+    on_rows: Callable[[Tensor], None] | None = None,
+) -> Tensor:
+    """One forward; returns the final hidden rows (B, P, d_base).
+
+    `on_rows` sees the rows inside the hook, before anyone else: the capture registry
+    uses it to verify the request identity and layout at the moment of recording.
+    """
+    sink: list[Tensor] = []
+
+    def hook(_module: nn.Module, _args: tuple, output) -> None:
+        rows = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        if on_rows is not None:
+            on_rows(rows)
+        sink.append(rows)
+
+    handle = backbone(model).register_forward_hook(hook)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    if len(sink) != 1:
+        raise RuntimeError(f"capture hook fired {len(sink)} times for one forward")
+    return sink[0]
+
+
+def pad_lanes(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per-lane rows [(P_i, d)] -> padded (K, P_max, d) and prompt_lens (K,)."""
+    lens = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
+    out = rows[0].new_zeros(len(rows), int(lens.max()), rows[0].shape[-1])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out, lens
+
+
+def pack_lanes(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per-lane rows -> packed (total_rows, d) and cumulative-sum offsets (K + 1,)."""
+    counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return torch.cat(rows, dim=0), offsets
+
+
+def unpack_lanes(packed: Tensor, offsets: Tensor) -> list[Tensor]:
+    """Inverse of pack_lanes; checks total_rows == sum(row_count)."""
+    if int(offsets[-1]) != packed.shape[0]:
+        raise ValueError(f"layout says {int(offsets[-1])} rows, payload has {packed.shape[0]}")
+    return [packed[int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

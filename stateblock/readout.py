@@ -1,0 +1,232 @@
+"""The readout decoder: a whole answer block read from one captured forward state.
+
+One execution, no loop over answer positions: captured rows are pooled into M latent
+slots, repaired twice, and every answer position (a functional sinusoid of its index)
+attends over [latents ; earlier answer positions] before a chunked projection against
+the base model's resident lm_head picks the top-2 tokens. The shape of DESIGN.md s.4.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from stateblock.vocab import NO_EOS, ReadoutOut, chunked_topk, first_eos, gumbel_select
+
+__all__ = ["NO_EOS", "ReadoutConfig", "ReadoutDecoder", "ReadoutOut", "position_features"]
+
+
+def _decimal_harmonic_periods() -> tuple[float, ...]:
+    # Integer periods n * 10^m: digit-structured and periodic answers (columns of numbers,
+    # repeated patterns) become exactly representable at any depth, which geometric
+    # (transformer-paper) frequencies only approximate and lose after a few thousand steps.
+    return tuple(float(n * 10**m) for m in range(4) for n in range(2, 17) if n * 10**m <= 16384)
+
+
+@dataclass
+class ReadoutConfig:
+    d_base: int  # hidden size of the base model (rows and lm_head width)
+    vocab_size: int  # base model vocabulary (lm_head rows)
+    eos_token_id: int
+    d_r: int = 256  # readout width
+    n_latent: int = 64  # M learned latent slots
+    n_heads: int = 8
+    n_mixer: int = 1  # mixer layers; the seed uses one
+    mlp_ratio: int = 4
+    n_chunks: int = 8  # vocabulary chunks of the projection
+    pos_periods: tuple[float, ...] = field(default_factory=_decimal_harmonic_periods)
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        self.pos_periods = tuple(float(p) for p in self.pos_periods)
+        if self.d_r % self.n_heads:
+            raise ValueError(f"d_r={self.d_r} is not divisible by n_heads={self.n_heads}")
+        if self.n_mixer < 1 or self.n_latent < 1 or self.n_chunks < 1:
+            raise ValueError("n_mixer, n_latent and n_chunks must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_r // self.n_heads
+
+    @property
+    def n_pos_features(self) -> int:
+        return 2 * len(self.pos_periods)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["pos_periods"] = list(self.pos_periods)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReadoutConfig:
+        return cls(**{k: (tuple(v) if k == "pos_periods" else v) for k, v in d.items()})
+
+
+def position_features(positions: Tensor, periods: Tensor) -> Tensor:
+    """Sinusoids of integer position indices. (..., ) -> (..., 2 * n_periods)."""
+    pos = positions.to(torch.float32).unsqueeze(-1)  # (..., 1)
+    # reduce modulo the period first: the phase stays exact for any depth in fp32
+    phase = torch.remainder(pos, periods) / periods  # (..., n_periods)
+    angle = phase * (2.0 * math.pi)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: int) -> None:
+        super().__init__()
+        hidden = dim * ratio
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with two implementations over the same weights.
+
+    `explicit` is MatMul/Softmax (what the ONNX graph contains, and it builds the full
+    score tensor); `sdpa` is scaled_dot_product_attention, which on the GPU never
+    materialises the (queries x keys) scores: the K=8 x D=8192 memory wall of the seed.
+    """
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        k, n, d = x.shape
+        return x.view(k, n, self.n_heads, d // self.n_heads).transpose(1, 2)  # (K, H, n, hd)
+
+    def forward(self, xq: Tensor, xkv: Tensor, mask: Tensor | None, impl: str) -> Tensor:
+        # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
+        q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
+        if impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif impl == "explicit":
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (K,H,Nq,Nk)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            y = torch.matmul(torch.softmax(scores, dim=-1), v)
+        else:
+            raise ValueError(f"unknown attention implementation {impl!r}")
+        kk, h, n, hd = y.shape
+        return self.wo(y.transpose(1, 2).reshape(kk, n, h * hd))  # (K, Nq, d)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP; the keys/values are whatever the caller passes."""
+
+    def __init__(self, cfg: ReadoutConfig) -> None:
+        super().__init__()
+        self.norm_q = RMSNorm(cfg.d_r, cfg.norm_eps)
+        self.norm_kv = RMSNorm(cfg.d_r, cfg.norm_eps)
+        self.attn = Attention(cfg.d_r, cfg.n_heads)
+        self.norm_mlp = RMSNorm(cfg.d_r, cfg.norm_eps)
+        self.mlp = MLP(cfg.d_r, cfg.mlp_ratio)
+
+    def forward(self, x: Tensor, kv: Tensor, mask: Tensor | None, impl: str) -> Tensor:
+        x = x + self.attn(self.norm_q(x), self.norm_kv(kv), mask, impl)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class ReadoutDecoder(nn.Module):
+    def __init__(self, cfg: ReadoutConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer(
+            "periods", torch.tensor(cfg.pos_periods, dtype=torch.float32), persistent=False
+        )
+        # context pooling and projection: d_base -> d_r, then M slots attend over the rows
+        self.ctx_in = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
+        self.ctx_pos = nn.Linear(cfg.n_pos_features, cfg.d_r, bias=False)
+        self.latent = nn.Parameter(torch.randn(cfg.n_latent, cfg.d_r) * 0.02)
+        self.pool = Block(cfg)
+        # two-stage latent repair: residual self-attention refinements of the latent
+        self.repair = nn.ModuleList([Block(cfg) for _ in range(2)])
+        # answer positions: a linear map of functional sinusoids, no position table
+        self.pos_in = nn.Linear(cfg.n_pos_features, cfg.d_r, bias=False)
+        self.mixer = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+        self.norm_out = RMSNorm(cfg.d_r, cfg.norm_eps)
+        self.out = nn.Linear(cfg.d_r, cfg.d_base, bias=False)
+
+    # -- pure stages -------------------------------------------------------------------
+    def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
+        """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
+        k, p, _ = rows.shape
+        idx = torch.arange(p, device=rows.device)
+        ctx = self.ctx_in(rows.to(self.ctx_in.weight.dtype))  # (K, P, d_r)
+        ctx = ctx + self.ctx_pos(position_features(idx, self.periods).to(ctx.dtype))
+        row_mask = (idx.unsqueeze(0) < prompt_lens.unsqueeze(1)).view(k, 1, 1, p)
+        lat = self.latent.unsqueeze(0).expand(k, -1, -1)  # (K, M, d_r)
+        lat = self.pool(lat, ctx, row_mask, impl)
+        for stage in self.repair:
+            lat = stage(lat, lat, None, impl)
+        return lat
+
+    def hidden(
+        self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, impl: str = "sdpa"
+    ) -> Tensor:
+        """Answer-position states in lm_head space. positions (K, D) -> (K, D, d_base)."""
+        lat = self.encode(rows, prompt_lens, impl)  # (K, M, d_r)
+        m = lat.shape[1]
+        d = positions.shape[1]
+        h = self.pos_in(position_features(positions, self.periods).to(lat.dtype))  # (K, D, d_r)
+        # Prefix-causal: every position sees all latents and the positions up to itself, so
+        # position t's token does not depend on how deep the caller reads. max_tokens
+        # truncation and depth-bucket padding are then exact, not approximations.
+        causal = torch.ones(d, d, dtype=torch.bool, device=h.device).tril()
+        mask = torch.cat([torch.ones(d, m, dtype=torch.bool, device=h.device), causal], dim=1)
+        for layer in self.mixer:
+            h = layer(h, torch.cat([lat, h], dim=1), mask, impl)
+        return self.out(self.norm_out(h))  # (K, D, d_base)
+
+    def forward(
+        self,
+        rows: Tensor,  # (K, P, d_base), lanes padded to the longest prompt
+        prompt_lens: Tensor,  # (K,) int64
+        positions: Tensor,  # (K, D) int64, normally arange(D) per lane
+        depths: Tensor,  # (K,) int64, answer positions read per lane (<= D)
+        lm_head: Tensor,  # (V, d_base), the base model's resident output embedding
+        eos_token_id: Tensor | int | None = None,
+        temperature: Tensor | None = None,  # (K,) float; 0 = argmax
+        noise: Tensor | None = None,  # (K, D, 8) Gumbel noise for sampling
+        impl: str = "sdpa",
+    ) -> ReadoutOut:
+        h = self.hidden(rows, prompt_lens, positions, impl).to(lm_head.dtype)
+        k_top = 2 if temperature is None else 8
+        top_v, top_i = chunked_topk(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
+        margin = (top_v[..., 0] - top_v[..., 1]).float()
+        tokens = top_i[..., 0]
+        if temperature is not None:
+            if noise is None:
+                raise ValueError("sampling needs an explicit noise tensor")
+            tokens = gumbel_select(top_v, top_i, temperature, noise)
+        valid = positions < depths.unsqueeze(1)  # (K, D)
+        eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
+        eos_pos = first_eos(tokens, valid, eos)
+        return ReadoutOut(tokens, top_i[..., 0], top_i[..., 1], margin, eos_pos)
+
+    def logits(self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, lm_head: Tensor):
+        """Full logits for training on small vocabularies. (K, D, V); never on the serve path."""
+        return self.hidden(rows, prompt_lens, positions) @ lm_head.t().to(self.out.weight.dtype)

@@ -1,0 +1,91 @@
+"""Vocabulary-side stages of the readout: chunked projection, running top-k, EOS scan, sampling.
+
+Pure tensor functions with fixed chunk counts, so they export to ONNX and compile as-is.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+NO_EOS = 1 << 20  # EOS position reported when no position emitted EOS
+
+
+class ReadoutOut(NamedTuple):
+    tokens: Tensor  # (K, D) int64: the emitted ids (top-1, or the sampled id)
+    top1: Tensor  # (K, D) int64
+    top2: Tensor  # (K, D) int64
+    margin: Tensor  # (K, D) float32: top-1 minus top-2 logit
+    eos_pos: Tensor  # (K,) int64: first EOS among valid positions, else NO_EOS
+
+
+def chunk_bounds(vocab: int, n_chunks: int) -> list[tuple[int, int]]:
+    size = -(-vocab // n_chunks)
+    return [(s, min(s + size, vocab)) for s in range(0, vocab, size)]
+
+
+def chunked_topk(h: Tensor, lm_head: Tensor, n_chunks: int, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k of h @ lm_head.T without the full (..., V) logits ever resident.
+
+    h (K, D, d), lm_head (V, d) -> values (K, D, k) descending, ids (K, D, k) int64.
+    Each chunk's top-k is merged into the running top-k; only a (K, D, V/n_chunks)
+    slab exists at a time.
+    """
+    run_v: Tensor | None = None
+    run_i: Tensor | None = None
+    for lo, hi in chunk_bounds(lm_head.shape[0], n_chunks):
+        logits = torch.matmul(h, lm_head[lo:hi].t())  # (K, D, Vc)
+        kc = min(k, hi - lo)
+        v, i = torch.topk(logits, kc, dim=-1)
+        i = i + lo
+        if run_v is None:
+            run_v, run_i = v, i
+            continue
+        cat_v = torch.cat([run_v, v], dim=-1)  # running ids are lower: on ties they win,
+        cat_i = torch.cat([run_i, i], dim=-1)  # as in a full-vocabulary topk
+        run_v, sel = torch.topk(cat_v, min(k, cat_v.shape[-1]), dim=-1)
+        run_i = torch.gather(cat_i, -1, sel)
+    assert run_v is not None and run_i is not None
+    return run_v, run_i
+
+
+def first_eos(tokens: Tensor, valid: Tensor, eos_token_id: Tensor | int) -> Tensor:
+    """First valid position whose token is EOS, else NO_EOS. (K, D) -> (K,)."""
+    d = tokens.shape[-1]
+    idx = torch.arange(d, device=tokens.device).expand_as(tokens)
+    hit = (tokens == eos_token_id) & valid
+    return torch.where(hit, idx, torch.full_like(idx, NO_EOS)).min(dim=-1).values
+
+
+def gumbel_select(top_v: Tensor, top_i: Tensor, temperature: Tensor, noise: Tensor) -> Tensor:
+    """Top-k Gumbel-max sampling with explicit noise; temperature 0 is exact argmax.
+
+    top_v, top_i (K, D, k) sorted descending; temperature (K,); noise (K, D, k) standard
+    Gumbel. Returns ids (K, D).
+    """
+    t = temperature.to(top_v.dtype).view(-1, 1, 1)  # (K, 1, 1)
+    k = top_v.shape[-1]
+    scores = top_v / torch.clamp(t, min=1e-6) + noise[..., :k].to(top_v.dtype)
+    # where t == 0 the scores are the sorted logits themselves: argmax is index 0, the top-1
+    scores = torch.where(t > 0, scores, top_v)
+    pick = torch.argmax(scores, dim=-1, keepdim=True)  # (K, D, 1)
+    return torch.gather(top_i, -1, pick).squeeze(-1)
+
+
+def gumbel_noise(shape: tuple[int, ...], seed: int | None, device=None) -> Tensor:
+    """Standard Gumbel noise; a seed makes it (and so the sampled answer) reproducible."""
+    gen = torch.Generator(device="cpu")
+    if seed is not None:
+        gen.manual_seed(seed)
+    else:
+        gen.seed()
+    u = torch.rand(shape, generator=gen).clamp_(1e-10, 1.0 - 1e-7)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def distinct_n(tokens: list[int], n: int = 4) -> float | None:
+    """Distinct n-grams over all n-grams of one answer; None when it has fewer than n tokens."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else None
