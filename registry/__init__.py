@@ -1,0 +1,25 @@
+"""The compare-and-swap block registry on a JetStream KV bucket (DESIGN.md section 3.5)."""
+
+from registry.errors import (
+    AlreadyClaimed,
+    AlreadyCommitted,
+    ClaimLost,
+    CommitTimeout,
+    RegistryError,
+    RegistryUnavailable,
+    RevisionConflict,
+)
+from registry.registry import DEFAULT_BUCKET, Claim, Registry
+
+__all__ = [
+    "DEFAULT_BUCKET",
+    "AlreadyClaimed",
+    "AlreadyCommitted",
+    "Claim",
+    "ClaimLost",
+    "CommitTimeout",
+    "Registry",
+    "RegistryError",
+    "RegistryUnavailable",
+    "RevisionConflict",
+]

@@ -1,0 +1,256 @@
+"""The CAS registry: one KV key per block, claimed by `create`, committed by `update`.
+
+Every write is a compare-and-swap on the key's revision, so the server, not the workers'
+clocks, decides who wins: `claim` is `create` (only one worker can create the key); a
+claim whose lease has expired is taken over with `update(last=rev)` (only one worker can
+move that revision on); `commit` is `update(last=claim_rev)`, so a worker whose claim was
+taken over cannot commit. Leases only decide *when* a takeover may be attempted; clock
+skew between workers makes a takeover early or late, never a double commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors as js_errors
+from google.protobuf.message import DecodeError
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from registry.errors import (
+    AlreadyClaimed,
+    AlreadyCommitted,
+    ClaimLost,
+    CommitTimeout,
+    RegistryError,
+    RegistryUnavailable,
+    RevisionConflict,
+)
+from stateblock.v1 import commit_pb2 as pb
+
+DEFAULT_BUCKET = "STATEBLOCK_REGISTRY"
+# A race is lost only to another writer that made progress, so a few rounds suffice.
+_MAX_RACES = 8
+# JetStream's "wrong last sequence" codes: the revision we compared against moved on.
+_WRONG_LAST = (10071, 10164)
+_KEY = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Proof of a live claim: commit and renew compare against `revision`."""
+
+    block_id: str
+    worker_id: str
+    revision: int
+    lease_expires_at: float  # unix seconds, the claimer's clock
+    attempt: int  # 1 for the first claim, +1 per takeover
+
+
+def _key(block_id: str) -> str:
+    if not _KEY.match(block_id):
+        raise ValueError(f"block id {block_id!r} is not a valid KV key")
+    return block_id
+
+
+def _timestamp(unix_s: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(unix_s * 1e9))
+    return ts
+
+
+def _wrong_last(e: Exception) -> bool:
+    if isinstance(e, js_errors.KeyWrongLastSequenceError):
+        return True
+    return isinstance(e, js_errors.APIError) and e.err_code in _WRONG_LAST
+
+
+@contextmanager
+def _nats_errors(what: str) -> Iterator[None]:
+    """Anything NATS raises that the CAS logic did not handle means NATS is unusable."""
+    try:
+        yield
+    except (TimeoutError, nats.errors.Error) as e:
+        if _wrong_last(e):  # callers handle these inside; one escaping here is a bug
+            raise RevisionConflict(f"{what}: {e}") from e
+        raise RegistryUnavailable(f"{what}: {e}") from e
+
+
+def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
+    entry = pb.RegistryEntry()
+    try:
+        entry.ParseFromString(value or b"")
+    except DecodeError as e:
+        raise RegistryError(f"block {block_id}: undecodable registry entry") from e
+    if entry.state == pb.CLAIM_STATE_UNSPECIFIED:
+        raise RegistryError(f"block {block_id}: registry entry has no state")
+    return entry
+
+
+class Registry:
+    def __init__(self, kv: KeyValue, *, clock: Callable[[], float] = time.time) -> None:
+        self._kv = kv
+        self._clock = clock  # injectable so tests expire leases without sleeping
+
+    @classmethod
+    async def open(
+        cls,
+        js: JetStreamContext,
+        bucket: str = DEFAULT_BUCKET,
+        *,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> Registry:
+        """Bind to the bucket, creating it (file storage, history 1) if it does not exist.
+
+        ttl_s ages entries out; it must exceed block expiry plus the longest lease, or an
+        aged-out block could be claimed and committed a second time on redelivery.
+        """
+        with _nats_errors(f"open bucket {bucket}"):
+            try:
+                kv = await js.key_value(bucket)
+            except js_errors.BucketNotFoundError:
+                # Creating with an identical config is idempotent, so racing services agree.
+                config = KeyValueConfig(
+                    bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE
+                )
+                kv = await js.create_key_value(config)
+        return cls(kv, clock=clock)
+
+    async def claim(self, block_id: str, worker_id: str, lease_s: float) -> Claim:
+        """Claim the block for lease_s seconds, taking over an expired lease.
+
+        Raises AlreadyCommitted (drop the redelivery), AlreadyClaimed (a live lease
+        elsewhere: let the message be redelivered later), or RevisionConflict.
+        """
+        if lease_s <= 0:
+            raise ValueError("lease_s must be positive")
+        key = _key(block_id)
+        with _nats_errors(f"claim {block_id}"):
+            for _ in range(_MAX_RACES):
+                now = self._clock()
+                fresh = self._claimed(block_id, worker_id, now + lease_s, attempt=1)
+                try:
+                    rev = await self._kv.create(key, fresh.SerializeToString())
+                    return Claim(block_id, worker_id, rev, now + lease_s, 1)
+                except js_errors.KeyWrongLastSequenceError:
+                    pass  # the key exists: committed, live, or an expired lease
+                try:
+                    current = await self._kv.get(key)
+                except js_errors.KeyNotFoundError:
+                    continue  # released between our create and get: race again
+                entry = _decode(block_id, current.value)
+                if entry.state == pb.CLAIM_STATE_COMMITTED:
+                    raise AlreadyCommitted(block_id)
+                if entry.lease_expires_at.ToNanoseconds() > now * 1e9:
+                    raise AlreadyClaimed(block_id, entry.worker_id)
+                attempt = entry.attempt + 1
+                takeover = self._claimed(block_id, worker_id, now + lease_s, attempt)
+                try:
+                    rev = await self._kv.update(
+                        key, takeover.SerializeToString(), last=current.revision
+                    )
+                    return Claim(block_id, worker_id, rev, now + lease_s, attempt)
+                except js_errors.KeyWrongLastSequenceError:
+                    continue  # another worker moved first; re-read what it wrote
+        raise RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
+
+    async def renew(self, claim: Claim, lease_s: float) -> Claim:
+        """Extend a live claim's lease (for readouts longer than the lease)."""
+        now = self._clock()
+        entry = self._claimed(claim.block_id, claim.worker_id, now + lease_s, claim.attempt)
+        rev = await self._swap(claim, entry, f"renew {claim.block_id}")
+        return Claim(claim.block_id, claim.worker_id, rev, now + lease_s, claim.attempt)
+
+    async def commit(self, claim: Claim, record: pb.Commit) -> int:
+        """Write the commit iff the claim still holds; returns the entry's new revision.
+
+        A lease that expired without a takeover still commits: the revision, not the
+        clock, is what proves nobody else claimed the block.
+        """
+        if record.block_id != claim.block_id:
+            raise ValueError(f"commit for {record.block_id!r} under a claim on {claim.block_id!r}")
+        entry = pb.RegistryEntry(
+            state=pb.CLAIM_STATE_COMMITTED,
+            block_id=claim.block_id,
+            worker_id=claim.worker_id,
+            attempt=claim.attempt,
+            commit=record,
+        )
+        return await self._swap(claim, entry, f"commit {claim.block_id}")
+
+    async def release(self, claim: Claim) -> None:
+        """Give a claim back early (a readout that failed) so a redelivery can claim at once."""
+        key = _key(claim.block_id)
+        with _nats_errors(f"release {claim.block_id}"):
+            try:
+                await self._kv.delete(key, last=claim.revision)
+            except js_errors.APIError as e:
+                if _wrong_last(e):
+                    raise ClaimLost(claim.block_id, claim.worker_id) from e
+                raise
+
+    async def get(self, block_id: str) -> pb.RegistryEntry | None:
+        """The block's entry, or None if it was never claimed (or was released)."""
+        key = _key(block_id)
+        with _nats_errors(f"get {block_id}"):
+            try:
+                current = await self._kv.get(key)
+            except js_errors.KeyNotFoundError:
+                return None
+        return _decode(block_id, current.value)
+
+    async def watch_commit(self, block_id: str, timeout: float) -> pb.Commit:
+        """Wait for the block's commit (the gateway's deadline); raises CommitTimeout.
+
+        The watch delivers the key's current value first, so a commit that landed before
+        the watch started is returned at once.
+        """
+        key = _key(block_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with _nats_errors(f"watch {block_id}"):
+            watcher = await self._kv.watch(key)
+            try:
+                while (remaining := deadline - loop.time()) > 0:
+                    try:
+                        update = await watcher.updates(timeout=remaining)
+                    except nats.errors.TimeoutError:
+                        break
+                    # None marks the end of the initial values; deletes are released claims.
+                    if update is None or update.operation is not None:
+                        continue
+                    entry = _decode(block_id, update.value)
+                    if entry.state == pb.CLAIM_STATE_COMMITTED:
+                        return entry.commit
+            finally:
+                await watcher.stop()
+        raise CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
+
+    async def _swap(self, claim: Claim, entry: pb.RegistryEntry, what: str) -> int:
+        key = _key(claim.block_id)
+        with _nats_errors(what):
+            try:
+                return await self._kv.update(key, entry.SerializeToString(), last=claim.revision)
+            except js_errors.KeyWrongLastSequenceError as e:
+                raise ClaimLost(claim.block_id, claim.worker_id) from e
+
+    @staticmethod
+    def _claimed(
+        block_id: str, worker_id: str, lease_expires_at: float, attempt: int
+    ) -> pb.RegistryEntry:
+        return pb.RegistryEntry(
+            state=pb.CLAIM_STATE_CLAIMED,
+            block_id=block_id,
+            worker_id=worker_id,
+            lease_expires_at=_timestamp(lease_expires_at),
+            attempt=attempt,
+        )

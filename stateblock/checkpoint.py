@@ -1,0 +1,122 @@
+"""Decoder checkpoints: safetensors plus a manifest that binds them to one base model.
+
+A readout decoder is only meaningful against the exact base model, lm_head and tokenizer
+it was distilled from; loading it against anything else raises DecoderMismatch instead of
+producing fluent nonsense.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stateblock.readout import ReadoutConfig, ReadoutDecoder
+
+WEIGHTS = "decoder.safetensors"
+MANIFEST = "manifest.json"
+FORMAT = "stateblock-readout-decoder/1"
+
+
+class DecoderError(Exception):
+    """A decoder checkpoint cannot be used."""
+
+
+class DecoderMismatch(DecoderError):
+    def __init__(self, field: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"readout decoder does not match the loaded base model: {field} is {actual[:16]}..., "
+            f"the decoder was distilled against {expected[:16]}... (retrain with `stateblock train`)"
+        )
+        self.field = field
+
+
+def _sha_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def base_model_digest(base_dir: str | Path) -> str:
+    """SHA-256 over the base model's config and weight files, in name order."""
+    d = Path(base_dir)
+    files = sorted([d / "config.json", *d.glob("*.safetensors"), *d.glob("*.bin")])
+    if not files[1:]:
+        raise DecoderError(f"no weight files in {d}")
+    return _sha_files(files)
+
+
+def tokenizer_digest(base_dir: str | Path) -> str:
+    d = Path(base_dir)
+    return _sha_files(sorted(p for p in d.glob("tokenizer*.json") if p.is_file()))
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's values as float32, row block by row block: the same digest
+    whatever dtype or device the weights were loaded in, as long as the values are equal."""
+    h = hashlib.sha256(str(tuple(t.shape)).encode())
+    flat = t.detach().reshape(t.shape[0], -1)
+    for lo in range(0, flat.shape[0], 4096):
+        h.update(flat[lo : lo + 4096].to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def decoder_digest(decoder_dir: str | Path) -> str:
+    return _sha_files([Path(decoder_dir) / WEIGHTS])
+
+
+def save_decoder(out_dir: str | Path, decoder: ReadoutDecoder, identity: dict, extra: dict) -> None:
+    """identity: base_model_digest, lm_head_digest, tokenizer_digest, data_digest."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to("cpu", torch.bfloat16).contiguous()
+        for k, v in decoder.state_dict().items()
+    }
+    save_file(state, str(out / WEIGHTS))
+    manifest = {"format": FORMAT, "decoder_config": decoder.cfg.to_dict(), **identity, **extra}
+    manifest["decoder_digest"] = decoder_digest(out)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(decoder_dir: str | Path) -> dict:
+    path = Path(decoder_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DecoderError(f"cannot read decoder manifest {path}: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise DecoderError(f"{path}: unknown format {manifest.get('format')!r}")
+    return manifest
+
+
+def load_decoder(
+    decoder_dir: str | Path,
+    *,
+    base_dir: str | Path,
+    lm_head: torch.Tensor,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[ReadoutDecoder, dict]:
+    """The decoder, after checking its manifest against the base model it will serve."""
+    manifest = read_manifest(decoder_dir)
+    actual = {
+        "base_model_digest": base_model_digest(base_dir),
+        "tokenizer_digest": tokenizer_digest(base_dir),
+        "lm_head_digest": tensor_digest(lm_head),
+    }
+    for field, value in actual.items():
+        if manifest.get(field) != value:
+            raise DecoderMismatch(field, str(manifest.get(field)), value)
+    if decoder_digest(decoder_dir) != manifest.get("decoder_digest"):
+        raise DecoderError(f"{decoder_dir}: {WEIGHTS} does not match its manifest digest")
+    decoder = ReadoutDecoder(ReadoutConfig.from_dict(manifest["decoder_config"]))
+    decoder.load_state_dict(load_file(str(Path(decoder_dir) / WEIGHTS)))
+    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False), manifest

@@ -1,0 +1,173 @@
+"""`stateblock`: the one command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE = REPO / "models" / "reference"
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def cmd_build_reference(a: argparse.Namespace) -> int:
+    from stateblock import tasks
+    from stateblock.distill import DistillConfig, train_decoder
+    from stateblock.reference import BaseTrainConfig, train_base
+
+    device = _device(a.device)
+    out = Path(a.out)
+    report: dict = {"device": device}
+    if a.stage in ("all", "base"):
+        cfg = BaseTrainConfig(
+            max_minutes=a.base_minutes,
+            steps=a.base_steps,
+            n_examples=a.base_examples,
+            seed=a.seed,
+            token_budget=a.base_budget,
+        )
+        report["base"] = train_base(out / "base", cfg, device)
+        print(json.dumps({"base": report["base"]}), flush=True)
+    if a.stage in ("all", "decoder"):
+        prompts = Path(a.data_dir) / f"reference-prompts-{a.seed}-{a.decoder_examples}.jsonl"
+        prompts.parent.mkdir(parents=True, exist_ok=True)
+        examples = tasks.generate(a.decoder_examples, split="train", seed=a.seed + 1)
+        prompts.write_text(
+            "".join(
+                json.dumps({"prompt": e.prompt, "answer": e.answer, "family": e.family}) + "\n"
+                for e in examples
+            )
+        )
+        cfg = DistillConfig(
+            max_minutes=a.decoder_minutes,
+            steps=a.decoder_steps,
+            seed=a.seed,
+            token_budget=a.decoder_budget,
+            max_answer=a.max_answer,
+            decode_limit=a.decode_limit,
+            decode_budget=a.decode_budget,
+            decoder=json.loads(a.decoder_config),
+        )
+        report["decoder"] = train_decoder(
+            out / "base", prompts, out / "decoder", cfg, device=device, data_dir=a.data_dir
+        )
+        print(json.dumps({"decoder": report["decoder"]}), flush=True)
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from stateblock.distill import DistillConfig, train_decoder
+
+    cfg = DistillConfig(
+        steps=a.steps,
+        token_budget=a.token_budget,
+        max_answer=a.max_answer,
+        lr=a.lr,
+        seed=a.seed,
+        decoder=json.loads(a.decoder_config),
+    )
+    stats = train_decoder(
+        a.base, a.prompts, a.out, cfg, device=_device(a.device), data_dir=a.data_dir
+    )
+    print(json.dumps(stats))
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from stateblock import evaluate
+
+    t0 = time.perf_counter()
+    report = evaluate.evaluate(
+        a.base,
+        a.decoder,
+        n_each=a.n_each,
+        seed=a.seed,
+        device=_device(a.device),
+        families=tuple(a.families.split(",")) if a.families else None,
+    )
+    report["settings"]["seconds"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(report, indent=2)
+    if a.json:
+        evaluate.write_json(report, a.json)
+    if a.plot:
+        evaluate.plot(report, a.plot)
+    if a.markdown:
+        Path(a.markdown).write_text(evaluate.markdown(report, "stateblock " + shlex.join(a.argv)))
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stateblock", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build-reference", help="rebuild the shipped reference model and decoder")
+    b.add_argument("--out", default=str(REFERENCE))
+    b.add_argument("--data-dir", default="data")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--stage", choices=["all", "base", "decoder"], default="all")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--base-steps", type=int, default=6000)
+    b.add_argument("--base-examples", type=int, default=200_000)
+    b.add_argument("--base-budget", type=int, default=65536)
+    b.add_argument("--decoder-steps", type=int, default=6000)
+    b.add_argument("--decoder-examples", type=int, default=60_000)
+    b.add_argument("--decoder-budget", type=int, default=49152)
+    b.add_argument("--base-minutes", type=float, default=0.0, help=">0: fit steps to this")
+    b.add_argument("--decoder-minutes", type=float, default=0.0, help=">0: fit steps to this")
+    b.add_argument("--decode-limit", type=int, default=None, help="teacher decode cap")
+    b.add_argument("--decode-budget", type=int, default=None, help="teacher decode batch tokens")
+    b.add_argument("--max-answer", type=int, default=4096, help="teacher answer envelope")
+    b.add_argument(
+        "--decoder-config", default='{"n_mixer": 2}', help="JSON ReadoutConfig overrides"
+    )
+    b.set_defaults(fn=cmd_build_reference)
+
+    t = sub.add_parser("train", help="distil a readout decoder from a base model")
+    t.add_argument("--base", required=True, help="local Hugging Face model directory")
+    t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' per line")
+    t.add_argument("--out", required=True)
+    t.add_argument("--data-dir", default="data")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--steps", type=int, default=6000)
+    t.add_argument("--token-budget", type=int, default=49152)
+    t.add_argument("--max-answer", type=int, default=4096)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--decoder-config", default="{}", help="JSON ReadoutConfig overrides")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="quality report on held-out prompts")
+    e.add_argument("--base", default=str(REFERENCE / "base"))
+    e.add_argument("--decoder", default=str(REFERENCE / "decoder"))
+    e.add_argument("--n-each", type=int, default=40, help="held-out prompts per family")
+    e.add_argument("--seed", type=int, default=1234)
+    e.add_argument("--families", default="", help="comma-separated subset")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", help="write the JSON report here")
+    e.add_argument("--plot", help="write the PNG plot here")
+    e.add_argument("--markdown", help="write the markdown tables here")
+    e.set_defaults(fn=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Distillation: a readout decoder learns the base model's own greedy answers from one capture.
+
+The base model and its lm_head stay frozen; the student sees only the final hidden rows of
+the prompt (one forward, the same capture the server runs) and is trained with
+cross-entropy on every answer position and the EOS position, all positions at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from stateblock import checkpoint as ckpt
+from stateblock.batching import budget_batches
+from stateblock.capture import capture, lm_head_weight
+from stateblock.readout import ReadoutConfig, ReadoutDecoder
+from stateblock.reference import fit_steps, load_base, lr_at
+from stateblock.teacher import greedy_answers, load_cache, save_cache
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    steps: int = 6000
+    token_budget: int = 49152  # answer positions per step (lanes x padded depth)
+    max_lanes: int = 256
+    max_answer: int = 4096  # teacher envelope: longer greedy answers are cut here
+    decode_limit: int | None = None  # at most this many prompts decoded step by step
+    decode_budget: int | None = None  # tokens per step-by-step decode batch
+    lr: float = 1e-3
+    warmup: int = 200
+    seed: int = 0
+    ckpt_every: int = 500
+    max_minutes: float = 0.0  # >0: shrink the step count to fit (decided at step 30, logged)
+    decoder: dict = field(default_factory=dict)  # ReadoutConfig overrides
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """JSONL: {"prompt": str, "answer"?: str (a candidate that speeds up the teacher),
+    "family"?: str}."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        if not isinstance(r.get("prompt"), str) or not r["prompt"]:
+            raise ValueError(f"{path}:{i + 1}: every line needs a non-empty 'prompt'")
+    return rows
+
+
+def build_teacher(base, tok, prompts: list[dict], cache: Path, cfg: DistillConfig, device) -> tuple:
+    """Teacher records (cached on disk) and the cache's digest."""
+    if cache.exists():
+        return load_cache(cache)
+    ids = tok([p["prompt"] for p in prompts])["input_ids"]
+    cand = tok([p.get("answer", "") for p in prompts], add_special_tokens=False)["input_ids"]
+    answers = greedy_answers(
+        base,
+        list(zip(ids, cand, strict=True)),
+        eos=tok.eos_token_id,
+        pad=tok.pad_token_id,
+        max_new=cfg.max_answer,
+        device=device,
+        decode_limit=cfg.decode_limit,
+        decode_budget=cfg.decode_budget,
+    )
+    records = [
+        {"prompt": p["prompt"], "family": p.get("family", ""), "prompt_ids": i, "answer_ids": a}
+        for p, i, a in zip(prompts, ids, answers, strict=True)
+        if a is not None  # over the decode limit: dropped, counted in the training stats
+    ]
+    digest = save_cache(cache, records)
+    return records, digest
+
+
+def _batch(records, idx, device, pad: int):
+    prompts = [records[i]["prompt_ids"] for i in idx]
+    answers = [records[i]["answer_ids"] for i in idx]
+    p_w, d = max(map(len, prompts)), max(map(len, answers))
+    ids = torch.full((len(idx), p_w), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    tgt = torch.full((len(idx), d), -100, dtype=torch.long)
+    for r, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+        ids[r, : len(p)], mask[r, : len(p)] = torch.tensor(p), 1
+        tgt[r, : len(a)] = torch.tensor(a)  # the teacher's tokens, EOS included when emitted
+    lens = mask.sum(-1)
+    return ids.to(device), mask.to(device), lens.to(device), tgt.to(device)
+
+
+def train_decoder(
+    base_dir: str | Path,
+    prompts_file: str | Path,
+    out_dir: str | Path,
+    cfg: DistillConfig,
+    *,
+    device: str = "cpu",
+    data_dir: str | Path = "data",
+) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base, tok = load_base(base_dir, device)
+    lm_head = lm_head_weight(base)
+    identity = {
+        "base_model_digest": ckpt.base_model_digest(base_dir),
+        "tokenizer_digest": ckpt.tokenizer_digest(base_dir),
+        "lm_head_digest": ckpt.tensor_digest(lm_head),
+    }
+    prompts = read_prompts(prompts_file)
+    key = ckpt._sha_files([Path(prompts_file)])[:16] + "-" + identity["base_model_digest"][:16]
+    t0 = time.perf_counter()
+    records, data_digest = build_teacher(
+        base, tok, prompts, Path(data_dir) / f"teacher-{key}.jsonl", cfg, device
+    )
+    teacher_s = time.perf_counter() - t0
+
+    dcfg = ReadoutConfig(
+        d_base=base.config.hidden_size,
+        vocab_size=lm_head.shape[0],
+        eos_token_id=tok.eos_token_id,
+        **cfg.decoder,
+    )
+    torch.manual_seed(cfg.seed)
+    decoder = ReadoutDecoder(dcfg).to(device)
+    opt = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    start = 0
+    resume = out / "ckpt.pt"
+    if resume.exists():  # resumable: same batches, same step index, same optimizer state
+        state = torch.load(resume, map_location=device)
+        decoder.load_state_dict(state["decoder"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    steps = state["steps"] if resume.exists() else cfg.steps
+    lengths = [len(r["answer_ids"]) for r in records]
+    batches = budget_batches(lengths, cfg.token_budget, max_batch=cfg.max_lanes, seed=cfg.seed)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+    decoder.train()
+    t1 = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    bar = tqdm(desc="distill", initial=start, total=steps, mininterval=5)
+    step = start
+    while step < steps:
+        if step == 10:
+            t10 = time.perf_counter()
+        if step == 80 and start == 0:
+            now = time.perf_counter()
+            steps = fit_steps(cfg.steps, step, now - t1, (now - t10) / 70, cfg.max_minutes)
+            bar.total = steps
+        ids, mask, lens, tgt = _batch(
+            records, batches[step % len(batches)], device, tok.pad_token_id
+        )
+        rows = capture(base, ids, mask)  # (K, P, d_base), frozen
+        pos = torch.arange(tgt.shape[1], device=device).expand(tgt.shape[0], -1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, cfg.lr, cfg.warmup)
+        with amp:
+            logits = decoder.logits(rows, lens, pos, lm_head)  # (K, D, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        step += 1
+        bar.update(1)
+        if step % cfg.ckpt_every == 0 and step < steps:
+            state = {
+                "decoder": decoder.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "steps": steps,
+            }
+            torch.save(state, resume)
+    stats = {
+        "steps": steps,
+        "train_seconds": round(time.perf_counter() - t1, 1),
+        "teacher_seconds": round(teacher_s, 1),
+        "final_loss": float(loss.item()),
+        "device": device,
+        "examples": len(records),
+        "teacher_dropped": len(prompts) - len(records),
+        "params": sum(p.numel() for p in decoder.parameters()),
+    }
+    ckpt.save_decoder(
+        out,
+        decoder.eval(),
+        {**identity, "data_digest": data_digest},
+        {"training": {**stats, "config": asdict(cfg)}},
+    )
+    resume.unlink(missing_ok=True)
+    return stats

@@ -1,0 +1,334 @@
+"""The StateBlock envelope: build, sign, serialise, parse and verify.
+
+The header is signed (Ed25519, signature field cleared, deterministic protobuf encoding)
+and commits to the payload through `forward_state_digest`, so the payload may travel
+inline or through the object store without re-signing. `verify` checks in the order of the
+request path: well-formed, trusted key, signature, expiry, layout digest, forward-state
+digest; the first failure raises `BlockRejected(reason)`, whose reason names the
+`stateblock.rejected.<reason>` subject.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from cryptography.exceptions import InvalidSignature
+from google.protobuf.message import DecodeError
+from google.protobuf.timestamp_pb2 import Timestamp
+from torch import Tensor
+
+from stateblock.ids import uuid7
+from stateblock.keys import Signer, TrustStore
+from stateblock.v1 import block_pb2 as pb
+
+DIGEST_BYTES = 32  # SHA-256
+# Domain separation: a header signature can never be replayed as a signature over
+# anything else this key might sign.
+SIGNING_CONTEXT = b"stateblock.v1.StateBlockHeader\x00"
+
+_DTYPES: dict[int, torch.dtype] = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class RejectReason(StrEnum):
+    BAD_SIGNATURE = "bad_signature"
+    UNKNOWN_KEY = "unknown_key"
+    EXPIRED = "expired"
+    LAYOUT_DIGEST = "layout_digest"
+    FORWARD_STATE_DIGEST = "forward_state_digest"
+    MALFORMED = "malformed"
+
+
+class BlockRejected(Exception):
+    """A block that must be terminated, never retried: retrying cannot make it valid."""
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        self.reason = RejectReason(reason)
+        self.detail = detail
+        super().__init__(f"{self.reason}: {detail}" if detail else str(self.reason))
+
+
+class LayoutError(ValueError):
+    """A layout that breaks its invariants (offsets, total_rows, lane identity, ...)."""
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPE_CODES:
+        raise LayoutError(f"unsupported capture dtype {dtype}")
+    return _DTYPE_CODES[dtype]
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    if code not in _DTYPES:
+        raise LayoutError(f"unknown dtype code {code}")
+    return _DTYPES[code]
+
+
+def make_layout(
+    request_id: str,
+    row_counts: Sequence[int],
+    answer_depths: Sequence[int],
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    capture_mode: int = pb.CAPTURE_MODE_FINAL_HIDDEN,
+) -> pb.Layout:
+    """One lane per row count, offsets as the cumulative sum, in lane order."""
+    if len(row_counts) != len(answer_depths):
+        raise LayoutError(f"{len(row_counts)} row counts but {len(answer_depths)} answer depths")
+    layout = pb.Layout(hidden_size=hidden_size, dtype=dtype_code(dtype), capture_mode=capture_mode)
+    offset = 0
+    for i, (count, depth) in enumerate(zip(row_counts, answer_depths, strict=True)):
+        layout.lanes.add(
+            request_id=request_id,
+            lane_index=i,
+            row_offset=offset,
+            row_count=count,
+            answer_depth=depth,
+        )
+        offset += count
+    layout.total_rows = offset
+    check_layout(layout, request_id)
+    return layout
+
+
+def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
+    """Raise LayoutError unless the layout is consistent (and, if given, all request_id's)."""
+    if not layout.lanes:
+        raise LayoutError("layout has no lanes")
+    if layout.hidden_size <= 0:
+        raise LayoutError("hidden_size must be positive")
+    torch_dtype(layout.dtype)
+    if layout.capture_mode == pb.CAPTURE_MODE_UNSPECIFIED:
+        raise LayoutError("capture_mode is unspecified")
+    offset = 0
+    for i, lane in enumerate(layout.lanes):
+        if request_id is not None and lane.request_id != request_id:
+            raise LayoutError(f"lane {i} belongs to {lane.request_id!r}, not {request_id!r}")
+        if lane.lane_index != i:
+            raise LayoutError(f"lane {i} has lane_index {lane.lane_index}")
+        if lane.row_count <= 0 or lane.answer_depth <= 0:
+            raise LayoutError(f"lane {i} has row_count {lane.row_count}, depth {lane.answer_depth}")
+        if lane.row_offset != offset:
+            raise LayoutError(f"lane {i} row_offset {lane.row_offset} != cumulative {offset}")
+        offset += lane.row_count
+    if layout.total_rows != offset:
+        raise LayoutError(f"total_rows {layout.total_rows} != sum(row_count) {offset}")
+
+
+def layout_digest(layout: pb.Layout) -> bytes:
+    return hashlib.sha256(layout.SerializeToString(deterministic=True)).digest()
+
+
+def rows_to_bytes(rows: Tensor) -> bytes:
+    """Row-major element bytes; via uint8 because numpy has no bfloat16."""
+    return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def rows_from_bytes(data: bytes, layout: pb.Layout) -> Tensor:
+    """The packed rows (total_rows, hidden_size) that rows_to_bytes wrote."""
+    dtype = torch_dtype(layout.dtype)
+    expected = layout.total_rows * layout.hidden_size * dtype.itemsize
+    if len(data) != expected:
+        raise LayoutError(f"payload has {len(data)} bytes, layout needs {expected}")
+    # bytearray: torch.frombuffer wants a writable buffer, and the tensor must own its copy.
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    return flat.view(layout.total_rows, layout.hidden_size)
+
+
+def forward_state_digest(data: bytes | Tensor) -> bytes:
+    """SHA-256 over the captured rows' bytes in layout order."""
+    raw = rows_to_bytes(data) if isinstance(data, Tensor) else data
+    return hashlib.sha256(raw).digest()
+
+
+def lane_rows(rows: Tensor, layout: pb.Layout) -> list[Tensor]:
+    """Per-lane views [(row_count, hidden_size)] of packed rows."""
+    return [rows[lane.row_offset : lane.row_offset + lane.row_count] for lane in layout.lanes]
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What the block was captured for; a worker serving other pieces must not read it."""
+
+    model: str
+    base_model_digest: bytes
+    lm_head_digest: bytes
+    decoder_digest: bytes
+
+
+def _timestamp(unix_s: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(unix_s * 1e9))
+    return ts
+
+
+def signing_bytes(header: pb.StateBlockHeader) -> bytes:
+    """What the signature covers: the header with signature cleared, deterministically."""
+    unsigned = pb.StateBlockHeader()
+    unsigned.CopyFrom(header)
+    unsigned.ClearField("signature")
+    return SIGNING_CONTEXT + unsigned.SerializeToString(deterministic=True)
+
+
+def sign_header(header: pb.StateBlockHeader, signer: Signer) -> None:
+    header.key_id = signer.key_id
+    header.signature = signer.sign(signing_bytes(header))
+
+
+def build_block(
+    layout: pb.Layout,
+    rows: Tensor,  # (total_rows, hidden_size), lanes packed in layout order
+    *,
+    request_id: str,
+    identity: ModelIdentity,
+    sampling: Sequence[pb.SamplingParams],
+    signer: Signer,
+    ttl_s: float,
+    block_id: str | None = None,
+    now: float | None = None,
+) -> pb.StateBlock:
+    """A signed block with the rows inline (see `with_object_payload` for large ones)."""
+    check_layout(layout, request_id)
+    if tuple(rows.shape) != (layout.total_rows, layout.hidden_size):
+        raise LayoutError(f"rows {tuple(rows.shape)} do not match layout")
+    if rows.dtype != torch_dtype(layout.dtype):
+        raise LayoutError(f"rows are {rows.dtype}, layout says {torch_dtype(layout.dtype)}")
+    if len(sampling) != len(layout.lanes):
+        raise LayoutError(f"{len(sampling)} sampling params for {len(layout.lanes)} lanes")
+    if ttl_s <= 0:
+        raise ValueError("ttl_s must be positive")
+    now = time.time() if now is None else now
+    data = rows_to_bytes(rows)
+    header = pb.StateBlockHeader(
+        request_id=request_id,
+        block_id=block_id or uuid7(),
+        model=identity.model,
+        layout=layout,
+        layout_digest=layout_digest(layout),
+        forward_state_digest=forward_state_digest(data),
+        base_model_digest=identity.base_model_digest,
+        lm_head_digest=identity.lm_head_digest,
+        decoder_digest=identity.decoder_digest,
+        sampling=sampling,
+        created_at=_timestamp(now),
+        expires_at=_timestamp(now + ttl_s),
+    )
+    sign_header(header, signer)
+    return pb.StateBlock(header=header, payload=pb.Payload(inline_rows=data))
+
+
+def with_object_payload(
+    block: pb.StateBlock, bucket: str, name: str
+) -> tuple[pb.StateBlock, bytes]:
+    """Move inline rows out (for blocks over max_payload): (block with ObjectRef, rows bytes).
+
+    The header is untouched, so the signature still holds: it commits to the rows through
+    forward_state_digest, which the worker checks after fetching the object.
+    """
+    if block.payload.WhichOneof("location") != "inline_rows":
+        raise ValueError("block payload is not inline")
+    data = block.payload.inline_rows
+    ref = pb.ObjectRef(
+        bucket=bucket, name=name, digest=hashlib.sha256(data).digest(), size=len(data)
+    )
+    return pb.StateBlock(header=block.header, payload=pb.Payload(object_ref=ref)), data
+
+
+def serialize_block(block: pb.StateBlock) -> bytes:
+    return block.SerializeToString(deterministic=True)
+
+
+def parse_block(data: bytes) -> pb.StateBlock:
+    block = pb.StateBlock()
+    try:
+        block.ParseFromString(data)
+    except DecodeError as e:
+        raise BlockRejected(RejectReason.MALFORMED, f"not a StateBlock: {e}") from e
+    return block
+
+
+@dataclass(frozen=True)
+class VerifiedBlock:
+    header: pb.StateBlockHeader
+    rows: Tensor  # (total_rows, hidden_size), CPU, dtype of the layout
+
+    def lane_rows(self) -> list[Tensor]:
+        return lane_rows(self.rows, self.header.layout)
+
+
+def _check_well_formed(block: pb.StateBlock) -> None:
+    if not block.HasField("header"):
+        raise BlockRejected(RejectReason.MALFORMED, "no header")
+    header = block.header
+    try:
+        check_layout(header.layout, header.request_id)
+    except LayoutError as e:
+        raise BlockRejected(RejectReason.MALFORMED, str(e)) from e
+    if len(header.sampling) != len(header.layout.lanes):
+        raise BlockRejected(RejectReason.MALFORMED, "sampling params do not match lanes")
+    if not header.block_id or not header.request_id:
+        raise BlockRejected(RejectReason.MALFORMED, "missing block_id or request_id")
+    if not (header.HasField("created_at") and header.HasField("expires_at")):
+        raise BlockRejected(RejectReason.MALFORMED, "missing created_at / expires_at")
+    for name in ("layout_digest", "forward_state_digest"):
+        if len(getattr(header, name)) != DIGEST_BYTES:
+            raise BlockRejected(RejectReason.MALFORMED, f"{name} is not a SHA-256 digest")
+    if block.payload.WhichOneof("location") is None:
+        raise BlockRejected(RejectReason.MALFORMED, "no payload")
+
+
+def verify(
+    block: pb.StateBlock,
+    trust_store: TrustStore,
+    now: float | None = None,
+    *,
+    payload: bytes | None = None,
+) -> VerifiedBlock:
+    """Check everything a worker must before it claims; raise BlockRejected on the first failure.
+
+    `payload` is the fetched object for an ObjectRef payload (ignored for inline rows).
+    """
+    _check_well_formed(block)
+    header = block.header
+    public_key = trust_store.get(header.key_id)
+    if public_key is None:
+        raise BlockRejected(RejectReason.UNKNOWN_KEY, f"key id {header.key_id!r} is not trusted")
+    try:
+        public_key.verify(header.signature, signing_bytes(header))
+    except InvalidSignature as e:
+        raise BlockRejected(RejectReason.BAD_SIGNATURE, f"block {header.block_id}") from e
+    # Only signed fields are trusted from here on.
+    now = time.time() if now is None else now
+    if now * 1e9 >= header.expires_at.ToNanoseconds():
+        raise BlockRejected(RejectReason.EXPIRED, f"expired at {header.expires_at.ToJsonString()}")
+    if layout_digest(header.layout) != header.layout_digest:
+        raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}")
+    data = _payload_bytes(block, payload)
+    if hashlib.sha256(data).digest() != header.forward_state_digest:
+        raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, f"block {header.block_id}")
+    try:
+        rows = rows_from_bytes(data, header.layout)
+    except LayoutError as e:  # a trusted signer described rows it did not send
+        raise BlockRejected(RejectReason.MALFORMED, str(e)) from e
+    return VerifiedBlock(header=header, rows=rows)
+
+
+def _payload_bytes(block: pb.StateBlock, fetched: bytes | None) -> bytes:
+    if block.payload.WhichOneof("location") == "inline_rows":
+        return block.payload.inline_rows
+    ref = block.payload.object_ref
+    if ref.digest != block.header.forward_state_digest:
+        raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, "object digest != forward state")
+    if fetched is None:
+        raise ValueError("object-store payload: fetch the object and pass payload=")
+    return fetched

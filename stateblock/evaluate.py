@@ -1,0 +1,196 @@
+"""The quality report: readout vs the base model's own AR answer, by depth bucket and family.
+
+Held-out prompts only (no prompt of the report was ever trained on). The teacher column is
+the base model's greedy AR answer, computed exactly as in distillation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from stateblock import tasks
+from stateblock.batching import budget_batches
+from stateblock.capture import capture, lm_head_weight
+from stateblock.checkpoint import load_decoder
+from stateblock.reference import encode_examples, load_base
+from stateblock.teacher import greedy_answers
+from stateblock.vocab import NO_EOS, distinct_n
+
+BUCKETS = [(1, 64), (65, 256), (257, 1024), (1025, 2048), (2049, 8192)]
+METRICS = (
+    "exact_match_vs_teacher",
+    "token_agreement_vs_teacher",
+    "eos_agreement",
+    "teacher_exact_vs_truth",
+    "readout_exact_vs_truth",
+    "distinct4_teacher",
+    "distinct4_readout",
+)
+
+
+def bucket_of(n: int) -> str:
+    for lo, hi in BUCKETS:
+        if n <= hi:
+            return f"{lo}-{hi}"
+    return f"{BUCKETS[-1][0]}-{BUCKETS[-1][1]}"
+
+
+@torch.no_grad()
+def read_out(
+    base,
+    decoder,
+    lm_head,
+    prompts: list[list[int]],
+    depths: list[int],
+    pad: int,
+    device,
+    budget: int = 16384,
+) -> list[tuple[list[int], int]]:
+    """(tokens[:depth], eos position) per prompt: one capture + one readout call per batch."""
+    out: list[tuple[list[int], int]] = [([], NO_EOS)] * len(prompts)
+    for batch in budget_batches(depths, budget, max_batch=128):
+        p_w, d = max(len(prompts[i]) for i in batch), max(depths[i] for i in batch)
+        ids = torch.full((len(batch), p_w), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(batch):
+            ids[r, : len(prompts[i])], mask[r, : len(prompts[i])] = torch.tensor(prompts[i]), 1
+        ids, mask = ids.to(device), mask.to(device)
+        rows = capture(base, ids, mask)
+        pos = torch.arange(d, device=device).expand(len(batch), -1)
+        dep = torch.tensor([depths[i] for i in batch], device=device)
+        res = decoder(rows, mask.sum(-1), pos, dep, lm_head)
+        toks, eos = res.tokens.cpu().tolist(), res.eos_pos.cpu().tolist()
+        for r, i in enumerate(batch):
+            out[i] = (toks[r][: depths[i]], eos[r])
+    return out
+
+
+def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], eos: int) -> dict:
+    t_eos = len(teacher) - 1 if teacher and teacher[-1] == eos else NO_EOS
+    t_ans = teacher[:t_eos] if t_eos != NO_EOS else teacher
+    r_toks, r_eos = readout
+    r_ans = r_toks[:r_eos] if r_eos != NO_EOS else r_toks
+    agree = sum(int(a == b) for a, b in zip(r_toks, teacher, strict=False))
+    return {
+        "len": len(t_ans),
+        "exact": r_ans == t_ans and r_eos == t_eos,
+        "agree": agree,
+        "positions": len(teacher),
+        "eos": r_eos == t_eos,
+        "t_truth": t_ans == truth and t_eos != NO_EOS,
+        "r_truth": r_ans == truth and r_eos != NO_EOS,
+        "d4_t": distinct_n(t_ans),
+        "d4_r": distinct_n(r_ans),
+    }
+
+
+def _summary(rows: list[dict]) -> dict:
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    pos = sum(r["positions"] for r in rows)
+    return {
+        "n": len(rows),
+        "exact_match_vs_teacher": mean([float(r["exact"]) for r in rows]),
+        "token_agreement_vs_teacher": round(sum(r["agree"] for r in rows) / pos, 4)
+        if pos
+        else None,
+        "eos_agreement": mean([float(r["eos"]) for r in rows]),
+        "teacher_exact_vs_truth": mean([float(r["t_truth"]) for r in rows]),
+        "readout_exact_vs_truth": mean([float(r["r_truth"]) for r in rows]),
+        "distinct4_teacher": mean([r["d4_t"] for r in rows]),
+        "distinct4_readout": mean([r["d4_r"] for r in rows]),
+    }
+
+
+def evaluate(
+    base_dir,
+    decoder_dir,
+    *,
+    n_each: int = 40,
+    seed: int = 1234,
+    device: str = "cpu",
+    families: tuple[str, ...] | None = None,
+) -> dict:
+    base, tok = load_base(base_dir, device)
+    lm_head = lm_head_weight(base)
+    decoder, manifest = load_decoder(decoder_dir, base_dir=base_dir, lm_head=lm_head, device=device)
+    names = families or tuple(tasks.FAMILIES)
+    examples = [
+        e for f in names for e in tasks.generate(n_each, split="heldout", seed=seed, families=(f,))
+    ]
+    pairs = encode_examples(tok, examples)
+    max_answer = manifest["training"]["config"]["max_answer"]
+    teacher = greedy_answers(
+        base, pairs, eos=tok.eos_token_id, pad=tok.pad_token_id, max_new=max_answer, device=device
+    )
+    depths = [min(8192, len(t) + 64) for t in teacher]
+    readouts = read_out(
+        base, decoder, lm_head, [p for p, _ in pairs], depths, tok.pad_token_id, device
+    )
+    scored = [
+        score(t, r, a, tok.eos_token_id)
+        for t, r, (_, a) in zip(teacher, readouts, pairs, strict=True)
+    ]
+    by_bucket, by_family = defaultdict(list), defaultdict(list)
+    for ex, s in zip(examples, scored, strict=True):
+        by_bucket[bucket_of(max(1, s["len"]))].append(s)
+        by_family[ex.family].append(s)
+    return {
+        "buckets": {f"{lo}-{hi}": _summary(by_bucket[f"{lo}-{hi}"]) for lo, hi in BUCKETS},
+        "families": {f: _summary(by_family[f]) for f in names},
+        "settings": {
+            "n_each": n_each,
+            "seed": seed,
+            "split": "heldout",
+            "decoder_digest": manifest["decoder_digest"],
+        },
+    }
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["buckets"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k, metric in enumerate(METRICS[:3]):
+        vals = [report["buckets"][b][metric] or 0.0 for b in names]
+        ax.bar([i + 0.27 * (k - 1) for i in range(len(names))], vals, width=0.27, label=metric)
+    ax.set_xticks(range(len(names)), [f"{b}\n(n={report['buckets'][b]['n']})" for b in names])
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("teacher answer length (tokens)")
+    ax.set_title("readout vs the base model's own greedy AR answer (held-out)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(report: dict, command: str) -> str:
+    head = "| | n | " + " | ".join(METRICS) + " |\n|---|---|" + "---|" * len(METRICS) + "\n"
+
+    def table(section: str) -> str:
+        lines = [
+            f"| {k} | {v['n']} | "
+            + " | ".join("-" if v[m] is None else f"{v[m]:.4f}" for m in METRICS)
+            + " |"
+            for k, v in report[section].items()
+        ]
+        return head + "\n".join(lines) + "\n"
+
+    return (
+        f"Command: `{command}`\n\n### By teacher answer length\n\n{table('buckets')}\n"
+        f"### By family\n\n{table('families')}\n"
+    )
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for stateblock.v1 (`python -m stateblock.protogen`)."""

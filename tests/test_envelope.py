@@ -1,0 +1,246 @@
+"""StateBlock envelope: round trip, every tamper rejected with its reason, key handling."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from stateblock import envelope as env
+from stateblock.envelope import BlockRejected, LayoutError, RejectReason
+from stateblock.keys import (
+    Signer,
+    TrustStore,
+    generate_keypair,
+    key_id,
+    load_or_generate_signer,
+)
+from stateblock.v1 import block_pb2 as pb
+
+NOW = 1_800_000_000.0
+IDENTITY = env.ModelIdentity("tiny", b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
+
+
+@pytest.fixture(scope="module")
+def signer() -> Signer:
+    return Signer.generate()
+
+
+@pytest.fixture(scope="module")
+def trust(signer: Signer) -> TrustStore:
+    return TrustStore([signer.public_key])
+
+
+def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)):
+    torch.manual_seed(0)
+    lanes = [torch.randn(c, 4).to(dtype) for c in counts]
+    layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
+    sampling = [pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths]
+    block = env.build_block(
+        layout,
+        torch.cat(lanes),
+        request_id="req-1",
+        identity=IDENTITY,
+        sampling=sampling,
+        signer=signer,
+        ttl_s=30,
+        now=NOW,
+    )
+    return block, lanes
+
+
+def resign(block: pb.StateBlock, signer: Signer) -> None:
+    env.sign_header(block.header, signer)
+
+
+def reject_reason(block: pb.StateBlock, trust: TrustStore, now: float = NOW + 1, **kw) -> str:
+    with pytest.raises(BlockRejected) as info:
+        env.verify(block, trust, now, **kw)
+    return info.value.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_through_bytes(signer, trust, dtype):
+    block, lanes = make_block(signer, dtype)
+    parsed = env.parse_block(env.serialize_block(block))
+    verified = env.verify(parsed, trust, NOW + 1)
+    assert verified.rows.dtype == dtype
+    for got, want in zip(verified.lane_rows(), lanes, strict=True):
+        assert torch.equal(got, want)
+    h = verified.header
+    assert h.layout.total_rows == 8 and [lane.row_offset for lane in h.layout.lanes] == [0, 3]
+    assert h.key_id == signer.key_id and h.block_id and h.model == "tiny"
+    assert h.forward_state_digest == env.forward_state_digest(torch.cat(lanes))
+    assert h.expires_at.ToSeconds() == NOW + 30
+
+
+def test_serialisation_is_deterministic(signer):
+    block, _ = make_block(signer)
+    again = env.parse_block(env.serialize_block(block))
+    assert env.serialize_block(again) == env.serialize_block(block)
+    assert env.layout_digest(again.header.layout) == block.header.layout_digest
+
+
+def test_flipped_payload_byte(signer, trust):
+    block, _ = make_block(signer)
+    data = bytearray(block.payload.inline_rows)
+    data[5] ^= 0x01
+    block.payload.inline_rows = bytes(data)
+    assert reject_reason(block, trust) == RejectReason.FORWARD_STATE_DIGEST
+
+
+def rename_request(h: pb.StateBlockHeader) -> None:
+    h.request_id = "req-2"
+    for lane in h.layout.lanes:
+        lane.request_id = "req-2"
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda h: setattr(h, "model", "other"),
+        rename_request,
+        lambda h: h.sampling[0].__setattr__("temperature", 1.0),
+        lambda h: h.expires_at.FromSeconds(int(NOW) + 3600),
+        lambda h: setattr(h, "decoder_digest", b"\x09" * 32),
+        lambda h: setattr(h, "forward_state_digest", b"\x00" * 32),
+    ],
+    ids=["model", "request_id", "sampling", "expires_at", "decoder", "forward_state_digest"],
+)
+def test_changed_header_field(signer, trust, tamper):
+    block, _ = make_block(signer)
+    env.verify(block, trust, NOW + 1)
+    tamper(block.header)
+    assert reject_reason(block, trust) == RejectReason.BAD_SIGNATURE
+
+
+def test_changed_layout_without_resigning_is_bad_signature(signer, trust):
+    block, _ = make_block(signer)
+    block.header.layout.lanes[0].answer_depth = 4096
+    assert reject_reason(block, trust) == RejectReason.BAD_SIGNATURE
+
+
+def test_layout_digest_mismatch_under_a_valid_signature(signer, trust):
+    # A trusted signer that changed the layout after digesting it (a capture bug).
+    block, _ = make_block(signer)
+    block.header.layout.lanes[1].answer_depth = 4096
+    resign(block, signer)
+    assert reject_reason(block, trust) == RejectReason.LAYOUT_DIGEST
+
+
+def test_unknown_key(signer):
+    block, _ = make_block(signer)
+    assert reject_reason(block, TrustStore()) == RejectReason.UNKNOWN_KEY
+    other = Signer.generate()
+    resign(block, other)  # validly signed, by a key nobody trusts
+    assert reject_reason(block, TrustStore([signer.public_key])) == RejectReason.UNKNOWN_KEY
+
+
+def test_key_id_swapped_to_a_trusted_key(signer, trust):
+    block, _ = make_block(Signer.generate())
+    block.header.key_id = signer.key_id  # claims the trusted key, signed by another
+    assert reject_reason(block, trust) == RejectReason.BAD_SIGNATURE
+
+
+def test_expired(signer, trust):
+    block, _ = make_block(signer)
+    env.verify(block, trust, NOW + 29.9)
+    assert reject_reason(block, trust, now=NOW + 30) == RejectReason.EXPIRED
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b.ClearField("header"),
+        lambda b: b.ClearField("payload"),
+        lambda b: b.header.layout.lanes[0].__setattr__("request_id", "someone-else"),
+        lambda b: b.header.layout.__setattr__("total_rows", 9),
+        lambda b: b.header.layout.lanes[1].__setattr__("row_offset", 2),
+        lambda b: b.header.sampling.pop(),
+        lambda b: b.header.__setattr__("layout_digest", b"short"),
+    ],
+    ids=["no-header", "no-payload", "foreign-lane", "total-rows", "offset", "sampling", "digest"],
+)
+def test_malformed(signer, trust, mutate):
+    block, _ = make_block(signer)
+    mutate(block)
+    assert reject_reason(block, trust) == RejectReason.MALFORMED
+
+
+def test_unparseable_bytes_are_malformed():
+    with pytest.raises(BlockRejected) as info:
+        env.parse_block(b"\xff\xff\xff")
+    assert info.value.reason == RejectReason.MALFORMED
+
+
+def test_payload_size_that_disagrees_with_a_signed_layout(signer, trust):
+    block, _ = make_block(signer)
+    block.payload.inline_rows = block.payload.inline_rows[:-4]
+    block.header.forward_state_digest = env.forward_state_digest(block.payload.inline_rows)
+    resign(block, signer)
+    assert reject_reason(block, trust) == RejectReason.MALFORMED
+
+
+def test_layout_invariants():
+    layout = env.make_layout("r", [2, 3, 4], [1, 1, 1], hidden_size=8, dtype=torch.float16)
+    assert layout.total_rows == 9 == sum(lane.row_count for lane in layout.lanes)
+    assert [lane.row_offset for lane in layout.lanes] == [0, 2, 5]
+    layout.total_rows = 10
+    with pytest.raises(LayoutError, match="total_rows"):
+        env.check_layout(layout)
+    with pytest.raises(LayoutError):
+        env.make_layout("r", [2, 0], [1, 1], hidden_size=8, dtype=torch.float32)
+    with pytest.raises(LayoutError):
+        env.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
+
+
+def test_build_rejects_rows_that_do_not_match_the_layout(signer):
+    layout = env.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
+    sampling = [pb.SamplingParams(), pb.SamplingParams()]
+    common = dict(request_id="r", identity=IDENTITY, sampling=sampling, signer=signer, ttl_s=1)
+    with pytest.raises(LayoutError, match="do not match"):
+        env.build_block(layout, torch.zeros(6, 4), **common)
+    with pytest.raises(LayoutError, match="dtype|are"):
+        env.build_block(layout, torch.zeros(5, 4, dtype=torch.float16), **common)
+    with pytest.raises(LayoutError, match="belongs"):
+        env.build_block(layout, torch.zeros(5, 4), **{**common, "request_id": "other"})
+
+
+def test_object_payload(signer, trust):
+    block, lanes = make_block(signer)
+    moved, data = env.with_object_payload(block, "STATEBLOCK_PAYLOADS", block.header.block_id)
+    assert moved.header == block.header and not moved.payload.HasField("inline_rows")
+    verified = env.verify(moved, trust, NOW + 1, payload=data)
+    assert torch.equal(verified.rows, torch.cat(lanes))
+    corrupted = bytearray(data)
+    corrupted[0] ^= 0xFF
+    got = reject_reason(moved, trust, payload=bytes(corrupted))
+    assert got == RejectReason.FORWARD_STATE_DIGEST
+
+
+def test_generate_keypair_and_trust_store(tmp_path):
+    files = generate_keypair(tmp_path)
+    generate_keypair(tmp_path)
+    assert files.private_path.name == f"{files.key_id}.key"
+    assert stat.S_IMODE(os.stat(files.private_path).st_mode) == 0o600
+    signer = Signer.load(files.private_path)
+    assert signer.key_id == files.key_id == key_id(signer.public_key)
+    assert len(files.key_id) == 16
+    store = TrustStore.from_dir(tmp_path)
+    assert len(store) == 2 and files.key_id in store
+    block, _ = make_block(signer)
+    env.verify(block, store, NOW + 1)
+
+
+def test_trust_store_ignores_file_names(tmp_path):
+    files = generate_keypair(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "0000000000000000.pub").write_bytes(files.public_path.read_bytes())
+    assert list(TrustStore.from_dir(tmp_path / "b")) == [files.key_id]
+
+
+def test_load_or_generate_signer_is_stable(tmp_path):
+    first = load_or_generate_signer(tmp_path / "keys")
+    assert load_or_generate_signer(tmp_path / "keys").key_id == first.key_id
