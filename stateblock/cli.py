@@ -108,6 +108,95 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from stateblock import embedded, runtime
+
+    runtime.configure_logging(a.log_level)
+    try:  # the console shows the URLs, not a weight-loading progress bar
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    config = embedded.UpConfig(
+        data_dir=Path(a.data_dir),
+        host=a.host,
+        http_port=a.http_port,
+        grpc_port=a.grpc_port,
+        workers=a.workers,
+        base_dir=Path(a.base),
+        decoder_dir=Path(a.decoder),
+        engine=a.engine,
+        nats_url=a.nats_url,
+        model_name=a.model_name,
+    )
+
+    def ready(urls: embedded.StackUrls) -> None:
+        print(f"stateblock is up (model {config.model_name}, signing key {urls.key_id})")
+        print(f"  OpenAI HTTP API  {urls.http}/v1")
+        print(f"  gRPC Gateway     {urls.grpc}")
+        print(f"  metrics          {urls.http}/metrics")
+        print(f"  NATS             {urls.nats}")
+        print(f'try: stateblock ask "copy: hello" --url {urls.http}   (Ctrl-C stops)', flush=True)
+
+    try:
+        asyncio.run(embedded.up(config, ready))
+    except Exception as e:  # start-up failures: one clear line, not a traceback
+        print(f"stateblock up: {e}", file=sys.stderr)
+        return 1
+    print("stateblock stopped", flush=True)
+    return 0
+
+
+def cmd_ask(a: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    base = a.url.rstrip("/")
+
+    def call(path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            base + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=a.timeout) as resp:
+            return json.loads(resp.read())
+
+    try:
+        model = a.model or call("/v1/models")["data"][0]["id"]
+        body: dict = {"model": model, "messages": [{"role": "user", "content": a.prompt}]}
+        if a.max_tokens is not None:
+            body["max_tokens"] = a.max_tokens
+        if a.temperature is not None:
+            body["temperature"] = a.temperature
+        reply = call("/v1/chat/completions", body)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = str(e)
+        print(f"error {e.code}: {message}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"cannot reach a gateway at {base}: {e}", file=sys.stderr)
+        return 1
+    print(reply["choices"][0]["message"]["content"])
+    if a.verbose:
+        print(json.dumps({"finish_reason": reply["choices"][0]["finish_reason"], **reply["usage"]}))
+    return 0
+
+
+def cmd_keys_generate(a: argparse.Namespace) -> int:
+    from stateblock.keys import generate_keypair
+
+    files = generate_keypair(Path(a.out))
+    print(json.dumps({"key_id": files.key_id, "private": str(files.private_path),
+                      "public": str(files.public_path)}))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stateblock", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -159,6 +248,36 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", help="write the PNG plot here")
     e.add_argument("--markdown", help="write the markdown tables here")
     e.set_defaults(fn=cmd_eval)
+
+    u = sub.add_parser("up", help="run the embedded default: nats-server and every service")
+    u.add_argument("--data-dir", default=".stateblock", help="NATS store, keys, logs")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--http-port", type=int, default=8000)
+    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--workers", type=int, default=2, help="readout workers")
+    u.add_argument("--base", default=str(REFERENCE / "base"))
+    u.add_argument("--decoder", default=str(REFERENCE / "decoder"))
+    u.add_argument("--engine", default="reference")
+    u.add_argument("--model-name", default="stateblock-reference")
+    u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    u.add_argument("--log-level", default="warning")
+    u.set_defaults(fn=cmd_up)
+
+    q = sub.add_parser("ask", help="ask a running gateway (chat completion)")
+    q.add_argument("prompt")
+    q.add_argument("--url", default="http://127.0.0.1:8000")
+    q.add_argument("--model", default=None, help="default: the gateway's first model")
+    q.add_argument("--max-tokens", type=int, default=None)
+    q.add_argument("--temperature", type=float, default=None)
+    q.add_argument("--timeout", type=float, default=120.0)
+    q.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage")
+    q.set_defaults(fn=cmd_ask)
+
+    k = sub.add_parser("keys", help="signing keys")
+    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    kg = ksub.add_parser("generate", help="a new Ed25519 key pair and its key id")
+    kg.add_argument("--out", required=True, help="directory for <key_id>.key and <key_id>.pub")
+    kg.set_defaults(fn=cmd_keys_generate)
     return p
 
 

@@ -36,7 +36,8 @@ class DistillConfig:
     warmup: int = 200
     seed: int = 0
     ckpt_every: int = 500
-    max_minutes: float = 0.0  # >0: shrink the step count to fit (decided at step 30, logged)
+    max_minutes: float = 0.0  # >0: shrink the step count to fit (decided at step 80, logged)
+    stop_after: int | None = None  # leave a checkpoint after this step (time-sliced runs)
     decoder: dict = field(default_factory=dict)  # ReadoutConfig overrides
 
 
@@ -165,7 +166,8 @@ def train_decoder(
             bar.set_postfix(loss=f"{loss.item():.4f}")
         step += 1
         bar.update(1)
-        if step % cfg.ckpt_every == 0 and step < steps:
+        cut = cfg.stop_after is not None and step >= cfg.stop_after
+        if (step % cfg.ckpt_every == 0 or cut) and step < steps:
             state = {
                 "decoder": decoder.state_dict(),
                 "opt": opt.state_dict(),
@@ -173,6 +175,8 @@ def train_decoder(
                 "steps": steps,
             }
             torch.save(state, resume)
+        if cut and step < steps:
+            return {"stopped_at": step, "steps": steps}
     stats = {
         "steps": steps,
         "train_seconds": round(time.perf_counter() - t1, 1),

@@ -1,0 +1,65 @@
+"""The capture service's configuration, read once from STATEBLOCK_* variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stateblock import runtime
+from stateblock.runtime import Env
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    nats_url: str = runtime.DEFAULT_NATS_URL
+    host: str = "0.0.0.0"
+    port: int = 50061  # gRPC Capture; 0 picks a free port
+    model_name: str = runtime.DEFAULT_MODEL_NAME
+    base_dir: Path = runtime.REFERENCE_BASE
+    decoder_dir: Path = runtime.REFERENCE_DECODER
+    key_dir: Path = Path("keys")  # the signing key; generated here on first run
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_window_s: float = 0.003
+    max_lanes: int = 8  # K_max: lanes per cohort forward and per request
+    prompt_len_max: int = 4096
+    answer_depth_max: int = 8192
+    block_ttl_s: float = 120.0
+    duplicate_window_s: float = 120.0
+    publish_timeout_s: float = 5.0
+    metrics_port: int | None = None
+    grace_s: float = runtime.DEFAULT_GRACE_S
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        runtime.subject_token(self.model_name)
+        if self.max_lanes < 1 or self.prompt_len_max < 1 or self.answer_depth_max < 1:
+            raise runtime.ConfigError("max_lanes, prompt_len_max, answer_depth_max must be >= 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CaptureConfig:
+        e = Env(environ)
+        d = cls()
+        metrics = e.int("CAPTURE_METRICS_PORT", -1)
+        return cls(
+            nats_url=e.str("NATS_URL", d.nats_url),
+            host=e.str("CAPTURE_HOST", d.host),
+            port=e.int("CAPTURE_PORT", d.port, minimum=0),
+            model_name=e.str("MODEL_NAME", d.model_name),
+            base_dir=e.path("BASE_DIR", d.base_dir),
+            decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
+            key_dir=e.path("KEY_DIR", d.key_dir),
+            device=e.str("DEVICE", d.device),
+            dtype=e.str("CAPTURE_DTYPE", d.dtype),
+            batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s),
+            max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
+            prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
+            answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
+            block_ttl_s=e.float("BLOCK_TTL_S", d.block_ttl_s),
+            duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
+            publish_timeout_s=e.float("PUBLISH_TIMEOUT_S", d.publish_timeout_s),
+            metrics_port=None if metrics < 0 else metrics,
+            grace_s=e.float("GRACE_S", d.grace_s),
+            log_level=e.str("LOG_LEVEL", d.log_level),
+        )

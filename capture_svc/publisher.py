@@ -1,0 +1,68 @@
+"""Publish signed blocks to JetStream; payloads over max_payload go through the object store."""
+
+from __future__ import annotations
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.object_store import ObjectStore
+
+from stateblock import envelope as env
+from stateblock import streams
+from stateblock.v1 import block_pb2 as pb
+
+# Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
+HEADER_HEADROOM = 512
+
+
+class PublishError(Exception):
+    """JetStream did not take the block (the gateway's UNAVAILABLE)."""
+
+
+class BlockPublisher:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        objects: ObjectStore,
+        *,
+        model: str,
+        max_payload: int,
+        timeout_s: float,
+    ) -> None:
+        self._js = js
+        self._objects = objects
+        self._subject = streams.blocks_subject(model)
+        self._max_payload = max_payload
+        self._timeout = timeout_s
+        self._chunk = max(1024, min(streams.MAX_CHUNK, max_payload - streams.CHUNK_HEADROOM))
+
+    @classmethod
+    async def open(cls, nc: NATS, *, model: str, timeout_s: float) -> BlockPublisher:
+        js = nc.jetstream()
+        objects = await streams.payload_store(js)
+        return cls(js, objects, model=model, max_payload=nc.max_payload, timeout_s=timeout_s)
+
+    async def publish(self, block: pb.StateBlock) -> bool:
+        """Publish with Nats-Msg-Id = block_id; True if the rows went via the object store."""
+        block_id = block.header.block_id
+        data = env.serialize_block(block)
+        via_object = len(data) + HEADER_HEADROOM > self._max_payload
+        try:
+            if via_object:
+                block, rows = env.with_object_payload(block, streams.PAYLOAD_BUCKET, block_id)
+                meta = ObjectMeta(
+                    name=block_id, options=ObjectMetaOptions(max_chunk_size=self._chunk)
+                )
+                await self._objects.put(block_id, rows, meta=meta)
+                data = env.serialize_block(block)
+            await self._js.publish(
+                self._subject,
+                data,
+                timeout=self._timeout,
+                stream=streams.BLOCKS_STREAM,
+                headers={"Nats-Msg-Id": block_id},
+            )
+        except (TimeoutError, nats.errors.Error) as e:
+            raise PublishError(f"publish block {block_id}: {e!r}") from e
+        return via_object

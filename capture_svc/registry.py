@@ -1,0 +1,316 @@
+"""The in-process, request-scoped capture registry (DESIGN.md sections 3.2 and 6).
+
+A request registers an immutable plan (its layout) before the forward. The forward hook
+records the cohort's rows through `record`, stamped with each slot's request identity;
+the registry checks identity, per-lane lengths (from the attention mask the forward
+actually saw), total rows, the layout digest and the capture mode, and holds the rows for
+that request only. `consume` hands them over exactly once, against the layout digest.
+
+`record` runs on the forward thread inside the hook, the rest on the event loop, so every
+method takes the lock. A failed check poisons only the request it concerns: the other
+requests of the cohort keep their rows.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from torch import Tensor
+
+from stateblock import envelope as env
+from stateblock.v1 import block_pb2 as pb
+
+_REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
+
+
+class CaptureRegistryError(Exception):
+    """Base of every capture-registry failure."""
+
+
+class CaptureIntegrityError(CaptureRegistryError):
+    """A recorded capture does not match its plan; `kind` names the failed check."""
+
+    def __init__(self, kind: str, request_id: str, detail: str) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        super().__init__(f"capture {kind} for request {request_id}: {detail}")
+
+
+class DuplicatePlan(CaptureRegistryError):
+    pass
+
+
+class PlanNotFound(CaptureRegistryError):
+    pass
+
+
+class NotRecorded(CaptureRegistryError):
+    """The forward finished without recording rows for the request."""
+
+
+class DoubleConsume(CaptureRegistryError):
+    pass
+
+
+class CaptureRegistryMetrics:
+    """The 13 series of DESIGN.md section 6, names fixed (Counter adds `_total`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"stateblock_capture_{name}", doc, registry=registry)
+
+        self.plans_registered = counter("plans_registered", "Capture plans registered.")
+        self.records = counter("records", "Requests recorded by the forward hook.")
+        self.consumed = counter("consumed", "Captures handed to their request.")
+        self.cross_request_events = counter(
+            "cross_request_events", "Rows that would have reached another request's slot."
+        )
+        self.identity_mismatch = counter("identity_mismatch", "Hook stamp != plan identity.")
+        self.lane_length_mismatch = counter("lane_length_mismatch", "Lane length != plan.")
+        self.row_count_mismatch = counter("row_count_mismatch", "Total rows != plan.")
+        self.layout_digest_mismatch = counter("layout_digest_mismatch", "Layout digest != plan.")
+        self.mode_mismatch = counter("mode_mismatch", "Capture mode != plan.")
+        self.double_consume = counter("double_consume", "Second consume of one capture.")
+        self.unplanned_records = counter("unplanned_records", "Records with no plan.")
+        self.expired_plans = counter("expired_plans", "Plans that expired unconsumed.")
+        self.active_plans = Gauge(
+            "stateblock_capture_active_plans",
+            "Plans registered, not yet consumed.",
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One batch row of a cohort forward, stamped with the request it belongs to."""
+
+    request_id: str
+    plan_token: str  # the plan's nonce: a stale stamp for a re-used request id fails
+    lane_index: int
+    batch_row: int
+
+
+@dataclass(frozen=True)
+class CohortStamp:
+    slots: tuple[Slot, ...]
+    capture_mode: int
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Immutable: the layout is kept as its deterministic bytes, not a mutable message."""
+
+    request_id: str
+    token: str
+    layout_bytes: bytes
+    layout_digest: bytes
+    lane_lengths: tuple[int, ...]
+    answer_depths: tuple[int, ...]
+    total_rows: int
+    hidden_size: int
+    dtype: int
+    capture_mode: int
+    expires_at: float
+
+    @property
+    def layout(self) -> pb.Layout:
+        layout = pb.Layout()
+        layout.ParseFromString(self.layout_bytes)
+        return layout
+
+
+@dataclass
+class _Entry:
+    plan: CapturePlan
+    rows: Tensor | None = None
+    error: CaptureIntegrityError | None = None
+    recorded: bool = field(default=False)
+
+
+class CaptureRegistry:
+    def __init__(
+        self,
+        metrics: CaptureRegistryMetrics,
+        *,
+        plan_ttl_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._m = metrics
+        self._ttl = plan_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._consumed: OrderedDict[str, None] = OrderedDict()
+
+    # -- event-loop side ---------------------------------------------------------------
+    def register(self, request_id: str, layout: pb.Layout) -> CapturePlan:
+        env.check_layout(layout, request_id)
+        plan = CapturePlan(
+            request_id=request_id,
+            token=secrets.token_hex(8),
+            layout_bytes=layout.SerializeToString(deterministic=True),
+            layout_digest=env.layout_digest(layout),
+            lane_lengths=tuple(lane.row_count for lane in layout.lanes),
+            answer_depths=tuple(lane.answer_depth for lane in layout.lanes),
+            total_rows=layout.total_rows,
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            capture_mode=layout.capture_mode,
+            expires_at=self._clock() + self._ttl,
+        )
+        with self._lock:
+            self._sweep_locked()
+            if request_id in self._entries or request_id in self._consumed:
+                raise DuplicatePlan(f"request {request_id} already has a capture plan")
+            self._entries[request_id] = _Entry(plan)
+            self._m.plans_registered.inc()
+            self._m.active_plans.set(len(self._entries))
+        return plan
+
+    def consume(self, request_id: str, layout_digest: bytes) -> Tensor:
+        """The request's packed rows (total_rows, hidden_size), exactly once."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                if request_id in self._consumed:
+                    self._m.double_consume.inc()
+                    raise DoubleConsume(f"request {request_id} was already consumed")
+                raise PlanNotFound(f"request {request_id} has no capture plan")
+            if entry.error is None and entry.rows is None:
+                raise NotRecorded(f"request {request_id}: the forward recorded no rows")
+            del self._entries[request_id]
+            self._m.active_plans.set(len(self._entries))
+            self._remember_consumed(request_id)
+            if entry.error is not None:
+                raise entry.error
+            if layout_digest != entry.plan.layout_digest:
+                self._m.layout_digest_mismatch.inc()
+                raise CaptureIntegrityError("layout_digest_mismatch", request_id, "at consume")
+            self._m.consumed.inc()
+            assert entry.rows is not None
+            return entry.rows
+
+    def discard(self, request_id: str) -> None:
+        """Drop a plan whose request failed before consuming (not counted as expired)."""
+        with self._lock:
+            if self._entries.pop(request_id, None) is not None:
+                self._m.active_plans.set(len(self._entries))
+
+    def sweep(self) -> int:
+        with self._lock:
+            return self._sweep_locked()
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    # -- forward-thread side -----------------------------------------------------------
+    def record(self, stamp: CohortStamp, rows: Tensor, lane_lengths: Sequence[int]) -> None:
+        """Called by the hook: rows (B, P, d) of one cohort, lane_lengths (B,) from the mask."""
+        with self._lock:
+            rows_of: dict[str, list[Slot]] = {}
+            seen_rows: set[int] = set()
+            for slot in stamp.slots:
+                rows_of.setdefault(slot.request_id, []).append(slot)
+                if slot.batch_row in seen_rows or not 0 <= slot.batch_row < rows.shape[0]:
+                    # Two requests stamped on one batch row, or a row the forward lacks:
+                    # whatever was there would reach the wrong request.
+                    self._m.cross_request_events.inc()
+                    for rid in {s.request_id for s in stamp.slots}:
+                        self._fail(rid, "cross_request_events", f"batch row {slot.batch_row}")
+                    return
+                seen_rows.add(slot.batch_row)
+            for request_id, slots in rows_of.items():
+                self._record_one(request_id, slots, stamp.capture_mode, rows, lane_lengths)
+
+    def _record_one(
+        self,
+        request_id: str,
+        slots: list[Slot],
+        mode: int,
+        rows: Tensor,
+        lane_lengths: Sequence[int],
+    ) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            self._m.unplanned_records.inc()
+            return
+        self._m.records.inc()
+        plan = entry.plan
+        if entry.recorded:
+            self._m.cross_request_events.inc()
+            self._fail(request_id, "cross_request_events", "a second forward recorded rows")
+            return
+        entry.recorded = True
+        if any(s.plan_token != plan.token for s in slots):
+            self._m.identity_mismatch.inc()
+            self._fail(request_id, "identity_mismatch", "hook stamp is not this plan's")
+            return
+        if mode != plan.capture_mode:
+            self._m.mode_mismatch.inc()
+            self._fail(
+                request_id, "mode_mismatch", f"captured mode {mode}, plan {plan.capture_mode}"
+            )
+            return
+        slots = sorted(slots, key=lambda s: s.lane_index)
+        actual = [int(lane_lengths[s.batch_row]) for s in slots]
+        if [s.lane_index for s in slots] != list(range(len(plan.lane_lengths))) or tuple(
+            actual
+        ) != plan.lane_lengths:
+            self._m.lane_length_mismatch.inc()
+            detail = f"lanes {actual}, plan {list(plan.lane_lengths)}"
+            self._fail(request_id, "lane_length_mismatch", detail)
+            return
+        # clone: the request owns its rows; the cohort tensor is freed after the forward
+        packed = torch.cat([rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)])
+        packed = packed.detach().to("cpu").clone()  # (total_rows, d)
+        if packed.shape[0] != plan.total_rows:
+            self._m.row_count_mismatch.inc()
+            detail = f"{packed.shape[0]} rows, plan {plan.total_rows}"
+            self._fail(request_id, "row_count_mismatch", detail)
+            return
+        try:
+            seen = env.make_layout(
+                request_id,
+                actual,
+                plan.answer_depths,
+                hidden_size=packed.shape[1],
+                dtype=packed.dtype,
+                capture_mode=mode,
+            )
+            digest_ok = env.layout_digest(seen) == plan.layout_digest
+        except env.LayoutError:
+            digest_ok = False
+        if not digest_ok:
+            self._m.layout_digest_mismatch.inc()
+            self._fail(request_id, "layout_digest_mismatch", "recorded layout != plan")
+            return
+        entry.rows = packed
+
+    def _fail(self, request_id: str, kind: str, detail: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.error is None:
+            entry.error = CaptureIntegrityError(kind, request_id, detail)
+            entry.rows = None
+
+    def _sweep_locked(self) -> int:
+        now = self._clock()
+        expired = [rid for rid, e in self._entries.items() if e.plan.expires_at <= now]
+        for rid in expired:
+            del self._entries[rid]
+            self._m.expired_plans.inc()
+        if expired:
+            self._m.active_plans.set(len(self._entries))
+        return len(expired)
+
+    def _remember_consumed(self, request_id: str) -> None:
+        self._consumed[request_id] = None
+        while len(self._consumed) > _REMEMBERED_CONSUMED:
+            self._consumed.popitem(last=False)

@@ -1,0 +1,169 @@
+"""Capture transport: the gRPC servicer, the assembled service, and `python -m capture_svc`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import nats
+import structlog
+from prometheus_client import CollectorRegistry
+
+from capture_svc.batcher import CohortForward, ForwardBatcher
+from capture_svc.config import CaptureConfig
+from capture_svc.publisher import BlockPublisher
+from capture_svc.registry import CaptureRegistry, CaptureRegistryMetrics
+from capture_svc.service import (
+    CAPTURE_MODE,
+    CaptureError,
+    CaptureFailed,
+    CaptureMetrics,
+    CaptureService,
+    CaptureUnavailable,
+    InvalidCapture,
+    LaneInput,
+)
+from stateblock import runtime, streams
+from stateblock.keys import Signer, load_or_generate_signer
+from stateblock.serving import ServingModel, load_serving_model, parse_dtype
+from stateblock.v1 import capture_pb2, capture_pb2_grpc
+
+log = structlog.get_logger("capture_svc")
+PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field was invalid
+
+
+def status_of(error: CaptureError) -> grpc.StatusCode:
+    """The one translation of the capture error tree to gRPC."""
+    if isinstance(error, InvalidCapture):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, CaptureUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, CaptureFailed):
+        return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode.UNKNOWN
+
+
+def lane_input(lane: capture_pb2.CaptureLane) -> LaneInput:
+    which = lane.WhichOneof("input")
+    s = lane.sampling
+    common = {
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "seed": s.seed if s.HasField("seed") else None,
+    }
+    if which == "chat":
+        messages = tuple((m.role, m.content) for m in lane.chat.messages)
+        return LaneInput(messages=messages, **common)
+    return LaneInput(prompt=lane.prompt if which == "prompt" else None, **common)
+
+
+class CaptureServicer(capture_pb2_grpc.CaptureServicer):
+    def __init__(self, service: CaptureService) -> None:
+        self._service = service
+
+    async def Capture(
+        self, request: capture_pb2.CaptureRequest, context: grpc.aio.ServicerContext
+    ) -> capture_pb2.CaptureResponse:
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            try:
+                captured = await self._service.capture(
+                    request.model,
+                    [lane_input(lane) for lane in request.lanes],
+                    request.request_id or None,
+                )
+            except CaptureError as e:
+                param = getattr(e, "param", None)
+                if param:
+                    context.set_trailing_metadata(((PARAM_METADATA, param),))
+                await context.abort(status_of(e), str(e))
+        return capture_pb2.CaptureResponse(
+            request_id=captured.request_id,
+            block_id=captured.block_id,
+            prompt_tokens=list(captured.prompt_tokens),
+        )
+
+
+@dataclass(frozen=True)
+class RunningCapture:
+    port: int
+    service: CaptureService
+    registry: CaptureRegistry
+
+
+@asynccontextmanager
+async def running_capture(
+    config: CaptureConfig,
+    *,
+    nc: nats.NATS,
+    model: ServingModel,
+    signer: Signer,
+    metrics: CollectorRegistry,
+) -> AsyncIterator[RunningCapture]:
+    """The Capture gRPC service, serving until the context exits (grace, then stop)."""
+    async with AsyncExitStack() as stack:
+        await streams.ensure_streams(nc.jetstream(), duplicate_window_s=config.duplicate_window_s)
+        publisher = await BlockPublisher.open(
+            nc, model=model.name, timeout_s=config.publish_timeout_s
+        )
+        registry = CaptureRegistry(CaptureRegistryMetrics(metrics), plan_ttl_s=config.block_ttl_s)
+        capture_metrics = CaptureMetrics(metrics)
+        # One forward thread: cohorts run one after another, each using every core.
+        executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
+        forward = CohortForward(
+            model.model,
+            registry,
+            pad_id=model.tokenizer.pad_token_id or 0,
+            capture_mode=CAPTURE_MODE,
+        )
+        await asyncio.get_running_loop().run_in_executor(executor, forward.warm_up)
+        batcher = await stack.enter_async_context(
+            ForwardBatcher(
+                forward,
+                executor,
+                window_s=config.batch_window_s,
+                max_lanes=config.max_lanes,
+                on_cohort=capture_metrics.cohort_lanes.observe,
+            )
+        )
+        service = CaptureService(
+            model, registry, batcher, publisher, signer, capture_metrics, config=config
+        )
+        server = grpc.aio.server()
+        capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        await server.start()
+        log.info("capture service listening", port=port, model=model.name)
+        try:
+            yield RunningCapture(port, service, registry)
+        finally:
+            await server.stop(config.grace_s)
+
+
+async def main() -> None:
+    config = CaptureConfig.from_env()
+    runtime.configure_logging(config.log_level)
+    shutdown = runtime.shutdown_event()
+    metrics = CollectorRegistry()
+    model = await asyncio.to_thread(
+        load_serving_model,
+        config.model_name,
+        config.base_dir,
+        config.decoder_dir,
+        device=config.device,
+        dtype=parse_dtype(config.dtype),
+    )
+    signer = load_or_generate_signer(config.key_dir)
+    log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
+    async with AsyncExitStack() as stack:
+        nc = await nats.connect(config.nats_url, name="capture_svc")
+        stack.push_async_callback(nc.drain)  # runs after the server has stopped
+        await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
+        await stack.enter_async_context(
+            running_capture(config, nc=nc, model=model, signer=signer, metrics=metrics)
+        )
+        await shutdown.wait()
+        log.info("shutting down", grace_s=config.grace_s)

@@ -1,0 +1,203 @@
+"""Capture logic: validate, tokenise, plan, one batched forward, consume, sign, publish.
+
+No transport here: the gRPC servicer converts wire messages to `LaneInput` and maps the
+`CaptureError` tree to status codes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import CollectorRegistry, Histogram
+
+from capture_svc.batcher import ForwardBatcher
+from capture_svc.config import CaptureConfig
+from capture_svc.publisher import BlockPublisher, PublishError
+from capture_svc.registry import CaptureRegistry, CaptureRegistryError
+from stateblock import envelope as env
+from stateblock.ids import uuid7
+from stateblock.keys import Signer
+from stateblock.serving import ServingModel
+from stateblock.v1 import block_pb2 as pb
+
+log = structlog.get_logger("capture_svc")
+CAPTURE_MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
+
+
+class CaptureError(Exception):
+    """Base of the capture service's failures."""
+
+
+class InvalidCapture(CaptureError):
+    """The request cannot be captured as asked (INVALID_ARGUMENT); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class CaptureUnavailable(CaptureError):
+    """Publishing failed or the service is stopping (UNAVAILABLE)."""
+
+
+class CaptureFailed(CaptureError):
+    """The capture broke an integrity check (INTERNAL); the request gets no block."""
+
+
+@dataclass(frozen=True)
+class LaneInput:
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) chat turns
+    max_tokens: int = 0
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Captured:
+    request_id: str
+    block_id: str
+    prompt_tokens: tuple[int, ...]
+    via_object_store: bool
+
+
+class CaptureMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.capture_seconds = Histogram(
+            "stateblock_capture_seconds",
+            "Capture request latency: tokenise, forward, sign, publish.",
+            buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.cohort_lanes = Histogram(
+            "stateblock_capture_cohort_lanes",
+            "Lanes per packed base forward.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=registry,
+        )
+
+
+class CaptureService:
+    def __init__(
+        self,
+        model: ServingModel,
+        registry: CaptureRegistry,
+        batcher: ForwardBatcher,
+        publisher: BlockPublisher,
+        signer: Signer,
+        metrics: CaptureMetrics,
+        *,
+        config: CaptureConfig,
+    ) -> None:
+        self._model = model
+        self._registry = registry
+        self._batcher = batcher
+        self._publisher = publisher
+        self._signer = signer
+        self._metrics = metrics
+        self._config = config
+
+    def tokenize(self, lane: LaneInput, index: int) -> list[int]:
+        tok = self._model.tokenizer
+        if lane.messages is not None:
+            if not lane.messages or not any(content for _, content in lane.messages):
+                raise InvalidCapture(f"lane {index}: the chat has no content", "messages")
+            chat = [{"role": role, "content": content} for role, content in lane.messages]
+            out = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        else:
+            if not lane.prompt:
+                raise InvalidCapture(f"lane {index}: the prompt is empty", "prompt")
+            ids = tok(lane.prompt)["input_ids"]
+        ids = list(ids)
+        limit = self._config.prompt_len_max
+        if len(ids) > limit:
+            param = "messages" if lane.messages is not None else "prompt"
+            raise InvalidCapture(
+                f"lane {index}: the prompt is {len(ids)} tokens, over the prompt_len maximum "
+                f"of {limit}",
+                param,
+            )
+        return ids
+
+    def _check(self, model: str, lanes: Sequence[LaneInput]) -> None:
+        c = self._config
+        if model != self._model.name:
+            raise InvalidCapture(f"model {model!r} is not served here", "model")
+        if not 1 <= len(lanes) <= c.max_lanes:
+            raise InvalidCapture(f"{len(lanes)} lanes; between 1 and {c.max_lanes} allowed", "n")
+        for i, lane in enumerate(lanes):
+            if (lane.prompt is None) == (lane.messages is None):
+                raise InvalidCapture(f"lane {i}: exactly one of prompt and chat", "prompt")
+            if not 1 <= lane.max_tokens <= c.answer_depth_max:
+                raise InvalidCapture(
+                    f"lane {i}: max_tokens {lane.max_tokens} is outside 1..{c.answer_depth_max}",
+                    "max_tokens",
+                )
+            if not (math.isfinite(lane.temperature) and lane.temperature >= 0):
+                raise InvalidCapture(f"lane {i}: temperature must be >= 0", "temperature")
+
+    async def capture(
+        self, model: str, lanes: Sequence[LaneInput], request_id: str | None = None
+    ) -> Captured:
+        t0 = time.perf_counter()
+        request_id = request_id or uuid7()
+        self._check(model, lanes)
+        lane_ids = [self.tokenize(lane, i) for i, lane in enumerate(lanes)]
+        layout = env.make_layout(
+            request_id,
+            [len(ids) for ids in lane_ids],
+            [lane.max_tokens for lane in lanes],
+            hidden_size=self._model.hidden_size,
+            dtype=self._model.dtype,
+            capture_mode=CAPTURE_MODE,
+        )
+        try:
+            plan = self._registry.register(request_id, layout)
+        except CaptureRegistryError as e:
+            raise InvalidCapture(str(e), "request_id") from e
+        try:
+            await self._batcher.submit(plan, lane_ids)
+            rows = self._registry.consume(request_id, plan.layout_digest)
+        except CaptureRegistryError as e:
+            log.error("capture integrity check failed", error=str(e))
+            raise CaptureFailed(str(e)) from e
+        finally:
+            self._registry.discard(request_id)  # no-op once consumed
+        sampling = [
+            pb.SamplingParams(
+                temperature=lane.temperature, seed=lane.seed, max_tokens=lane.max_tokens
+            )
+            for lane in lanes
+        ]
+        block = env.build_block(
+            layout,
+            rows,
+            request_id=request_id,
+            identity=self._model.identity,
+            sampling=sampling,
+            signer=self._signer,
+            ttl_s=self._config.block_ttl_s,
+        )
+        try:
+            via_object = await self._publisher.publish(block)
+        except PublishError as e:
+            raise CaptureUnavailable(str(e)) from e
+        self._metrics.capture_seconds.observe(time.perf_counter() - t0)
+        log.info(
+            "block published",
+            block_id=block.header.block_id,
+            lanes=len(lanes),
+            rows=layout.total_rows,
+            via_object_store=via_object,
+        )
+        return Captured(
+            request_id,
+            block.header.block_id,
+            tuple(len(ids) for ids in lane_ids),
+            via_object,
+        )

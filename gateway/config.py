@@ -1,0 +1,52 @@
+"""The gateway's configuration, read once from STATEBLOCK_* variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stateblock import runtime
+from stateblock.runtime import Env
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    nats_url: str = runtime.DEFAULT_NATS_URL
+    capture_target: str = "127.0.0.1:50061"  # the Capture service's gRPC address
+    host: str = "0.0.0.0"
+    http_port: int = 8000  # 0 picks a free port
+    grpc_port: int = 50051
+    model_name: str = runtime.DEFAULT_MODEL_NAME
+    base_dir: Path = runtime.REFERENCE_BASE  # the tokenizer, to decode answers
+    decoder_dir: Path = runtime.REFERENCE_DECODER  # its manifest: the default max_tokens
+    request_timeout_s: float = 60.0
+    max_lanes: int = 8  # K_max: prompts x n per request
+    answer_depth_max: int = 8192
+    stream_chunk_tokens: int = 16
+    grace_s: float = runtime.DEFAULT_GRACE_S
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        runtime.subject_token(self.model_name)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+        e = Env(environ)
+        d = cls()
+        return cls(
+            nats_url=e.str("NATS_URL", d.nats_url),
+            capture_target=e.str("CAPTURE_TARGET", d.capture_target),
+            host=e.str("GATEWAY_HOST", d.host),
+            http_port=e.int("HTTP_PORT", d.http_port, minimum=0),
+            grpc_port=e.int("GRPC_PORT", d.grpc_port, minimum=0),
+            model_name=e.str("MODEL_NAME", d.model_name),
+            base_dir=e.path("BASE_DIR", d.base_dir),
+            decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
+            request_timeout_s=e.float("REQUEST_TIMEOUT_S", d.request_timeout_s),
+            max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
+            answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
+            stream_chunk_tokens=e.int("STREAM_CHUNK_TOKENS", d.stream_chunk_tokens, minimum=1),
+            grace_s=e.float("GRACE_S", d.grace_s),
+            log_level=e.str("LOG_LEVEL", d.log_level),
+        )

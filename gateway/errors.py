@@ -1,0 +1,30 @@
+"""The gateway's error tree. Each edge translates it once: `grpc_server.status_of` to a gRPC
+status, `http.openai_error` to an OpenAI error body."""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every failure a client sees."""
+
+
+class InvalidRequest(GatewayError):
+    """400 / INVALID_ARGUMENT: the request cannot be served as asked."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        self.message = message
+        self.param = param
+        self.code = code
+        super().__init__(message)
+
+
+class DeadlineExceeded(GatewayError):
+    """504 / DEADLINE_EXCEEDED: no committed answer before the request's deadline."""
+
+
+class Unavailable(GatewayError):
+    """503 / UNAVAILABLE: nothing can serve the request now (capture or NATS unreachable)."""
+
+
+class ReadoutFailed(GatewayError):
+    """500 / INTERNAL: the capture or its block failed an integrity check."""

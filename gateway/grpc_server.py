@@ -1,0 +1,140 @@
+"""The gRPC transport: stateblock.v1.Gateway, plus the standard health and reflection services."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    ReadoutFailed,
+    Unavailable,
+)
+from gateway.service import GatewayService, GenerateParams, Generation, PromptSpec
+from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
+
+SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_FINISH = {
+    "stop": gateway_pb2.FINISH_REASON_STOP,
+    "length": gateway_pb2.FINISH_REASON_LENGTH,
+}
+
+
+def status_of(error: GatewayError) -> grpc.StatusCode:
+    """The one translation of the gateway error tree to a gRPC status code."""
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(error, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, ReadoutFailed):
+        return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode.UNKNOWN
+
+
+def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
+    if req.prompt and req.messages:
+        raise InvalidRequest("Set exactly one of prompt and messages.", "prompt")
+    if req.messages:
+        spec = PromptSpec(messages=tuple((m.role, m.content) for m in req.messages))
+    else:
+        spec = PromptSpec(prompt=req.prompt)
+    return GenerateParams(
+        model=req.model,
+        inputs=(spec,),
+        n=req.n if req.HasField("n") else 1,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
+        temperature=req.temperature if req.HasField("temperature") else None,
+        seed=req.seed if req.HasField("seed") else None,
+    )
+
+
+def _usage(g: Generation) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(
+        prompt_tokens=g.prompt_tokens,
+        completion_tokens=g.completion_tokens,
+        total_tokens=g.total_tokens,
+    )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, service: GatewayService) -> None:
+        self._service = service
+
+    async def _generate(self, req: gateway_pb2.GenerateRequest, context, api: str) -> Generation:
+        try:
+            return await self._service.generate(
+                params_of(req), api=api, timeout=context.time_remaining()
+            )
+        except GatewayError as e:
+            await context.abort(status_of(e), str(e))
+            raise  # abort raises; this line only satisfies type checkers
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GenerateResponse:
+        g = await self._generate(request, context, "grpc")
+        choices = [
+            gateway_pb2.Choice(
+                index=c.index,
+                text=c.text,
+                token_ids=c.token_ids,
+                finish_reason=_FINISH[c.finish_reason],
+                eos_pos=c.eos_pos,
+            )
+            for c in g.choices
+        ]
+        return gateway_pb2.GenerateResponse(
+            request_id=g.request_id, model=g.model, choices=choices, usage=_usage(g)
+        )
+
+    async def GenerateStream(
+        self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        g = await self._generate(request.request, context, "grpc_stream")
+        eos = {c.index: c.eos_pos for c in g.choices}
+        for piece in self._service.pieces(g):
+            choice = gateway_pb2.Choice(
+                index=piece.index, text=piece.text, token_ids=piece.token_ids
+            )
+            if piece.finish_reason is not None:
+                choice.finish_reason = _FINISH[piece.finish_reason]
+                choice.eos_pos = eos[piece.index]
+            yield gateway_pb2.GenerateStreamResponse(
+                request_id=g.request_id, model=g.model, choices=[choice]
+            )
+        if request.include_usage:
+            yield gateway_pb2.GenerateStreamResponse(
+                request_id=g.request_id, model=g.model, usage=_usage(g)
+            )
+
+
+@asynccontextmanager
+async def serve_grpc(
+    service: GatewayService, host: str, port: int, grace_s: float
+) -> AsyncIterator[int]:
+    """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
+    on shutdown so load balancers stop routing before in-flight requests drain."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        yield bound
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)

@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP transport: thin routes over GatewayService, errors as OpenAI bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, nullcontext
+
+import structlog
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+
+from gateway import protocol as p
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    ReadoutFailed,
+    Unavailable,
+)
+from gateway.service import GatewayService, GenerateParams, Generation, PromptSpec
+
+log = structlog.get_logger("gateway.http")
+
+
+def openai_error(error: GatewayError) -> tuple[int, p.ErrorResponse]:
+    """The one translation of the gateway error tree to an HTTP status and OpenAI body."""
+    if isinstance(error, InvalidRequest):
+        detail = p.ErrorDetail(
+            message=error.message, type="invalid_request_error", param=error.param, code=error.code
+        )
+        return 400, p.ErrorResponse(error=detail)
+    if isinstance(error, DeadlineExceeded):
+        status, kind, code = 504, "timeout_error", "deadline_exceeded"
+    elif isinstance(error, Unavailable):
+        status, kind, code = 503, "service_unavailable_error", "unavailable"
+    elif isinstance(error, ReadoutFailed):
+        status, kind, code = 500, "server_error", "readout_failed"
+    else:
+        status, kind, code = 500, "server_error", None
+    return status, p.ErrorResponse(error=p.ErrorDetail(message=str(error), type=kind, code=code))
+
+
+def _json(status: int, body: BaseModel) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def _validation_error(exc: RequestValidationError) -> InvalidRequest:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic reports a union member's type in the path (prompt.str); the field is enough
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return InvalidRequest(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param)
+
+
+def _usage(g: Generation) -> p.Usage:
+    return p.Usage(
+        prompt_tokens=g.prompt_tokens,
+        completion_tokens=g.completion_tokens,
+        total_tokens=g.total_tokens,
+    )
+
+
+def _sse(chunks: Iterator[BaseModel]) -> StreamingResponse:
+    def body() -> Iterator[str]:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk.model_dump(), separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _log_ignored(req: p._Request) -> None:
+    ignored = req.ignored_fields()
+    if ignored:
+        log.info("request fields ignored", fields=ignored)
+
+
+def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: int) -> FastAPI:
+    app = FastAPI(title="stateblock gateway", version="1")
+
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+        status, body = openai_error(exc)
+        return _json(status, body)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, body = openai_error(_validation_error(exc))
+        return _json(status, body)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": service.model_name}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=service.model_name, created=created)])
+
+    @app.post("/v1/completions")
+    async def completions(req: p.CompletionRequest):
+        _log_ignored(req)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        params = GenerateParams(
+            model=req.model,
+            inputs=tuple(PromptSpec(prompt=text) for text in prompts),
+            n=1 if req.n is None else req.n,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            seed=req.seed,
+        )
+        g = await service.generate(params, api="completions")
+        rid = f"cmpl-{g.request_id}"
+        if not req.stream:
+            choices = [
+                p.CompletionChoice(text=c.text, index=c.index, finish_reason=c.finish_reason)
+                for c in g.choices
+            ]
+            return p.CompletionResponse(
+                id=rid, created=g.created, model=g.model, choices=choices, usage=_usage(g)
+            )
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunks() -> Iterator[BaseModel]:
+            for piece in service.pieces(g):
+                choice = p.CompletionChoice(
+                    text=piece.text, index=piece.index, finish_reason=piece.finish_reason
+                )
+                yield p.CompletionResponse(
+                    id=rid, created=g.created, model=g.model, choices=[choice]
+                )
+            if with_usage:
+                yield p.CompletionResponse(
+                    id=rid, created=g.created, model=g.model, choices=[], usage=_usage(g)
+                )
+
+        return _sse(chunks())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: p.ChatCompletionRequest):
+        _log_ignored(req)
+        messages = tuple((m.role, m.text()) for m in req.messages)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        param_name = (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
+        params = GenerateParams(
+            model=req.model,
+            inputs=(PromptSpec(messages=messages),),
+            n=1 if req.n is None else req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            seed=req.seed,
+        )
+        try:
+            g = await service.generate(params, api="chat")
+        except InvalidRequest as e:
+            if e.param == "max_tokens":
+                e.param = param_name
+            raise
+        rid = f"chatcmpl-{g.request_id}"
+        if not req.stream:
+            choices = [
+                p.ChatChoice(
+                    index=c.index,
+                    message=p.AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                )
+                for c in g.choices
+            ]
+            return p.ChatCompletionResponse(
+                id=rid, created=g.created, model=g.model, choices=choices, usage=_usage(g)
+            )
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> BaseModel:
+            return p.ChatCompletionChunk(
+                id=rid, created=g.created, model=g.model, choices=choices, usage=usage
+            )
+
+        def chunks() -> Iterator[BaseModel]:
+            for c in g.choices:
+                yield chunk(
+                    [p.ChatChunkChoice(index=c.index, delta=p.Delta(role="assistant", content=""))]
+                )
+            for piece in service.pieces(g):
+                if piece.text:
+                    delta = p.Delta(content=piece.text)
+                    yield chunk([p.ChatChunkChoice(index=piece.index, delta=delta)])
+                if piece.finish_reason is not None:
+                    done = p.ChatChunkChoice(
+                        index=piece.index, delta=p.Delta(), finish_reason=piece.finish_reason
+                    )
+                    yield chunk([done])
+            if with_usage:
+                yield chunk([], _usage(g))
+
+        return _sse(chunks())
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """The process owns SIGINT/SIGTERM (its shutdown Event), not uvicorn."""
+
+    def capture_signals(self):
+        return nullcontext()
+
+
+@asynccontextmanager
+async def serve_http(app: FastAPI, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
+    """Serve until the context exits; yields the bound port (port 0 picks a free one)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+        timeout_graceful_shutdown=int(grace_s),
+    )  # fmt: skip
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(), name="gateway-http")
+    while not server.started:
+        if task.done():
+            task.result()  # raises the bind error
+            raise RuntimeError("HTTP server stopped before it started")
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield bound
+    finally:
+        server.should_exit = True
+        await task

@@ -1,0 +1,90 @@
+"""The gateway assembled: HTTP + gRPC over one GatewayService; `python -m gateway`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import nats
+import structlog
+from prometheus_client import CollectorRegistry
+
+from gateway.capture_client import GrpcCaptureClient
+from gateway.commits import CommitWatcher
+from gateway.config import GatewayConfig
+from gateway.grpc_server import serve_grpc
+from gateway.http import create_app, serve_http
+from gateway.service import GatewayMetrics, GatewayService
+from registry import Registry
+from stateblock import runtime
+from stateblock.serving import decoder_manifest, default_max_tokens
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class RunningGateway:
+    http_port: int
+    grpc_port: int
+    service: GatewayService
+
+
+def load_tokenizer(base_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
+
+
+@asynccontextmanager
+async def running_gateway(
+    config: GatewayConfig,
+    *,
+    nc: nats.NATS,
+    metrics: CollectorRegistry,
+    tokenizer=None,
+) -> AsyncIterator[RunningGateway]:
+    manifest = decoder_manifest(config.decoder_dir)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.base_dir)
+    registry = await Registry.open(nc.jetstream())
+    async with AsyncExitStack() as stack:
+        commits = await stack.enter_async_context(CommitWatcher.open(nc, registry))
+        channel = grpc.aio.insecure_channel(config.capture_target)
+        stack.push_async_callback(channel.close)
+        service = GatewayService(
+            GrpcCaptureClient(channel),
+            commits,
+            tokenizer,
+            GatewayMetrics(metrics),
+            config=config,
+            default_max_tokens=default_max_tokens(manifest, config.answer_depth_max),
+        )
+        # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
+        grpc_port = await stack.enter_async_context(
+            serve_grpc(service, config.host, config.grpc_port, config.grace_s)
+        )
+        app = create_app(service, metrics=metrics, created=int(time.time()))
+        http_port = await stack.enter_async_context(
+            serve_http(app, config.host, config.http_port, config.grace_s)
+        )
+        log.info("gateway listening", http_port=http_port, grpc_port=grpc_port)
+        yield RunningGateway(http_port, grpc_port, service)
+
+
+async def main() -> None:
+    config = GatewayConfig.from_env()
+    runtime.configure_logging(config.log_level)
+    shutdown = runtime.shutdown_event()
+    metrics = CollectorRegistry()
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.base_dir)
+    async with AsyncExitStack() as stack:
+        nc = await nats.connect(config.nats_url, name="gateway")
+        stack.push_async_callback(nc.drain)
+        await stack.enter_async_context(
+            running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer)
+        )
+        await shutdown.wait()
+        log.info("shutting down", grace_s=config.grace_s)

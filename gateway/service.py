@@ -1,0 +1,267 @@
+"""Gateway logic: validate, assign the request id, capture, wait for the commit, decode.
+
+One base forward and one readout per request; there is no autoregressive path to fall
+back to, so a request that cannot be read out fails with a `GatewayError`. No transport
+here: HTTP and gRPC both call `generate` and render its `Generation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.capture_client import CaptureResult, LaneSpec
+from gateway.config import GatewayConfig
+from gateway.errors import DeadlineExceeded, GatewayError, InvalidRequest, Unavailable
+from registry import CommitTimeout, RegistryError
+from stateblock.ids import uuid7
+from stateblock.v1 import commit_pb2
+from stateblock.vocab import NO_EOS
+
+log = structlog.get_logger("gateway")
+MAX_TEMPERATURE = 2.0  # the OpenAI range
+MAX_STREAM_CHUNKS = 64  # bounds the prefix re-decoding a stream costs
+
+
+class CaptureClient(Protocol):
+    async def capture(
+        self, request_id: str, model: str, lanes: Sequence[LaneSpec], *, timeout: float
+    ) -> CaptureResult: ...
+
+
+class CommitSource(Protocol):
+    async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit: ...
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One distinct input: a raw prompt or a chat."""
+
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    model: str
+    inputs: tuple[PromptSpec, ...]
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    eos_pos: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    model: str
+    created: int
+    choices: tuple[ChoiceResult, ...]
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stream chunk of one choice; the last of each choice carries finish_reason."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.request_seconds = Histogram(
+            "stateblock_request_seconds",
+            "End-to-end latency: validate, capture, readout, commit, decode.",
+            ["api"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.requests = Counter(
+            "stateblock_requests",
+            "Requests by API and outcome.",
+            ["api", "outcome"],
+            registry=registry,
+        )
+
+
+class GatewayService:
+    def __init__(
+        self,
+        capture: CaptureClient,
+        commits: CommitSource,
+        tokenizer,
+        metrics: GatewayMetrics,
+        *,
+        config: GatewayConfig,
+        default_max_tokens: int,
+    ) -> None:
+        self._capture = capture
+        self._commits = commits
+        self._tok = tokenizer
+        self._m = metrics
+        self._config = config
+        self.default_max_tokens = default_max_tokens
+
+    @property
+    def model_name(self) -> str:
+        return self._config.model_name
+
+    def validate(self, p: GenerateParams) -> int:
+        """Raise InvalidRequest for anything the pipeline cannot serve; returns max_tokens."""
+        c = self._config
+        if p.model != c.model_name:
+            raise InvalidRequest(
+                f"The model `{p.model}` does not exist; this server serves `{c.model_name}`.",
+                "model",
+                "model_not_found",
+            )
+        if not p.inputs:
+            raise InvalidRequest("The prompt must not be empty.", "prompt")
+        for spec in p.inputs:
+            if spec.messages is not None:
+                if not spec.messages:
+                    raise InvalidRequest("`messages` must not be empty.", "messages")
+                if not any(content for _, content in spec.messages):
+                    raise InvalidRequest("The messages have no content.", "messages")
+            elif not spec.prompt:
+                raise InvalidRequest("The prompt must not be empty.", "prompt")
+        if p.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
+        if len(p.inputs) * p.n > c.max_lanes:
+            raise InvalidRequest(
+                f"{len(p.inputs)} prompt(s) x n={p.n} exceeds {c.max_lanes} answers per request.",
+                "n",
+            )
+        max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
+        if not 1 <= max_tokens <= c.answer_depth_max:
+            raise InvalidRequest(
+                f"max_tokens must be between 1 and the answer envelope of {c.answer_depth_max}, "
+                f"got {max_tokens}.",
+                "max_tokens",
+            )
+        t = 0.0 if p.temperature is None else p.temperature
+        if not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
+            raise InvalidRequest(
+                f"temperature must be between 0 and {MAX_TEMPERATURE}.", "temperature"
+            )
+        if p.seed is not None and not 0 <= p.seed < 1 << 64:
+            raise InvalidRequest("seed must be a non-negative 64-bit integer.", "seed")
+        return max_tokens
+
+    def lanes(self, p: GenerateParams, max_tokens: int) -> list[LaneSpec]:
+        """n lanes per input, inputs in order; choice index = input * n + copy."""
+        t = 0.0 if p.temperature is None else p.temperature
+        out = []
+        for spec in p.inputs:
+            for copy in range(p.n):
+                seed = None if p.seed is None else (p.seed + copy) % (1 << 64)
+                out.append(LaneSpec(spec.prompt, spec.messages, max_tokens, t, seed))
+        return out
+
+    async def generate(
+        self, p: GenerateParams, *, api: str, timeout: float | None = None
+    ) -> Generation:
+        t0 = time.perf_counter()
+        request_id = uuid7()
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                generation = await self._generate(p, request_id, timeout)
+            except GatewayError as e:
+                self._m.requests.labels(api, type(e).__name__).inc()
+                log.info("request failed", error=type(e).__name__, detail=str(e))
+                raise
+            self._m.requests.labels(api, "ok").inc()
+            self._m.request_seconds.labels(api).observe(time.perf_counter() - t0)
+            return generation
+
+    async def _generate(
+        self, p: GenerateParams, request_id: str, timeout: float | None
+    ) -> Generation:
+        max_tokens = self.validate(p)
+        loop = asyncio.get_running_loop()
+        budget = (
+            self._config.request_timeout_s
+            if timeout is None
+            else min(timeout, self._config.request_timeout_s)
+        )
+        deadline = loop.time() + budget
+        lanes = self.lanes(p, max_tokens)
+        captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"request {request_id}: no time left after capture")
+        try:
+            commit = await self._commits.watch_commit(captured.block_id, remaining)
+        except CommitTimeout as e:
+            raise DeadlineExceeded(
+                f"request {request_id}: no answer committed within {budget:g}s"
+            ) from e
+        except RegistryError as e:
+            raise Unavailable(f"request {request_id}: registry unavailable: {e}") from e
+        choices = tuple(
+            self._choice(lane) for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
+        )
+        prompt_tokens = sum(captured.prompt_tokens[i * p.n] for i in range(len(p.inputs)))
+        return Generation(
+            request_id=request_id,
+            model=p.model,
+            created=int(time.time()),
+            choices=choices,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=sum(len(c.token_ids) for c in choices),
+        )
+
+    def _choice(self, lane: commit_pb2.LaneAnswer) -> ChoiceResult:
+        ids = tuple(lane.token_ids)
+        return ChoiceResult(
+            index=lane.lane_index,
+            token_ids=ids,
+            text=self.decode(ids),
+            finish_reason="stop" if lane.eos_pos != NO_EOS else "length",
+            eos_pos=lane.eos_pos,
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def pieces(self, generation: Generation) -> Iterator[Piece]:
+        """Stream chunks whose texts concatenate to each choice's text exactly."""
+        for choice in generation.choices:
+            ids = choice.token_ids
+            step = max(self._config.stream_chunk_tokens, -(-len(ids) // MAX_STREAM_CHUNKS))
+            sent_text, sent_ids = "", 0
+            for end in range(step, len(ids), step):
+                # Decode the prefix, not the slice: tokenizers that merge bytes or strip
+                # leading spaces only decode a prefix faithfully.
+                text = self.decode(ids[:end])
+                if text.endswith("\ufffd") or not text.startswith(sent_text):
+                    continue  # an incomplete character: wait for the rest
+                yield Piece(choice.index, text[len(sent_text) :], ids[sent_ids:end], None)
+                sent_text, sent_ids = text, end
+            yield Piece(
+                choice.index, choice.text[len(sent_text) :], ids[sent_ids:], choice.finish_reason
+            )

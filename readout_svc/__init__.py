@@ -1,0 +1,1 @@
+"""Readout workers: verify, claim, read the whole answer in one decoder execution, commit."""

@@ -1,0 +1,65 @@
+"""The readout service's configuration, read once from STATEBLOCK_* variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stateblock import runtime
+from stateblock.runtime import Env
+
+
+@dataclass(frozen=True)
+class ReadoutServiceConfig:
+    nats_url: str = runtime.DEFAULT_NATS_URL
+    model_name: str = runtime.DEFAULT_MODEL_NAME
+    base_dir: Path = runtime.REFERENCE_BASE
+    decoder_dir: Path = runtime.REFERENCE_DECODER
+    engine: str = "reference"
+    trusted_keys_dir: Path = Path("keys")  # every *.pub in here is trusted
+    device: str = "cpu"
+    workers: int = 2  # concurrent pull loops in this process
+    worker_id: str = ""  # default: host-pid-based, set at start-up
+    lease_s: float = 60.0
+    ack_wait_s: float = 90.0  # > lease: JetStream redelivers only after the claim could expire
+    max_deliver: int = 8
+    fetch_timeout_s: float = 0.5  # how long an idle worker waits per pull (and to notice stop)
+    retry_delay_s: float = 1.0  # nak delay for a block another worker holds a live claim on
+    duplicate_window_s: float = 120.0
+    metrics_port: int | None = None
+    grace_s: float = runtime.DEFAULT_GRACE_S
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        runtime.subject_token(self.model_name)
+        if self.workers < 1:
+            raise runtime.ConfigError("STATEBLOCK_WORKERS must be >= 1")
+        if self.ack_wait_s <= self.lease_s:
+            raise runtime.ConfigError("STATEBLOCK_ACK_WAIT_S must exceed STATEBLOCK_LEASE_S")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReadoutServiceConfig:
+        e = Env(environ)
+        d = cls()
+        metrics = e.int("READOUT_METRICS_PORT", -1)
+        return cls(
+            nats_url=e.str("NATS_URL", d.nats_url),
+            model_name=e.str("MODEL_NAME", d.model_name),
+            base_dir=e.path("BASE_DIR", d.base_dir),
+            decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
+            engine=e.str("ENGINE", d.engine),
+            trusted_keys_dir=e.path("TRUSTED_KEYS_DIR", e.path("KEY_DIR", d.trusted_keys_dir)),
+            device=e.str("DEVICE", d.device),
+            workers=e.int("WORKERS", d.workers, minimum=1),
+            worker_id=e.str("WORKER_ID", d.worker_id),
+            lease_s=e.float("LEASE_S", d.lease_s),
+            ack_wait_s=e.float("ACK_WAIT_S", d.ack_wait_s),
+            max_deliver=e.int("MAX_DELIVER", d.max_deliver, minimum=1),
+            fetch_timeout_s=e.float("FETCH_TIMEOUT_S", d.fetch_timeout_s),
+            retry_delay_s=e.float("RETRY_DELAY_S", d.retry_delay_s),
+            duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
+            metrics_port=None if metrics < 0 else metrics,
+            grace_s=e.float("GRACE_S", d.grace_s),
+            log_level=e.str("LOG_LEVEL", d.log_level),
+        )

@@ -1,0 +1,122 @@
+"""The readout service assembled: N workers on one durable pull consumer; `python -m readout_svc`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import nats
+import structlog
+from prometheus_client import CollectorRegistry
+
+from readout_svc.config import ReadoutServiceConfig
+from readout_svc.engine import ReadoutEngine, create_engine, require_engine
+from readout_svc.worker import ReadoutWorker, WorkerMetrics, run_worker
+from registry import Registry
+from stateblock import runtime, streams
+from stateblock.keys import TrustStore
+from stateblock.serving import load_serving_model
+
+log = structlog.get_logger("readout_svc")
+
+
+@dataclass(frozen=True)
+class RunningReadout:
+    workers: tuple[ReadoutWorker, ...]
+    metrics: WorkerMetrics
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@asynccontextmanager
+async def running_readout(
+    config: ReadoutServiceConfig,
+    *,
+    nc: nats.NATS,
+    engine: ReadoutEngine,
+    trust: TrustStore,
+    metrics: CollectorRegistry,
+) -> AsyncIterator[RunningReadout]:
+    """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
+    if len(trust) == 0:
+        raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
+    js = nc.jetstream()
+    await streams.ensure_streams(js, duplicate_window_s=config.duplicate_window_s)
+    durable = await streams.ensure_readout_consumer(
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
+    )
+    registry = await Registry.open(js)
+    objects = await streams.payload_store(js)
+    worker_metrics = WorkerMetrics(metrics)
+    base_id = config.worker_id or default_worker_id()
+    stop = asyncio.Event()
+    async with AsyncExitStack() as stack:
+        executor = stack.enter_context(
+            ThreadPoolExecutor(config.workers, thread_name_prefix="readout")
+        )
+        await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+        workers, tasks = [], []
+        for i in range(config.workers):
+            worker = ReadoutWorker(
+                engine,
+                registry,
+                trust,
+                nc=nc,
+                objects=objects,
+                executor=executor,
+                metrics=worker_metrics,
+                worker_id=f"{base_id}-w{i}",
+                lease_s=config.lease_s,
+                retry_delay_s=config.retry_delay_s,
+            )
+            psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
+            stack.push_async_callback(psub.unsubscribe)
+            workers.append(worker)
+            tasks.append(
+                asyncio.create_task(
+                    run_worker(worker, psub, stop, fetch_timeout_s=config.fetch_timeout_s),
+                    name=f"readout-{worker.worker_id}",
+                )
+            )
+        log.info("readout workers running", workers=len(workers), engine=engine.name)
+        try:
+            yield RunningReadout(tuple(workers), worker_metrics)
+        finally:
+            stop.set()
+            _, pending = await asyncio.wait(tasks, timeout=config.grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def main() -> None:
+    config = ReadoutServiceConfig.from_env()
+    require_engine(config.engine)  # fail closed before anything is loaded
+    runtime.configure_logging(config.log_level)
+    shutdown = runtime.shutdown_event()
+    metrics = CollectorRegistry()
+    trust = TrustStore.from_dir(config.trusted_keys_dir)
+    model = await asyncio.to_thread(
+        load_serving_model,
+        config.model_name,
+        config.base_dir,
+        config.decoder_dir,
+        device=config.device,
+    )
+    engine = create_engine(config.engine, model, config.device)
+    async with AsyncExitStack() as stack:
+        nc = await nats.connect(config.nats_url, name="readout_svc")
+        stack.push_async_callback(nc.drain)
+        await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
+        await stack.enter_async_context(
+            running_readout(config, nc=nc, engine=engine, trust=trust, metrics=metrics)
+        )
+        await shutdown.wait()
+        log.info("shutting down", grace_s=config.grace_s)

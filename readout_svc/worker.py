@@ -1,0 +1,319 @@
+"""A readout worker: verify -> claim -> readout -> commit -> ack_sync, one block at a time.
+
+A block that fails verification is terminated (retrying cannot make it valid), published to
+`stateblock.rejected.<reason>` and counted; it is never claimed. A redelivered block whose
+registry entry is committed is acked and dropped. Anything transient (NATS, a live claim
+elsewhere, a failed readout) naks the message so JetStream redelivers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from concurrent.futures import Executor
+
+import nats.errors
+import nats.js.errors as js_errors
+import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
+from nats.aio.msg import Msg
+from nats.js.object_store import ObjectStore
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
+from registry import (
+    AlreadyClaimed,
+    AlreadyCommitted,
+    Claim,
+    ClaimLost,
+    Registry,
+    RegistryError,
+)
+from stateblock import envelope as env
+from stateblock import streams
+from stateblock.keys import TrustStore
+from stateblock.v1 import block_pb2 as block_pb
+from stateblock.v1 import commit_pb2 as pb
+
+log = structlog.get_logger("readout_svc")
+MODEL_MISMATCH = "model_mismatch"  # not an envelope reason: the block is valid, not for us
+OBJECT_MISSING = "object_missing"
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.readout_seconds = Histogram(
+            "stateblock_readout_seconds",
+            "Readout engine time per block.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "stateblock_blocks_rejected",
+            "Blocks terminated by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.committed = Counter(
+            "stateblock_blocks_committed", "Blocks committed.", registry=registry
+        )
+        self.claims_lost = Counter(
+            "stateblock_claims_lost",
+            "Commits refused: the claim was taken over.",
+            registry=registry,
+        )
+        self.duplicates_dropped = Counter(
+            "stateblock_duplicate_deliveries_dropped",
+            "Redelivered blocks already committed, acked and dropped.",
+            registry=registry,
+        )
+        self.retried = Counter(
+            "stateblock_blocks_retried",
+            "Blocks nak'ed for redelivery, by cause.",
+            ["cause"],
+            registry=registry,
+        )
+
+
+def output_digest(lanes: list[pb.LaneAnswer]) -> bytes:
+    """SHA-256 over the answer only (token ids and EOS positions), deterministic."""
+    answer = pb.Commit(
+        lanes=[
+            pb.LaneAnswer(lane_index=a.lane_index, token_ids=a.token_ids, eos_pos=a.eos_pos)
+            for a in lanes
+        ]
+    )
+    return hashlib.sha256(answer.SerializeToString(deterministic=True)).digest()
+
+
+def commit_record(
+    header: block_pb.StateBlockHeader, results: list[LaneResult], worker_id: str
+) -> pb.Commit:
+    lanes = [
+        pb.LaneAnswer(
+            lane_index=i, token_ids=r.token_ids, eos_pos=r.eos_pos, top2_margins=r.margins
+        )
+        for i, r in enumerate(results)
+    ]
+    now = Timestamp()
+    now.GetCurrentTime()
+    return pb.Commit(
+        block_id=header.block_id,
+        request_id=header.request_id,
+        lanes=lanes,
+        output_digest=output_digest(lanes),
+        forward_state_digest=header.forward_state_digest,
+        worker_id=worker_id,
+        committed_at=now,
+    )
+
+
+class ReadoutWorker:
+    def __init__(
+        self,
+        engine: ReadoutEngine,
+        registry: Registry,
+        trust: TrustStore,
+        *,
+        nc: nats.NATS,
+        objects: ObjectStore,
+        executor: Executor,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        lease_s: float,
+        retry_delay_s: float,
+    ) -> None:
+        self._engine = engine
+        self._registry = registry
+        self._trust = trust
+        self._nc = nc
+        self._objects = objects
+        self._executor = executor
+        self._m = metrics
+        self.worker_id = worker_id
+        self._lease_s = lease_s
+        self._retry = retry_delay_s
+
+    async def handle(self, msg: Msg) -> str:
+        """Process one delivery; returns what happened (for logs and tests)."""
+        try:
+            block = env.parse_block(msg.data)
+            block_id = block.header.block_id if block.HasField("header") else ""
+        except env.BlockRejected as e:
+            return await self._reject(msg, "", str(e.reason), str(e))
+        with structlog.contextvars.bound_contextvars(
+            block_id=block_id, request_id=block.header.request_id
+        ):
+            try:
+                verified = await self._verify(block)
+            except (Rejected, env.BlockRejected) as e:
+                reason = str(e.reason)
+                # A redelivery after the commit: its payload object is gone (deleted on
+                # commit) or it has expired since. Drop it as the duplicate it is.
+                if reason in (OBJECT_MISSING, env.RejectReason.EXPIRED) and await self._committed(
+                    block_id
+                ):
+                    return await self._drop_duplicate(msg)
+                return await self._reject(msg, block_id, reason, str(e))
+            return await self._claim_and_read(msg, block, verified)
+
+    async def _verify(self, block: block_pb.StateBlock) -> env.VerifiedBlock:
+        if block.payload.WhichOneof("location") == "object_ref":
+            try:  # signature, expiry and layout first: an untrusted block fetches nothing
+                env.verify(block, self._trust)
+            except ValueError:  # only the payload is missing: fetch it
+                pass
+            verified = env.verify(block, self._trust, payload=await self._fetch(block))
+        else:
+            verified = env.verify(block, self._trust)
+        header, want = verified.header, self._engine.identity
+        if (
+            header.model != want.model
+            or header.base_model_digest != want.base_model_digest
+            or header.lm_head_digest != want.lm_head_digest
+            or header.decoder_digest != want.decoder_digest
+        ):
+            raise Rejected(MODEL_MISMATCH, f"block for {header.model!r} / other model pieces")
+        return verified
+
+    async def _fetch(self, block: block_pb.StateBlock) -> bytes:
+        ref = block.payload.object_ref
+        if ref.bucket != streams.PAYLOAD_BUCKET:
+            raise Rejected(OBJECT_MISSING, f"unknown bucket {ref.bucket!r}")
+        try:
+            result = await self._objects.get(ref.name)
+        except js_errors.DigestMismatchError as e:
+            raise Rejected(str(env.RejectReason.FORWARD_STATE_DIGEST), "object chunks") from e
+        except js_errors.NotFoundError as e:
+            raise Rejected(OBJECT_MISSING, f"object {ref.name!r} not found") from e
+        return bytes(result.data or b"")
+
+    async def _claim_and_read(
+        self, msg: Msg, block: block_pb.StateBlock, verified: env.VerifiedBlock
+    ) -> str:
+        header = verified.header
+        try:
+            claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
+        except AlreadyCommitted:
+            return await self._drop_duplicate(msg)
+        except ValueError as e:  # a block id that cannot be a registry key
+            return await self._reject(msg, header.block_id, "malformed", str(e))
+        except AlreadyClaimed as e:
+            await self._nak("claimed_elsewhere", msg)
+            log.info("block claimed elsewhere, redelivering later", holder=e.holder)
+            return "claimed_elsewhere"
+        lanes = [
+            LaneRequest(
+                rows=rows,
+                depth=lane.answer_depth,
+                temperature=s.temperature,
+                seed=s.seed if s.HasField("seed") else None,
+            )
+            for rows, lane, s in zip(
+                verified.lane_rows(), header.layout.lanes, header.sampling, strict=True
+            )
+        ]
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        held = [claim]
+        keepalive = asyncio.create_task(self._keep_alive(held, msg))
+        try:
+            results = await loop.run_in_executor(self._executor, self._engine.readout, lanes)
+        except Exception:
+            log.exception("readout failed")
+            keepalive.cancel()
+            await asyncio.gather(keepalive, return_exceptions=True)
+            await self._registry.release(held[0])
+            await self._nak("readout_failed", msg)
+            return "readout_failed"
+        finally:
+            keepalive.cancel()
+        await asyncio.gather(keepalive, return_exceptions=True)
+        claim = held[0]
+        self._m.readout_seconds.observe(time.perf_counter() - t0)
+        try:
+            await self._registry.commit(claim, commit_record(header, results, self.worker_id))
+        except ClaimLost:
+            # Taken over after our lease ran out: the new holder commits. Redeliver rather
+            # than ack, in case it dies too; the next delivery finds the commit and drops.
+            self._m.claims_lost.inc()
+            await self._nak("claim_lost", msg)
+            log.warning("claim lost before commit")
+            return "claim_lost"
+        await msg.ack_sync()
+        self._m.committed.inc()
+        await self._cleanup_object(block)
+        log.info("block committed", lanes=len(lanes))
+        return "committed"
+
+    async def _keep_alive(self, held: list[Claim], msg: Msg) -> None:
+        """Renew the lease (and JetStream's ack timer) while a long readout runs."""
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            try:
+                held[0] = await self._registry.renew(held[0], self._lease_s)
+                await msg.in_progress()
+            except ClaimLost:
+                return  # the commit will say so
+            except (RegistryError, TimeoutError, nats.errors.Error) as e:
+                log.warning("lease renewal failed", error=repr(e))
+
+    async def _committed(self, block_id: str) -> bool:
+        entry = await self._registry.get(block_id) if block_id else None
+        return entry is not None and entry.state == pb.CLAIM_STATE_COMMITTED
+
+    async def _drop_duplicate(self, msg: Msg) -> str:
+        await msg.ack_sync()
+        self._m.duplicates_dropped.inc()
+        log.info("duplicate delivery dropped")
+        return "duplicate"
+
+    async def _cleanup_object(self, block: block_pb.StateBlock) -> None:
+        if block.payload.WhichOneof("location") != "object_ref":
+            return
+        try:
+            await self._objects.delete(block.payload.object_ref.name)
+        except (TimeoutError, nats.errors.Error) as e:  # the bucket TTL ages it out anyway
+            log.warning("payload object not deleted", error=repr(e))
+
+    async def _nak(self, cause: str, msg: Msg) -> None:
+        self._m.retried.labels(cause).inc()
+        await msg.nak(delay=self._retry)
+
+    async def _reject(self, msg: Msg, block_id: str, reason: str, detail: str) -> str:
+        log.warning("block rejected", reason=reason, detail=detail)
+        self._m.rejected.labels(reason).inc()
+        await msg.term()
+        headers = {streams.REASON_HEADER: reason, streams.BLOCK_ID_HEADER: block_id}
+        await self._nc.publish(streams.rejected_subject(reason), msg.data, headers=headers)
+        return f"rejected:{reason}"
+
+
+async def run_worker(
+    worker: ReadoutWorker, psub, stop: asyncio.Event, *, fetch_timeout_s: float
+) -> None:
+    """Pull one block at a time until `stop`; a block in hand is always finished."""
+    while not stop.is_set():
+        try:
+            msgs = await psub.fetch(1, timeout=fetch_timeout_s)
+        except nats.errors.TimeoutError:
+            continue
+        except nats.errors.Error as e:
+            log.warning("fetch failed", error=repr(e), worker_id=worker.worker_id)
+            await asyncio.sleep(fetch_timeout_s)
+            continue
+        for msg in msgs:
+            try:
+                await worker.handle(msg)
+            except (RegistryError, TimeoutError, nats.errors.Error) as e:
+                # NATS trouble mid-block: no ack, so JetStream redelivers after ack_wait.
+                log.warning("block left for redelivery", error=repr(e), worker_id=worker.worker_id)
+            except Exception:  # a bug must not kill the pull loop; the block is redelivered
+                log.exception("unexpected failure handling a block", worker_id=worker.worker_id)

@@ -1,0 +1,124 @@
+"""What every service process shares: env-var parsing, logging, shutdown, metrics serving.
+
+Configs are read once in `main()` from `STATEBLOCK_*` variables through these helpers and
+passed down; nothing here is a module-level singleton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_BASE = REPO / "models" / "reference" / "base"
+REFERENCE_DECODER = REPO / "models" / "reference" / "decoder"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_MODEL_NAME = "stateblock-reference"
+# Matches the Helm chart's terminationGracePeriodSeconds minus headroom for nc.drain().
+DEFAULT_GRACE_S = 10.0
+
+
+class ConfigError(ValueError):
+    """A STATEBLOCK_* variable that cannot be used; the service refuses to start."""
+
+
+class Env:
+    """Typed reads of STATEBLOCK_<NAME> from one mapping (os.environ by default)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._env = os.environ if environ is None else environ
+
+    def _raw(self, name: str) -> str | None:
+        value = self._env.get(f"STATEBLOCK_{name}")
+        return None if value is None or value == "" else value
+
+    def str(self, name: str, default: str) -> str:
+        raw = self._raw(name)
+        return default if raw is None else raw
+
+    def optional_str(self, name: str) -> str | None:
+        return self._raw(name)
+
+    def path(self, name: str, default: Path) -> Path:
+        raw = self._raw(name)
+        return default if raw is None else Path(raw)
+
+    def int(self, name: str, default: int, *, minimum: int | None = None) -> int:
+        raw = self._raw(name)
+        try:
+            value = default if raw is None else int(raw)
+        except ValueError as e:
+            raise ConfigError(f"STATEBLOCK_{name}={raw!r} is not an integer") from e
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"STATEBLOCK_{name}={value} is below {minimum}")
+        return value
+
+    def float(self, name: str, default: float, *, positive: bool = True) -> float:
+        raw = self._raw(name)
+        try:
+            value = default if raw is None else float(raw)
+        except ValueError as e:
+            raise ConfigError(f"STATEBLOCK_{name}={raw!r} is not a number") from e
+        if positive and not value > 0:
+            raise ConfigError(f"STATEBLOCK_{name}={value} must be positive")
+        return value
+
+
+def subject_token(name: str, what: str = "model name") -> str:
+    """A NATS subject token / KV-safe name: no dots, spaces or wildcards."""
+    if not name or any(c in name for c in ". *>\t\r\n"):
+        raise ConfigError(f"{what} {name!r} must be one NATS subject token (no '.', ' ', '*', '>')")
+    return name
+
+
+def configure_logging(level: str = "info") -> None:
+    """structlog JSON lines on stderr; request_id / block_id come from bound contextvars."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def shutdown_event() -> asyncio.Event:
+    """An Event set by SIGINT or SIGTERM (call from inside the running loop)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+@asynccontextmanager
+async def metrics_server(
+    registry: CollectorRegistry, port: int | None, host: str = "0.0.0.0"
+) -> AsyncIterator[int | None]:
+    """Serve /metrics of `registry` on its own port (services without an HTTP app)."""
+    if port is None:
+        yield None
+        return
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        await asyncio.to_thread(thread.join, 5)

@@ -1,0 +1,101 @@
+"""The pieces a service serves: base model, tokenizer, lm_head and the decoder's identity.
+
+Capture signs blocks with this identity and readout workers refuse blocks captured for any
+other, so both sides derive it the same way, from the files on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from stateblock.capture import lm_head_weight
+from stateblock.checkpoint import (
+    DecoderError,
+    DecoderMismatch,
+    base_model_digest,
+    read_manifest,
+    tensor_digest,
+    tokenizer_digest,
+)
+from stateblock.envelope import ModelIdentity
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_max_tokens(manifest: dict, answer_depth_max: int) -> int:
+    """The depth read when a request does not say: what the decoder was trained to serve."""
+    trained = manifest.get("training", {}).get("config", {}).get("max_answer")
+    return min(int(trained), answer_depth_max) if trained else answer_depth_max
+
+
+def decoder_manifest(decoder_dir: str | Path) -> dict:
+    """The manifest, with a start-up message that says what to do when it is missing."""
+    if not (Path(decoder_dir) / "manifest.json").exists():
+        raise DecoderError(
+            f"no readout decoder at {decoder_dir} (manifest.json missing): build one with "
+            "`stateblock build-reference` or `stateblock train`, or set STATEBLOCK_DECODER_DIR"
+        )
+    return read_manifest(decoder_dir)
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    name: str
+    model: nn.Module
+    tokenizer: object
+    lm_head: Tensor  # (V, d_base), the resident output embedding
+    identity: ModelIdentity
+    manifest: dict
+    base_dir: Path
+    decoder_dir: Path
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.lm_head.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+
+def load_serving_model(
+    name: str,
+    base_dir: str | Path,
+    decoder_dir: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ServingModel:
+    """Base model + tokenizer from a local directory, checked against the decoder manifest."""
+    from stateblock.reference import load_base
+
+    manifest = decoder_manifest(decoder_dir)
+    model, tok = load_base(base_dir, device=device, dtype=dtype)
+    lm_head = lm_head_weight(model)
+    actual = {
+        "base_model_digest": base_model_digest(base_dir),
+        "tokenizer_digest": tokenizer_digest(base_dir),
+        "lm_head_digest": tensor_digest(lm_head),
+    }
+    for field, value in actual.items():
+        if manifest.get(field) != value:
+            raise DecoderMismatch(field, str(manifest.get(field)), value)
+    identity = ModelIdentity(
+        model=name,
+        base_model_digest=bytes.fromhex(actual["base_model_digest"]),
+        lm_head_digest=bytes.fromhex(actual["lm_head_digest"]),
+        decoder_digest=bytes.fromhex(manifest["decoder_digest"]),
+    )
+    return ServingModel(
+        name, model, tok, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
+    )

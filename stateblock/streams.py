@@ -1,0 +1,111 @@
+"""The JetStream layout the services share: stream, subjects, object bucket, consumer.
+
+Every service calls `ensure_streams` at start-up; creating with an identical config is
+idempotent, so services racing to start agree on one stream.
+"""
+
+from __future__ import annotations
+
+import nats.js.errors as js_errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.object_store import ObjectStore
+
+BLOCKS_STREAM = "STATEBLOCK_BLOCKS"
+REJECTED_STREAM = "STATEBLOCK_REJECTED"
+PAYLOAD_BUCKET = "STATEBLOCK_PAYLOADS"
+BLOCK_ID_HEADER = "Stateblock-Block-Id"
+REASON_HEADER = "Stateblock-Reason"
+# An object store chunk travels as one message, so it must fit under max_payload with its
+# headers; the JetStream default chunk is 128 KiB.
+MAX_CHUNK = 128 * 1024
+CHUNK_HEADROOM = 1024
+
+
+def blocks_subject(model: str) -> str:
+    return f"stateblock.blocks.{model}"
+
+
+def rejected_subject(reason: str) -> str:
+    return f"stateblock.rejected.{reason}"
+
+
+def readout_durable(model: str) -> str:
+    return f"readout-{model}"
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.stream_info(config.name)
+    except js_errors.NotFoundError:
+        try:
+            await js.add_stream(config)
+        except js_errors.BadRequestError:
+            # Created by another service between our lookup and add: fine if it exists now.
+            await js.stream_info(config.name)
+
+
+async def ensure_streams(
+    js: JetStreamContext, *, duplicate_window_s: float = 120.0, payload_ttl_s: float = 3600.0
+) -> None:
+    """The blocks work queue, the rejected-block log and the payload object bucket."""
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=BLOCKS_STREAM,
+            subjects=["stateblock.blocks.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=duplicate_window_s,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=REJECTED_STREAM,
+            subjects=["stateblock.rejected.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=7 * 24 * 3600.0,
+        ),
+    )
+    await payload_store(js, ttl_s=payload_ttl_s)
+
+
+async def payload_store(js: JetStreamContext, *, ttl_s: float = 3600.0) -> ObjectStore:
+    try:
+        return await js.object_store(PAYLOAD_BUCKET)
+    except js_errors.BucketNotFoundError:
+        config = ObjectStoreConfig(bucket=PAYLOAD_BUCKET, ttl=ttl_s, storage=StorageType.FILE)
+        try:
+            return await js.create_object_store(PAYLOAD_BUCKET, config=config)
+        except js_errors.BadRequestError:
+            return await js.object_store(PAYLOAD_BUCKET)
+
+
+async def ensure_readout_consumer(
+    js: JetStreamContext, model: str, *, ack_wait_s: float, max_deliver: int
+) -> str:
+    """The durable pull consumer every readout worker of `model` shares; returns its name."""
+    durable = readout_durable(model)
+    try:
+        await js.consumer_info(BLOCKS_STREAM, durable)
+    except js_errors.NotFoundError:
+        config = ConsumerConfig(
+            durable_name=durable,
+            filter_subject=blocks_subject(model),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_deliver=max_deliver,
+        )
+        await js.add_consumer(BLOCKS_STREAM, config)
+    return durable

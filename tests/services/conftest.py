@@ -1,0 +1,140 @@
+"""Service-test fixtures: a small random decoder bound to the shipped base model.
+
+The shipped decoder is trained separately; these tests need one that matches the shipped
+base (its manifest checks pass) and is cheap on a CPU, not one that answers well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+from stateblock.capture import lm_head_weight
+from stateblock.checkpoint import base_model_digest, save_decoder, tensor_digest, tokenizer_digest
+from stateblock.embedded import StackUrls, UpConfig, running_stack
+from stateblock.readout import ReadoutConfig, ReadoutDecoder
+from stateblock.reference import load_base
+from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE
+
+TEST_MAX_ANSWER = 4096
+
+
+def build_test_decoder(out_dir: Path, base_dir: Path = REFERENCE_BASE, seed: int = 0) -> Path:
+    model, tok = load_base(base_dir)
+    lm_head = lm_head_weight(model)
+    torch.manual_seed(seed)
+    decoder = ReadoutDecoder(
+        ReadoutConfig(
+            d_base=model.config.hidden_size,
+            vocab_size=lm_head.shape[0],
+            eos_token_id=tok.eos_token_id,
+            d_r=64,
+            n_latent=8,
+            n_heads=4,
+        )
+    )
+    identity = {
+        "base_model_digest": base_model_digest(base_dir),
+        "tokenizer_digest": tokenizer_digest(base_dir),
+        "lm_head_digest": tensor_digest(lm_head),
+        "data_digest": "test",
+    }
+    save_decoder(
+        out_dir, decoder, identity, {"training": {"config": {"max_answer": TEST_MAX_ANSWER}}}
+    )
+    return out_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_service_logs() -> None:
+    """Warnings and errors only: the stack's threads log outside pytest's capture."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+@pytest.fixture(scope="session")
+def decoder_dir(tmp_path_factory) -> Path:
+    torch.set_num_threads(1)  # the services' forwards and readouts share a small CPU
+    return build_test_decoder(tmp_path_factory.mktemp("decoder"))
+
+
+@pytest.fixture(scope="session")
+def serving_model(decoder_dir):
+    from stateblock.serving import load_serving_model
+
+    return load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, decoder_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(serving_model):
+    from readout_svc.engine import create_engine
+
+    return create_engine("reference", serving_model)
+
+
+class StackThread:
+    """The embedded stack (its own nats-server included) on a background event loop, so sync
+    and async clients alike can call it from the test thread."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.urls: StackUrls | None = None
+        self.metrics = CollectorRegistry()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="stack", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            async with running_stack(self.config, metrics=self.metrics) as urls:
+                self.urls = urls
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+            self._ready.set()
+
+    def start(self, timeout: float = 60.0) -> StackUrls:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("stack did not start")
+        if self._error is not None:
+            raise RuntimeError("stack failed to start") from self._error
+        assert self.urls is not None
+        return self.urls
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "stack did not stop"
+
+
+@pytest.fixture(scope="module")
+def stack(decoder_dir, tmp_path_factory) -> Iterator[StackThread]:
+    config = UpConfig(
+        data_dir=tmp_path_factory.mktemp("stack"),
+        http_port=0,
+        grpc_port=0,
+        workers=2,
+        decoder_dir=decoder_dir,
+        request_timeout_s=30.0,
+    )
+    runner = StackThread(config)
+    runner.start()
+    yield runner
+    runner.stop()

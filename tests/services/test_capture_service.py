@@ -1,0 +1,269 @@
+"""The capture registry's checks and counters, the batcher, and the capture service on NATS."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import nats
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width
+from capture_svc.config import CaptureConfig
+from capture_svc.registry import (
+    CaptureIntegrityError,
+    CaptureRegistry,
+    CaptureRegistryMetrics,
+    CohortStamp,
+    DoubleConsume,
+    Slot,
+)
+from capture_svc.server import running_capture
+from capture_svc.service import CaptureFailed, InvalidCapture, LaneInput
+from stateblock import envelope as env
+from stateblock import streams
+from stateblock.keys import Signer, TrustStore
+from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.v1 import block_pb2 as pb
+
+D = 8
+MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
+COUNTERS = (
+    "plans_registered", "records", "consumed", "cross_request_events", "identity_mismatch",
+    "lane_length_mismatch", "row_count_mismatch", "layout_digest_mismatch", "mode_mismatch",
+    "double_consume", "unplanned_records", "expired_plans",
+)  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def metrics() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def reg(metrics, clock) -> CaptureRegistry:
+    return CaptureRegistry(CaptureRegistryMetrics(metrics), plan_ttl_s=10, clock=clock)
+
+
+def count(metrics: CollectorRegistry, name: str) -> float:
+    suffix = "" if name == "active_plans" else "_total"
+    return metrics.get_sample_value(f"stateblock_capture_{name}{suffix}") or 0.0
+
+
+def plan(reg: CaptureRegistry, rid: str, lengths=(3, 5)):
+    layout = env.make_layout(rid, lengths, [4] * len(lengths), hidden_size=D, dtype=torch.float32)
+    return reg.register(rid, layout)
+
+
+def stamp(p, rows_at=(0, 1), token=None, mode=MODE) -> CohortStamp:
+    slots = tuple(
+        Slot(p.request_id, token or p.token, lane, row) for lane, row in enumerate(rows_at)
+    )
+    return CohortStamp(slots, mode)
+
+
+def test_exactly_the_thirteen_metric_names(metrics, reg):
+    names = {m.name for m in metrics.collect()}
+    assert names == {f"stateblock_capture_{c}" for c in COUNTERS} | {
+        "stateblock_capture_active_plans"
+    }
+
+
+def test_register_record_consume_exactly_once(metrics, reg):
+    p = plan(reg, "r1")
+    rows = torch.randn(2, 6, D)  # (B, P, d): padded cohort rows
+    reg.record(stamp(p), rows, [3, 5])
+    assert count(metrics, "active_plans") == 1
+    out = reg.consume("r1", p.layout_digest)
+    assert torch.equal(out, torch.cat([rows[0, :3], rows[1, :5]]))
+    assert count(metrics, "consumed") == 1 and count(metrics, "active_plans") == 0
+    with pytest.raises(DoubleConsume):
+        reg.consume("r1", p.layout_digest)
+    assert count(metrics, "double_consume") == 1
+    assert count(metrics, "plans_registered") == 1 and count(metrics, "records") == 1
+
+
+def test_cohort_rows_go_to_their_own_requests(reg):
+    a, b = plan(reg, "a", (2,)), plan(reg, "b", (4, 1))
+    rows = torch.arange(3 * 5 * D, dtype=torch.float32).view(3, 5, D)
+    slots = (Slot("b", b.token, 0, 0), Slot("a", a.token, 0, 1), Slot("b", b.token, 1, 2))
+    reg.record(CohortStamp(slots, MODE), rows, [4, 2, 1])
+    assert torch.equal(reg.consume("a", a.layout_digest), rows[1, :2])
+    assert torch.equal(reg.consume("b", b.layout_digest), torch.cat([rows[0, :4], rows[2, :1]]))
+
+
+@pytest.mark.parametrize(
+    ("kind", "record"),
+    [
+        ("lane_length_mismatch", lambda r, p: r.record(stamp(p), torch.randn(2, 6, D), [3, 4])),
+        ("identity_mismatch", lambda r, p: r.record(stamp(p, token="stale"), torch.randn(2, 6, D), [3, 5])),
+        ("mode_mismatch", lambda r, p: r.record(stamp(p, mode=99), torch.randn(2, 6, D), [3, 5])),
+        ("cross_request_events", lambda r, p: r.record(stamp(p, rows_at=(0, 0)), torch.randn(2, 6, D), [3, 5])),
+        ("layout_digest_mismatch", lambda r, p: r.record(stamp(p), torch.randn(2, 6, D + 1), [3, 5])),
+    ],
+)  # fmt: skip
+def test_each_failed_check_is_counted_and_poisons_only_its_request(metrics, reg, kind, record):
+    p = plan(reg, "bad")
+    other = plan(reg, "good", (2,))
+    record(reg, p)
+    reg.record(CohortStamp((Slot("good", other.token, 0, 0),), MODE), torch.randn(1, 4, D), [2])
+    with pytest.raises(CaptureIntegrityError) as info:
+        reg.consume("bad", p.layout_digest)
+    assert info.value.kind == kind
+    assert count(metrics, kind) == 1
+    assert reg.consume("good", other.layout_digest).shape == (2, D)
+
+
+def test_second_record_and_unplanned_and_expiry(metrics, reg, clock):
+    p = plan(reg, "r")
+    reg.record(stamp(p), torch.randn(2, 6, D), [3, 5])
+    reg.record(stamp(p), torch.randn(2, 6, D), [3, 5])  # a second forward into the same slot
+    assert count(metrics, "cross_request_events") == 1
+    reg.record(CohortStamp((Slot("ghost", "t", 0, 0),), MODE), torch.randn(1, 4, D), [2])
+    assert count(metrics, "unplanned_records") == 1
+    plan(reg, "late")
+    clock.now += 11
+    assert reg.sweep() == 2 and count(metrics, "expired_plans") == 2
+    assert count(metrics, "active_plans") == 0
+
+
+def test_consume_checks_the_layout_digest(metrics, reg):
+    p = plan(reg, "r")
+    reg.record(stamp(p), torch.randn(2, 6, D), [3, 5])
+    with pytest.raises(CaptureIntegrityError):
+        reg.consume("r", b"\x00" * 32)
+    assert count(metrics, "layout_digest_mismatch") == 1
+
+
+def test_bucket_width_always_pads():
+    assert [bucket_width(n) for n in (1, 15, 16, 17, 4096)] == [16, 16, 32, 32, 8192]
+
+
+async def test_batched_cohort_rows_equal_each_request_alone(serving_model, metrics, reg):
+    tok = serving_model.tokenizer
+    prompts = ["copy: a", "sort: zyxwvu", "reverse: hello there", "add: 12+34", "count: 1 5"]
+    forward = CohortForward(serving_model.model, reg, pad_id=tok.pad_token_id, capture_mode=MODE)
+
+    def run(batch: list[str], tag: str) -> list[torch.Tensor]:
+        pending = []
+        for p in batch:
+            ids = tok(p)["input_ids"]
+            layout = env.make_layout(
+                f"{tag}{p}", [len(ids)], [4], hidden_size=serving_model.hidden_size,
+                dtype=torch.float32,
+            )  # fmt: skip
+            pending.append(Pending(reg.register(f"{tag}{p}", layout), [ids], None))
+        forward(pending)
+        return [reg.consume(q.plan.request_id, q.plan.layout_digest) for q in pending]
+
+    alone = [run([p], "alone")[0] for p in prompts]
+    together = run(prompts, "together")
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+async def test_batcher_groups_concurrent_requests(serving_model, metrics, reg):
+    tok = serving_model.tokenizer
+    sizes = []
+    forward = CohortForward(serving_model.model, reg, pad_id=tok.pad_token_id, capture_mode=MODE)
+
+    async def submit(batcher, rid: str, prompt: str):
+        ids = tok(prompt)["input_ids"]
+        layout = env.make_layout(
+            rid, [len(ids)], [4], hidden_size=serving_model.hidden_size, dtype=torch.float32
+        )
+        p = reg.register(rid, layout)
+        await batcher.submit(p, [ids])
+        return reg.consume(rid, p.layout_digest)
+
+    with ThreadPoolExecutor(1) as pool:
+        async with ForwardBatcher(
+            forward, pool, window_s=0.05, max_lanes=4, on_cohort=sizes.append
+        ) as batcher:
+            outs = await asyncio.gather(*(submit(batcher, f"r{i}", f"copy: {i}") for i in range(6)))
+    assert len(outs) == 6 and sorted(sizes) == [2, 4]  # K_max = 4 lanes per forward
+
+
+@pytest.fixture
+async def capture_service(nats_url, serving_model, tmp_path):
+    nc = await nats.connect(nats_url)
+    config = CaptureConfig(nats_url=nats_url, port=0, prompt_len_max=64, max_lanes=4)
+    signer = Signer.generate()
+    async with running_capture(
+        config, nc=nc, model=serving_model, signer=signer, metrics=CollectorRegistry()
+    ) as running:
+        yield running, nc, signer
+    await nc.close()
+
+
+async def test_capture_publishes_a_verifiable_block(capture_service, serving_model):
+    running, nc, signer = capture_service
+    sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), durable="probe")
+    lanes = [
+        LaneInput(prompt="copy: abc", max_tokens=12),
+        LaneInput(messages=(("user", "copy: abc"),), max_tokens=7, temperature=0.5, seed=3),
+    ]
+    captured = await running.service.capture(MODEL, lanes, "req-1")
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.headers["Nats-Msg-Id"] == captured.block_id
+    verified = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key]))
+    header = verified.header
+    assert header.request_id == "req-1" and header.block_id == captured.block_id
+    assert [lane.answer_depth for lane in header.layout.lanes] == [12, 7]
+    assert header.sampling[1].seed == 3 and header.sampling[1].temperature == 0.5
+    a, b = verified.lane_rows()
+    assert torch.equal(a, b)  # the chat template renders a lone user turn like the prompt
+    assert (
+        captured.prompt_tokens
+        == (len(tok_ids := serving_model.tokenizer("copy: abc")["input_ids"]),) * 2
+    )
+    assert a.shape == (len(tok_ids), serving_model.hidden_size)
+    assert running.registry.active() == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "lanes", "param"),
+    [
+        ("other", [LaneInput(prompt="hi", max_tokens=4)], "model"),
+        (MODEL, [LaneInput(prompt="", max_tokens=4)], "prompt"),
+        (MODEL, [LaneInput(prompt="x" * 100, max_tokens=4)], "prompt"),
+        (MODEL, [LaneInput(prompt="hi", max_tokens=0)], "max_tokens"),
+        (MODEL, [LaneInput(prompt="hi", max_tokens=9000)], "max_tokens"),
+        (MODEL, [LaneInput(prompt="hi", max_tokens=4)] * 5, "n"),
+        (MODEL, [LaneInput(messages=(), max_tokens=4)], "messages"),
+    ],
+)
+async def test_capture_rejects_bad_requests_before_planning(capture_service, model, lanes, param):
+    running, nc, _ = capture_service
+    with pytest.raises(InvalidCapture) as info:
+        await running.service.capture(model, lanes)
+    assert info.value.param == param
+    assert running.registry.active() == 0
+    assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
+
+
+async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
+    running, nc, _ = capture_service
+
+    def stale_record(stamp, rows, lengths):  # a hook that lies about the lane lengths
+        CaptureRegistry.record(running.registry, stamp, rows, [n - 1 for n in lengths])
+
+    monkeypatch.setattr(running.registry, "record", stale_record)
+    with pytest.raises(CaptureFailed, match="lane_length_mismatch"):
+        await running.service.capture(MODEL, [LaneInput(prompt="copy: a", max_tokens=4)])
+    assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0

@@ -1,0 +1,119 @@
+"""The gateway when nothing can serve (503 / UNAVAILABLE) and when no answer comes in time
+(504 / DEADLINE_EXCEEDED): a clear error, never an autoregressive fallback."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import nats
+import pytest
+from prometheus_client import CollectorRegistry
+
+from capture_svc.config import CaptureConfig
+from capture_svc.server import running_capture
+from gateway.config import GatewayConfig
+from gateway.server import running_gateway
+from readout_svc.config import ReadoutServiceConfig
+from readout_svc.server import running_readout
+from stateblock.embedded import free_port
+from stateblock.keys import Signer, TrustStore
+from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "copy: a"}], "max_tokens": 4}
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+def gateway_config(decoder_dir, capture_target: str, timeout_s: float = 30.0) -> GatewayConfig:
+    return GatewayConfig(
+        capture_target=capture_target,
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        decoder_dir=decoder_dir,
+        request_timeout_s=timeout_s,
+    )
+
+
+async def expect(
+    gw, http_status: int, error_type: str, grpc_code: grpc.StatusCode, detail: str = ""
+) -> None:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
+        r = await http.post("/v1/chat/completions", json=BODY, timeout=30)
+    assert r.status_code == http_status, r.text
+    error = r.json()["error"]
+    assert error["type"] == error_type and detail in error["message"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(
+                gateway_pb2.GenerateRequest(model=MODEL, prompt="copy: a"), timeout=30
+            )
+    assert info.value.code() == grpc_code and detail in info.value.details()
+
+
+async def test_unreachable_capture_is_503_unavailable(nc, decoder_dir, serving_model):
+    config = gateway_config(decoder_dir, f"127.0.0.1:{free_port()}")
+    async with running_gateway(
+        config, nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer
+    ) as gw:
+        await expect(gw, 503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_no_readout_worker_is_504_deadline_exceeded(nc, decoder_dir, serving_model):
+    capture_config = CaptureConfig(port=0, host="127.0.0.1")
+    async with running_capture(
+        capture_config,
+        nc=nc,
+        model=serving_model,
+        signer=Signer.generate(),
+        metrics=CollectorRegistry(),
+    ) as capture:
+        config = gateway_config(decoder_dir, f"127.0.0.1:{capture.port}", timeout_s=0.5)
+        async with running_gateway(
+            config, nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer
+        ) as gw:
+            await expect(gw, 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_rejected_block_fails_fast_not_at_the_deadline(
+    nc, decoder_dir, serving_model, engine
+):
+    """Capture signs with a key the workers do not trust: the block is rejected, the
+    request fails at once with the reason (500), not after the 30 s deadline."""
+    capture_config = CaptureConfig(port=0, host="127.0.0.1")
+    readout_config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
+    trusted_elsewhere = TrustStore([Signer.generate().public_key])
+    async with (
+        running_capture(
+            capture_config,
+            nc=nc,
+            model=serving_model,
+            signer=Signer.generate(),
+            metrics=CollectorRegistry(),
+        ) as capture,
+        running_readout(
+            readout_config,
+            nc=nc,
+            engine=engine,
+            trust=trusted_elsewhere,
+            metrics=CollectorRegistry(),
+        ),
+        running_gateway(
+            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}"),
+            nc=nc,
+            metrics=CollectorRegistry(),
+            tokenizer=serving_model.tokenizer,
+        ) as gw,
+    ):
+        t0 = time.monotonic()
+        await expect(gw, 500, "server_error", grpc.StatusCode.INTERNAL, "unknown_key")
+        assert time.monotonic() - t0 < 10

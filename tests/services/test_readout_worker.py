@@ -1,0 +1,252 @@
+"""Readout workers against a real nats-server: commits, tampered blocks, duplicates, big
+payloads through the object store, and an unknown engine failing closed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import nats
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from capture_svc.publisher import BlockPublisher
+from readout_svc.config import ReadoutServiceConfig
+from readout_svc.engine import LaneRequest, UnknownEngine, create_engine
+from readout_svc.server import running_readout
+from registry import Registry
+from stateblock import envelope as env
+from stateblock import streams
+from stateblock.keys import Signer, TrustStore
+from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.v1 import block_pb2 as pb
+from stateblock.v1 import commit_pb2
+
+SIGNER = Signer.generate()
+STRANGER = Signer.generate()
+
+
+def make_block(serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    d = serving_model.hidden_size
+    rows = torch.randn(sum(rows_per_lane), d, generator=gen)  # (total_rows, d)
+    request_id = f"req-{seed}-{len(rows_per_lane)}"
+    layout = env.make_layout(
+        request_id, rows_per_lane, [depth] * len(rows_per_lane), hidden_size=d, dtype=rows.dtype
+    )
+    sampling = [pb.SamplingParams(max_tokens=depth) for _ in rows_per_lane]
+    return env.build_block(
+        layout,
+        rows,
+        request_id=request_id,
+        identity=serving_model.identity,
+        sampling=sampling,
+        signer=SIGNER,
+        ttl_s=ttl_s,
+        now=now,
+    )
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def readout(nc, engine):
+    metrics = CollectorRegistry()
+    config = ReadoutServiceConfig(
+        nats_url="unused", workers=2, fetch_timeout_s=0.2, retry_delay_s=0.2
+    )
+    async with running_readout(
+        config, nc=nc, engine=engine, trust=TrustStore([SIGNER.public_key]), metrics=metrics
+    ) as running:
+        yield running, metrics
+
+
+async def publish(nc, block: pb.StateBlock, msg_id: str | None = None):
+    js = nc.jetstream()
+    headers = {"Nats-Msg-Id": msg_id or block.header.block_id}
+    data = env.serialize_block(block)
+    return await js.publish(streams.blocks_subject(MODEL), data, headers=headers)
+
+
+def value(metrics: CollectorRegistry, name: str, **labels) -> float:
+    return metrics.get_sample_value(name, labels) or 0.0
+
+
+async def settled(metrics: CollectorRegistry, name: str, want: float, **labels) -> float:
+    """The counter once it reaches `want` (the commit is visible before the ack and count)."""
+    for _ in range(200):
+        if value(metrics, name, **labels) >= want:
+            break
+        await asyncio.sleep(0.025)
+    return value(metrics, name, **labels)
+
+
+async def test_block_committed_with_the_engine_answer(nc, readout, engine, serving_model):
+    _, metrics = readout
+    block = make_block(serving_model, rows_per_lane=(5, 9), depth=24)
+    await publish(nc, block)
+    registry = await Registry.open(nc.jetstream())
+    commit = await registry.watch_commit(block.header.block_id, timeout=20)
+    verified = env.verify(block, TrustStore([SIGNER.public_key]))
+    expected = engine.readout([LaneRequest(rows=r, depth=24) for r in verified.lane_rows()])
+    assert [list(lane.token_ids) for lane in commit.lanes] == [list(e.token_ids) for e in expected]
+    assert [lane.eos_pos for lane in commit.lanes] == [e.eos_pos for e in expected]
+    assert commit.forward_state_digest == block.header.forward_state_digest
+    assert len(commit.output_digest) == 32 and commit.request_id == block.header.request_id
+    assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
+
+
+def _flip_payload(block: pb.StateBlock) -> None:
+    data = bytearray(block.payload.inline_rows)
+    data[17] ^= 0x01
+    block.payload.inline_rows = bytes(data)
+
+
+def _change_header(block: pb.StateBlock) -> None:
+    block.header.sampling[0].max_tokens = 8192  # a signed field, changed after signing
+
+
+def _unknown_key(block: pb.StateBlock) -> None:
+    env.sign_header(block.header, STRANGER)
+
+
+TAMPERS = [
+    ("forward_state_digest", _flip_payload, {}),
+    ("bad_signature", _change_header, {}),
+    ("unknown_key", _unknown_key, {}),
+    ("expired", None, {"ttl_s": 1.0, "now": 1_000_000_000.0}),
+]
+
+
+@pytest.mark.parametrize(("reason", "tamper", "kw"), TAMPERS, ids=[t[0] for t in TAMPERS])
+async def test_tampered_block_rejected_never_claimed(
+    nc, readout, serving_model, reason, tamper, kw
+):
+    _, metrics = readout
+    rejected = await nc.subscribe("stateblock.rejected.>")
+    block = make_block(serving_model, **kw)
+    if tamper is not None:
+        tamper(block)
+    await publish(nc, block)
+    msg = await rejected.next_msg(timeout=20)
+    assert msg.subject == f"stateblock.rejected.{reason}"
+    assert msg.headers[streams.REASON_HEADER] == reason
+    assert msg.headers[streams.BLOCK_ID_HEADER] == block.header.block_id
+    assert await settled(metrics, "stateblock_blocks_rejected_total", 1, reason=reason) == 1
+    registry = await Registry.open(nc.jetstream())
+    assert await registry.get(block.header.block_id) is None  # never claimed
+    await asyncio.sleep(0.5)  # terminated, not redelivered: still nothing, still one rejection
+    assert await registry.get(block.header.block_id) is None
+    assert value(metrics, "stateblock_blocks_rejected_total", reason=reason) == 1
+    info = await nc.jetstream().consumer_info(streams.BLOCKS_STREAM, streams.readout_durable(MODEL))
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_block_published_twice_is_committed_once(nc, readout, serving_model):
+    _, metrics = readout
+    block = make_block(serving_model, seed=3)
+    first = await publish(nc, block)
+    again = await publish(nc, block)  # same Nats-Msg-Id: the duplicate window drops it
+    assert not first.duplicate and again.duplicate
+    registry = await Registry.open(nc.jetstream())
+    commit = await registry.watch_commit(block.header.block_id, timeout=20)
+    # past the duplicate window (a new msg id): the registry makes it a no-op
+    await publish(nc, block, msg_id=f"{block.header.block_id}-redelivered")
+    assert await settled(metrics, "stateblock_duplicate_deliveries_dropped_total", 1) == 1
+    assert value(metrics, "stateblock_blocks_committed_total") == 1
+    entry = await registry.get(block.header.block_id)
+    assert entry.state == commit_pb2.CLAIM_STATE_COMMITTED and entry.commit == commit
+
+
+async def test_model_mismatch_is_rejected(nc, readout, serving_model):
+    other = dataclasses.replace(serving_model.identity, decoder_digest=b"\x00" * 32)
+    block = make_block(dataclasses.replace(serving_model, identity=other), seed=4)
+    rejected = await nc.subscribe("stateblock.rejected.>")
+    await publish(nc, block)
+    msg = await rejected.next_msg(timeout=20)
+    assert msg.subject == "stateblock.rejected.model_mismatch"
+
+
+async def test_block_over_max_payload_goes_through_the_object_store(
+    start_nats_server, engine, serving_model
+):
+    server = start_nats_server(max_payload=16 * 1024)
+    nc = await nats.connect(server.url)
+    try:
+        assert nc.max_payload == 16 * 1024
+        await streams.ensure_streams(nc.jetstream())
+        publisher = await BlockPublisher.open(nc, model=MODEL, timeout_s=5)
+        block = make_block(serving_model, rows_per_lane=(40, 30), seed=5)  # 70 KiB of rows
+        assert len(env.serialize_block(block)) > nc.max_payload
+        assert await publisher.publish(block)  # True: via the object store
+        config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
+        trust = TrustStore([SIGNER.public_key])
+        async with running_readout(
+            config, nc=nc, engine=engine, trust=trust, metrics=CollectorRegistry()
+        ):
+            registry = await Registry.open(nc.jetstream())
+            commit = await registry.watch_commit(block.header.block_id, timeout=20)
+        assert [len(lane.token_ids) <= 16 for lane in commit.lanes] == [True, True]
+        objects = await streams.payload_store(nc.jetstream())
+        with pytest.raises(nats.js.errors.NotFoundError):  # cleaned up after the commit
+            await objects.get_info(block.header.block_id)
+    finally:
+        await nc.close()
+
+
+def test_unknown_engine_fails_closed(serving_model):
+    with pytest.raises(UnknownEngine, match="unknown readout engine 'tensorrt-fast'"):
+        create_engine("tensorrt-fast", serving_model)
+
+
+class SlowEngine:
+    """The reference engine behind a readout that outlasts the lease several times over."""
+
+    name = "slow"
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self._inner = inner
+        self._delay = delay_s
+        self.identity = inner.identity
+
+    def readout(self, lanes):
+        time.sleep(self._delay)
+        return self._inner.readout(lanes)
+
+    def warm_up(self) -> None:
+        pass
+
+
+async def test_a_readout_longer_than_the_lease_keeps_its_claim(nc, engine, serving_model):
+    metrics = CollectorRegistry()
+    config = ReadoutServiceConfig(
+        nats_url="unused", workers=2, lease_s=0.3, ack_wait_s=0.6, fetch_timeout_s=0.1
+    )
+    trust = TrustStore([SIGNER.public_key])
+    async with running_readout(
+        config, nc=nc, engine=SlowEngine(engine, 1.5), trust=trust, metrics=metrics
+    ):
+        block = make_block(serving_model, seed=6)
+        await publish(nc, block)
+        registry = await Registry.open(nc.jetstream())
+        await registry.watch_commit(block.header.block_id, timeout=20)
+        assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
+    entry = await registry.get(block.header.block_id)
+    assert entry.attempt == 1  # renewed, never taken over
+    assert value(metrics, "stateblock_claims_lost_total") == 0
+    assert value(metrics, "stateblock_duplicate_deliveries_dropped_total") == 0
+
+
+async def test_unknown_engine_refuses_to_start_the_service(monkeypatch):
+    from readout_svc.server import main
+
+    monkeypatch.setenv("STATEBLOCK_ENGINE", "nope")
+    with pytest.raises(UnknownEngine):
+        await main()

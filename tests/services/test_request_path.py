@@ -1,0 +1,294 @@
+"""The whole request path with real parts: openai client / gRPC -> gateway -> capture ->
+NATS JetStream -> readout workers -> CAS registry, all through the embedded stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import httpx
+import nats
+import openai
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from capture_svc.batcher import bucket_width
+from stateblock.capture import capture
+from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.streams import BLOCKS_STREAM
+from stateblock.v1 import capture_pb2, gateway_pb2, gateway_pb2_grpc
+from stateblock.vocab import NO_EOS
+
+PROMPTS = [f"copy: {'abcdefgh'[i % 8] * (1 + i % 13)}{i}" for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def http_url(stack) -> str:
+    return stack.urls.http
+
+
+@pytest.fixture(scope="module")
+def client(http_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def aclient(http_url) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{http_url}/v1", api_key="unused", max_retries=0)
+
+
+def in_process_answer(serving_model, engine, prompt: str, max_tokens: int) -> list[int]:
+    """The same prompt through capture + decoder in this process, padded like the service."""
+    from readout_svc.engine import LaneRequest
+
+    ids = serving_model.tokenizer(prompt)["input_ids"]
+    x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
+    mask = torch.zeros_like(x)
+    x[0, : len(ids)] = torch.tensor(ids)
+    mask[0, : len(ids)] = 1
+    rows = capture(serving_model.model, x, mask)[0, : len(ids)]
+    (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens)])
+    return list(result.token_ids)
+
+
+def test_models_health_metrics(client, http_url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{http_url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{http_url}/metrics").text
+    for name in (
+        "plans_registered_total", "records_total", "consumed_total",
+        "cross_request_events_total", "identity_mismatch_total", "lane_length_mismatch_total",
+        "row_count_mismatch_total", "layout_digest_mismatch_total", "mode_mismatch_total",
+        "double_consume_total", "unplanned_records_total", "expired_plans_total",
+    ):  # fmt: skip
+        assert f"stateblock_capture_{name}" in text
+    assert "stateblock_capture_active_plans" in text
+    assert "stateblock_request_seconds" in text and "stateblock_readout_seconds" in text
+
+
+def test_completion_matches_the_in_process_decoder(client, serving_model, engine):
+    r = client.completions.create(model=MODEL, prompt="copy: hello", max_tokens=24)
+    (choice,) = r.choices
+    expected = in_process_answer(serving_model, engine, "copy: hello", 24)
+    assert choice.text == serving_model.tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice.finish_reason == ("length" if len(expected) == 24 else "stop")
+    assert r.usage.prompt_tokens == len(serving_model.tokenizer("copy: hello")["input_ids"])
+    assert r.usage.completion_tokens == len(expected)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_sync_and_streaming_with_usage(client):
+    messages = [{"role": "user", "content": "reverse: stateblock"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert (
+        finishes[-1] == full.choices[0].finish_reason and finishes.count(None) == len(finishes) - 1
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+async def test_async_completion_and_stream(aclient):
+    full = await aclient.completions.create(model=MODEL, prompt="sort: dcba", max_tokens=40)
+    stream = await aclient.completions.create(
+        model=MODEL,
+        prompt="sort: dcba",
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    chat = await aclient.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "sort: dcba"}], max_tokens=40
+    )
+    # the chat template renders a lone user turn exactly like the raw prompt
+    assert chat.choices[0].message.content == full.choices[0].text
+
+
+async def test_concurrent_requests_each_get_their_own_answer(aclient):
+    async def ask(prompt: str) -> tuple[str, str]:
+        r = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=32)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    alone = [await ask(p) for p in PROMPTS]
+    assert len(set(alone)) > 1  # the prompts are told apart, so a mix-up would show
+    together = await asyncio.gather(*(ask(p) for p in PROMPTS))
+    assert together == alone
+
+
+def test_n_choices_and_prompt_lists(client):
+    r = client.completions.create(model=MODEL, prompt=["copy: ab", "copy: cd"], n=2, max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text  # greedy: the copies of one prompt agree
+    one = client.completions.create(model=MODEL, prompt="copy: cd", max_tokens=8)
+    assert r.choices[2].text == one.choices[0].text
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = {"model": MODEL, "prompt": "count: 1 9", "max_tokens": 32, "temperature": 1.0}
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == b
+
+
+def test_default_max_tokens_reads_the_trained_depth(client):
+    r = client.completions.create(model=MODEL, prompt="copy: x")
+    # the random test decoder rarely says EOS: it reads to the manifest's max_answer
+    assert r.usage.completion_tokens <= 4096
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_grpc_generate_stream_health_reflection(stack):
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(model=MODEL, prompt="copy: grpc", max_tokens=20)
+        full = stub.Generate(req, timeout=30)
+        (choice,) = full.choices
+        assert choice.finish_reason in (
+            gateway_pb2.FINISH_REASON_STOP,
+            gateway_pb2.FINISH_REASON_LENGTH,
+        )
+        if choice.finish_reason == gateway_pb2.FINISH_REASON_LENGTH:
+            assert choice.eos_pos == NO_EOS
+        chunks = list(
+            stub.GenerateStream(
+                gateway_pb2.GenerateStreamRequest(request=req, include_usage=True), timeout=30
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+        assert ids == list(choice.token_ids)
+        assert chunks[-1].usage == full.usage and not chunks[-1].choices
+
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "stateblock.v1.Gateway"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        (reply,) = refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name for s in reply.list_services_response.service}
+        assert "stateblock.v1.Gateway" in names
+
+
+async def _path_state(nats_url: str) -> tuple[int, set[str]]:
+    """(blocks ever published, registry keys): what a bad request must leave unchanged."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        published = (await js.stream_info(BLOCKS_STREAM)).state.last_seq
+        kv = await js.key_value("STATEBLOCK_REGISTRY")
+        try:
+            keys = set(await kv.keys())
+        except nats.js.errors.NoKeysError:
+            keys = set()
+        return published, keys
+    finally:
+        await nc.close()
+
+
+BAD_HTTP = [
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8193}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": 123}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 9}, "n"),
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9000,
+        },
+        "max_completion_tokens",
+    ),
+]
+
+
+def test_bad_inputs_get_clear_errors_and_leave_nothing_behind(stack, http_url):
+    before = asyncio.run(_path_state(stack.urls.nats))
+    for path, body, param in BAD_HTTP:
+        r = httpx.post(f"{http_url}{path}", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+        assert error["message"]
+    r = httpx.post(f"{http_url}/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for req in (
+            gateway_pb2.GenerateRequest(model=MODEL, prompt=""),
+            gateway_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=9000),
+            gateway_pb2.GenerateRequest(model="nope", prompt="hi"),
+            gateway_pb2.GenerateRequest(model=MODEL, prompt="x" * 5000),
+            gateway_pb2.GenerateRequest(
+                model=MODEL,
+                prompt="hi",
+                messages=[capture_pb2.ChatMessage(role="user", content="x")],
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(req, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details()
+    assert asyncio.run(_path_state(stack.urls.nats)) == before
+    metrics = httpx.get(f"{http_url}/metrics").text
+    assert "stateblock_capture_active_plans 0.0" in metrics
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_cli_ask_and_keys_generate(stack, client, capsys, tmp_path):
+    from stateblock.cli import main
+    from stateblock.keys import Signer, TrustStore
+
+    messages = [{"role": "user", "content": "copy: cli"}]
+    expected = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert main(["ask", "copy: cli", "--url", stack.urls.http, "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out == expected.choices[0].message.content + "\n"
+    assert main(["ask", "hi", "--url", stack.urls.http, "--max-tokens", "9000"]) == 1
+    assert "error 400" in capsys.readouterr().err
+
+    assert main(["keys", "generate", "--out", str(tmp_path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert Signer.load(Path(info["private"])).key_id == info["key_id"]
+    assert info["key_id"] in TrustStore.from_dir(tmp_path)

@@ -1,0 +1,90 @@
+"""Capture on the shipped reference model and on a tiny hybrid Mamba/attention NemotronH."""
+
+import pytest
+import torch
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+from stateblock.capture import capture, lm_head_weight, pack_lanes, pad_lanes, unpack_lanes
+from stateblock.readout import ReadoutConfig, ReadoutDecoder
+from stateblock.reference import load_base
+from tests.helpers import REFERENCE_BASE
+
+
+def tiny_nemotron_h() -> NemotronHForCausalLM:
+    torch.manual_seed(0)
+    cfg = NemotronHConfig(
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        chunk_size=16,
+        n_routed_experts=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        num_experts_per_tok=1,
+        layers_block_type=["mamba", "attention", "mlp", "mamba"],
+    )
+    return NemotronHForCausalLM(cfg).eval()
+
+
+def check_capture(model, ids, mask):
+    calls = []
+    rows = capture(model, ids, mask, on_rows=lambda r: calls.append(r.shape))
+    assert calls == [rows.shape]  # the hook fired exactly once, in the one forward
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    diff = (rows - ref.hidden_states[-1]).abs().max().item()
+    assert diff < 1e-5, diff
+    return rows
+
+
+def test_capture_reference_model_equals_final_hidden_state():
+    model, tok = load_base(REFERENCE_BASE)
+    enc = tok(["copy: abc", "count: 001 009"], padding=True, return_tensors="pt")
+    rows = check_capture(model, enc["input_ids"], enc["attention_mask"])
+    assert rows.shape[-1] == model.config.hidden_size
+
+
+def test_capture_nemotron_h_through_the_decoder():
+    model = tiny_nemotron_h()
+    assert {"linear_attention", "full_attention"} <= set(model.config.layers_block_type)  # hybrid
+    ids = torch.randint(0, 97, (2, 9))
+    rows = check_capture(model, ids, torch.ones_like(ids))
+    head = lm_head_weight(model)
+    dec = ReadoutDecoder(
+        ReadoutConfig(d_base=64, vocab_size=97, eos_token_id=2, d_r=32, n_latent=4, n_heads=4)
+    ).eval()
+    with torch.no_grad():
+        out = dec(
+            rows, torch.tensor([9, 5]), torch.arange(30).expand(2, -1), torch.tensor([30, 12]), head
+        )
+    assert out.tokens.shape == (2, 30)
+    assert int(out.tokens.max()) < 97
+
+
+def test_capture_does_not_leak_between_calls():
+    model, tok = load_base(REFERENCE_BASE)
+    a = tok(["copy: abc"], return_tensors="pt")
+    b = tok(["sort: zyx"], return_tensors="pt")
+    ra1 = capture(model, a["input_ids"], a["attention_mask"])
+    capture(model, b["input_ids"], b["attention_mask"])
+    ra2 = capture(model, a["input_ids"], a["attention_mask"])
+    assert torch.equal(ra1, ra2)
+    assert not model.base_model._forward_hooks  # the hook is removed after each forward
+
+
+def test_pack_and_unpack_lanes_keep_the_layout_invariant():
+    rows = [torch.randn(n, 8) for n in (3, 1, 5)]
+    packed, offsets = pack_lanes(rows)
+    assert offsets.tolist() == [0, 3, 4, 9] and packed.shape[0] == 9
+    assert all(torch.equal(a, b) for a, b in zip(unpack_lanes(packed, offsets), rows, strict=True))
+    with pytest.raises(ValueError):
+        unpack_lanes(packed[:-1], offsets)
+    padded, lens = pad_lanes(rows)
+    assert padded.shape == (3, 5, 8) and lens.tolist() == [3, 1, 5]

@@ -1,0 +1,103 @@
+"""Teacher exactness, distillation end to end (tiny), checkpoint identity and resume."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from stateblock import tasks
+from stateblock.capture import lm_head_weight
+from stateblock.checkpoint import DecoderMismatch, load_decoder, read_manifest
+from stateblock.distill import DistillConfig, train_decoder
+from stateblock.reference import encode_examples, load_base
+from stateblock.teacher import greedy_answers
+from tests.helpers import REFERENCE_BASE
+
+TINY = {"d_r": 32, "n_latent": 4, "n_heads": 4}
+
+
+def test_teacher_equals_hf_generate_greedy():
+    model, tok = load_base(REFERENCE_BASE)
+    exs = [
+        e
+        for f in ("copy", "reverse", "add", "recall", "count", "repeat")
+        for e in tasks.generate(2, split="heldout", seed=8, families=(f,))
+    ]
+    pairs = encode_examples(tok, exs)
+    max_new = 40
+    fast = greedy_answers(
+        model, pairs, eos=tok.eos_token_id, pad=tok.pad_token_id, max_new=max_new, device="cpu"
+    )
+    deviated = 0
+    for (prompt, cand), got in zip(pairs, fast, strict=True):
+        ref = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt)),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert got == ref[0, len(prompt) :].tolist()
+        deviated += got != (cand + [tok.eos_token_id])[:max_new]
+    print(f"{deviated} of {len(pairs)} answers needed step-by-step decoding")
+
+
+def _prompts(tmp_path, n=24):
+    exs = tasks.generate(n, split="train", seed=2, families=("copy", "add", "recall", "count"))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n" for e in exs)
+    )
+    return path
+
+
+def test_distill_writes_a_bound_checkpoint_and_refuses_another_base(tmp_path):
+    cfg = DistillConfig(steps=3, token_budget=256, max_answer=24, decoder=TINY)
+    stats = train_decoder(
+        REFERENCE_BASE, _prompts(tmp_path), tmp_path / "dec", cfg, data_dir=tmp_path / "data"
+    )
+    assert stats["steps"] == 3
+    manifest = read_manifest(tmp_path / "dec")
+    for key in (
+        "base_model_digest",
+        "lm_head_digest",
+        "tokenizer_digest",
+        "data_digest",
+        "decoder_config",
+        "decoder_digest",
+    ):
+        assert manifest[key], key
+    assert list((tmp_path / "data").glob("teacher-*.jsonl"))  # teacher cached on disk
+    model, _ = load_base(REFERENCE_BASE)
+    dec, _ = load_decoder(tmp_path / "dec", base_dir=REFERENCE_BASE, lm_head=lm_head_weight(model))
+    assert dec.cfg.d_r == 32
+
+    # the same decoder against a base model whose weights differ: a clear error
+    other = tmp_path / "other-base"
+    shutil.copytree(REFERENCE_BASE, other)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    model.to(torch.bfloat16).save_pretrained(str(other))
+    other_model, _ = load_base(other)
+    with pytest.raises(DecoderMismatch, match="base_model_digest"):
+        load_decoder(tmp_path / "dec", base_dir=other, lm_head=lm_head_weight(other_model))
+    with pytest.raises(DecoderMismatch, match="lm_head_digest"):
+        load_decoder(tmp_path / "dec", base_dir=REFERENCE_BASE, lm_head=lm_head_weight(other_model))
+
+
+def test_distill_resumes_from_its_checkpoint(tmp_path):
+    prompts = _prompts(tmp_path)
+    cfg = DistillConfig(steps=4, token_budget=256, max_answer=24, decoder=TINY, ckpt_every=2)
+    train_decoder(REFERENCE_BASE, prompts, tmp_path / "a", cfg, data_dir=tmp_path / "data")
+    # the same plan cut after two steps (a time-sliced run), then resumed
+    cut = DistillConfig(**{**cfg.__dict__, "stop_after": 2})
+    stats = train_decoder(REFERENCE_BASE, prompts, tmp_path / "b", cut, data_dir=tmp_path / "data")
+    assert stats["stopped_at"] == 2 and (tmp_path / "b" / "ckpt.pt").exists()
+    assert not (tmp_path / "b" / "decoder.safetensors").exists()
+    train_decoder(REFERENCE_BASE, prompts, tmp_path / "b", cfg, data_dir=tmp_path / "data")
+    assert not (tmp_path / "b" / "ckpt.pt").exists()
+    a = read_manifest(tmp_path / "a")["decoder_digest"]
+    b = read_manifest(tmp_path / "b")["decoder_digest"]
+    assert a == b  # resumed training is bit-identical to the uninterrupted run

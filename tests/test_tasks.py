@@ -1,0 +1,68 @@
+"""The task suite and the reference tokenizer."""
+
+import random
+
+from transformers import AutoTokenizer
+
+from stateblock import tasks
+from stateblock.tokenizer import save_tokenizer
+
+
+def test_at_least_six_families_with_exact_answers():
+    assert len(tasks.FAMILIES) >= 6
+    rng = random.Random(0)
+    for _ in range(200):
+        ex = tasks.sort(rng)
+        assert ex.answer == "".join(sorted(ex.prompt.split(": ")[1]))
+        ex = tasks.add(rng)
+        a, b = ex.prompt.split(": ")[1].split("+")
+        assert int(ex.answer) == int(a) + int(b)
+        ex = tasks.reverse(rng)
+        assert ex.answer == ex.prompt.split(": ")[1][::-1]
+        ex = tasks.recall(rng)
+        pairs, q = ex.prompt.split(": ")[1].split(" ?")
+        assert dict(p.split("=") for p in pairs.split(";"))[q] == ex.answer
+        ex = tasks.count(rng)
+        lo, hi = map(int, ex.prompt.split(": ")[1].split())
+        assert [int(x) for x in ex.answer.split()] == list(range(lo, hi + 1))
+
+
+def test_answer_lengths_span_one_to_over_2048():
+    exs = tasks.generate(3000, split="train", seed=5)
+    lengths = [len(e.answer) for e in exs]
+    assert min(lengths) == 1
+    assert max(lengths) >= 2048
+    assert {e.family for e in exs} == set(tasks.FAMILIES)
+
+
+def test_generation_is_seeded():
+    a = tasks.generate(200, split="train", seed=3)
+    b = tasks.generate(200, split="train", seed=3)
+    c = tasks.generate(200, split="train", seed=4)
+    assert a == b
+    assert a != c
+
+
+def test_no_prompt_in_both_splits():
+    train = {e.prompt for e in tasks.generate(5000, split="train", seed=0)}
+    held = {e.prompt for e in tasks.generate(1000, split="heldout", seed=0)}
+    assert len(held) == 1000
+    assert not train & held
+    assert all(tasks.is_heldout(p) for p in held)
+    assert not any(tasks.is_heldout(p) for p in train)
+
+
+def test_tokenizer_loads_with_autotokenizer_and_round_trips(tmp_path):
+    save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    for ex in tasks.generate(50, split="train", seed=1):
+        ids = tok(ex.prompt)["input_ids"]
+        assert ids[0] == tok.bos_token_id and tok.convert_ids_to_tokens(ids[-1]) == "<ans>"
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids, skip_special_tokens=True) == ex.prompt
+        ans = tok(ex.answer, add_special_tokens=False)["input_ids"]
+        assert len(ans) == len(ex.answer)  # one token a character: depth == answer length
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "copy: abc"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<bos>copy: abc<ans>"
