@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,7 +142,30 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"  gRPC Gateway     {urls.grpc}")
         print(f"  metrics          {urls.http}/metrics")
         print(f"  NATS             {urls.nats}")
-        print(f'try: stateblock ask "copy: hello" --url {urls.http}   (Ctrl-C stops)', flush=True)
+        if not a.ask:
+            print(
+                f'try: stateblock ask "copy: hello" --url {urls.http}   (Ctrl-C stops)', flush=True
+            )
+            return
+
+        def ask_then_stop() -> None:
+            # --ask: one real request through the HTTP API, then the same clean stop as Ctrl-C
+            print(f"ask: {a.ask}", flush=True)
+            asked = argparse.Namespace(
+                prompt=a.ask,
+                url=urls.http,
+                model=None,
+                max_tokens=None,
+                temperature=None,
+                timeout=120.0,
+                verbose=True,
+            )
+            results.append(cmd_ask(asked))
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=ask_then_stop, daemon=True).start()
+
+    results: list[int] = []
 
     try:
         asyncio.run(embedded.up(config, ready))
@@ -147,7 +173,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"stateblock up: {e}", file=sys.stderr)
         return 1
     print("stateblock stopped", flush=True)
-    return 0
+    return results[0] if results else 0
 
 
 def cmd_ask(a: argparse.Namespace) -> int:
@@ -261,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--model-name", default="stateblock-reference")
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--log-level", default="warning")
+    u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
 
     q = sub.add_parser("ask", help="ask a running gateway (chat completion)")

@@ -1,0 +1,60 @@
+"""The quality report on the shipped reference model and decoder."""
+
+import json
+
+from stateblock.cli import main
+from stateblock.evaluate import BUCKETS, METRICS, bucket_of, score
+from stateblock.vocab import NO_EOS
+from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
+
+EOS = 2
+
+
+def test_score_definitions():
+    s = score([5, 6, EOS], ([5, 6, EOS, 9], 2), [5, 6], EOS)
+    assert s["exact"] and s["eos"] and s["t_truth"] and s["r_truth"] and s["agree"] == 3
+    s = score([5, 6, EOS], ([5, 7, 8, 9], NO_EOS), [5, 6], EOS)
+    assert not s["exact"] and not s["eos"] and s["agree"] == 1 and not s["r_truth"]
+    s = score([5, 6, 6, 6], ([5, 6, 6, 6], NO_EOS), [5, 6], EOS)  # teacher never stopped
+    assert s["exact"] and not s["t_truth"]
+    assert (
+        bucket_of(1) == "1-64" and bucket_of(2048) == "1025-2048" and bucket_of(9000) == "2049-8192"
+    )
+
+
+def test_eval_command_reports_every_bucket_and_family(tmp_path):
+    out = tmp_path / "q.json"
+    png = tmp_path / "q.png"
+    md = tmp_path / "q.md"
+    rc = main(
+        [
+            "eval",
+            "--base",
+            str(REFERENCE_BASE),
+            "--decoder",
+            str(REFERENCE_DECODER),
+            "--n-each",
+            "2",
+            "--families",
+            "copy,add,count",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--markdown",
+            str(md),
+        ]
+    )
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert list(report["buckets"]) == [f"{lo}-{hi}" for lo, hi in BUCKETS]
+    assert set(report["families"]) == {"copy", "add", "count"}
+    for entry in [*report["buckets"].values(), *report["families"].values()]:
+        assert set(METRICS) | {"n"} == set(entry)
+    assert sum(b["n"] for b in report["buckets"].values()) == 6
+    for fam in report["families"].values():
+        assert fam["n"] == 2 and 0.0 <= fam["token_agreement_vs_teacher"] <= 1.0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "| copy | 2 |" in md.read_text()
