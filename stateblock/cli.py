@@ -98,6 +98,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         seed=a.seed,
         device=_device(a.device),
         families=tuple(a.families.split(",")) if a.families else None,
+        max_answer=a.max_answer,
     )
     report["settings"]["seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(report, indent=2)
@@ -270,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=1234)
     e.add_argument("--families", default="", help="comma-separated subset")
     e.add_argument("--device", default="auto")
+    e.add_argument("--max-answer", type=int, default=None, help="teacher envelope override")
     e.add_argument("--json", help="write the JSON report here")
     e.add_argument("--plot", help="write the PNG plot here")
     e.add_argument("--markdown", help="write the markdown tables here")

@@ -116,6 +116,7 @@ def evaluate(
     seed: int = 1234,
     device: str = "cpu",
     families: tuple[str, ...] | None = None,
+    max_answer: int | None = None,
 ) -> dict:
     base, tok = load_base(base_dir, device)
     lm_head = lm_head_weight(base)
@@ -125,7 +126,7 @@ def evaluate(
         e for f in names for e in tasks.generate(n_each, split="heldout", seed=seed, families=(f,))
     ]
     pairs = encode_examples(tok, examples)
-    max_answer = manifest["training"]["config"]["max_answer"]
+    max_answer = max_answer or manifest["training"]["config"]["max_answer"]
     teacher = greedy_answers(
         base, pairs, eos=tok.eos_token_id, pad=tok.pad_token_id, max_new=max_answer, device=device
     )
@@ -149,6 +150,7 @@ def evaluate(
             "seed": seed,
             "split": "heldout",
             "decoder_digest": manifest["decoder_digest"],
+            "max_answer": max_answer,
         },
     }
 

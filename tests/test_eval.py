@@ -39,6 +39,8 @@ def test_eval_command_reports_every_bucket_and_family(tmp_path):
             "copy,add,count",
             "--device",
             "cpu",
+            "--max-answer",
+            "96",
             "--json",
             str(out),
             "--plot",
