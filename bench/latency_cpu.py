@@ -1,0 +1,191 @@
+"""End-to-end vs in-process latency on the CPU, for one prompt (`python -m bench.latency_cpu`).
+
+HTTP: the embedded stack (nats-server, capture, readout workers, gateway) in this process on a
+background event loop, N sequential /v1/completions requests through the openai client.
+In-process: the same prompt through `stateblock.capture.capture` + the readout engine, padded
+as the capture service pads it. The difference of the p50s is the serving overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import torch
+
+from capture_svc.batcher import bucket_width
+from readout_svc.engine import LaneRequest, create_engine
+from stateblock.capture import capture
+from stateblock.embedded import StackUrls, UpConfig, running_stack
+from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
+from stateblock.serving import ServingModel, load_serving_model
+
+
+class Stack:
+    """running_stack() on a background event loop; start() returns its URLs."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.urls: StackUrls | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="stack", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            async with running_stack(self.config) as urls:
+                self.urls = urls
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+
+    def start(self, timeout: float = 120.0) -> StackUrls:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("stack did not start")
+        if self._error is not None:
+            raise RuntimeError("stack failed to start") from self._error
+        assert self.urls is not None
+        return self.urls
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+def timed(fn: Callable[[], object], n: int, warmup: int) -> tuple[list[float], object]:
+    for _ in range(warmup):
+        fn()
+    times, out = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def pct(xs: list[float], q: float) -> float:
+    return (
+        statistics.quantiles(xs, n=100, method="inclusive")[round(q) - 1] if len(xs) > 1 else xs[0]
+    )
+
+
+def in_process_fn(model: ServingModel, engine, prompt: str, max_tokens: int) -> Callable[[], str]:
+    def run() -> str:
+        ids = model.tokenizer(prompt)["input_ids"]
+        x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
+        mask = torch.zeros_like(x)
+        x[0, : len(ids)] = torch.tensor(ids)
+        mask[0, : len(ids)] = 1
+        with torch.inference_mode():
+            rows = capture(model.model, x, mask)[0, : len(ids)]
+        (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens)])
+        return model.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", default="copy: hello")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("-n", "--requests", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0: torch default); 1 by default: on a small shared CPU, "
+        "a multi-threaded main-thread forward can be ~100x slower than a 1-thread one",
+    )
+    ap.add_argument("--workers", type=int, default=2, help="readout workers in the stack")
+    ap.add_argument("--base-dir", type=Path, default=REFERENCE_BASE)
+    ap.add_argument("--decoder-dir", type=Path, default=REFERENCE_DECODER)
+    args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import openai
+
+    with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
+        stack = Stack(
+            UpConfig(
+                data_dir=Path(tmp),
+                http_port=0,
+                grpc_port=0,
+                workers=args.workers,
+                base_dir=args.base_dir,
+                decoder_dir=args.decoder_dir,
+            )
+        )
+        urls = stack.start()
+        try:
+            client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="unused", max_retries=0)
+
+            def http_call() -> str:
+                r = client.completions.create(
+                    model=DEFAULT_MODEL_NAME, prompt=args.prompt, max_tokens=args.max_tokens
+                )
+                return r.choices[0].text
+
+            http_times, http_text = timed(http_call, args.requests, args.warmup)
+        finally:
+            stack.stop()
+
+    model = load_serving_model(DEFAULT_MODEL_NAME, args.base_dir, args.decoder_dir)
+    engine = create_engine("reference", model)
+    engine.warm_up()
+    local = in_process_fn(model, engine, args.prompt, args.max_tokens)
+    local_times, local_text = timed(local, args.requests, args.warmup)
+
+    ms = 1000.0
+    rows = [
+        ("HTTP /v1/completions (embedded stack)", http_times),
+        ("in-process capture + decoder", local_times),
+    ]
+    print(
+        f"prompt={args.prompt!r} max_tokens={args.max_tokens} n={args.requests} "
+        f"warmup={args.warmup} torch_threads={torch.get_num_threads()}"
+    )
+    print(
+        f"machine: processor={platform.processor() or platform.machine()!r} "
+        f"cpu_count={os.cpu_count()} python={platform.python_version()} torch={torch.__version__}"
+    )
+    print()
+    print("| path | p50 (ms) | p90 (ms) | mean (ms) |")
+    print("|---|---:|---:|---:|")
+    for name, t in rows:
+        print(
+            f"| {name} | {pct(t, 50) * ms:.1f} | {pct(t, 90) * ms:.1f} | "
+            f"{statistics.fmean(t) * ms:.1f} |"
+        )
+    print()
+    print(
+        f"p50 difference (HTTP - in-process): {(pct(http_times, 50) - pct(local_times, 50)) * ms:.1f} ms"
+    )
+    print(f"answers agree: {http_text == local_text}")
+
+
+if __name__ == "__main__":
+    main()
