@@ -34,7 +34,7 @@ class DecoderMismatch(DecoderError):
         self.field = field
 
 
-def _sha_files(paths: list[Path]) -> str:
+def sha_files(paths: list[Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
         h.update(p.name.encode() + b"\0")
@@ -50,12 +50,12 @@ def base_model_digest(base_dir: str | Path) -> str:
     files = sorted([d / "config.json", *d.glob("*.safetensors"), *d.glob("*.bin")])
     if not files[1:]:
         raise DecoderError(f"no weight files in {d}")
-    return _sha_files(files)
+    return sha_files(files)
 
 
 def tokenizer_digest(base_dir: str | Path) -> str:
     d = Path(base_dir)
-    return _sha_files(sorted(p for p in d.glob("tokenizer*.json") if p.is_file()))
+    return sha_files(sorted(p for p in d.glob("tokenizer*.json") if p.is_file()))
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -69,7 +69,7 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def decoder_digest(decoder_dir: str | Path) -> str:
-    return _sha_files([Path(decoder_dir) / WEIGHTS])
+    return sha_files([Path(decoder_dir) / WEIGHTS])
 
 
 def save_decoder(out_dir: str | Path, decoder: ReadoutDecoder, identity: dict, extra: dict) -> None:

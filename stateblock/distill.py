@@ -109,7 +109,7 @@ def train_decoder(
         "lm_head_digest": ckpt.tensor_digest(lm_head),
     }
     prompts = read_prompts(prompts_file)
-    key = ckpt._sha_files([Path(prompts_file)])[:16] + "-" + identity["base_model_digest"][:16]
+    key = ckpt.sha_files([Path(prompts_file)])[:16] + "-" + identity["base_model_digest"][:16]
     t0 = time.perf_counter()
     records, data_digest = build_teacher(
         base, tok, prompts, Path(data_dir) / f"teacher-{key}.jsonl", cfg, device
