@@ -9,13 +9,11 @@ as the capture service pads it. The difference of the p50s is the serving overhe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import platform
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,51 +24,9 @@ import torch
 from capture_svc.batcher import bucket_width
 from readout_svc.engine import LaneRequest, create_engine
 from stateblock.capture import capture
-from stateblock.embedded import StackUrls, UpConfig, running_stack
+from stateblock.embedded import StackThread, UpConfig
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import ServingModel, load_serving_model
-
-
-class Stack:
-    """running_stack() on a background event loop; start() returns its URLs."""
-
-    def __init__(self, config: UpConfig) -> None:
-        self.config = config
-        self.urls: StackUrls | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="stack", daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            async with running_stack(self.config) as urls:
-                self.urls = urls
-                self._ready.set()
-                await self._stop.wait()
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-
-    def start(self, timeout: float = 120.0) -> StackUrls:
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("stack did not start")
-        if self._error is not None:
-            raise RuntimeError("stack failed to start") from self._error
-        assert self.urls is not None
-        return self.urls
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
 
 
 def timed(fn: Callable[[], object], n: int, warmup: int) -> tuple[list[float], object]:
@@ -129,7 +85,7 @@ def main() -> None:
     import openai
 
     with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
-        stack = Stack(
+        stack = StackThread(
             UpConfig(
                 data_dir=Path(tmp),
                 http_port=0,
@@ -139,7 +95,7 @@ def main() -> None:
                 decoder_dir=args.decoder_dir,
             )
         )
-        urls = stack.start()
+        urls = stack.start(timeout=120.0)
         try:
             client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="unused", max_retries=0)
 

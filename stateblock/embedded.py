@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -217,3 +218,49 @@ async def up(config: UpConfig, on_ready: Callable[[StackUrls], None]) -> None:
     async with running_stack(config) as urls:
         on_ready(urls)
         await shutdown.wait()
+
+
+class StackThread:
+    """running_stack() on a background event loop, so synchronous callers (tests, benchmarks)
+    can start it, call it with any client, and stop it."""
+
+    def __init__(self, config: UpConfig, *, metrics: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.urls: StackUrls | None = None
+        self.metrics = metrics
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="stack", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            async with running_stack(self.config, metrics=self.metrics) as urls:
+                self.urls = urls
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+            self._ready.set()
+
+    def start(self, timeout: float = 60.0) -> StackUrls:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("stack did not start")
+        if self._error is not None:
+            raise RuntimeError("stack failed to start") from self._error
+        assert self.urls is not None
+        return self.urls
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._thread.is_alive():
+            raise RuntimeError("stack did not stop within 30 s")

@@ -6,20 +6,17 @@ base (its manifest checks pass) and is cheap on a CPU, not one that answers well
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
 import torch
-from prometheus_client import CollectorRegistry
 
 from stateblock.capture import lm_head_weight
 from stateblock.checkpoint import base_model_digest, save_decoder, tensor_digest, tokenizer_digest
-from stateblock.embedded import StackUrls, UpConfig, running_stack
+from stateblock.embedded import StackThread, UpConfig
 from stateblock.readout import ReadoutConfig, ReadoutDecoder
 from stateblock.reference import load_base
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE
@@ -77,51 +74,6 @@ def engine(serving_model):
     from readout_svc.engine import create_engine
 
     return create_engine("reference", serving_model)
-
-
-class StackThread:
-    """The embedded stack (its own nats-server included) on a background event loop, so sync
-    and async clients alike can call it from the test thread."""
-
-    def __init__(self, config: UpConfig) -> None:
-        self.config = config
-        self.urls: StackUrls | None = None
-        self.metrics = CollectorRegistry()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="stack", daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            async with running_stack(self.config, metrics=self.metrics) as urls:
-                self.urls = urls
-                self._ready.set()
-                await self._stop.wait()
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # surfaced by start()
-            self._error = e
-            self._ready.set()
-
-    def start(self, timeout: float = 60.0) -> StackUrls:
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("stack did not start")
-        if self._error is not None:
-            raise RuntimeError("stack failed to start") from self._error
-        assert self.urls is not None
-        return self.urls
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "stack did not stop"
 
 
 @pytest.fixture(scope="module")
