@@ -71,16 +71,16 @@ def encode_examples(tok, examples: list[tasks.Example]) -> list[tuple[list[int],
 
 
 def _collate(pairs, eos: int, pad: int, device):
+    """Right-padded (ids, labels). No attention mask: under causal attention a right pad
+    never reaches a real token, and without a mask SDPA can take its flash kernel."""
     seqs = [p + a + [eos] for p, a in pairs]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, ((p, _a), s) in enumerate(zip(pairs, seqs, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
         labels[i, len(p) : len(s)] = torch.tensor(s[len(p) :])  # answer tokens and EOS only
-    return ids.to(device), mask.to(device), labels.to(device)
+    return ids.to(device), labels.to(device)
 
 
 def fit_steps(planned: int, step: int, spent: float, pace: float, max_minutes: float) -> int:
@@ -127,7 +127,7 @@ def train_base(out_dir: str | Path, cfg: BaseTrainConfig, device: str) -> dict:
             now = time.perf_counter()
             steps = fit_steps(cfg.steps, step, now - t0, (now - t10) / 70, cfg.max_minutes)
             bar.total = steps
-        ids, mask, labels = _collate(
+        ids, labels = _collate(
             [pairs[i] for i in batches[step % len(batches)]],
             tok.eos_token_id,
             tok.pad_token_id,
@@ -136,7 +136,7 @@ def train_base(out_dir: str | Path, cfg: BaseTrainConfig, device: str) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, cfg.lr, cfg.warmup)
         with amp:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,10 +149,31 @@ def train_base(out_dir: str | Path, cfg: BaseTrainConfig, device: str) -> dict:
     # stored in bf16 to keep the shipped files small; every later stage loads these bytes
     model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
     n_params = sum(p.numel() for p in model.parameters())
+    model.eval()
     return {
+        "heldout_exact_by_family": ar_exact_by_family(model, tok, device),
         "steps": steps,
         "seconds": round(seconds, 1),
         "params": n_params,
         "final_loss": float(loss.item()),
         "device": device,
     }
+
+
+@torch.no_grad()
+def ar_exact_by_family(model, tok, device, n_each: int = 50, seed: int = 99) -> dict:
+    """The base model's own greedy AR exact match vs the ground truth on held-out prompts,
+    per family. Exact by construction: the greedy answer equals the truth iff one
+    teacher-forced forward predicts every truth token and then EOS."""
+    from stateblock.teacher import verify_candidates
+
+    examples = tasks.per_family(n_each, split="heldout", seed=seed)
+    pairs = encode_examples(tok, examples)
+    max_new = max(len(a) for _, a in pairs) + 1
+    agreed = verify_candidates(
+        model, pairs, tok.eos_token_id, tok.pad_token_id, device, 65536, max_new
+    )
+    out: dict[str, list[int]] = {}
+    for e, (_, a), got in zip(examples, pairs, agreed, strict=True):
+        out.setdefault(e.family, []).append(int(got == a + [tok.eos_token_id]))
+    return {f: round(sum(v) / len(v), 3) for f, v in out.items()}
