@@ -1,7 +1,8 @@
 """Concurrent requests -> one packed base forward per cohort.
 
-Requests arriving within a short window are grouped by padded-length bucket and run as
-cohorts of at most K_max lanes, one forward each, on a single forward thread. Lanes are
+Requests queued while the previous forward ran (or within an optional window) are grouped
+by padded-length bucket and run as cohorts of at most K_max lanes, one forward each, on a
+single forward thread. Lanes are
 right-padded to a power-of-two bucket with at least one pad column, whatever the cohort:
 a lane's rows then come out of the same computation alone or batched (the kernels see the
 same padded width and the same masked attention path), so batching never changes an
@@ -131,10 +132,18 @@ class ForwardBatcher:
         await future
 
     async def _collect(self) -> list[Pending]:
+        """The next batch. With no window (the default) nothing waits: the first request
+        goes at once, together with whatever queued up meanwhile, which under load is
+        everything that arrived while the previous forward ran (continuous batching). A
+        window > 0 trades that much latency for fuller cohorts at low load."""
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
+        await asyncio.sleep(0)  # requests submitted in the same loop turn join this batch
         deadline = loop.time() + self._window
         while sum(len(p.lane_ids) for p in batch) < self._max_lanes:
+            if not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                continue
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break

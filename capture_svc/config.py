@@ -21,7 +21,7 @@ class CaptureConfig:
     key_dir: Path = Path("keys")  # the signing key; generated here on first run
     device: str = "cpu"
     dtype: str = "float32"
-    batch_window_s: float = 0.003
+    batch_window_s: float = 0.0  # continuous batching; >0 waits for company
     max_lanes: int = 8  # K_max: lanes per cohort forward and per request
     prompt_len_max: int = 4096
     answer_depth_max: int = 8192
@@ -52,7 +52,7 @@ class CaptureConfig:
             key_dir=e.path("KEY_DIR", d.key_dir),
             device=e.str("DEVICE", d.device),
             dtype=e.str("CAPTURE_DTYPE", d.dtype),
-            batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s),
+            batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s, zero_ok=True),
             max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
             prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
             answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),

@@ -96,9 +96,26 @@ def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
 
 
 class Registry:
-    def __init__(self, kv: KeyValue, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, kv: KeyValue, bucket: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self._kv = kv
+        self._bucket = bucket
         self._clock = clock  # injectable so tests expire leases without sleeping
+
+    @property
+    def updates_subject(self) -> str:
+        """The subject every write to the bucket is published on. A plain subscription to
+        it sees each commit as it lands, with no per-request consumer to create."""
+        return f"$KV.{self._bucket}.>"
+
+    def parse_update(self, subject: str, data: bytes, headers: dict | None) -> tuple:
+        """(block_id, entry) for a put seen on `updates_subject`; entry is None for a
+        delete or purge (a released claim)."""
+        block_id = subject[len(self.updates_subject) - 1 :]
+        if headers and headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return block_id, None
+        return block_id, _decode(block_id, data)
 
     @classmethod
     async def open(
@@ -123,7 +140,7 @@ class Registry:
                     bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE
                 )
                 kv = await js.create_key_value(config)
-        return cls(kv, clock=clock)
+        return cls(kv, bucket, clock=clock)
 
     async def claim(self, block_id: str, worker_id: str, lease_s: float) -> Claim:
         """Claim the block for lease_s seconds, taking over an expired lease.

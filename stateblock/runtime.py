@@ -62,12 +62,16 @@ class Env:
             raise ConfigError(f"STATEBLOCK_{name}={value} is below {minimum}")
         return value
 
-    def float(self, name: str, default: float, *, positive: bool = True) -> float:
+    def float(
+        self, name: str, default: float, *, positive: bool = True, zero_ok: bool = False
+    ) -> float:
         raw = self._raw(name)
         try:
             value = default if raw is None else float(raw)
         except ValueError as e:
             raise ConfigError(f"STATEBLOCK_{name}={raw!r} is not a number") from e
+        if zero_ok and value == 0:
+            return value
         if positive and not value > 0:
             raise ConfigError(f"STATEBLOCK_{name}={value} must be positive")
         return value
@@ -94,7 +98,9 @@ def configure_logging(level: str = "info") -> None:
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
+        # Not cached: a cached logger keeps the stream and config of its first call, so a
+        # later configure (a CLI run inside tests, a level change) would not reach it.
+        cache_logger_on_first_use=False,
     )
 
 

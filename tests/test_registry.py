@@ -194,3 +194,41 @@ async def test_nats_failure_is_registry_unavailable(start_nats_server):
     await conn.close()
     with pytest.raises(RegistryUnavailable):
         await reg.claim("b1", "w1", lease_s=1)
+
+
+# The gateway's commit watcher: one subscription to the bucket's write subject for all
+# requests, with a registry re-read as the safety net for anything it did not see.
+
+
+async def test_watcher_sees_commits_and_releases_on_the_write_subject(nc, registry):
+    from gateway.commits import CommitWatcher
+
+    async with CommitWatcher.open(nc, registry) as watcher:
+        watch = asyncio.create_task(watcher.watch_commit("b1", timeout=10))
+        claim = await registry.claim("b1", "w1", lease_s=30)
+        await registry.release(claim)  # a delete on the subject: not an answer
+        claim = await registry.claim("b1", "w2", lease_s=30)
+        await asyncio.sleep(0.05)
+        assert not watch.done()
+        await registry.commit(claim, record("b1", "w2", tokens=(4,)))
+        got = await asyncio.wait_for(watch, 5)
+        assert got.worker_id == "w2" and list(got.lanes[0].token_ids) == [4]
+        # committed before anyone waited: answered from what the subscription kept
+        claim = await registry.claim("b2", "w1", lease_s=30)
+        await registry.commit(claim, record("b2", "w1"))
+        await nc.flush()
+        await asyncio.sleep(0.05)
+        got = await asyncio.wait_for(watcher.watch_commit("b2", timeout=5), 1)
+        assert got.block_id == "b2"
+
+
+async def test_watcher_rereads_the_registry_for_a_commit_it_never_saw(registry):
+    from gateway.commits import CommitWatcher
+
+    claim = await registry.claim("b1", "w1", lease_s=30)
+    await registry.commit(claim, record("b1", "w1"))  # before the watcher subscribed
+    watcher = CommitWatcher(registry, recheck_s=0.1)  # not subscribed: it sees nothing
+    got = await watcher.watch_commit("b1", timeout=5)
+    assert got.worker_id == "w1"
+    with pytest.raises(CommitTimeout):
+        await watcher.watch_commit("b9", timeout=0.3)

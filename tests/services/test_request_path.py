@@ -189,18 +189,16 @@ def test_grpc_generate_stream_health_reflection(stack):
         assert "stateblock.v1.Gateway" in names
 
 
-async def _path_state(nats_url: str) -> tuple[int, set[str]]:
-    """(blocks ever published, registry keys): what a bad request must leave unchanged."""
+async def _path_state(nats_url: str) -> tuple[int, int]:
+    """(blocks ever published, registry writes ever made): what a bad request must leave
+    unchanged. Stream sequence numbers, not a key listing: any claim, commit or release
+    moves the registry's sequence, and reading it needs no consumer."""
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
         published = (await js.stream_info(BLOCKS_STREAM)).state.last_seq
-        kv = await js.key_value("STATEBLOCK_REGISTRY")
-        try:
-            keys = set(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            keys = set()
-        return published, keys
+        registry_writes = (await js.stream_info("KV_STATEBLOCK_REGISTRY")).state.last_seq
+        return published, registry_writes
     finally:
         await nc.close()
 
