@@ -22,7 +22,9 @@ class ReadoutOut(NamedTuple):
 
 
 def chunk_bounds(vocab: int, n_chunks: int) -> list[tuple[int, int]]:
-    size = -(-vocab // n_chunks)
+    # ceil without negation: under ONNX tracing vocab is a traced size, and the TorchScript
+    # exporter turns floor division of a negative int into truncation (chunk ends one short)
+    size = (vocab + n_chunks - 1) // n_chunks
     return [(s, min(s + size, vocab)) for s in range(0, vocab, size)]
 
 
