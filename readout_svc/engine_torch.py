@@ -1,0 +1,363 @@
+"""The `torch` readout engine: the GPU fast path of DESIGN.md s.5.
+
+On CUDA: bf16 weights, the SDPA mixer (no D x D score tensor), the fused Triton top-2
+(`stateblock.triton_top2`: logits never leave the chip) and one CUDA graph per shape
+bucket. On the CPU the same code runs eagerly in fp32 with the chunked PyTorch top-2 and,
+by default, no buckets (exact shapes, as the reference), so CI imports and tests it
+against the reference engine. device="cuda" without a GPU raises EngineUnavailable.
+
+Shapes. A cohort of at most K_MAX lanes is one enqueue: lanes, prompt rows and answer
+depth are each padded up to a bucket, so a handful of fixed shapes cover all traffic.
+- depth buckets (256, 1024, 2048, 4096, 8192): exact, because the mixer is prefix-causal
+  (position t sees latents and positions <= t), so the positions added by padding cannot
+  change the ones read; positions >= a lane's depth are masked out of the EOS scan.
+- prompt buckets (64 ... 4096): padded rows are zeros and masked out of the pooling by
+  prompt_lens, as in the reference's own right padding.
+- lane buckets (1, 2, 4, 8), one graph per bucket rather than one max-K graph with masking:
+  a single request (K=1) then pays for one lane, not eight. Filler lanes read one zero row
+  at depth 0 and are dropped.
+A shape beyond the largest bucket still runs, eagerly at its exact size (no graph).
+
+Graphs. Captured lazily on the first cohort of a shape, and for the common shapes
+(K=1, prompt bucket 512, every depth bucket) in warm_up(). Every graph reads one set of
+static input buffers (views of one allocation sized for the largest bucket) and all share
+one memory pool, which is safe because replays never overlap (one lock) and each
+replay's outputs are read before the next replay starts.
+
+Sampling. Greedy lanes take the fused top-2. Lanes with temperature > 0 take, after the
+replay, the chunked top-8 + Gumbel selection of the reference on the graph's hidden
+states (correctness first; the noise is drawn per lane from its seed exactly as there).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult
+from stateblock.capture import pad_lanes
+from stateblock.checkpoint import load_decoder
+from stateblock.envelope import ModelIdentity
+from stateblock.readout import ReadoutDecoder
+from stateblock.serving import ServingModel
+from stateblock.triton_top2 import Top2Config, available, top2
+from stateblock.vocab import NO_EOS, chunked_topk, first_eos, gumbel_noise, gumbel_select
+
+K_MAX = 8  # lanes per enqueue (DESIGN.md: cohort K_max)
+LANE_BUCKETS = (1, 2, 4, 8)
+PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
+DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
+WARM_PROMPT = 512  # the prompt_len profile's typical value
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run on the requested device."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    lanes: int
+    prompt: int
+    depth: int
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n; None when n is beyond them all (or there are none)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def readout_step(
+    decoder: ReadoutDecoder,
+    lm_head: Tensor,  # (V, d_base), resident
+    rows: Tensor,  # (K, P, d_base)
+    prompt_lens: Tensor,  # (K,) int64
+    positions: Tensor,  # (K, D) int64
+    depths: Tensor,  # (K,) int64
+    *,
+    eos_token_id: int,
+    top2_fn,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One padded cohort -> hidden (K, D, d_base), top-2 values and ids (K, D, 2), EOS (K,).
+
+    Pure and shape-static: the body of every CUDA graph and of the eager path.
+    """
+    h = decoder.hidden(rows, prompt_lens, positions, impl="sdpa").to(lm_head.dtype)
+    k, d, dim = h.shape
+    top_v, top_i = top2_fn(h.reshape(k * d, dim), lm_head)  # (K*D, 2) fp32, int64
+    top_v, top_i = top_v.view(k, d, 2), top_i.view(k, d, 2)
+    valid = positions < depths.unsqueeze(1)  # (K, D): padding positions never stop a lane
+    eos_pos = first_eos(top_i[..., 0], valid, eos_token_id)
+    return h, top_v, top_i, eos_pos
+
+
+def lane_results(
+    lanes: Sequence[LaneRequest], tokens: Tensor, margins: Tensor, eos_pos: list[int]
+) -> list[LaneResult]:
+    """Cut each lane at its first EOS (excluded) or its depth, as the reference does."""
+    results = []
+    for i, lane in enumerate(lanes):
+        eos = int(eos_pos[i])
+        stop = eos if eos < lane.depth else lane.depth
+        read = min(stop + 1, lane.depth)  # the EOS position's margin is part of the answer
+        results.append(
+            LaneResult(
+                token_ids=tuple(tokens[i, :stop].tolist()),
+                eos_pos=eos if eos < lane.depth else NO_EOS,
+                margins=tuple(margins[i, :read].tolist()),
+            )
+        )
+    return results
+
+
+def require_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineUnavailable(
+            f"readout engine 'torch' asked for device {str(dev)!r}, but torch sees no CUDA "
+            f"device (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+            "set STATEBLOCK_DEVICE=cpu to run it on the CPU"
+        )
+    if dev.type not in ("cuda", "cpu"):
+        raise EngineUnavailable(f"readout engine 'torch' runs on cuda or cpu, not {dev.type!r}")
+    return dev
+
+
+class TorchEngine:
+    """SDPA + fused top-2 + CUDA graphs per shape bucket on CUDA; eager fp32 on the CPU."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        decoder: ReadoutDecoder,
+        lm_head: Tensor,
+        identity: ModelIdentity,
+        *,
+        eos_token_id: int,
+        device: str | torch.device = "cpu",
+        lane_buckets: Sequence[int] | None = None,
+        prompt_buckets: Sequence[int] | None = None,
+        depth_buckets: Sequence[int] | None = None,
+        cuda_graphs: bool | None = None,
+        warm_shapes: Sequence[Shape] | None = None,
+        top2_config: Top2Config | None = None,
+    ) -> None:
+        dev = require_device(device)
+        on_gpu = dev.type == "cuda"
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        self._device = dev
+        self._decoder = decoder.to(device=dev, dtype=dtype).eval().requires_grad_(False)
+        # no copy when lm_head already lives on `dev` in `dtype`: bound by reference
+        self._lm_head = lm_head.to(dev, dtype)
+        self.identity = identity
+        self._eos = eos_token_id
+        self._n_chunks = decoder.cfg.n_chunks
+
+        # buckets default to exact shapes on the CPU: padding there only costs time
+        def pick(given: Sequence[int] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(sorted(given)) if given is not None else (default if on_gpu else ())
+
+        self._lane_b = pick(lane_buckets, LANE_BUCKETS)
+        self._prompt_b = pick(prompt_buckets, PROMPT_BUCKETS)
+        self._depth_b = pick(depth_buckets, DEPTH_BUCKETS)
+        self._k_max = max(self._lane_b, default=K_MAX)
+        self._use_graphs = on_gpu if cuda_graphs is None else cuda_graphs
+        if self._use_graphs and not on_gpu:
+            raise EngineUnavailable("CUDA graphs need a CUDA device")
+        if self._use_graphs and not (self._lane_b and self._prompt_b and self._depth_b):
+            raise ValueError("CUDA graphs need lane, prompt and depth buckets")
+        self._warm = tuple(
+            warm_shapes
+            if warm_shapes is not None
+            else (Shape(1, bucket(WARM_PROMPT, self._prompt_b) or 1, d) for d in self._depth_b)
+        )
+        self.top2_backend = "triton" if available(dev) else "torch-chunked"
+        self._top2 = partial(top2, n_chunks=self._n_chunks, cfg=top2_config)
+        self._graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
+        self._static: dict[str, Tensor] = {}
+        self._pool = None
+        self._lock = threading.Lock()  # workers call readout from a thread pool
+
+    @classmethod
+    def load(cls, model: ServingModel, device: str = "cpu", **options) -> TorchEngine:
+        """The shipped decoder against `model`; options go to the constructor (buckets...)."""
+        dev = require_device(device)  # before loading anything: fail fast and clearly
+        decoder, manifest = load_decoder(
+            model.decoder_dir,
+            base_dir=model.base_dir,
+            lm_head=model.lm_head,
+            device=dev,
+            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+        )
+        eos = manifest["decoder_config"]["eos_token_id"]
+        return cls(decoder, model.lm_head, model.identity, eos_token_id=eos, device=dev, **options)
+
+    @property
+    def captured_shapes(self) -> list[Shape]:
+        return list(self._graphs)
+
+    # -- shapes and staging -------------------------------------------------------------
+    def _shape(self, lanes: Sequence[LaneRequest]) -> tuple[Shape, bool]:
+        """The padded cohort shape, and whether every dimension fell into a bucket."""
+        k = len(lanes)
+        p = max(lane.rows.shape[0] for lane in lanes)
+        d = max(lane.depth for lane in lanes)
+        kb, pb, db = bucket(k, self._lane_b), bucket(p, self._prompt_b), bucket(d, self._depth_b)
+        return Shape(kb or k, pb or p, db or d), None not in (kb, pb, db)
+
+    def _stage(
+        self, lanes: Sequence[LaneRequest], rows: Tensor, lens: Tensor, depths: Tensor
+    ) -> None:
+        """Copy the lanes into (K, P, d) / (K,) buffers; filler rows and lanes are zeros."""
+        d_base = self._lm_head.shape[1]
+        for lane in lanes:
+            if lane.rows.dim() != 2 or lane.rows.shape[1] != d_base:
+                raise ValueError(f"lane rows {tuple(lane.rows.shape)} are not (P, {d_base})")
+        host_rows, host_lens = pad_lanes([lane.rows.to(self._lm_head.dtype) for lane in lanes])
+        k, p, _ = host_rows.shape
+        rows.zero_()
+        rows[:k, :p].copy_(host_rows)
+        lens.fill_(1)  # a filler lane reads one zero row: no empty softmax, no NaN
+        lens[:k].copy_(host_lens)
+        depths.zero_()
+        depths[:k].copy_(torch.tensor([lane.depth for lane in lanes]))
+
+    def _buffers(self, shape: Shape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Static (rows, lens, positions, depths) views for `shape`, all graphs sharing them."""
+        if not self._static:
+            k, p, d = max(self._lane_b), max(self._prompt_b), max(self._depth_b)
+            dev, d_base = self._device, self._lm_head.shape[1]
+            self._static = {
+                "rows": torch.zeros(k * p * d_base, dtype=self._lm_head.dtype, device=dev),
+                "lens": torch.ones(k, dtype=torch.int64, device=dev),
+                "depths": torch.zeros(k, dtype=torch.int64, device=dev),
+                "positions": torch.arange(d, device=dev).expand(k, d),
+            }
+        s, k = self._static, shape.lanes
+        n = k * shape.prompt * self._lm_head.shape[1]
+        rows = s["rows"][:n].view(k, shape.prompt, -1)  # contiguous: a prefix of one storage
+        return rows, s["lens"][:k], s["positions"][:k, : shape.depth], s["depths"][:k]
+
+    def _step(self, rows, lens, positions, depths) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return readout_step(
+            self._decoder,
+            self._lm_head,
+            rows,
+            lens,
+            positions,
+            depths,
+            eos_token_id=self._eos,
+            top2_fn=self._top2,
+        )
+
+    # -- CUDA graphs --------------------------------------------------------------------
+    def _capture(self, shape: Shape) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
+        rows, lens, positions, depths = self._buffers(shape)
+        rows.zero_()
+        lens.fill_(1)
+        depths.fill_(shape.depth)
+        step = partial(self._step, rows, lens, positions, depths)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # one eager run on a side stream first: Triton compiles, cuBLAS and SDPA pick their
+        # kernels and workspaces outside the capture
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA work of other threads (the capture service's forward in the
+        # embedded stack) must not invalidate this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = step()
+        self._graphs[shape] = (graph, out)
+        return graph, out
+
+    def _replay(self, shape: Shape, lanes: Sequence[LaneRequest]) -> tuple[Tensor, ...]:
+        graph, out = self._graphs.get(shape) or self._capture(shape)
+        rows, lens, _, depths = self._buffers(shape)
+        self._stage(lanes, rows, lens, depths)
+        graph.replay()
+        return out
+
+    def _eager(self, shape: Shape, lanes: Sequence[LaneRequest]) -> tuple[Tensor, ...]:
+        dev, k = self._device, shape.lanes
+        rows = torch.zeros(
+            k, shape.prompt, self._lm_head.shape[1], dtype=self._lm_head.dtype, device=dev
+        )
+        lens = torch.ones(k, dtype=torch.int64, device=dev)
+        depths = torch.zeros(k, dtype=torch.int64, device=dev)
+        self._stage(lanes, rows, lens, depths)
+        positions = torch.arange(shape.depth, device=dev).expand(k, shape.depth)
+        return self._step(rows, lens, positions, depths)
+
+    # -- the protocol -------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Capture the common shapes at start-up (CPU: one throwaway readout)."""
+        with self._lock:
+            if self._use_graphs:
+                for shape in self._warm:
+                    if shape not in self._graphs:
+                        self._capture(shape)
+                torch.cuda.synchronize(self._device)
+                return
+        rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._lm_head.dtype)
+        self.readout([LaneRequest(rows=rows, depth=16)])
+
+    @torch.inference_mode()
+    def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
+        results: list[LaneResult] = []
+        for lo in range(0, len(lanes), self._k_max):  # one enqueue per cohort of <= K_max
+            results += self._cohort(lanes[lo : lo + self._k_max])
+        return results
+
+    def _cohort(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
+        if any(lane.depth < 1 for lane in lanes):
+            raise ValueError("every lane must read at least one position")
+        shape, bucketed = self._shape(lanes)
+        k = len(lanes)
+        with self._lock:  # static buffers and graph outputs are shared by all callers
+            if self._use_graphs and bucketed:
+                h, top_v, top_i, eos = self._replay(shape, lanes)
+            else:
+                h, top_v, top_i, eos = self._eager(shape, lanes)
+            tokens = top_i[:k, :, 0]
+            eos = eos[:k]
+            sampled = [i for i, lane in enumerate(lanes) if lane.temperature > 0]
+            if sampled:
+                tokens, eos = self._sample(lanes, sampled, h, tokens, eos, shape.depth)
+            margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu()
+            tokens, eos_pos = tokens.cpu(), eos.cpu().tolist()  # copies out of the graph's outputs
+        return lane_results(lanes, tokens, margins, eos_pos)
+
+    def _sample(
+        self,
+        lanes: Sequence[LaneRequest],
+        sampled: list[int],
+        h: Tensor,  # (Kb, D, d_base)
+        tokens: Tensor,  # (K, D)
+        eos: Tensor,  # (K,)
+        depth: int,
+    ) -> tuple[Tensor, Tensor]:
+        """Chunked top-8 + Gumbel selection for the sampling lanes, as in the reference."""
+        dev = self._device
+        idx = torch.tensor(sampled, device=dev)
+        temp = torch.tensor([lanes[i].temperature for i in sampled], device=dev)
+        # per-lane noise from the lane's seed; gumbel_noise draws a row-major stream, so the
+        # first positions match the reference's (max depth, 8) draw at any padded depth
+        noise = torch.stack([gumbel_noise((depth, TOP_K_SAMPLE), lanes[i].seed) for i in sampled])
+        top_v, top_i = chunked_topk(h[idx], self._lm_head, self._n_chunks, TOP_K_SAMPLE)
+        picked = gumbel_select(top_v, top_i, temp, noise.to(dev))  # (S, D)
+        depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
+        valid = torch.arange(depth, device=dev).unsqueeze(0) < depths.unsqueeze(1)
+        tokens, eos = tokens.clone(), eos.clone()
+        tokens[idx] = picked
+        eos[idx] = first_eos(picked, valid, self._eos)
+        return tokens, eos

@@ -1,0 +1,290 @@
+"""Fused vocabulary projection + running top-2: the lm_head GEMM whose logits stay on chip.
+
+`top2(h, lm_head)` returns the two largest logits of `h @ lm_head.T` per row and their
+vocabulary ids. On a CUDA device with Triton, one kernel streams lm_head tiles through
+shared memory, accumulates each (rows x vocab) logit tile in registers (fp32) and folds it
+into a per-row running top-2; the (N, V) logits are never written to device memory. Where
+Triton or a GPU is missing, the same signature runs the chunked PyTorch projection of
+`stateblock.vocab` (the CPU fallback; also the reference the kernel is tested against).
+
+Tie rule: on exactly equal logits the lowest vocabulary id wins. torch.topk does not
+promise any order among ties (on the CPU it returns [2, 4] for [1, 3, 3, 2, 3]), so the
+kernel follows the one rule that is deterministic and cheap on chip, and the tests compare
+ids only where the values are distinct.
+
+Split-V: when the rows alone cannot fill the GPU (D=256 gives two row blocks of 128 on 132
+multiprocessors), the vocabulary is cut into `n_split` ranges, each program writes the
+top-2 of its range, and `merge_top2` folds the (n_split, N, 2) candidates in a second,
+tiny pass. Programs that share a vocabulary range run side by side (row blocks vary
+fastest in launch order), so each lm_head tile is read from DRAM about once and then hit
+in L2 by the other row blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from stateblock.vocab import chunked_topk
+
+try:  # Triton is optional: CI and the CPU path never import it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+__all__ = ["Top2Config", "available", "default_config", "merge_top2", "top2", "top2_reference"]
+
+NO_ID = 2**62  # id of an empty slot; larger than any vocabulary id, so it never wins a tie
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """True when the Triton kernel can run: Triton importable and a CUDA device present."""
+    if triton is None or not torch.cuda.is_available():
+        return False
+    return device is None or torch.device(device).type == "cuda"
+
+
+@dataclass(frozen=True)
+class Top2Config:
+    block_n: int = 128  # rows of h per program (the MMA M side)
+    block_v: int = 256  # vocabulary rows of one lm_head tile (the MMA N side)
+    block_k: int = 64  # hidden-dimension step of the dot
+    num_warps: int = 8
+    num_stages: int = 3  # software-pipelining depth of the tile loads
+    n_split: int = 1  # vocabulary ranges, one program column each
+    # one flat loop over (tile, k-step) instead of a loop over tiles around a loop over d:
+    # the pipeliner then prefetches the next tile during the top-2 epilogue (the
+    # persistent-matmul tutorial's shape); off until a GPU run shows it pays
+    flat: bool = False
+
+
+WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
+
+
+def default_config(
+    n_rows: int, vocab: int, n_sm: int, tiles: Top2Config | None = None
+) -> Top2Config:
+    """`tiles` (default: Hopper matmul tiles 128x256x64, 8 warps, 3 stages, ~147 KB of
+    shared memory, one program per multiprocessor) with the fewest vocabulary splits that
+    fill the multiprocessors' waves (>= WAVE_FILL), each program streaming >= 4 tiles.
+
+    H200 (132 SMs): D=256 -> 2 row blocks x 64 splits; D=8192 -> 64 x 2; K*D=65536 -> 512 x 1.
+    """
+    tiles = tiles or Top2Config()
+    row_blocks = math.ceil(n_rows / tiles.block_n)
+    max_split = max(1, math.ceil(vocab / (tiles.block_v * 4)))
+    best, best_fill = replace(tiles, n_split=1), 0.0
+    for n_split in range(1, max_split + 1):
+        cfg = replace(tiles, n_split=n_split)
+        waves = row_blocks * _vocab_per_split(vocab, cfg)[1] / n_sm
+        fill = waves / math.ceil(waves)
+        if fill >= WAVE_FILL:
+            return cfg
+        if fill > best_fill:
+            best, best_fill = cfg, fill
+    return best
+
+
+def _vocab_per_split(vocab: int, cfg: Top2Config) -> tuple[int, int]:
+    """(ids per split, rounded to whole tiles; the number of non-empty splits)."""
+    per = math.ceil(math.ceil(vocab / cfg.n_split) / cfg.block_v) * cfg.block_v
+    return per, math.ceil(vocab / per)
+
+
+# -- the PyTorch path ---------------------------------------------------------------------
+def top2_reference(h: Tensor, lm_head: Tensor, n_chunks: int = 8) -> tuple[Tensor, Tensor]:
+    """Chunked matmul + running top-2 (stateblock.vocab): h (N, d), lm_head (V, d) ->
+    values (N, 2) float32, ids (N, 2) int64. Logits are in h's dtype, as in the decoder."""
+    v, i = chunked_topk(h, lm_head, n_chunks, 2)
+    return v.float(), i
+
+
+def merge_top2(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold per-split candidates into one top-2, lowest id on exact ties.
+
+    vals (S, N, 2) float32, ids (S, N, 2) int64 -> (N, 2), (N, 2). Max/min reductions
+    only: no sort whose tie order is unspecified, and it replays inside a CUDA graph.
+    """
+    s, n, _ = vals.shape
+    v = vals.permute(1, 0, 2).reshape(n, 2 * s)  # (N, 2S)
+    i = ids.permute(1, 0, 2).reshape(n, 2 * s)
+    no_id = torch.full_like(i, NO_ID)
+    v1 = v.max(dim=-1, keepdim=True).values  # (N, 1)
+    i1 = torch.where(v == v1, i, no_id).min(dim=-1, keepdim=True).values
+    rest = torch.where(i == i1, torch.full_like(v, float("-inf")), v)
+    v2 = rest.max(dim=-1, keepdim=True).values
+    i2 = torch.where(rest == v2, i, no_id).min(dim=-1, keepdim=True).values
+    return torch.cat([v1, v2], dim=-1), torch.cat([i1, i2], dim=-1)
+
+
+# -- the Triton kernel --------------------------------------------------------------------
+if triton is not None:
+    _NO_ID = tl.constexpr(NO_ID)  # a jitted kernel reads module globals only as constexpr
+
+    @triton.jit
+    def _load_tiles(
+        h_rows, w_ptr, cols, col_ok, row_ok, k0, ks, dim, stride_w, EVEN_K: tl.constexpr
+    ):
+        """The (BLOCK_N, BLOCK_K) tile of h and the (BLOCK_V, BLOCK_K) tile of lm_head at k0."""
+        kk = k0 + ks
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+        if EVEN_K:
+            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = kk[None, :] < dim
+            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+        return a, b
+
+    @triton.jit
+    def _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2):
+        """Fold one (BLOCK_N, BLOCK_V) logit tile into the running top-2 of each row."""
+        acc = tl.where(col_ok[None, :], acc, float("-inf"))
+        # tile top-2: max with the leftmost index on ties, then again without it
+        t1, j1 = tl.max(acc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        acc = tl.where(lanes[None, :] == j1[:, None], float("-inf"), acc)
+        t2, j2 = tl.max(acc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        g1 = (v0 + j1).to(tl.int64)
+        g2 = (v0 + j2).to(tl.int64)
+        # the running ids are all lower than this tile's, so on equal values the running
+        # entry wins (>=): "lowest id wins" holds across tiles too
+        keep = best1 >= t1
+        new2 = tl.where(keep, tl.maximum(best2, t1), tl.maximum(best1, t2))
+        new_id2 = tl.where(keep, tl.where(best2 >= t1, id2, g1), tl.where(best1 >= t2, id1, g2))
+        return tl.where(keep, best1, t1), tl.where(keep, id1, g1), new2, new_id2
+
+    @triton.jit
+    def _top2_kernel(
+        h_ptr,  # (N, d) bf16/fp16, unit stride along d
+        w_ptr,  # (V, d) same dtype, unit stride along d
+        val_ptr,  # (S, N, 2) float32
+        idx_ptr,  # (S, N, 2) int64
+        n_rows,
+        vocab,
+        dim,
+        v_per_split,
+        stride_h,
+        stride_w,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
+        FLAT: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)  # row block: varies fastest, so programs that run
+        pid_s = tl.program_id(1)  # together share lm_head tiles through L2
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < n_rows
+        lanes = tl.arange(0, BLOCK_V)
+        ks = tl.arange(0, BLOCK_K)
+        v_lo = pid_s * v_per_split
+
+        best1 = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        best2 = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        id1 = tl.full([BLOCK_N], _NO_ID, tl.int64)
+        id2 = tl.full([BLOCK_N], _NO_ID, tl.int64)
+        h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h
+        if FLAT:
+            n_k = tl.cdiv(dim, BLOCK_K)
+            acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+            for step in range(0, tl.cdiv(v_per_split, BLOCK_V) * n_k):
+                v0 = v_lo + (step // n_k) * BLOCK_V
+                cols = v0 + lanes
+                col_ok = cols < vocab
+                a, b = _load_tiles(
+                    h_rows,
+                    w_ptr,
+                    cols,
+                    col_ok,
+                    row_ok,
+                    (step % n_k) * BLOCK_K,
+                    ks,
+                    dim,
+                    stride_w,
+                    EVEN_K,
+                )
+                acc = tl.dot(a, tl.trans(b), acc)
+                if step % n_k == n_k - 1:
+                    best1, id1, best2, id2 = _fold_tile(
+                        acc, col_ok, lanes, v0, best1, id1, best2, id2
+                    )
+                    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        else:
+            # splits are whole tiles, so only the last one crosses V (the mask clips it)
+            for v0 in range(v_lo, v_lo + v_per_split, BLOCK_V):
+                cols = v0 + lanes
+                col_ok = cols < vocab
+                acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+                for k0 in range(0, dim, BLOCK_K):
+                    a, b = _load_tiles(
+                        h_rows, w_ptr, cols, col_ok, row_ok, k0, ks, dim, stride_w, EVEN_K
+                    )
+                    acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
+                best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
+
+        out = (pid_s * n_rows + rows) * 2
+        tl.store(val_ptr + out, best1, mask=row_ok)
+        tl.store(val_ptr + out + 1, best2, mask=row_ok)
+        tl.store(idx_ptr + out, id1, mask=row_ok)
+        tl.store(idx_ptr + out + 1, id2, mask=row_ok)
+
+
+def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tuple[Tensor, Tensor]:
+    """The fused kernel: h (N, d), lm_head (V, d) (bf16/fp16) -> (N, 2) float32, (N, 2) int64.
+
+    Host work is shape arithmetic only (no sync), so it can be captured in a CUDA graph
+    once the kernel is compiled. Also runs on CPU tensors under TRITON_INTERPRET=1.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    n, d = h.shape
+    vocab, d_w = lm_head.shape
+    if d != d_w or h.stride(1) != 1 or lm_head.stride(1) != 1:
+        raise ValueError(f"need unit-stride rows of one width, got {h.shape}, {lm_head.shape}")
+    if cfg is None:
+        n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
+        cfg = default_config(n, vocab, n_sm)
+    per, n_split = _vocab_per_split(vocab, cfg)
+    vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
+    ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
+    grid = (triton.cdiv(n, cfg.block_n), n_split)
+    _top2_kernel[grid](
+        h,
+        lm_head,
+        vals,
+        ids,
+        n,
+        vocab,
+        d,
+        per,
+        h.stride(0),
+        lm_head.stride(0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_V=cfg.block_v,
+        BLOCK_K=cfg.block_k,
+        EVEN_K=d % cfg.block_k == 0,
+        FLAT=cfg.flat,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if n_split == 1:
+        return vals[0], ids[0]
+    return merge_top2(vals, ids)
+
+
+def top2(
+    h: Tensor, lm_head: Tensor, *, n_chunks: int = 8, cfg: Top2Config | None = None
+) -> tuple[Tensor, Tensor]:
+    """Top-2 logits of h @ lm_head.T: (N, d), (V, d) -> (N, 2) float32, (N, 2) int64.
+
+    The fused kernel on CUDA bf16/fp16 with Triton; the chunked PyTorch path otherwise.
+    """
+    if available(h.device) and h.dtype in (torch.bfloat16, torch.float16):
+        return top2_triton(h, lm_head, cfg)
+    return top2_reference(h, lm_head, n_chunks)
