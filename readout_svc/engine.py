@@ -132,8 +132,24 @@ class ReferenceEngine:
         return results
 
 
+def _load_onnx(model: ServingModel, device: str = "cpu") -> ReadoutEngine:
+    # imported here: onnxruntime loads only when this engine is selected
+    from readout_svc.engine_onnx import OnnxEngine
+
+    return OnnxEngine.load(model, device)
+
+
+def _load_torch(model: ServingModel, device: str = "cpu") -> ReadoutEngine:
+    # imported here: engine_torch imports this module (LaneRequest, LaneResult)
+    from readout_svc.engine_torch import TorchEngine
+
+    return TorchEngine.load(model, device)
+
+
 ENGINES: dict[str, Callable[[ServingModel, str], ReadoutEngine]] = {
     "reference": ReferenceEngine.load,
+    "onnx": _load_onnx,
+    "torch": _load_torch,
 }
 
 

@@ -14,6 +14,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "models" / "reference"
+BENCHES = {  # imported on use: gpu_smoke needs a GPU stack, e2e the service wheels
+    "cpu-latency": "bench.latency_cpu",
+    "e2e": "bench.e2e_gpu",
+    "smoke": "bench.gpu_smoke",
+}
 
 
 def _device(name: str) -> str:
@@ -215,6 +220,25 @@ def cmd_ask(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    from stateblock.checkpoint import DecoderError
+    from stateblock.onnx_export import OnnxGraphError, default_graph_path, export_checkpoint
+
+    out = Path(a.out) if a.out else default_graph_path(a.decoder)
+    try:
+        manifest = export_checkpoint(a.decoder, a.base, out)
+        if a.tensorrt:
+            from stateblock.tensorrt_build import build_engine
+
+            build_engine(out, Path(a.tensorrt))
+    except (OnnxGraphError, DecoderError, OSError, RuntimeError, ValueError) as e:
+        print(f"stateblock export: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"onnx": str(out), "manifest": str(out) + ".json",
+                      "opset": manifest["opset"], "sha256": manifest["onnx_sha256"]}))  # fmt: skip
+    return 0
+
+
 def cmd_keys_generate(a: argparse.Namespace) -> int:
     from stateblock.keys import generate_keypair
 
@@ -222,6 +246,92 @@ def cmd_keys_generate(a: argparse.Namespace) -> int:
     print(json.dumps({"key_id": files.key_id, "private": str(files.private_path),
                       "public": str(files.public_path)}))  # fmt: skip
     return 0
+
+
+def cmd_audit(a: argparse.Namespace) -> int:
+    from readout_svc.engine import UnknownEngine, create_engine, require_engine
+    from stateblock import audit, audit_determinism, tasks
+    from stateblock.runtime import DEFAULT_MODEL_NAME
+    from stateblock.serving import load_serving_model
+
+    device = _device(a.device)
+    engine_name = a.engine or ("reference" if a.determinism else None)
+    if engine_name is None:
+        print("stateblock audit: --engine NAME is required (or --determinism)", file=sys.stderr)
+        return 2
+    try:
+        require_engine(engine_name)  # fail closed before anything is loaded
+    except UnknownEngine as e:
+        print(f"stateblock audit: {e}", file=sys.stderr)
+        return 2
+    if a.determinism:
+        import asyncio
+        import tempfile
+
+        from stateblock import runtime
+
+        runtime.configure_logging("warning")  # the stack's logs would bury the report
+        n = a.n_prompts or 8
+        prompts = [e.prompt for e in tasks.generate(n, split="heldout", seed=a.seed)]
+        if a.nats_url is None:  # our own stack and nats-server, in a throwaway dir
+            with tempfile.TemporaryDirectory(prefix="stateblock-audit-") as tmp:
+                report = asyncio.run(audit_determinism.embedded_determinism(
+                    data_dir=Path(a.data_dir or tmp), base_dir=Path(a.base),
+                    decoder_dir=Path(a.decoder), engine_name=engine_name, prompts=prompts,
+                    depth=a.depth, resubmit=not a.no_resubmit, device=device,
+                ))  # fmt: skip
+        else:
+            report = asyncio.run(audit_determinism.external_determinism(
+                a.nats_url, base_dir=Path(a.base), decoder_dir=Path(a.decoder),
+                engine_name=engine_name, trusted_keys=Path(a.trusted_keys),
+                grpc_target=a.grpc, prompts=prompts if a.grpc else [], depth=a.depth,
+                resubmit=not a.no_resubmit, listen_s=a.listen_s, device=device,
+            ))  # fmt: skip
+    else:
+        model = load_serving_model(DEFAULT_MODEL_NAME, a.base, a.decoder, device=device)
+        try:
+            engine = create_engine(engine_name, model, device)
+        except Exception as e:  # a missing export or runtime: one clear line, not a traceback
+            print(f"stateblock audit: engine {engine_name!r} did not load: {e}", file=sys.stderr)
+            return 1
+        report = audit.parity_audit(
+            model,
+            engine,
+            create_engine("reference", model, device),
+            depths=[int(d) for d in a.depths.split(",")],
+            n_prompts=a.n_prompts or 32,
+            seed=a.seed,
+            lanes=a.lanes,
+        )
+        if a.plot:
+            audit.plot(report, a.plot)
+        if a.markdown:
+            Path(a.markdown).write_text(audit.markdown(report, "stateblock " + shlex.join(a.argv)))
+    if a.json:
+        audit.write_json(report, a.json)
+    print(json.dumps(report, indent=2))
+    return 0 if report["gate"] == "PASS" else 1
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import importlib
+
+    # bench/ is a repo folder, not an installed package: import it from this checkout
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        module = importlib.import_module(BENCHES[a.bench])
+    except ModuleNotFoundError as e:
+        if e.name != BENCHES[a.bench]:
+            raise
+        print(f"stateblock bench: {e.name} is not in this checkout", file=sys.stderr)
+        return 1
+    saved = sys.argv
+    sys.argv = [f"stateblock bench {a.bench}", *a.args]  # each bench parses sys.argv itself
+    try:
+        return module.main() or 0
+    finally:
+        sys.argv = saved
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +411,40 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=120.0)
     q.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage")
     q.set_defaults(fn=cmd_ask)
+
+    x = sub.add_parser("export", help="export the readout decoder to ONNX (opset 17)")
+    x.add_argument("--out", default=None, help="FILE.onnx (default: DECODER/readout.onnx)")
+    x.add_argument("--decoder", default=str(REFERENCE / "decoder"))
+    x.add_argument("--base", default=str(REFERENCE / "base"))
+    x.add_argument("--tensorrt", default=None, help="also build a TensorRT engine here")
+    x.set_defaults(fn=cmd_export)
+
+    au = sub.add_parser("audit", help="engine parity audit and release gate; --determinism")
+    au.add_argument("--engine", default=None, help="engine audited against reference")
+    au.add_argument("--determinism", action="store_true", help="the determinism gate instead")
+    au.add_argument("--base", default=str(REFERENCE / "base"))
+    au.add_argument("--decoder", default=str(REFERENCE / "decoder"))
+    au.add_argument("--device", default="auto")
+    au.add_argument("--depths", default="256,512,1024,2048,4096,8192", help="parity depths")
+    au.add_argument("--n-prompts", type=int, default=None, help="held-out prompts (32; 8)")
+    au.add_argument("--seed", type=int, default=4321)
+    au.add_argument("--lanes", type=int, default=8, help="lanes per packed enqueue")
+    au.add_argument("--json", help="write the JSON report here")
+    au.add_argument("--plot", help="write the PNG plot here (parity)")
+    au.add_argument("--markdown", help="write the markdown table here (parity)")
+    au.add_argument("--nats-url", default=None, help="determinism: audit this NATS, not embedded")
+    au.add_argument("--grpc", default=None, help="determinism: gateway gRPC to send prompts to")
+    au.add_argument("--trusted-keys", default="keys", help="determinism with --nats-url")
+    au.add_argument("--listen-s", type=float, default=0.0, help="determinism: tap other traffic")
+    au.add_argument("--depth", type=int, default=256, help="determinism: max_tokens per prompt")
+    au.add_argument("--no-resubmit", action="store_true", help="determinism: re-read only")
+    au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
+    au.set_defaults(fn=cmd_audit)
+
+    bn = sub.add_parser("bench", help="benchmarks (DESIGN.md s.9); BENCH --help for each")
+    bn.add_argument("bench", choices=sorted(BENCHES))
+    bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bn.set_defaults(fn=cmd_bench)
 
     k = sub.add_parser("keys", help="signing keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True)

@@ -1,0 +1,448 @@
+"""End-to-end readout latency vs autoregressive decoding of the same base, on one GPU.
+
+`python -m bench.e2e_gpu --out DIR [--scale full|tiny] [--engine torch|reference] [--n 50]`
+
+1. Builds (bench/models.py, random weights, nothing downloaded) the 2.9 B Llama-shaped base
+   on the device, saves it in bf16 with its tokenizer, and a matching readout decoder.
+2. Serves that in-memory model through the whole request path in this process (nats-server,
+   capture, readout workers, gateway; bench/stack.py) and sends N sequential
+   /v1/completions requests: a 512-token prompt, max_tokens 1014, temperature 0. Every
+   request must come back with all 1014 tokens (finish_reason "length"). Latency p50/p90
+   and a per-request breakdown from the services' histograms plus two probes.
+3. Capture-only prefill of the base and of a NemotronH-shaped hybrid.
+4. HF `generate` of the same base for the same 1014 tokens: eager, then static cache +
+   torch.compile (own process, capped); seconds per answer and per token; the ratios.
+Results go to DIR/e2e.json after every measurement; a markdown summary is printed last.
+The full run is budgeted (--budget-s, default 520 s): a stage that would not fit is skipped
+and the reason recorded, never silently.
+
+On the GPU machine (no network, no nats-py there): `bench/prepare_wheels.sh` here first,
+then carry ".whl" and run
+  source bench/gpu_env.sh || exit 1; PYTHONUNBUFFERED=1 python3 -m bench.e2e_gpu --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.models import NEMOTRON, SCALES, bench_prompt, build_nemotron, n_params, sync
+from bench.report import Report, markdown, ms_summary, ratios
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "stateblock-bench"
+CAPTURE = "stateblock_capture_seconds_sum"
+READOUT = "stateblock_readout_seconds_sum"
+REQUEST = "stateblock_request_seconds_sum"
+# Distributions whose versions go into the report: on the GPU machine the service ones come
+# from the carried wheels (bench/gpu_env.sh), the rest from its image.
+VERSIONS = ("torch", "transformers", "triton", "protobuf", "grpcio", "nats-py", "fastapi",
+            "pydantic")  # fmt: skip
+# What the services do not measure themselves, and how this bench stands in for it.
+NOTES = [
+    "No service metric covers the bus (publish -> worker fetch), block verification, the "
+    "claim, the commit write or the gateway's KV watch. 'ingress_bus_claim' is inferred as "
+    "(readout start - request sent) - capture service time; 'commit' and 'response' come "
+    "from a NATS probe on the registry's KV subject.",
+    "Readout start/end times come from a wrapper around the engine (the worker only "
+    "observes a histogram, with no per-request time or exemplar).",
+    "The HTTP response carries no timing fields (no server-timing header, no block id).",
+    "'gateway', 'http_overhead', 'claim_to_readout' and 'readout_histogram' are other views "
+    "of the same requests, not part of the partition.",
+    "The gateway has no ignore_eos: the bench base has a zero EOS row in its lm_head so the "
+    "random decoder never emits EOS; every answer is checked to hold max_tokens tokens.",
+]
+
+
+def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
+    """N sequential requests after a warm-up; latency and its breakdown per request."""
+
+    def hist(name: str, labels: dict | None = None) -> float:
+        return metrics.get_sample_value(name, labels) or 0.0
+
+    def sums() -> tuple[float, float, float]:
+        return hist(CAPTURE), hist(READOUT), hist(REQUEST, {"api": "completions"})
+
+    rng = random.Random(args.seed)
+    prompt_len, depth = args.prompt_len, args.max_tokens
+    keys = ("e2e", "capture", "ingress_bus_claim", "readout", "commit", "response", "gateway",
+            "http_overhead", "claim_to_readout", "readout_histogram")  # fmt: skip
+    samples: dict[str, list[float]] = {k: [] for k in keys}
+    completion, prompt_tokens, finish = [], [], {}
+    errors: list[str] = []
+    for i in range(args.warmup + args.n):
+        prompt = bench_prompt(rng, prompt_len, scale.vocab_size)
+        before, calls = sums(), len(engine.calls)
+        t0 = time.perf_counter()
+        try:
+            r = client.complete(MODEL_NAME, prompt, depth)
+        except Exception as e:  # counted; the third ends the stage
+            errors.append(repr(e))
+            if len(errors) >= 3:
+                break
+            continue
+        t1 = time.perf_counter()
+        if i < args.warmup:
+            continue
+        cap, read, req = (a - b for a, b in zip(sums(), before, strict=True))
+        rid = r["id"].split("-", 1)[1]
+        for _ in range(1000):  # the probe's copy of the commit can land just after the reply
+            if rid in probe.block_of:
+                break
+            time.sleep(0.001)
+        block = probe.block_of.get(rid)
+        if block is None or len(engine.calls) != calls + 1:
+            errors.append(f"request {rid}: no probe commit or not one readout call")
+            continue
+        r0, r1 = engine.calls[calls]
+        t_commit, t_claim = probe.committed[block], probe.claimed.get(block, r0)
+        for key, value in (
+            ("e2e", t1 - t0), ("capture", cap), ("ingress_bus_claim", r0 - t0 - cap),
+            ("readout", r1 - r0), ("commit", t_commit - r1), ("response", t1 - t_commit),
+            ("gateway", req), ("http_overhead", (t1 - t0) - req),
+            ("claim_to_readout", r0 - t_claim), ("readout_histogram", read),
+        ):  # fmt: skip
+            samples[key].append(value)
+        choice = r["choices"][0]
+        completion.append(r["usage"]["completion_tokens"])
+        prompt_tokens.append(r["usage"]["prompt_tokens"])
+        finish[choice["finish_reason"]] = finish.get(choice["finish_reason"], 0) + 1
+    out: dict = {"n_ok": len(samples["e2e"]), "errors": errors[:5], "n_errors": len(errors)}
+    if not samples["e2e"]:
+        return out
+    out.update(
+        prompt_tokens=sorted(set(prompt_tokens)),
+        completion_tokens={"min": min(completion), "max": max(completion)},
+        all_full_depth=all(c == depth for c in completion),
+        finish_reasons=finish,
+        latency=ms_summary(samples["e2e"]),
+        breakdown={k: ms_summary(v) for k, v in samples.items() if k != "e2e"},
+        partition="e2e = capture + ingress_bus_claim + readout + commit + response",
+    )
+    return out
+
+
+def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -> dict:
+    """`capture()` over one prompt padded as the capture service pads it; median of repeats."""
+    from capture_svc.batcher import bucket_width
+    from stateblock.capture import capture
+
+    width = bucket_width(prompt_len)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, model.config.vocab_size, (1, width), generator=gen).to(device)
+    mask = torch.zeros_like(ids)
+    mask[:, :prompt_len] = 1
+    with torch.inference_mode():
+        for _ in range(2):
+            capture(model, ids, mask)
+        runs = []
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            rows = capture(model, ids, mask)
+            sync(device)
+            runs.append(time.perf_counter() - t0)
+    return {
+        "prompt_len": prompt_len,
+        "padded_width": width,
+        "rows_finite": bool(torch.isfinite(rows.float()).all()),
+        "params": n_params(model),
+        "median_ms": 1000.0 * statistics.median(runs),
+        "runs_ms": [1000.0 * r for r in runs],
+    }
+
+
+def ar_compiled(args, device: str, cap_s: float, log: Path) -> dict:
+    """bench.ar_decode --mode compiled in its own process, killed at cap_s."""
+    out_json = log.with_suffix(".json")
+    cmd = [sys.executable, "-m", "bench.ar_decode", "--mode", "compiled", "--scale", args.scale,
+           "--device", device, "--prompt-len", str(args.prompt_len), "--new-tokens",
+           str(args.max_tokens), "--repeats", str(args.ar_compiled_repeats), "--seed",
+           str(args.seed), "--out", str(out_json)]  # fmt: skip
+    t0 = time.perf_counter()
+    with log.open("wb") as f:
+        try:
+            subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=cap_s)
+        except subprocess.TimeoutExpired:
+            reason = f"stopped at the {cap_s:.0f} s cap"
+            partial = json.loads(out_json.read_text()) if out_json.exists() else {}
+            if "answer_s" in partial:  # done, but the process was still exiting
+                return dict(partial, note=f"finished; the process exit {reason}")
+            runs = partial.get("runs_s", [])
+            if not runs:
+                return {"skipped": f"compile + first answers: {reason}", "partial": partial}
+            answer = statistics.median(runs)  # the answers it did time count
+            return dict(partial, note=f"{reason} after {len(runs)} answer(s)", answer_s=answer,
+                        per_token_ms=1000.0 * answer / args.max_tokens, repeats=len(runs),
+                        tokens=partial["counts"][-1],
+                        all_counts_exact=all(n == args.max_tokens for n in partial["counts"]))  # fmt: skip
+    if not out_json.exists():
+        tail = log.read_text(errors="replace")[-2000:]
+        return {"failed": f"exit without a result; log tail:\n{tail}"}
+    result = json.loads(out_json.read_text())
+    result["process_s"] = time.perf_counter() - t0
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for e2e.json and logs")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="full")
+    ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
+    ap.add_argument("--n", type=int, default=50, help="timed requests")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed requests first")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the scale's")
+    ap.add_argument("--workers", type=int, default=2, help="readout workers")
+    ap.add_argument("--batch-window-ms", type=float, default=None,
+                    help="capture batch window (default: the capture service's)")  # fmt: skip
+    ap.add_argument("--nats-max-payload", type=int, default=8 << 20)
+    ap.add_argument("--nemotron", choices=[*sorted(NEMOTRON), "none"], default=None)
+    ap.add_argument("--prefill-repeats", type=int, default=5)
+    ap.add_argument("--ar-eager-repeats", type=int, default=1)
+    ap.add_argument("--ar-compiled", choices=["auto", "on", "off"], default="auto",
+                    help="auto: on with CUDA only (CPU compile takes minutes)")  # fmt: skip
+    ap.add_argument("--ar-compiled-repeats", type=int, default=3)
+    ap.add_argument("--ar-compiled-cap-s", type=float, default=270.0)
+    ap.add_argument("--budget-s", type=float, default=520.0, help="whole-run time budget")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--work-dir", type=Path, default=None, help="models; default a /tmp dir")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    out: dict[str, str | None] = {}
+    for dist in VERSIONS:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def environment(args, device: str) -> dict:
+    """The run's settings and software, first in the report."""
+    cuda = device.startswith("cuda")
+    name = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
+    plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    scale = SCALES[args.scale]
+    return dict(
+        plain,
+        device=device,
+        device_name=name,
+        llama=scale.llama,
+        vocab_size=scale.vocab_size,
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        versions=versions(),
+    )
+
+
+def serve_and_measure(args, scale, base, device: str, report: Report, left) -> None:
+    """The stack on the in-memory base; the e2e requests; the stack stopped again."""
+    from prometheus_client import CollectorRegistry
+
+    from bench.models import serving_model
+    from bench.stack import BenchStack, BenchStackConfig, CompletionsClient, KvProbe, TimedEngine
+    from readout_svc.engine import create_engine
+
+    setup = report.doc["setup"]
+    t0 = time.perf_counter()
+    serving = serving_model(MODEL_NAME, base)
+    inner = create_engine(args.engine, serving, device)
+    engine = TimedEngine(inner)
+    setup["serving_checks_and_engine_load_s"] = time.perf_counter() - t0
+    setup["engine_top2_backend"] = getattr(inner, "top2_backend", None)
+    block_bytes = args.prompt_len * serving.hidden_size * serving.lm_head.element_size()
+    inline = block_bytes + 65536 < args.nats_max_payload
+    from capture_svc.config import CaptureConfig
+
+    window_ms = args.batch_window_ms
+    if window_ms is None:
+        window_ms = 1000.0 * CaptureConfig().batch_window_s
+    report.doc["config"].update(
+        block_payload_bytes=block_bytes,
+        payload_path="inline" if inline else "object store",
+        effective_batch_window_ms=window_ms,
+    )
+    metrics, probe = CollectorRegistry(), KvProbe()
+    stack_cfg = BenchStackConfig(
+        data_dir=Path(setup["work_dir"]) / "stack",
+        workers=args.workers,
+        batch_window_s=None if args.batch_window_ms is None else args.batch_window_ms / 1000.0,
+        nats_max_payload=args.nats_max_payload,
+    )
+    t0 = time.perf_counter()
+    stack = BenchStack(stack_cfg, serving, engine, metrics, probe)
+    url = stack.start(timeout=max(60.0, left()))
+    setup["stack_start_s"] = time.perf_counter() - t0  # engine + capture warm-ups included
+    report.write()
+    client = CompletionsClient(url, timeout=120.0)
+    try:
+        report.set("e2e", run_e2e(args, scale, client, serving, engine, metrics, probe))
+    finally:
+        client.close()
+        stack.stop()
+    if device.startswith("cuda"):
+        setup["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+
+
+def failure(e: BaseException) -> dict:
+    """A stage that broke: recorded, and the run goes on to the next stage."""
+    return {"failed": f"{type(e).__name__}: {e}"[:2000]}
+
+
+def nemotron_prefill(args, preset: str, device: str) -> dict:
+    t0 = time.perf_counter()
+    hybrid = build_nemotron(preset, device, args.seed)
+    build_s = time.perf_counter() - t0
+    try:
+        p = time_prefill(hybrid, args.prompt_len, device, args.prefill_repeats, args.seed)
+        return dict(
+            p,
+            preset=preset,
+            build_s=build_s,
+            pattern=hybrid.config.hybrid_override_pattern,
+            mamba_kernels=importlib.util.find_spec("mamba_ssm") is not None,
+        )
+    finally:
+        del hybrid
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def measure_prefill(args, base, nemotron: str, device: str, report: Report, left) -> None:
+    prefill: dict = {}
+    report.set("prefill", prefill)
+    try:
+        prefill["llama"] = time_prefill(
+            base.model, args.prompt_len, device, args.prefill_repeats, args.seed
+        )
+    except Exception as e:
+        prefill["llama"] = failure(e)
+    if nemotron == "none":
+        prefill["nemotron"] = {"skipped": "--nemotron none"}
+    elif left() < 90:
+        prefill["nemotron"] = {"skipped": f"{left():.0f} s left of the budget"}
+    else:
+        try:
+            prefill["nemotron"] = nemotron_prefill(args, nemotron, device)
+        except Exception as e:  # e.g. another transformers' NemotronH config or forward
+            prefill["nemotron"] = failure(e)
+    report.doc["skipped"] += [f"prefill {k}: {v.get('skipped') or v.get('failed')}"
+                              for k, v in prefill.items() if "median_ms" not in v]  # fmt: skip
+    report.set("prefill", prefill)
+
+
+def measure_ar(args, base, device: str, report: Report, deadline: float, left) -> None:
+    from bench.ar_decode import time_ar
+
+    compiled = args.ar_compiled == "on" or (args.ar_compiled == "auto" and device != "cpu")
+    reserve = min(args.ar_compiled_cap_s, 120.0) if compiled else 5.0
+    ar: dict = {}
+    try:
+        ar["eager"] = time_ar(
+            base.model,
+            args.prompt_len,
+            args.max_tokens,
+            compiled=False,
+            repeats=args.ar_eager_repeats,
+            seed=args.seed,
+            deadline=deadline - reserve,
+        )
+    except Exception as e:
+        ar["eager"] = failure(e)
+    report.set("ar", ar)
+    cap = min(args.ar_compiled_cap_s, left() - 10.0)
+    if not compiled:
+        ar["compiled"] = {"skipped": "no CUDA device: torch.compile of the decode step takes "
+                          "~50 s for the tiny model on this CPU; --ar-compiled on runs it"}  # fmt: skip
+    elif cap < 60.0:
+        ar["compiled"] = {"skipped": f"{left():.0f} s left of the budget, under a 60 s minimum"}
+    else:
+        ar["compiled"] = ar_compiled(args, device, cap, args.out / "ar_compiled.log")
+    report.doc["skipped"] += [f"ar {k}: {v.get('skipped') or v.get('failed')}"
+                              for k, v in ar.items() if "answer_s" not in v]  # fmt: skip
+    report.set("ar", ar)
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    deadline = t_start + args.budget_s
+
+    def left() -> float:
+        return deadline - time.perf_counter()
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    args.engine = args.engine or ("torch" if cuda else "reference")
+    scale = SCALES[args.scale]
+    args.prompt_len = args.prompt_len or scale.prompt_len
+    args.max_tokens = args.max_tokens or scale.max_tokens
+    nemotron = args.nemotron or ("8b" if args.scale == "full" else "tiny")
+
+    import logging
+
+    import structlog
+    from transformers.utils import logging as hf_logging
+
+    from bench.models import build_base_and_decoder
+    from readout_svc.engine import require_engine
+
+    require_engine(args.engine)  # fail closed before minutes of model building
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="stateblock-bench-"))
+    config = dict(environment(args, device), nemotron=nemotron)
+    report = Report(args.out / "e2e.json", {"config": config, "notes": NOTES, "skipped": []})
+    doc = report.doc
+    try:
+        # bf16 weights either way; the CPU serves them in fp32 (bf16 matmuls are slow there)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        base = build_base_and_decoder(scale, work, device, seed=args.seed, dtype=dtype)
+        size = sum(p.stat().st_size for p in base.base_dir.glob("*.safetensors"))
+        report.set(
+            "setup",
+            dict(
+                base.timings, params=n_params(base.model), work_dir=str(work), base_bytes=size
+            ),  # fmt: skip
+        )
+        serve_and_measure(args, scale, base, device, report, left)
+        measure_prefill(args, base, nemotron, device, report, left)
+        measure_ar(args, base, device, report, deadline, left)
+        report.set("ratios", ratios(doc))
+    finally:
+        doc["elapsed_s"] = time.perf_counter() - t_start
+        report.write()
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(markdown(doc), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

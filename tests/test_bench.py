@@ -1,0 +1,55 @@
+"""CPU dry run of the GPU end-to-end bench: tiny random models, the real stack and nats-server."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+PARTITION = ("capture", "ingress_bus_claim", "readout", "commit", "response")
+
+
+@pytest.mark.slow
+def test_e2e_bench_tiny_dry_run(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.e2e_gpu", "--out", str(out), "--work-dir",
+           str(tmp_path / "work"), "--scale", "tiny", "--engine", "reference", "--n", "3",
+           "--warmup", "1", "--device", "cpu"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "e2e.json").read_text())
+    cfg = doc["config"]
+    depth, prompt_len = cfg["max_tokens"], cfg["prompt_len"]
+
+    for key in ("build_s", "save_s", "stack_start_s", "params", "base_bytes"):
+        assert doc["setup"][key] > 0, key
+
+    e2e = doc["e2e"]
+    assert e2e["n_ok"] == 3 and e2e["n_errors"] == 0, e2e["errors"]
+    assert e2e["all_full_depth"] and e2e["completion_tokens"] == {"min": depth, "max": depth}
+    assert e2e["finish_reasons"] == {"length": 3}
+    assert e2e["prompt_tokens"] == [prompt_len]
+    for key in ("p50_ms", "p90_ms", "mean_ms"):
+        assert e2e["latency"][key] > 0
+    for span in (*PARTITION, "gateway", "claim_to_readout", "readout_histogram"):
+        assert e2e["breakdown"][span]["p50_ms"] > 0, span
+    # the spans partition each request's latency, so their means add up to the e2e mean
+    total = sum(e2e["breakdown"][span]["mean_ms"] for span in PARTITION)
+    assert math.isclose(total, e2e["latency"]["mean_ms"], rel_tol=1e-6)
+
+    eager = doc["ar"]["eager"]
+    assert eager["tokens"] == depth and eager["all_counts_exact"]
+    assert eager["answer_s"] > 0 and eager["per_token_ms"] > 0
+    assert "no CUDA device" in doc["ar"]["compiled"]["skipped"]  # skipped, and says why
+    assert any(s.startswith("ar compiled:") for s in doc["skipped"])
+    assert doc["ratios"]["ar_eager_answer_over_e2e_p50"] > 0
+
+    for name in ("llama", "nemotron"):
+        prefill = doc["prefill"][name]
+        assert prefill["median_ms"] > 0 and prefill["rows_finite"], name
+    assert "e2e readout vs AR" in proc.stdout
