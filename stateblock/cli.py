@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "models" / "reference"
 BENCHES = {  # imported on use: gpu_smoke needs a GPU stack, e2e the service wheels
     "cpu-latency": "bench.latency_cpu",
+    "engines-cpu": "bench.engines_cpu",
     "e2e": "bench.e2e_gpu",
     "smoke": "bench.gpu_smoke",
 }
