@@ -152,3 +152,23 @@ def test_standalone_services_answer_and_stop_cleanly(
         except subprocess.TimeoutExpired:
             pytest.fail(f"{s.name} did not exit after SIGTERM\n{_dump(services)}")
         assert rc == 0, f"{s.name} exited with {rc}\n{_dump(services)}"
+
+
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [("onnx", "stateblock export"), ("tensorrt-llm", "unknown readout engine")],
+    ids=["onnx-without-its-graph", "unknown-engine"],
+)
+def test_readout_service_fails_closed_at_start_up(standalone_env, tmp_path, engine, says):
+    """An engine that cannot load stops the worker process before it consumes a block: no
+    fallback to another engine, a non-zero exit and the reason on stderr."""
+    env = {**standalone_env, "STATEBLOCK_ENGINE": engine}  # the test decoder has no graph
+    service = _start("readout_svc", env, tmp_path)
+    try:
+        rc = service.proc.wait(READY_TIMEOUT_S)
+    finally:
+        if service.proc.poll() is None:
+            service.proc.kill()
+    assert rc != 0, service.stderr()
+    assert says in service.stderr()
+    assert READY_LINES["readout_svc"] not in service.stderr()
