@@ -289,6 +289,15 @@ def cmd_audit(a: argparse.Namespace) -> int:
                 resubmit=not a.no_resubmit, listen_s=a.listen_s, device=device,
             ))  # fmt: skip
     else:
+        from stateblock import runtime
+
+        runtime.configure_logging("warning")  # stdout carries the JSON report alone
+        if a.export and engine_name == "onnx":  # asked for: the engine itself never exports
+            from stateblock.onnx_export import default_graph_path, export_checkpoint
+
+            graph = default_graph_path(a.decoder)
+            export_checkpoint(a.decoder, a.base, graph)
+            print(f"stateblock audit: exported {graph}", file=sys.stderr)
         model = load_serving_model(DEFAULT_MODEL_NAME, a.base, a.decoder, device=device)
         try:
             engine = create_engine(engine_name, model, device)
@@ -423,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit", help="engine parity audit and release gate; --determinism")
     au.add_argument("--engine", default=None, help="engine audited against reference")
     au.add_argument("--determinism", action="store_true", help="the determinism gate instead")
+    au.add_argument("--export", action="store_true", help="onnx: run `stateblock export` first")
     au.add_argument("--base", default=str(REFERENCE / "base"))
     au.add_argument("--decoder", default=str(REFERENCE / "decoder"))
     au.add_argument("--device", default="auto")

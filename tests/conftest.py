@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import structlog
 
 READY_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 5
@@ -113,3 +114,12 @@ def nats_server(start_nats_server) -> NatsServer:
 @pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
+
+
+@pytest.fixture(autouse=True)
+def restore_structlog_config() -> Iterator[None]:
+    """CLI commands under test reconfigure structlog onto the test's captured stderr; put
+    the previous configuration back so later tests never log into a closed capture."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
