@@ -22,6 +22,11 @@ class CaptureConfig:
     device: str = "cpu"
     dtype: str = "float32"
     batch_window_s: float = 0.0  # continuous batching; >0 waits for company
+    # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...):
+    # one graph per (lanes, bucket) shape, compiled on its first request. Off by default:
+    # a compiled kernel may round differently per shape, so batched rows are no longer
+    # guaranteed bit-identical to the same request alone.
+    compile: str = "off"
     max_lanes: int = 8  # K_max: lanes per cohort forward and per request
     prompt_len_max: int = 4096
     answer_depth_max: int = 8192
@@ -34,6 +39,8 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         runtime.subject_token(self.model_name)
+        if not self.compile:
+            raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
         if self.max_lanes < 1 or self.prompt_len_max < 1 or self.answer_depth_max < 1:
             raise runtime.ConfigError("max_lanes, prompt_len_max, answer_depth_max must be >= 1")
 
@@ -53,6 +60,7 @@ class CaptureConfig:
             device=e.str("DEVICE", d.device),
             dtype=e.str("CAPTURE_DTYPE", d.dtype),
             batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s, zero_ok=True),
+            compile=e.str("CAPTURE_COMPILE", d.compile),
             max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
             prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
             answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),

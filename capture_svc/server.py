@@ -28,6 +28,7 @@ from capture_svc.service import (
     LaneInput,
 )
 from stateblock import runtime, streams
+from stateblock.capture import compile_backbone
 from stateblock.keys import Signer, load_or_generate_signer
 from stateblock.serving import ServingModel, load_serving_model, parse_dtype
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
@@ -113,6 +114,9 @@ async def running_capture(
         capture_metrics = CaptureMetrics(metrics)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
+        if config.compile != "off":
+            compile_backbone(model.model, config.compile)
+            log.info("base forward compiled lazily per shape", backend=config.compile)
         forward = CohortForward(
             model.model,
             registry,

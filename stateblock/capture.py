@@ -31,6 +31,27 @@ def lm_head_weight(model: nn.Module) -> Tensor:
     return head.weight
 
 
+def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
+    """Compile the backbone's forward in place (`torch.compile`, static shapes).
+
+    Only `forward` is replaced: the capture hook lives on the module and runs in
+    `Module.__call__`, outside the compiled region, so every capture still records through
+    its own request-scoped hook. The capture service pads prompts to power-of-two buckets,
+    so each (lanes, bucket) shape compiles once; the first request of a shape pays for it.
+    """
+    import torch._dynamo
+
+    bb = backbone(model)
+    if getattr(bb, "_stateblock_compiled", None) == backend:
+        return
+    # one graph per (lanes, bucket) shape: K_max x ~10 buckets, above dynamo's default limit
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 128))
+    bb.forward = torch.compile(bb.forward, backend=backend, dynamic=False)
+    bb._stateblock_compiled = backend
+
+
 @torch.no_grad()
 def capture(
     model: nn.Module,

@@ -4,7 +4,14 @@ import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from stateblock.capture import capture, lm_head_weight, pack_lanes, pad_lanes, unpack_lanes
+from stateblock.capture import (
+    capture,
+    compile_backbone,
+    lm_head_weight,
+    pack_lanes,
+    pad_lanes,
+    unpack_lanes,
+)
 from stateblock.readout import ReadoutConfig, ReadoutDecoder
 from stateblock.reference import load_base
 from tests.helpers import REFERENCE_BASE
@@ -88,3 +95,19 @@ def test_pack_and_unpack_lanes_keep_the_layout_invariant():
         unpack_lanes(packed[:-1], offsets)
     padded, lens = pad_lanes(rows)
     assert padded.shape == (3, 5, 8) and lens.tolist() == [3, 1, 5]
+
+
+def test_compiled_backbone_still_captures_through_the_hook():
+    """`compile_backbone` replaces only the backbone's forward: the hook still fires once per
+    capture with the same rows (aot_eager: the compile path without codegen, fast on CPU)."""
+    model, tok = load_base(REFERENCE_BASE)
+    enc = tok(["copy: abc", "count: 001 009"], padding=True, return_tensors="pt")
+    eager = capture(model, enc["input_ids"], enc["attention_mask"])
+    compile_backbone(model, "aot_eager")
+    seen = []
+    rows = capture(model, enc["input_ids"], enc["attention_mask"], on_rows=seen.append)
+    assert len(seen) == 1 and seen[0] is rows
+    assert torch.equal(rows, eager)
+    assert not model.base_model._forward_hooks
+    one = capture(model, enc["input_ids"][:1], enc["attention_mask"][:1])  # another shape
+    torch.testing.assert_close(one, eager[:1], rtol=0, atol=1e-5)  # batch size changes rounding

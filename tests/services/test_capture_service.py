@@ -267,3 +267,37 @@ async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
     with pytest.raises(CaptureFailed, match="lane_length_mismatch"):
         await running.service.capture(MODEL, [LaneInput(prompt="copy: a", max_tokens=4)])
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
+
+
+async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
+    nats_url, decoder_dir, serving_model
+):
+    """STATEBLOCK_CAPTURE_COMPILE: the service compiles the base forward (its own model
+    copy here; compiling is in place) and the published rows equal the eager capture."""
+    from stateblock.capture import capture
+    from stateblock.serving import load_serving_model
+    from tests.helpers import REFERENCE_BASE
+
+    config = CaptureConfig.from_env(
+        {"STATEBLOCK_CAPTURE_COMPILE": "aot_eager", "STATEBLOCK_CAPTURE_PORT": "0"}
+    )
+    assert config.compile == "aot_eager"
+    model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)
+    nc = await nats.connect(nats_url)
+    try:
+        async with running_capture(
+            config, nc=nc, model=model, signer=(signer := Signer.generate()),
+            metrics=CollectorRegistry(),
+        ) as running:  # fmt: skip
+            sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
+            await running.service.capture(MODEL, [LaneInput(prompt="copy: abc", max_tokens=4)], "r")
+            (msg,) = await sub.fetch(1, timeout=5)
+    finally:
+        await nc.close()
+    assert getattr(model.model.base_model, "_stateblock_compiled", None) == "aot_eager"
+    (rows,) = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key])).lane_rows()
+    ids = serving_model.tokenizer("copy: abc")["input_ids"]
+    x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
+    x[0, : len(ids)] = torch.tensor(ids)
+    eager = capture(serving_model.model, x, (x != 0).long())[0, : len(ids)]
+    assert torch.equal(rows, eager.to(rows.dtype))
