@@ -210,6 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-window-ms", type=float, default=None,
                     help="capture batch window (default: the capture service's)")  # fmt: skip
     ap.add_argument("--nats-max-payload", type=int, default=8 << 20)
+    ap.add_argument("--capture-compile", default="off", help="torch.compile backend, capture")
     ap.add_argument("--nemotron", choices=[*sorted(NEMOTRON), "none"], default=None)
     ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--ar-eager-repeats", type=int, default=1)
@@ -281,6 +282,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         block_payload_bytes=block_bytes,
         payload_path="inline" if inline else "object store",
         effective_batch_window_ms=window_ms,
+        capture_compile=args.capture_compile,
     )
     metrics, probe = CollectorRegistry(), KvProbe()
     stack_cfg = BenchStackConfig(
@@ -288,6 +290,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         workers=args.workers,
         batch_window_s=None if args.batch_window_ms is None else args.batch_window_ms / 1000.0,
         nats_max_payload=args.nats_max_payload,
+        capture_compile=args.capture_compile,
     )
     t0 = time.perf_counter()
     stack = BenchStack(stack_cfg, serving, engine, metrics, probe)

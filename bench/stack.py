@@ -37,6 +37,7 @@ class BenchStackConfig:
     data_dir: Path
     workers: int = 2
     batch_window_s: float | None = None  # None: the capture service's default
+    capture_compile: str = "off"  # torch.compile backend for the base forward
     nats_max_payload: int | None = 8 << 20  # None: the server's 1 MiB default
     request_timeout_s: float = 120.0
     grace_s: float = 2.0
@@ -119,7 +120,7 @@ async def _serve(
             running_capture(
                 CaptureConfig(
                     nats_url=proc.url, host="127.0.0.1", port=0, key_dir=key_dir,
-                    grace_s=config.grace_s, **window, **common,
+                    grace_s=config.grace_s, compile=config.capture_compile, **window, **common,
                 ),
                 nc=nc, model=model, signer=signer, metrics=metrics,
             )
