@@ -158,6 +158,7 @@ def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -
     return {
         "prompt_len": prompt_len,
         "padded_width": width,
+        "compiled": getattr(model.base_model, "_stateblock_compiled", None) or "off",
         "rows_finite": bool(torch.isfinite(rows.float()).all()),
         "params": n_params(model),
         "median_ms": 1000.0 * statistics.median(runs),
