@@ -17,6 +17,7 @@ REFERENCE = REPO / "models" / "reference"
 BENCHES = {  # imported on use: gpu_smoke needs a GPU stack, e2e the service wheels
     "cpu-latency": "bench.latency_cpu",
     "engines-cpu": "bench.engines_cpu",
+    "throughput-cpu": "bench.throughput_cpu",
     "e2e": "bench.e2e_gpu",
     "smoke": "bench.gpu_smoke",
 }
