@@ -290,3 +290,13 @@ def test_cli_ask_and_keys_generate(stack, client, capsys, tmp_path):
     info = json.loads(capsys.readouterr().out)
     assert Signer.load(Path(info["private"])).key_id == info["key_id"]
     assert info["key_id"] in TrustStore.from_dir(tmp_path)
+
+
+def test_throughput_bench_load_answers_every_request(stack):
+    """bench.throughput_cpu's load generator against the real stack: every request of the
+    run is answered (a failed one raises) and timed once."""
+    from bench.throughput_cpu import run_load
+
+    body = {"model": MODEL, "prompt": "copy: hi", "max_tokens": 8}
+    wall, latencies = run_load(stack.urls.http, body, n=7, concurrency=3)
+    assert len(latencies) == 7 and all(0 < t <= wall for t in latencies)
