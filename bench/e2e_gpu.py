@@ -62,8 +62,8 @@ NOTES = [
     "The HTTP response carries no timing fields (no server-timing header, no block id).",
     "'gateway', 'http_overhead', 'claim_to_readout' and 'readout_histogram' are other views "
     "of the same requests, not part of the partition.",
-    "The gateway has no ignore_eos: the bench base has a zero EOS row in its lm_head so the "
-    "random decoder never emits EOS; every answer is checked to hold max_tokens tokens.",
+    "Requests set ignore_eos (vLLM's extension) so every answer reads all max_tokens "
+    "positions; every answer is checked to hold max_tokens tokens.",
 ]
 
 

@@ -7,10 +7,8 @@
   the manifest checks of the capture and readout services pass;
 - a NemotronH-shaped hybrid (Mamba2 + attention + MLP layers) for a capture-only prefill.
 
-The lm_head row of EOS is zero, so EOS's logit is exactly 0 while the top-1 of 131k random
-logits is positive: the random decoder never stops early and every request reads all of
-max_tokens (the gateway has no `ignore_eos`). Generation forces the count with
-min_new_tokens anyway.
+The weights are untouched random ones: the bench asks the gateway for `ignore_eos` (every
+request reads all of max_tokens), and AR generation forces the count with min_new_tokens.
 """
 
 from __future__ import annotations
@@ -135,11 +133,8 @@ def _from_config(config, device: str, dtype: torch.dtype, seed: int) -> nn.Modul
 
 
 def build_llama(scale: Scale, device: str, seed: int = 0) -> nn.Module:
-    """The random Llama base in bf16, EOS row of the lm_head zeroed (see the module doc)."""
-    model = _from_config(llama_config(scale), device, torch.bfloat16, seed)
-    with torch.no_grad():
-        lm_head_weight(model)[model.config.eos_token_id].zero_()
-    return model
+    """The random Llama base in bf16."""
+    return _from_config(llama_config(scale), device, torch.bfloat16, seed)
 
 
 def build_nemotron(preset: str, device: str, seed: int = 0) -> nn.Module:

@@ -209,7 +209,13 @@ class CompletionsClient:
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> dict:
         body = json.dumps(
-            {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }  # fmt: skip
         )
         self._conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = self._conn.getresponse()

@@ -55,6 +55,7 @@ def lane_input(lane: capture_pb2.CaptureLane) -> LaneInput:
         "max_tokens": s.max_tokens,
         "temperature": s.temperature,
         "seed": s.seed if s.HasField("seed") else None,
+        "ignore_eos": s.ignore_eos,
     }
     if which == "chat":
         messages = tuple((m.role, m.content) for m in lane.chat.messages)

@@ -55,6 +55,7 @@ class LaneInput:
     max_tokens: int = 0
     temperature: float = 0.0
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,10 @@ class CaptureService:
             self._registry.discard(request_id)  # no-op once consumed
         sampling = [
             pb.SamplingParams(
-                temperature=lane.temperature, seed=lane.seed, max_tokens=lane.max_tokens
+                temperature=lane.temperature,
+                seed=lane.seed,
+                max_tokens=lane.max_tokens,
+                ignore_eos=lane.ignore_eos,
             )
             for lane in lanes
         ]

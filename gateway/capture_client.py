@@ -26,6 +26,7 @@ class LaneSpec:
     max_tokens: int
     temperature: float
     seed: int | None
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class CaptureResult:
 
 def _lane(spec: LaneSpec) -> capture_pb2.CaptureLane:
     sampling = block_pb2.SamplingParams(
-        temperature=spec.temperature, seed=spec.seed, max_tokens=spec.max_tokens
+        temperature=spec.temperature,
+        seed=spec.seed,
+        max_tokens=spec.max_tokens,
+        ignore_eos=spec.ignore_eos,
     )
     if spec.messages is not None:
         chat = capture_pb2.ChatMessages(

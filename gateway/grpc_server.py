@@ -53,6 +53,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         temperature=req.temperature if req.HasField("temperature") else None,
         seed=req.seed if req.HasField("seed") else None,
+        ignore_eos=req.ignore_eos,
     )
 
 

@@ -118,6 +118,7 @@ def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: 
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             seed=req.seed,
+            ignore_eos=req.ignore_eos,
         )
         g = await service.generate(params, api="completions")
         rid = f"cmpl-{g.request_id}"
@@ -163,6 +164,7 @@ def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: 
             max_tokens=max_tokens,
             temperature=req.temperature,
             seed=req.seed,
+            ignore_eos=req.ignore_eos,
         )
         try:
             g = await service.generate(params, api="chat")

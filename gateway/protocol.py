@@ -71,6 +71,7 @@ class CompletionRequest(_Request):
     temperature: Number | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension: read all max_tokens positions
 
     def _unsupported(self) -> tuple[str, ...]:
         return ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
@@ -94,6 +95,7 @@ class ChatCompletionRequest(_Request):
     temperature: Number | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension: read all max_tokens positions
 
     def _unsupported(self) -> tuple[str, ...]:
         return ("frequency_penalty", "logit_bias", "logprobs", "presence_penalty", "stop", "top_p")

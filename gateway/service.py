@@ -56,6 +56,7 @@ class GenerateParams:
     max_tokens: int | None = None
     temperature: float | None = None
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: every lane reads all max_tokens positions
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class GatewayService:
         for spec in p.inputs:
             for copy in range(p.n):
                 seed = None if p.seed is None else (p.seed + copy) % (1 << 64)
-                out.append(LaneSpec(spec.prompt, spec.messages, max_tokens, t, seed))
+                out.append(LaneSpec(spec.prompt, spec.messages, max_tokens, t, seed, p.ignore_eos))
         return out
 
     async def generate(

@@ -33,13 +33,24 @@ class LaneRequest:
     depth: int  # answer positions to read (max_tokens)
     temperature: float = 0.0
     seed: int | None = None
+    ignore_eos: bool = False  # read all `depth` positions whatever EOS comes (vLLM's flag)
 
 
 @dataclass(frozen=True)
 class LaneResult:
     token_ids: tuple[int, ...]  # cut at the first EOS (excluded) or at depth
-    eos_pos: int  # first EOS position, or NO_EOS
+    eos_pos: int  # first EOS position, or NO_EOS (also under ignore_eos)
     margins: tuple[float, ...]  # top-1 minus top-2 logit per read position (EOS included)
+
+
+def lane_result(lane: LaneRequest, tokens: list[int], margins: list[float], eos: int) -> LaneResult:
+    """One lane's answer from its read positions, the same cut in every engine: at the first
+    EOS (excluded; its margin kept, it is part of the answer) or at the depth. Under
+    ignore_eos every position up to the depth is the answer and no EOS is reported."""
+    depth = lane.depth
+    if lane.ignore_eos or eos >= depth:
+        return LaneResult(tuple(tokens[:depth]), NO_EOS, tuple(margins[:depth]))
+    return LaneResult(tuple(tokens[:eos]), eos, tuple(margins[: eos + 1]))
 
 
 class ReadoutEngine(Protocol):
@@ -114,22 +125,13 @@ class ReferenceEngine:
             temperature=temperature,
             noise=noise,
         )
-        tokens = out.tokens.cpu()
-        margins = out.margin.float().cpu()
+        tokens = out.tokens.cpu().tolist()
+        margins = out.margin.float().cpu().tolist()
         eos_pos = out.eos_pos.cpu().tolist()
-        results = []
-        for i, lane in enumerate(lanes):
-            eos = int(eos_pos[i])
-            stop = eos if eos < lane.depth else lane.depth
-            read = min(stop + 1, lane.depth)  # the EOS position's margin is part of the answer
-            results.append(
-                LaneResult(
-                    token_ids=tuple(tokens[i, :stop].tolist()),
-                    eos_pos=eos if eos < lane.depth else NO_EOS,
-                    margins=tuple(margins[i, :read].tolist()),
-                )
-            )
-        return results
+        return [
+            lane_result(lane, tokens[i], margins[i], int(eos_pos[i]))
+            for i, lane in enumerate(lanes)
+        ]
 
 
 def _load_onnx(model: ServingModel, device: str = "cpu") -> ReadoutEngine:

@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 import torch
 
-from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult
+from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
 from stateblock.capture import pad_lanes
 from stateblock.onnx_export import (
     INPUT_NAMES,
@@ -35,7 +35,7 @@ from stateblock.onnx_export import (
     verify_graph,
 )
 from stateblock.serving import ServingModel
-from stateblock.vocab import NO_EOS, gumbel_noise
+from stateblock.vocab import gumbel_noise
 
 log = structlog.get_logger("readout_svc")
 
@@ -171,16 +171,7 @@ class OnnxEngine:
                 }
             )
             for j, i in enumerate(group):
-                results[i] = _lane_result(lanes[i].depth, tokens[j], margin[j], int(eos_pos[j]))
+                results[i] = lane_result(
+                    lanes[i], tokens[j].tolist(), margin[j].tolist(), int(eos_pos[j])
+                )
         return [r for r in results if r is not None]
-
-
-def _lane_result(depth: int, tokens: np.ndarray, margins: np.ndarray, eos: int) -> LaneResult:
-    """The same cut as ReferenceEngine: at the first EOS (excluded) or at depth."""
-    stop = eos if eos < depth else depth
-    read = min(stop + 1, depth)  # the EOS position's margin is part of the answer
-    return LaneResult(
-        token_ids=tuple(int(t) for t in tokens[:stop]),
-        eos_pos=eos if eos < depth else NO_EOS,
-        margins=tuple(float(m) for m in margins[:read]),
-    )

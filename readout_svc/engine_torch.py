@@ -39,14 +39,14 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult
+from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
 from stateblock.capture import pad_lanes
 from stateblock.checkpoint import load_decoder
 from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
 from stateblock.serving import ServingModel
 from stateblock.triton_top2 import Top2Config, available, top2
-from stateblock.vocab import NO_EOS, chunked_topk, first_eos, gumbel_noise, gumbel_select
+from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
 K_MAX = 8  # lanes per enqueue (DESIGN.md: cohort K_max)
 LANE_BUCKETS = (1, 2, 4, 8)
@@ -98,20 +98,11 @@ def readout_step(
 def lane_results(
     lanes: Sequence[LaneRequest], tokens: Tensor, margins: Tensor, eos_pos: list[int]
 ) -> list[LaneResult]:
-    """Cut each lane at its first EOS (excluded) or its depth, as the reference does."""
-    results = []
-    for i, lane in enumerate(lanes):
-        eos = int(eos_pos[i])
-        stop = eos if eos < lane.depth else lane.depth
-        read = min(stop + 1, lane.depth)  # the EOS position's margin is part of the answer
-        results.append(
-            LaneResult(
-                token_ids=tuple(tokens[i, :stop].tolist()),
-                eos_pos=eos if eos < lane.depth else NO_EOS,
-                margins=tuple(margins[i, :read].tolist()),
-            )
-        )
-    return results
+    """Each lane cut as every engine cuts it (`readout_svc.engine.lane_result`)."""
+    return [
+        lane_result(lane, tokens[i].tolist(), margins[i].tolist(), int(eos_pos[i]))
+        for i, lane in enumerate(lanes)
+    ]
 
 
 def require_device(device: str | torch.device) -> torch.device:

@@ -215,6 +215,7 @@ class ReadoutWorker:
                 depth=lane.answer_depth,
                 temperature=s.temperature,
                 seed=s.seed if s.HasField("seed") else None,
+                ignore_eos=s.ignore_eos,
             )
             for rows, lane, s in zip(
                 verified.lane_rows(), header.layout.lanes, header.sampling, strict=True

@@ -81,6 +81,7 @@ def lane_requests(block: env.VerifiedBlock) -> list[LaneRequest]:
             depth=lane.answer_depth,
             temperature=s.temperature,
             seed=s.seed if s.HasField("seed") else None,
+            ignore_eos=s.ignore_eos,
         )
         for rows, lane, s in zip(
             block.lane_rows(), header.layout.lanes, header.sampling, strict=True

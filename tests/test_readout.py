@@ -166,3 +166,31 @@ def test_positions_are_functional_not_a_table():
     with torch.no_grad():  # deeper than any profile: no ceiling comes from the parameters
         out = dec(rows, lens, torch.tensor([[0, 9000, 20000]]), torch.tensor([20001]), w)
     assert out.tokens.shape == (1, 3)
+
+
+def test_ignore_eos_returns_every_position_eos_included():
+    """The shipped decoder stops `copy: hello` at its EOS; with ignore_eos the same lane
+    returns all `depth` tokens: the answer, then the EOS token, then what follows."""
+    from readout_svc.engine import LaneRequest, create_engine, lane_result
+    from stateblock.capture import capture
+    from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
+    from stateblock.serving import load_serving_model
+    from stateblock.vocab import NO_EOS
+
+    model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
+    ids = torch.tensor([model.tokenizer("copy: hello")["input_ids"]])
+    rows = capture(model.model, ids, torch.ones_like(ids))[0]
+    engine = create_engine("reference", model)
+    plain, ignoring = engine.readout(
+        [LaneRequest(rows=rows, depth=24), LaneRequest(rows=rows, depth=24, ignore_eos=True)]
+    )
+    eos = plain.eos_pos
+    assert eos < 24, "the shipped decoder should end this answer with EOS"
+    assert len(ignoring.token_ids) == 24 and ignoring.eos_pos == NO_EOS
+    assert ignoring.token_ids[:eos] == plain.token_ids
+    assert ignoring.token_ids[eos] == model.tokenizer.eos_token_id
+    assert len(ignoring.margins) == 24 and ignoring.margins[: eos + 1] == plain.margins
+    # the cut itself, on made-up reads: EOS at 2 of depth 4
+    lane = LaneRequest(rows=rows, depth=4)
+    assert lane_result(lane, [7, 8, 2, 9, 9], [1.0] * 5, 2).token_ids == (7, 8)
+    assert lane_result(lane, [7, 8, 2, 9, 9], [1.0] * 5, NO_EOS).token_ids == (7, 8, 2, 9)

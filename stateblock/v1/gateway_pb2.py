@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from stateblock.v1 import capture_pb2 as stateblock_dot_v1_dot_capture__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/gateway.proto\x12\rstateblock.v1\x1a\x1bstateblock/v1/capture.proto\"\xe2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x04\n\x02_n\"}\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stateblock.v1.FinishReason\x12\x0f\n\x07\x65os_pos\x18\x05 \x01(\r\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\"_\n\x15GenerateStreamRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.stateblock.v1.GenerateRequest\x12\x15\n\rinclude_usage\x18\x02 \x01(\x08\"\x88\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb7\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1e.stateblock.v1.GenerateRequest\x1a\x1f.stateblock.v1.GenerateResponse\x12_\n\x0eGenerateStream\x12$.stateblock.v1.GenerateStreamRequest\x1a%.stateblock.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/gateway.proto\x12\rstateblock.v1\x1a\x1bstateblock/v1/capture.proto\"\xf6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x04\n\x02_n\"}\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stateblock.v1.FinishReason\x12\x0f\n\x07\x65os_pos\x18\x05 \x01(\r\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\"_\n\x15GenerateStreamRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.stateblock.v1.GenerateRequest\x12\x15\n\rinclude_usage\x18\x02 \x01(\x08\"\x88\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb7\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1e.stateblock.v1.GenerateRequest\x1a\x1f.stateblock.v1.GenerateResponse\x12_\n\x0eGenerateStream\x12$.stateblock.v1.GenerateStreamRequest\x1a%.stateblock.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stateblock.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=881
-  _globals['_FINISHREASON']._serialized_end=976
+  _globals['_FINISHREASON']._serialized_start=901
+  _globals['_FINISHREASON']._serialized_end=996
   _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=302
-  _globals['_CHOICE']._serialized_start=304
-  _globals['_CHOICE']._serialized_end=429
-  _globals['_USAGE']._serialized_start=431
-  _globals['_USAGE']._serialized_end=510
-  _globals['_GENERATERESPONSE']._serialized_start=513
-  _globals['_GENERATERESPONSE']._serialized_end=643
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=645
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=740
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=743
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=879
-  _globals['_GATEWAY']._serialized_start=979
-  _globals['_GATEWAY']._serialized_end=1162
+  _globals['_GENERATEREQUEST']._serialized_end=322
+  _globals['_CHOICE']._serialized_start=324
+  _globals['_CHOICE']._serialized_end=449
+  _globals['_USAGE']._serialized_start=451
+  _globals['_USAGE']._serialized_end=530
+  _globals['_GENERATERESPONSE']._serialized_start=533
+  _globals['_GENERATERESPONSE']._serialized_end=663
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=665
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=760
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=763
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=899
+  _globals['_GATEWAY']._serialized_start=999
+  _globals['_GATEWAY']._serialized_end=1182
 # @@protoc_insertion_point(module_scope)

@@ -41,7 +41,9 @@ def aclient(http_url) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{http_url}/v1", api_key="unused", max_retries=0)
 
 
-def in_process_answer(serving_model, engine, prompt: str, max_tokens: int) -> list[int]:
+def in_process_answer(
+    serving_model, engine, prompt: str, max_tokens: int, ignore_eos: bool = False
+) -> list[int]:
     """The same prompt through capture + decoder in this process, padded like the service."""
     from readout_svc.engine import LaneRequest
 
@@ -51,7 +53,7 @@ def in_process_answer(serving_model, engine, prompt: str, max_tokens: int) -> li
     x[0, : len(ids)] = torch.tensor(ids)
     mask[0, : len(ids)] = 1
     rows = capture(serving_model.model, x, mask)[0, : len(ids)]
-    (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens)])
+    (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens, ignore_eos=ignore_eos)])
     return list(result.token_ids)
 
 
@@ -213,6 +215,7 @@ BAD_HTTP = [
     ("/v1/completions", {"model": MODEL, "prompt": 123}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 9}, "n"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
@@ -300,3 +303,29 @@ def test_throughput_bench_load_answers_every_request(stack):
     body = {"model": MODEL, "prompt": "copy: hi", "max_tokens": 8}
     wall, latencies = run_load(stack.urls.http, body, n=7, concurrency=3)
     assert len(latencies) == 7 and all(0 < t <= wall for t in latencies)
+
+
+def test_ignore_eos_reads_every_position_over_http_and_grpc(client, stack, serving_model, engine):
+    """vLLM's `ignore_eos` (an extra body field for the openai client; a request field in
+    gRPC): all max_tokens positions come back, finish "length", no EOS position."""
+    r = client.completions.create(
+        model=MODEL, prompt="copy: hello", max_tokens=24, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    expected = in_process_answer(serving_model, engine, "copy: hello", 24, ignore_eos=True)
+    assert len(expected) == 24
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(
+            model=MODEL, prompt="copy: hello", max_tokens=24, ignore_eos=True
+        )
+        (choice,) = stub.Generate(req, timeout=30).choices
+    assert list(choice.token_ids) == expected
+    assert choice.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and choice.eos_pos == NO_EOS
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "copy: hello"}],
+        max_tokens=17,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage.completion_tokens == 17 and chat.choices[0].finish_reason == "length"
