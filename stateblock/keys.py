@@ -145,4 +145,10 @@ def load_or_generate_signer(key_dir: Path) -> Signer:
         raise ValueError(f"{key_dir} holds {len(found)} private keys; expected one")
     if found:
         return Signer.load(found[0])
-    return Signer.load(generate_keypair(key_dir).private_path)
+    try:
+        return Signer.load(generate_keypair(key_dir).private_path)
+    except OSError as e:  # e.g. a read-only Secret mount that holds no key
+        raise ValueError(
+            f"{key_dir} holds no private key (*{PRIVATE_SUFFIX}) and a new one cannot be "
+            f"written there ({e}); mount the signing key or a writable key directory"
+        ) from e

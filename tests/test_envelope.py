@@ -244,3 +244,9 @@ def test_trust_store_ignores_file_names(tmp_path):
 def test_load_or_generate_signer_is_stable(tmp_path):
     first = load_or_generate_signer(tmp_path / "keys")
     assert load_or_generate_signer(tmp_path / "keys").key_id == first.key_id
+
+
+def test_a_key_dir_without_a_key_that_cannot_be_written_is_a_clear_error(tmp_path):
+    (tmp_path / "not-a-dir").write_text("a file where the key directory should be")
+    with pytest.raises(ValueError, match="holds no private key"):
+        load_or_generate_signer(tmp_path / "not-a-dir" / "keys")

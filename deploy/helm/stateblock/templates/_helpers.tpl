@@ -1,0 +1,253 @@
+{{/* Names */}}
+{{- define "stateblock.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stateblock.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>", e.g. stateblock-capture. Call with (dict "ctx" $ "component" "capture"). */}}
+{{- define "stateblock.componentName" -}}
+{{- printf "%s-%s" (include "stateblock.fullname" .ctx) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stateblock.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels. Selector labels never include the version, so upgrades keep selecting the same pods. */}}
+{{- define "stateblock.labels" -}}
+helm.sh/chart: {{ include "stateblock.chart" . }}
+app.kubernetes.io/name: {{ include "stateblock.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: stateblock
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "stateblock.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stateblock.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "stateblock.componentLabels" -}}
+{{ include "stateblock.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "stateblock.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* NATS: the bundled chart's client Service (named as that chart names it), or nats.url. */}}
+{{- define "stateblock.natsUrl" -}}
+{{- if .Values.nats.enabled }}
+{{- $name := "" }}
+{{- if .Values.nats.fullnameOverride }}
+{{- $name = .Values.nats.fullnameOverride }}
+{{- else }}
+{{- $chart := default "nats" .Values.nats.nameOverride }}
+{{- if contains $chart .Release.Name }}
+{{- $name = .Release.Name }}
+{{- else }}
+{{- $name = printf "%s-%s" .Release.Name $chart }}
+{{- end }}
+{{- end }}
+{{- printf "nats://%s.%s.svc:4222" ($name | trunc 63 | trimSuffix "-") .Release.Namespace }}
+{{- else }}
+{{- required "nats.url is required when nats.enabled is false" .Values.nats.url }}
+{{- end }}
+{{- end }}
+
+{{/* Model paths inside the containers. */}}
+{{- define "stateblock.modelPath" -}}
+{{- if isAbs .dir }}{{ clean .dir }}{{ else }}{{ clean (printf "%s/%s" .ctx.Values.model.mountPath .dir) }}{{ end }}
+{{- end }}
+
+{{- define "stateblock.signingKeyDir" -}}/var/run/stateblock/signing-key{{- end }}
+{{- define "stateblock.trustedKeysDir" -}}/var/run/stateblock/trusted-keys{{- end }}
+
+{{- define "stateblock.signingSecretName" -}}
+{{- if .Values.keys.create }}{{ include "stateblock.componentName" (dict "ctx" . "component" "signing-key") }}{{ else }}{{ .Values.keys.signingSecret }}{{ end }}
+{{- end }}
+
+{{- define "stateblock.trustedSecretName" -}}
+{{- if .Values.keys.create }}{{ include "stateblock.componentName" (dict "ctx" . "component" "trusted-keys") }}{{ else }}{{ .Values.keys.trustedSecret }}{{ end }}
+{{- end }}
+
+{{/* The readout GPU count: explicit, or 1 for the torch engine (its GPU fast path). */}}
+{{- define "stateblock.readoutGpus" -}}
+{{- if kindIs "invalid" .Values.readout.gpu.count }}{{ if eq .Values.readout.engine "torch" }}1{{ else }}0{{ end }}{{ else }}{{ .Values.readout.gpu.count | int }}{{ end }}
+{{- end }}
+
+{{- define "stateblock.readoutDevice" -}}
+{{- if .Values.readout.device }}{{ .Values.readout.device }}{{ else if gt (include "stateblock.readoutGpus" . | int) 0 }}cuda{{ else }}cpu{{ end }}
+{{- end }}
+
+{{/* One env entry; every value a string, integers never in float notation. */}}
+{{- define "stateblock.envVar" -}}
+- name: {{ .name }}
+  value: {{ .value | toString | quote }}
+{{- end }}
+
+{{/*
+The variables every service reads, then the component's own, then its `env` passthrough.
+Call with (dict "ctx" $ "vars" (dict NAME VALUE ...) "extra" .Values.<component>.env "component" NAME).
+A passthrough name must be STATEBLOCK_* and must not override one the chart sets.
+*/}}
+{{- define "stateblock.env" -}}
+{{- $ctx := .ctx }}
+{{- $vars := merge (dict
+    "STATEBLOCK_NATS_URL" (include "stateblock.natsUrl" $ctx)
+    "STATEBLOCK_MODEL_NAME" $ctx.Values.model.name
+    "STATEBLOCK_BASE_DIR" (include "stateblock.modelPath" (dict "ctx" $ctx "dir" $ctx.Values.model.baseDir))
+    "STATEBLOCK_DECODER_DIR" (include "stateblock.modelPath" (dict "ctx" $ctx "dir" $ctx.Values.model.decoderDir))
+    "STATEBLOCK_GRACE_S" $ctx.Values.graceSeconds
+    "STATEBLOCK_LOG_LEVEL" $ctx.Values.logLevel
+  ) .vars }}
+{{- range $name, $value := .extra }}
+{{- if not (hasPrefix "STATEBLOCK_" $name) }}
+{{- fail (printf "%s.env.%s: only STATEBLOCK_* variables configure the services" $.component $name) }}
+{{- end }}
+{{- if hasKey $vars $name }}
+{{- fail (printf "%s.env.%s is set by the chart; use its value in values.yaml instead" $.component $name) }}
+{{- end }}
+{{- end }}
+{{- range $name, $value := merge $vars (.extra | default dict) }}
+{{ include "stateblock.envVar" (dict "name" $name "value" $value) }}
+{{- end }}
+{{- end }}
+
+{{/* Probe = chart-chosen handler + timings from values. */}}
+{{- define "stateblock.probe" -}}
+{{- toYaml (merge (deepCopy .handler) (.timing | default dict)) }}
+{{- end }}
+
+{{/* Pod-level settings shared by all three Deployments. */}}
+{{- define "stateblock.podCommon" -}}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+# No service-link variables: Kubernetes would inject e.g. STATEBLOCK_GATEWAY_HOST for a
+# Service named stateblock-gateway, a name the gateway reads as its bind address.
+enableServiceLinks: false
+automountServiceAccountToken: false
+terminationGracePeriodSeconds: {{ .ctx.Values.terminationGracePeriodSeconds }}
+securityContext:
+  {{- toYaml .ctx.Values.podSecurityContext | nindent 2 }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "stateblock.modelVolume" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- end }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- end }}
+
+{{- define "stateblock.modelMount" -}}
+{{- if ne .Values.model.source "image" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/* Resources, with the GPU as an extended-resource limit when count > 0. */}}
+{{- define "stateblock.resources" -}}
+{{- $res := deepCopy (.resources | default dict) }}
+{{- if gt (.gpus | int) 0 }}
+{{- $limits := $res.limits | default dict }}
+{{- $_ := set $limits .resourceName (.gpus | int) }}
+{{- $_ := set $res "limits" $limits }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* Cross-field checks the schema cannot express; each fails with the value to fix. */}}
+{{- define "stateblock.validate" -}}
+{{- $v := .Values }}
+{{- if not (has $v.readout.engine (list "reference" "onnx" "torch")) }}
+{{- fail (printf "readout.engine %q is not one of reference, onnx, torch" $v.readout.engine) }}
+{{- end }}
+{{- if ge ($v.graceSeconds | float64) ($v.terminationGracePeriodSeconds | float64) }}
+{{- fail (printf "graceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the rest is headroom for draining NATS" $v.graceSeconds $v.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- if le ($v.readout.ackWaitSeconds | float64) ($v.readout.leaseSeconds | float64) }}
+{{- fail (printf "readout.ackWaitSeconds (%v) must exceed readout.leaseSeconds (%v): JetStream may redeliver only after a claim could expire" $v.readout.ackWaitSeconds $v.readout.leaseSeconds) }}
+{{- end }}
+{{- if regexMatch "[.\\s*>]" $v.model.name }}
+{{- fail (printf "model.name %q must be one NATS subject token (no '.', whitespace, '*', '>')" $v.model.name) }}
+{{- end }}
+{{- if and (eq $v.model.source "pvc") (not $v.model.pvc.claimName) }}
+{{- fail "model.pvc.claimName is required when model.source is pvc" }}
+{{- end }}
+{{- if and (eq $v.model.source "hostPath") (not $v.model.hostPath.path) }}
+{{- fail "model.hostPath.path is required when model.source is hostPath" }}
+{{- end }}
+{{- if and (eq $v.capture.device "cuda") (lt ($v.capture.gpu.count | int) 1) }}
+{{- fail "capture.device is cuda but capture.gpu.count is 0: give capture a GPU or set capture.device=cpu" }}
+{{- end }}
+{{- if $v.keys.create }}
+{{- if not (regexMatch "^[0-9a-f]{16}$" $v.keys.keyId) }}
+{{- fail (printf "keys.keyId %q must be the 16-hex-digit id `stateblock keys generate` printed (the file stem)" $v.keys.keyId) }}
+{{- end }}
+{{- if not (contains "BEGIN PRIVATE KEY" $v.keys.privateKey) }}
+{{- fail "keys.create needs keys.privateKey: --set-file keys.privateKey=keys/<key_id>.key" }}
+{{- end }}
+{{- if not (contains "BEGIN PUBLIC KEY" $v.keys.publicKey) }}
+{{- fail "keys.create needs keys.publicKey: --set-file keys.publicKey=keys/<key_id>.pub" }}
+{{- end }}
+{{- else }}
+{{- if or (not $v.keys.signingSecret) (not $v.keys.trustedSecret) }}
+{{- fail "keys.signingSecret and keys.trustedSecret name existing Secrets (or set keys.create=true)" }}
+{{- end }}
+{{- end }}
+{{- range $id, $pem := $v.keys.extraTrustedPublicKeys }}
+{{- if not (regexMatch "^[0-9a-f]{16}$" $id) }}
+{{- fail (printf "keys.extraTrustedPublicKeys: %q is not a 16-hex-digit key id" $id) }}
+{{- end }}
+{{- end }}
+{{- if and $v.readout.autoscaling.enabled (gt ($v.readout.autoscaling.minReplicas | int) ($v.readout.autoscaling.maxReplicas | int)) }}
+{{- fail "readout.autoscaling.minReplicas must not exceed maxReplicas" }}
+{{- end }}
+{{- end }}

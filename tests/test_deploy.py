@@ -1,0 +1,573 @@
+"""The Helm chart (deploy/helm/stateblock): rendered offline, every manifest schema-validated.
+
+helm-python-sdk renders with Helm's own Go SDK, compiled into a shared library inside its
+wheel: no helm binary, no cluster, no network. kubernetes-validate checks each manifest
+against its bundled, strict (no unknown fields) schemas for the chart's minimum Kubernetes.
+The env of every container is read back through the services' own `from_env`.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from capture_svc.config import CaptureConfig
+from gateway.config import GatewayConfig
+from readout_svc.config import ReadoutServiceConfig
+from stateblock.keys import TrustStore, generate_keypair, load_or_generate_signer
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "deploy" / "helm" / "stateblock"
+KUBE_VERSION = "1.27.0"  # Chart.yaml kubeVersion's floor (native gRPC probes are GA there)
+RELEASE, NAMESPACE = "sb", "ml"
+CRD_API_VERSIONS = {"monitoring.coreos.com/v1"}  # no bundled schema: checked structurally
+
+CONFIGS = {"gateway": GatewayConfig, "capture": CaptureConfig, "readout": ReadoutServiceConfig}
+# What each Deployment cannot run without (the wiring the chart computes, and the choices
+# the brief fixes); every other name it sets must still be one its service reads.
+REQUIRED_ENV = {
+    "gateway": {
+        "STATEBLOCK_NATS_URL",
+        "STATEBLOCK_MODEL_NAME",
+        "STATEBLOCK_BASE_DIR",
+        "STATEBLOCK_DECODER_DIR",
+        "STATEBLOCK_CAPTURE_TARGET",
+        "STATEBLOCK_HTTP_PORT",
+        "STATEBLOCK_GRPC_PORT",
+        "STATEBLOCK_MAX_LANES",
+        "STATEBLOCK_ANSWER_DEPTH_MAX",
+        "STATEBLOCK_GRACE_S",
+    },
+    "capture": {
+        "STATEBLOCK_NATS_URL",
+        "STATEBLOCK_MODEL_NAME",
+        "STATEBLOCK_BASE_DIR",
+        "STATEBLOCK_DECODER_DIR",
+        "STATEBLOCK_KEY_DIR",
+        "STATEBLOCK_CAPTURE_PORT",
+        "STATEBLOCK_CAPTURE_METRICS_PORT",
+        "STATEBLOCK_DEVICE",
+        "STATEBLOCK_CAPTURE_DTYPE",
+        "STATEBLOCK_MAX_LANES",
+        "STATEBLOCK_PROMPT_LEN_MAX",
+        "STATEBLOCK_ANSWER_DEPTH_MAX",
+        "STATEBLOCK_DUPLICATE_WINDOW_S",
+        "STATEBLOCK_GRACE_S",
+    },
+    "readout": {
+        "STATEBLOCK_NATS_URL",
+        "STATEBLOCK_MODEL_NAME",
+        "STATEBLOCK_BASE_DIR",
+        "STATEBLOCK_DECODER_DIR",
+        "STATEBLOCK_TRUSTED_KEYS_DIR",
+        "STATEBLOCK_ENGINE",
+        "STATEBLOCK_DEVICE",
+        "STATEBLOCK_WORKERS",
+        "STATEBLOCK_READOUT_METRICS_PORT",
+        "STATEBLOCK_DUPLICATE_WINDOW_S",
+        "STATEBLOCK_GRACE_S",
+    },
+}
+
+
+class RecordingEnv(dict):
+    """An environ mapping that records every name looked up: what a config reads."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+def names_read(config_cls) -> set[str]:
+    env = RecordingEnv()
+    config_cls.from_env(env)
+    return env.read
+
+
+# --- rendering --------------------------------------------------------------------------
+
+
+def render(values: dict | None = None, chart: Path = CHART) -> list[dict]:
+    """Every manifest the chart renders for `values` (NOTES.txt left out)."""
+    with helm.Chart.load(chart) as loaded:
+        out = loaded.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(out.items()):
+        if not path.endswith("NOTES.txt"):
+            docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def render_valid(values: dict | None = None, chart: Path = CHART) -> list[dict]:
+    docs = render(values, chart)
+    for doc in docs:
+        if doc["apiVersion"] in CRD_API_VERSIONS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            where = ".".join(str(p) for p in e.path)
+            name = f"{doc['kind']}/{doc['metadata']['name']}"
+            raise AssertionError(f"{name}: {where}: {e.message}") from None
+    return docs
+
+
+def render_error(values: dict) -> str:
+    with pytest.raises(helm.HelmError) as caught:
+        render(values)
+    return str(caught.value)
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def deployment(docs: list[dict], component: str) -> dict:
+    return of_kind(docs, "Deployment")[f"{RELEASE}-stateblock-{component}"]
+
+
+def container(docs: list[dict], component: str) -> dict:
+    (c,) = deployment(docs, component)["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(docs: list[dict], component: str) -> dict[str, str]:
+    env = container(docs, component)["env"]
+    assert all(set(e) == {"name", "value"} for e in env), "env comes from values only"
+    names = [e["name"] for e in env]
+    assert len(names) == len(set(names)), f"duplicate env names: {names}"
+    return {e["name"]: e["value"] for e in env}
+
+
+def volumes_by_mount(docs: list[dict], component: str) -> dict[str, dict]:
+    """mountPath -> (the mount, merged with its pod volume)."""
+    pod = deployment(docs, component)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return {
+        m["mountPath"]: {**volumes[m["name"]], **m}
+        for m in container(docs, component)["volumeMounts"]
+    }
+
+
+def secrets_referenced(docs: list[dict], component: str) -> set[str]:
+    pod = deployment(docs, component)["spec"]["template"]["spec"]
+    names = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    for v in pod["volumes"]:
+        for source in v.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                names.add(source["secret"]["name"])
+    c = container(docs, component)
+    for e in c.get("env", []) + c.get("envFrom", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef") or e.get("secretRef")
+        if ref:
+            names.add(ref["name"])
+    return names
+
+
+def gpus(docs: list[dict], component: str, resource: str = "nvidia.com/gpu") -> int:
+    resources = container(docs, component)["resources"]
+    assert resource not in resources.get("requests", {}), "extended resources go in limits"
+    return resources.get("limits", {}).get(resource, 0)
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render_valid()
+
+
+@pytest.fixture(scope="module")
+def keypair(tmp_path_factory) -> tuple[str, str, str]:
+    files = generate_keypair(tmp_path_factory.mktemp("keys"))
+    return files.key_id, files.private_path.read_text(), files.public_path.read_text()
+
+
+# --- default values ---------------------------------------------------------------------
+
+
+def test_default_values_render_and_validate(default_docs):
+    assert kinds(default_docs) == sorted(
+        ["Deployment"] * 3 + ["Service"] * 3 + ["PodDisruptionBudget"] * 3
+    )
+    for doc in default_docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/name"] == "stateblock"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/component"] in CONFIGS
+
+
+def test_selectors_ports_and_probes_are_consistent(default_docs):
+    deployments = of_kind(default_docs, "Deployment")
+    pod_labels = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in deployments.items()}
+    for name, dep in deployments.items():
+        assert selects(dep["spec"]["selector"]["matchLabels"], pod_labels[name])
+        # One pod set per selector: no Deployment's selector picks up another's pods.
+        assert [
+            n for n in deployments if selects(dep["spec"]["selector"]["matchLabels"], pod_labels[n])
+        ] == [name]
+
+    for svc in of_kind(default_docs, "Service").values():
+        (target,) = [n for n in deployments if selects(svc["spec"]["selector"], pod_labels[n])]
+        (c,) = deployments[target]["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"{svc['metadata']['name']}: {port}"
+            assert port["port"] == ports[port["targetPort"]]
+
+    for pdb in of_kind(default_docs, "PodDisruptionBudget").values():
+        matched = [
+            n for n in deployments if selects(pdb["spec"]["selector"]["matchLabels"], pod_labels[n])
+        ]
+        assert matched == [pdb["metadata"]["name"]]
+
+    for component in CONFIGS:
+        c = container(default_docs, component)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            spec = c[probe]
+            handler = spec.get("httpGet") or spec.get("tcpSocket") or spec.get("grpc")
+            assert handler["port"] in ports or handler["port"] in ports.values(), (component, probe)
+    gateway = container(default_docs, "gateway")
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["readinessProbe"]["grpc"]["port"] == 50051
+
+
+def test_pods_run_non_root_with_read_only_root(default_docs):
+    for component in CONFIGS:
+        pod = deployment(default_docs, component)["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["enableServiceLinks"] is False  # else STATEBLOCK_GATEWAY_HOST & co. leak in
+        assert pod["automountServiceAccountToken"] is False
+        c = container(default_docs, component)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        assert volumes_by_mount(default_docs, component)["/tmp"]["emptyDir"]
+        env = env_of(default_docs, component)
+        assert float(env["STATEBLOCK_GRACE_S"]) < pod["terminationGracePeriodSeconds"]
+
+
+# --- env: exactly what each service reads ------------------------------------------------
+
+
+@pytest.mark.parametrize("component", sorted(CONFIGS))
+def test_env_is_what_the_service_reads(default_docs, component):
+    env = env_of(default_docs, component)
+    config_cls = CONFIGS[component]
+    unread = set(env) - names_read(config_cls)
+    assert not unread, f"{component} sets variables its config never reads: {sorted(unread)}"
+    missing = REQUIRED_ENV[component] - set(env)
+    assert not missing, f"{component} lacks {sorted(missing)}"
+    # The service's own parser accepts the rendered values (types, ranges, cross-checks).
+    config = config_cls.from_env(env)
+    assert config.model_name == "stateblock-reference"
+    assert config.nats_url == "nats://nats:4222"
+    mounts = volumes_by_mount(default_docs, component)
+    assert mounts["/models"]["readOnly"] is True
+    assert mounts["/models"]["persistentVolumeClaim"]["claimName"] == "stateblock-models"
+    assert str(config.base_dir) == "/models/base"
+    assert str(config.decoder_dir) == "/models/decoder"
+
+
+def test_env_wires_services_together(default_docs):
+    gateway = GatewayConfig.from_env(env_of(default_docs, "gateway"))
+    capture = CaptureConfig.from_env(env_of(default_docs, "capture"))
+    readout = ReadoutServiceConfig.from_env(env_of(default_docs, "readout"))
+
+    host, port = gateway.capture_target.rsplit(":", 1)
+    capture_svc = of_kind(default_docs, "Service")[host]
+    assert selects(
+        capture_svc["spec"]["selector"],
+        deployment(default_docs, "capture")["spec"]["template"]["metadata"]["labels"],
+    )
+    assert (
+        int(port)
+        == capture.port
+        == next(p["port"] for p in capture_svc["spec"]["ports"] if p["name"] == "grpc")
+    )
+
+    ports = {p["name"]: p["containerPort"] for p in container(default_docs, "gateway")["ports"]}
+    assert (gateway.http_port, gateway.grpc_port) == (ports["http"], ports["grpc"]) == (8000, 50051)
+    for component, config in (("capture", capture), ("readout", readout)):
+        ports = {p["name"]: p["containerPort"] for p in container(default_docs, component)["ports"]}
+        assert config.metrics_port == ports["metrics"]
+    assert (gateway.max_lanes, gateway.answer_depth_max) == (
+        capture.max_lanes,
+        capture.answer_depth_max,
+    )
+    assert capture.duplicate_window_s == readout.duplicate_window_s
+    assert (capture.device, capture.dtype) == ("cuda", "bfloat16")
+    assert (readout.engine, readout.device) == ("reference", "cpu")
+
+
+def test_env_passthrough_and_choices():
+    docs = render_valid(
+        {
+            "capture": {"env": {"STATEBLOCK_PUBLISH_TIMEOUT_S": 3}, "compile": "inductor"},
+            "readout": {"engine": "onnx", "workers": 4, "env": {"STATEBLOCK_RETRY_DELAY_S": "0.5"}},
+            "gateway": {"env": {"STATEBLOCK_STREAM_CHUNK_TOKENS": 32}},
+            "model": {"name": "my-model"},
+        }
+    )
+    capture = CaptureConfig.from_env(env_of(docs, "capture"))
+    readout = ReadoutServiceConfig.from_env(env_of(docs, "readout"))
+    gateway = GatewayConfig.from_env(env_of(docs, "gateway"))
+    assert (capture.publish_timeout_s, capture.compile) == (3.0, "inductor")
+    assert (readout.engine, readout.workers, readout.retry_delay_s) == ("onnx", 4, 0.5)
+    assert gateway.stream_chunk_tokens == 32
+    assert {capture.model_name, readout.model_name, gateway.model_name} == {"my-model"}
+
+
+# --- keys ---------------------------------------------------------------------------------
+
+
+def test_signing_key_is_mounted_only_into_capture(default_docs):
+    capture_env = env_of(default_docs, "capture")
+    key_mount = volumes_by_mount(default_docs, "capture")[capture_env["STATEBLOCK_KEY_DIR"]]
+    assert key_mount["readOnly"] is True
+    assert key_mount["secret"]["secretName"] == "stateblock-signing-key"
+    trusted = volumes_by_mount(default_docs, "readout")[
+        env_of(default_docs, "readout")["STATEBLOCK_TRUSTED_KEYS_DIR"]
+    ]
+    assert trusted["secret"]["secretName"] == "stateblock-trusted-keys"
+    assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key"}
+    assert secrets_referenced(default_docs, "readout") == {"stateblock-trusted-keys"}
+    assert secrets_referenced(default_docs, "gateway") == set()
+
+
+def materialize(secret: dict, directory: Path) -> Path:
+    """Write a Secret's data as the kubelet would mount it."""
+    directory.mkdir()
+    for name, data in secret["data"].items():
+        (directory / name).write_bytes(base64.b64decode(data))
+    return directory
+
+
+def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
+    key_id, private_pem, public_pem = keypair
+    old = generate_keypair(tmp_path / "old")
+    docs = render_valid(
+        {
+            "keys": {
+                "create": True,
+                "keyId": key_id,
+                "privateKey": private_pem,
+                "publicKey": public_pem,
+                "extraTrustedPublicKeys": {old.key_id: old.public_path.read_text()},
+            }
+        }
+    )
+    secrets = of_kind(docs, "Secret")
+    signing = secrets[f"{RELEASE}-stateblock-signing-key"]
+    trusted = secrets[f"{RELEASE}-stateblock-trusted-keys"]
+    assert set(signing["data"]) == {f"{key_id}.key"}
+    assert set(trusted["data"]) == {f"{key_id}.pub", f"{old.key_id}.pub"}
+    assert not any(b"PRIVATE" in base64.b64decode(v) for v in trusted["data"].values())
+    assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"]}
+    assert secrets_referenced(docs, "readout") == {trusted["metadata"]["name"]}
+    assert secrets_referenced(docs, "gateway") == set()
+    # Pods roll when their keys change.
+    for component, key in (
+        ("capture", "checksum/signing-key"),
+        ("readout", "checksum/trusted-keys"),
+    ):
+        assert deployment(docs, component)["spec"]["template"]["metadata"]["annotations"][key]
+
+    # What the services do with the mounted files.
+    signer = load_or_generate_signer(materialize(signing, tmp_path / "signing"))
+    assert signer.key_id == key_id
+    assert set(TrustStore.from_dir(materialize(trusted, tmp_path / "trusted"))) == {
+        key_id,
+        old.key_id,
+    }
+
+
+# --- GPUs ---------------------------------------------------------------------------------
+
+
+def test_gpu_only_on_capture_by_default(default_docs):
+    assert gpus(default_docs, "capture") == 1
+    assert gpus(default_docs, "gateway") == 0
+    assert gpus(default_docs, "readout") == 0
+    tolerations = deployment(default_docs, "capture")["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+
+
+def test_gpu_follows_engine_and_values():
+    torch = render_valid({"readout": {"engine": "torch"}})
+    assert gpus(torch, "readout") == 1 and gpus(torch, "gateway") == 0
+    assert ReadoutServiceConfig.from_env(env_of(torch, "readout")).device == "cuda"
+
+    cpu_only = render_valid({"capture": {"device": "cpu", "dtype": "float32", "gpu": {"count": 0}}})
+    assert all(gpus(cpu_only, c) == 0 for c in CONFIGS)
+    assert CaptureConfig.from_env(env_of(cpu_only, "capture")).device == "cpu"
+
+    other = render_valid(
+        {
+            "capture": {"gpu": {"count": 2, "resourceName": "amd.com/gpu"}},
+            "readout": {"engine": "torch", "gpu": {"count": 0}},
+        }
+    )
+    assert gpus(other, "capture", "amd.com/gpu") == 2 and gpus(other, "capture") == 0
+    assert gpus(other, "readout") == 0
+    assert ReadoutServiceConfig.from_env(env_of(other, "readout")).device == "cpu"
+
+
+# --- toggles ------------------------------------------------------------------------------
+
+
+def test_autoscaling_renders_an_hpa_for_readout():
+    docs = render_valid({"readout": {"autoscaling": {"enabled": True, "maxReplicas": 5}}})
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{RELEASE}-stateblock-readout",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    assert "replicas" not in deployment(docs, "readout")["spec"]  # the HPA owns it
+
+
+def test_service_monitors_scrape_each_metrics_port():
+    docs = render({"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}})
+    monitors = of_kind(docs, "ServiceMonitor")
+    assert len(monitors) == 3
+    services = of_kind(docs, "Service")
+    scraped = set()
+    for monitor in monitors.values():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        (svc,) = [
+            s
+            for s in services.values()
+            if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+        scraped.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
+    assert scraped == set(CONFIGS)
+    render_valid({"serviceMonitor": {"enabled": True}})  # the rest still validates
+
+
+@pytest.fixture
+def chart_with_nats_stub(tmp_path) -> Path:
+    """The chart with a stand-in for the NATS dependency in charts/ (the real one is not
+    fetched here), named and configured as the official chart is."""
+    chart = tmp_path / "stateblock"
+    shutil.copytree(CHART, chart)
+    stub = chart / "charts" / "nats"
+    (stub / "templates").mkdir(parents=True)
+    (stub / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 1.3.0\n")
+    (stub / "templates" / "service.yaml").write_text(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {{ .Release.Name }}-nats\n"
+        "spec:\n  ports:\n    - name: nats\n      port: 4222\n"
+    )
+    (stub / "templates" / "config.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-nats-config\n"
+        "data:\n  jetstream: {{ .Values.config.jetstream.enabled | quote }}\n"
+    )
+    return chart
+
+
+def test_nats_dependency_is_optional_and_jetstream_enabled(chart_with_nats_stub):
+    (dep,) = yaml.safe_load((CHART / "Chart.yaml").read_text())["dependencies"]
+    assert (dep["name"], dep["condition"]) == ("nats", "nats.enabled")
+    with helm.Chart.load(CHART) as chart:
+        assert chart.values["nats"]["enabled"] is False
+        assert chart.values["nats"]["config"]["jetstream"]["enabled"] is True
+
+    external = render_valid({"nats": {"url": "nats://nats.infra:4222"}}, chart_with_nats_stub)
+    assert "ConfigMap" not in kinds(external)
+    assert {env_of(external, c)["STATEBLOCK_NATS_URL"] for c in CONFIGS} == {
+        "nats://nats.infra:4222"
+    }
+
+    bundled = render_valid({"nats": {"enabled": True}}, chart_with_nats_stub)
+    (config,) = of_kind(bundled, "ConfigMap").values()
+    assert config["data"]["jetstream"] == "true"
+    assert f"{RELEASE}-nats" in of_kind(bundled, "Service")
+    urls = {env_of(bundled, c)["STATEBLOCK_NATS_URL"] for c in CONFIGS}
+    assert urls == {f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"}
+
+
+def test_helm_lint_is_clean(chart_with_nats_stub):
+    # The stand-in subchart only silences "missing dependency: nats" (nothing is fetched).
+    report = helm.lint(chart_with_nats_stub, strict=True, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert not problems and not report["errors"], report
+
+
+# --- model sources ------------------------------------------------------------------------
+
+
+def test_model_from_host_path_or_image():
+    host = render_valid({"model": {"source": "hostPath", "hostPath": {"path": "/srv/models"}}})
+    for component in CONFIGS:
+        mount = volumes_by_mount(host, component)["/models"]
+        assert mount["hostPath"]["path"] == "/srv/models" and mount["readOnly"] is True
+
+    baked = render_valid(
+        {"model": {"source": "image", "mountPath": "/opt/model", "decoderDir": "/opt/dec"}}
+    )
+    for component in CONFIGS:
+        assert "/opt/model" not in volumes_by_mount(baked, component)
+        config = CONFIGS[component].from_env(env_of(baked, component))
+        assert (str(config.base_dir), str(config.decoder_dir)) == ("/opt/model/base", "/opt/dec")
+
+
+# --- invalid values fail with a message that names them ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"readout": {"engine": "bogus"}}, "value must be one of 'reference', 'onnx', 'torch'"),
+        ({"readout": {"leaseSeconds": 120}}, "readout.ackWaitSeconds (90) must exceed"),
+        ({"graceSeconds": 20}, "graceSeconds (20) must be below terminationGracePeriodSeconds"),
+        ({"model": {"name": "a.b"}}, "/model/name"),
+        ({"model": {"source": "hostPath"}}, "model.hostPath.path is required"),
+        ({"model": {"source": "nfs"}}, "/model/source"),
+        ({"capture": {"gpu": {"count": 0}}}, "capture.device is cuda but capture.gpu.count is 0"),
+        (
+            {"capture": {"env": {"STATEBLOCK_DEVICE": "cpu"}}},
+            "capture.env.STATEBLOCK_DEVICE is set by the chart",
+        ),
+        ({"gateway": {"env": {"HOME": "/tmp"}}}, "does not match pattern '^STATEBLOCK_"),
+        ({"nats": {"url": ""}}, "/nats/url"),
+        ({"keys": {"create": True}}, 'keys.keyId "" must be the 16-hex-digit id'),
+        ({"readout": {"workers": 0}}, "/readout/workers"),
+        ({"capture": {"dtype": "int8"}}, "/capture/dtype"),
+    ],
+)
+def test_invalid_values_fail_rendering(values, message):
+    assert message in render_error(values)
+
+
+def test_keys_create_needs_the_pem_files(keypair):
+    key_id, private_pem, public_pem = keypair
+    base = {"create": True, "keyId": key_id, "privateKey": private_pem, "publicKey": public_pem}
+    assert "keys.privateKey" in render_error({"keys": {**base, "privateKey": public_pem}})
+    assert "keys.publicKey" in render_error({"keys": {**base, "publicKey": ""}})
