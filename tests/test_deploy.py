@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import base64
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 
 import helm_python as helm
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -22,171 +20,27 @@ from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
 from stateblock.keys import TrustStore, generate_keypair, load_or_generate_signer
-
-REPO = Path(__file__).resolve().parent.parent
-CHART = REPO / "deploy" / "helm" / "stateblock"
-KUBE_VERSION = "1.27.0"  # Chart.yaml kubeVersion's floor (native gRPC probes are GA there)
-RELEASE, NAMESPACE = "sb", "ml"
-CRD_API_VERSIONS = {"monitoring.coreos.com/v1"}  # no bundled schema: checked structurally
-
-CONFIGS = {"gateway": GatewayConfig, "capture": CaptureConfig, "readout": ReadoutServiceConfig}
-# What each Deployment cannot run without (the wiring the chart computes, and the choices
-# the brief fixes); every other name it sets must still be one its service reads.
-REQUIRED_ENV = {
-    "gateway": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_CAPTURE_TARGET",
-        "STATEBLOCK_HTTP_PORT",
-        "STATEBLOCK_GRPC_PORT",
-        "STATEBLOCK_MAX_LANES",
-        "STATEBLOCK_ANSWER_DEPTH_MAX",
-        "STATEBLOCK_GRACE_S",
-    },
-    "capture": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_KEY_DIR",
-        "STATEBLOCK_CAPTURE_PORT",
-        "STATEBLOCK_CAPTURE_METRICS_PORT",
-        "STATEBLOCK_DEVICE",
-        "STATEBLOCK_CAPTURE_DTYPE",
-        "STATEBLOCK_MAX_LANES",
-        "STATEBLOCK_PROMPT_LEN_MAX",
-        "STATEBLOCK_ANSWER_DEPTH_MAX",
-        "STATEBLOCK_DUPLICATE_WINDOW_S",
-        "STATEBLOCK_GRACE_S",
-    },
-    "readout": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_TRUSTED_KEYS_DIR",
-        "STATEBLOCK_ENGINE",
-        "STATEBLOCK_DEVICE",
-        "STATEBLOCK_WORKERS",
-        "STATEBLOCK_READOUT_METRICS_PORT",
-        "STATEBLOCK_DUPLICATE_WINDOW_S",
-        "STATEBLOCK_GRACE_S",
-    },
-}
-
-
-class RecordingEnv(dict):
-    """An environ mapping that records every name looked up: what a config reads."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-
-def names_read(config_cls) -> set[str]:
-    env = RecordingEnv()
-    config_cls.from_env(env)
-    return env.read
-
-
-# --- rendering --------------------------------------------------------------------------
-
-
-def render(values: dict | None = None, chart: Path = CHART) -> list[dict]:
-    """Every manifest the chart renders for `values` (NOTES.txt left out)."""
-    with helm.Chart.load(chart) as loaded:
-        out = loaded.render(values, name=RELEASE, namespace=NAMESPACE)
-    docs = []
-    for path, text in sorted(out.items()):
-        if not path.endswith("NOTES.txt"):
-            docs.extend(d for d in yaml.safe_load_all(text) if d)
-    return docs
-
-
-def render_valid(values: dict | None = None, chart: Path = CHART) -> list[dict]:
-    docs = render(values, chart)
-    for doc in docs:
-        if doc["apiVersion"] in CRD_API_VERSIONS:
-            continue
-        try:
-            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            where = ".".join(str(p) for p in e.path)
-            name = f"{doc['kind']}/{doc['metadata']['name']}"
-            raise AssertionError(f"{name}: {where}: {e.message}") from None
-    return docs
-
-
-def render_error(values: dict) -> str:
-    with pytest.raises(helm.HelmError) as caught:
-        render(values)
-    return str(caught.value)
-
-
-def kinds(docs: list[dict]) -> list[str]:
-    return sorted(d["kind"] for d in docs)
-
-
-def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def deployment(docs: list[dict], component: str) -> dict:
-    return of_kind(docs, "Deployment")[f"{RELEASE}-stateblock-{component}"]
-
-
-def container(docs: list[dict], component: str) -> dict:
-    (c,) = deployment(docs, component)["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def env_of(docs: list[dict], component: str) -> dict[str, str]:
-    env = container(docs, component)["env"]
-    assert all(set(e) == {"name", "value"} for e in env), "env comes from values only"
-    names = [e["name"] for e in env]
-    assert len(names) == len(set(names)), f"duplicate env names: {names}"
-    return {e["name"]: e["value"] for e in env}
-
-
-def volumes_by_mount(docs: list[dict], component: str) -> dict[str, dict]:
-    """mountPath -> (the mount, merged with its pod volume)."""
-    pod = deployment(docs, component)["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    return {
-        m["mountPath"]: {**volumes[m["name"]], **m}
-        for m in container(docs, component)["volumeMounts"]
-    }
-
-
-def secrets_referenced(docs: list[dict], component: str) -> set[str]:
-    pod = deployment(docs, component)["spec"]["template"]["spec"]
-    names = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    for v in pod["volumes"]:
-        for source in v.get("projected", {}).get("sources", []):
-            if "secret" in source:
-                names.add(source["secret"]["name"])
-    c = container(docs, component)
-    for e in c.get("env", []) + c.get("envFrom", []):
-        ref = e.get("valueFrom", {}).get("secretKeyRef") or e.get("secretRef")
-        if ref:
-            names.add(ref["name"])
-    return names
-
-
-def gpus(docs: list[dict], component: str, resource: str = "nvidia.com/gpu") -> int:
-    resources = container(docs, component)["resources"]
-    assert resource not in resources.get("requests", {}), "extended resources go in limits"
-    return resources.get("limits", {}).get(resource, 0)
-
-
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
+from tests.deploy_chart import (
+    CHART,
+    CONFIGS,
+    KUBE_VERSION,
+    NAMESPACE,
+    RELEASE,
+    REQUIRED_ENV,
+    container,
+    deployment,
+    env_of,
+    gpus,
+    kinds,
+    names_read,
+    of_kind,
+    render,
+    render_error,
+    render_valid,
+    secrets_referenced,
+    selects,
+    volumes_by_mount,
+)
 
 
 @pytest.fixture(scope="module")
