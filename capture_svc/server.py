@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 import nats
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
@@ -34,6 +35,7 @@ from stateblock.serving import ServingModel, load_serving_model, parse_dtype
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
 log = structlog.get_logger("capture_svc")
+CAPTURE_SERVICE = capture_pb2.DESCRIPTOR.services_by_name["Capture"].full_name
 PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field was invalid
 
 
@@ -139,12 +141,19 @@ async def running_capture(
         )
         server = grpc.aio.server()
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
+        # the standard health service: Kubernetes' native gRPC probes and load balancers ask
+        # it; NOT_SERVING first on shutdown, so routing stops before in-flight work drains
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         await server.start()
+        for name in ("", CAPTURE_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("capture service listening", port=port, model=model.name)
         try:
             yield RunningCapture(port, service, registry)
         finally:
+            await health_servicer.enter_graceful_shutdown()
             await server.stop(config.grace_s)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import nats
 import pytest
 import torch
@@ -301,3 +302,15 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
     x[0, : len(ids)] = torch.tensor(ids)
     eager = capture(serving_model.model, x, (x != 0).long())[0, : len(ids)]
     assert torch.equal(rows, eager.to(rows.dtype))
+
+
+async def test_capture_serves_the_standard_grpc_health_service(capture_service):
+    """What Kubernetes' native gRPC probes (the chart's capture probes) ask."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    running, _nc, _signer = capture_service
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "stateblock.v1.Capture"):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
