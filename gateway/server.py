@@ -52,7 +52,11 @@ async def running_gateway(
     registry = await Registry.open(nc.jetstream())
     async with AsyncExitStack() as stack:
         commits = await stack.enter_async_context(CommitWatcher.open(nc, registry))
-        channel = grpc.aio.insecure_channel(config.capture_target)
+        # round_robin over every address the target resolves to: behind a headless Service
+        # (the Helm chart's) each capture replica gets its share, not the first one only
+        channel = grpc.aio.insecure_channel(
+            config.capture_target, options=[("grpc.lb_policy_name", "round_robin")]
+        )
         stack.push_async_callback(channel.close)
         service = GatewayService(
             GrpcCaptureClient(channel),

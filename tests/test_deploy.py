@@ -425,3 +425,11 @@ def test_keys_create_needs_the_pem_files(keypair):
     base = {"create": True, "keyId": key_id, "privateKey": private_pem, "publicKey": public_pem}
     assert "keys.privateKey" in render_error({"keys": {**base, "privateKey": public_pem}})
     assert "keys.publicKey" in render_error({"keys": {**base, "publicKey": ""}})
+
+
+def test_capture_service_is_headless_so_gateways_balance_over_its_pods(default_docs):
+    services = of_kind(default_docs, "Service")
+    capture = [s for n, s in services.items() if n.endswith("-capture")]
+    assert len(capture) == 1 and capture[0]["spec"]["clusterIP"] == "None"
+    target = env_of(default_docs, "gateway")["STATEBLOCK_CAPTURE_TARGET"]
+    assert target.split(":")[0] == capture[0]["metadata"]["name"]  # resolves to every pod
