@@ -93,6 +93,23 @@ def output_digest(lanes: list[pb.LaneAnswer]) -> bytes:
     return hashlib.sha256(answer.SerializeToString(deterministic=True)).digest()
 
 
+def lane_requests(block: env.VerifiedBlock) -> list[LaneRequest]:
+    """The engine input of a verified block, lane by lane (also what an audit re-reads)."""
+    header = block.header
+    return [
+        LaneRequest(
+            rows=rows,
+            depth=lane.answer_depth,
+            temperature=s.temperature,
+            seed=s.seed if s.HasField("seed") else None,
+            ignore_eos=s.ignore_eos,
+        )
+        for rows, lane, s in zip(
+            block.lane_rows(), header.layout.lanes, header.sampling, strict=True
+        )
+    ]
+
+
 def commit_record(
     header: block_pb.StateBlockHeader, results: list[LaneResult], worker_id: str
 ) -> pb.Commit:
@@ -209,18 +226,7 @@ class ReadoutWorker:
             await self._nak("claimed_elsewhere", msg)
             log.info("block claimed elsewhere, redelivering later", holder=e.holder)
             return "claimed_elsewhere"
-        lanes = [
-            LaneRequest(
-                rows=rows,
-                depth=lane.answer_depth,
-                temperature=s.temperature,
-                seed=s.seed if s.HasField("seed") else None,
-                ignore_eos=s.ignore_eos,
-            )
-            for rows, lane, s in zip(
-                verified.lane_rows(), header.layout.lanes, header.sampling, strict=True
-            )
-        ]
+        lanes = lane_requests(verified)
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         held = [claim]

@@ -36,8 +36,8 @@ import nats.js.errors as js_errors
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from readout_svc.engine import LaneRequest, ReadoutEngine
-from readout_svc.worker import commit_record
+from readout_svc.engine import ReadoutEngine
+from readout_svc.worker import commit_record, lane_requests
 from registry import CommitTimeout, Registry, RegistryError
 from stateblock import envelope as env
 from stateblock import streams
@@ -70,23 +70,6 @@ def classify(original: pb.Commit, rerun: pb.Commit) -> Outcome:
 def reproducible(header: block_pb.StateBlockHeader) -> bool:
     """Greedy or seeded lanes only: unseeded sampling draws fresh noise by design."""
     return all(s.temperature == 0 or s.HasField("seed") for s in header.sampling)
-
-
-def lane_requests(block: env.VerifiedBlock) -> list[LaneRequest]:
-    """The engine input a worker builds from a verified block, lane by lane."""
-    header = block.header
-    return [
-        LaneRequest(
-            rows=rows,
-            depth=lane.answer_depth,
-            temperature=s.temperature,
-            seed=s.seed if s.HasField("seed") else None,
-            ignore_eos=s.ignore_eos,
-        )
-        for rows, lane, s in zip(
-            block.lane_rows(), header.layout.lanes, header.sampling, strict=True
-        )
-    ]
 
 
 def rerun_commit(block: env.VerifiedBlock, engine: ReadoutEngine) -> pb.Commit:
