@@ -95,16 +95,6 @@ def readout_step(
     return h, top_v, top_i, eos_pos
 
 
-def lane_results(
-    lanes: Sequence[LaneRequest], tokens: Tensor, margins: Tensor, eos_pos: list[int]
-) -> list[LaneResult]:
-    """Each lane cut as every engine cuts it (`readout_svc.engine.lane_result`)."""
-    return [
-        lane_result(lane, tokens[i].tolist(), margins[i].tolist(), int(eos_pos[i]))
-        for i, lane in enumerate(lanes)
-    ]
-
-
 def require_device(device: str | torch.device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -324,9 +314,13 @@ class TorchEngine:
             sampled = [i for i, lane in enumerate(lanes) if lane.temperature > 0]
             if sampled:
                 tokens, eos = self._sample(lanes, sampled, h, tokens, eos, shape.depth)
-            margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu()
-            tokens, eos_pos = tokens.cpu(), eos.cpu().tolist()  # copies out of the graph's outputs
-        return lane_results(lanes, tokens, margins, eos_pos)
+            # copies out of the graph's outputs, then each lane cut as every engine cuts it
+            margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu().tolist()
+            tokens, eos_pos = tokens.cpu().tolist(), eos.cpu().tolist()
+        return [
+            lane_result(lane, tokens[i], margins[i], int(eos_pos[i]))
+            for i, lane in enumerate(lanes)
+        ]
 
     def _sample(
         self,
