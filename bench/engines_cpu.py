@@ -18,19 +18,13 @@ import torch
 
 from readout_svc.engine import LaneRequest, create_engine
 from stateblock import tasks
-from stateblock.capture import capture
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import load_serving_model
 
 
 def captured_lanes(model, k: int, seed: int) -> list[torch.Tensor]:
     """Rows of K held-out prompts, one capture each: (P_i, d_base)."""
-    out = []
-    for ex in tasks.generate(k, split="heldout", seed=seed):
-        ids = torch.tensor([model.tokenizer(ex.prompt)["input_ids"]])
-        with torch.inference_mode():
-            out.append(capture(model.model, ids, torch.ones_like(ids))[0])
-    return out
+    return [model.prompt_rows(ex.prompt) for ex in tasks.generate(k, split="heldout", seed=seed)]
 
 
 def time_engine(engine, rows: list[torch.Tensor], depth: int, repeats: int) -> list[float]:

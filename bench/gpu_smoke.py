@@ -207,16 +207,10 @@ def shipped_rows(served) -> list[torch.Tensor]:
     """Captured rows of 9 held-out prompts: one per family, then two with answers of
     ~1,850 and ~2,480 tokens, so the parity check compares thousands of positions."""
     from stateblock import tasks
-    from stateblock.capture import capture
 
     examples = tasks.per_family(1, split="heldout", seed=7)
     examples += [e for e in tasks.per_family(3, split="heldout", seed=11) if len(e.answer) > 1800]
-    rows = []
-    with torch.inference_mode():
-        for ex in examples:
-            ids = torch.tensor([served.tokenizer(ex.prompt)["input_ids"]])
-            rows.append(capture(served.model, ids)[0].clone())
-    return rows
+    return [served.prompt_rows(ex.prompt) for ex in examples]
 
 
 # -- timing -------------------------------------------------------------------------------

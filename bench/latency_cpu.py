@@ -23,7 +23,6 @@ import torch
 
 from capture_svc.batcher import bucket_width
 from readout_svc.engine import LaneRequest, create_engine
-from stateblock.capture import capture
 from stateblock.embedded import StackThread, UpConfig
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import ServingModel, load_serving_model
@@ -48,13 +47,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def in_process_fn(model: ServingModel, engine, prompt: str, max_tokens: int) -> Callable[[], str]:
     def run() -> str:
-        ids = model.tokenizer(prompt)["input_ids"]
-        x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
-        mask = torch.zeros_like(x)
-        x[0, : len(ids)] = torch.tensor(ids)
-        mask[0, : len(ids)] = 1
         with torch.inference_mode():
-            rows = capture(model.model, x, mask)[0, : len(ids)]
+            rows = model.prompt_rows(prompt, pad_to=bucket_width)
         (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens)])
         return model.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
 

@@ -6,13 +6,14 @@ other, so both sides derive it the same way, from the files on disk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from stateblock.capture import lm_head_weight
+from stateblock.capture import capture, lm_head_weight
 from stateblock.checkpoint import (
     DecoderError,
     DecoderMismatch,
@@ -66,6 +67,20 @@ class ServingModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.dtype
+
+    def prompt_rows(self, prompt: str, pad_to: Callable[[int], int] | None = None) -> Tensor:
+        """One prompt captured alone: its rows (P, d_base). `pad_to(P)` is the width the
+        forward is right-padded to (the capture service's `bucket_width`, to get the rows it
+        gets); the padding's rows are dropped."""
+        ids = self.tokenizer(prompt)["input_ids"]
+        pad = self.tokenizer.pad_token_id or 0
+        width = len(ids) if pad_to is None else pad_to(len(ids))
+        x = torch.full((1, width), pad, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        x[0, : len(ids)] = torch.tensor(ids)
+        mask[0, : len(ids)] = 1
+        device = self.lm_head.device
+        return capture(self.model, x.to(device), mask.to(device))[0, : len(ids)]
 
 
 def load_serving_model(

@@ -15,7 +15,6 @@ from readout_svc.worker import commit_record
 from stateblock import audit
 from stateblock import audit_determinism as det
 from stateblock import envelope as env
-from stateblock.capture import capture
 from stateblock.checkpoint import load_decoder
 from stateblock.cli import main
 from stateblock.keys import Signer, TrustStore
@@ -249,7 +248,7 @@ def test_classify_is_origin_aware():
 
 
 def _block(model, prompt: str, signer: Signer, depth: int = 32) -> env.VerifiedBlock:
-    rows = capture(model.model, torch.tensor([model.tokenizer(prompt)["input_ids"]]))[0]
+    rows = model.prompt_rows(prompt)
     layout = env.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
                              dtype=rows.dtype)  # fmt: skip
     block = env.build_block(

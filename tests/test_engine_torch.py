@@ -13,7 +13,6 @@ import torch
 from readout_svc.engine import LaneRequest, ReferenceEngine, create_engine
 from readout_svc.engine_torch import EngineUnavailable, Shape, TorchEngine, bucket
 from stateblock import tasks
-from stateblock.capture import capture
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import load_serving_model
 from stateblock.triton_top2 import Top2Config, default_config, merge_top2, top2, top2_reference
@@ -40,13 +39,9 @@ def engine(served):
 @pytest.fixture(scope="module")
 def captured(served) -> list[torch.Tensor]:
     """Captured rows of held-out task prompts: real states, so answers end in EOS."""
-    examples = tasks.per_family(1, split="heldout", seed=7)[:5]
-    rows = []
-    with torch.inference_mode():
-        for ex in examples:
-            ids = torch.tensor([served.tokenizer(ex.prompt)["input_ids"]])
-            rows.append(capture(served.model, ids)[0].clone())
-    return rows
+    return [
+        served.prompt_rows(ex.prompt) for ex in tasks.per_family(1, split="heldout", seed=7)[:5]
+    ]
 
 
 def lanes_of(rows, depths, temps=None, seeds=None) -> list[LaneRequest]:

@@ -18,7 +18,6 @@ import torch
 
 from readout_svc.engine import LaneRequest, create_engine
 from readout_svc.engine_onnx import OnnxEngine
-from stateblock.capture import capture
 from stateblock.cli import main as cli_main
 from stateblock.onnx_export import (
     GRAPH_FILE,
@@ -59,12 +58,7 @@ def engines(model):
 @pytest.fixture(scope="module")
 def prompt_rows(model) -> list[torch.Tensor]:
     """Captured rows of real held-out prompts (unequal lengths)."""
-    examples = generate(4, split="heldout", seed=7)
-    out = []
-    for ex in examples:
-        ids = torch.tensor([model.tokenizer(ex.prompt)["input_ids"]])
-        out.append(capture(model.model, ids)[0])
-    return out
+    return [model.prompt_rows(ex.prompt) for ex in generate(4, split="heldout", seed=7)]
 
 
 def assert_same_answers(ref, got) -> None:

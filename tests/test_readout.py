@@ -172,14 +172,12 @@ def test_ignore_eos_returns_every_position_eos_included():
     """The shipped decoder stops `copy: hello` at its EOS; with ignore_eos the same lane
     returns all `depth` tokens: the answer, then the EOS token, then what follows."""
     from readout_svc.engine import LaneRequest, create_engine, lane_result
-    from stateblock.capture import capture
     from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
     from stateblock.serving import load_serving_model
     from stateblock.vocab import NO_EOS
 
     model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
-    ids = torch.tensor([model.tokenizer("copy: hello")["input_ids"]])
-    rows = capture(model.model, ids, torch.ones_like(ids))[0]
+    rows = model.prompt_rows("copy: hello")
     engine = create_engine("reference", model)
     plain, ignoring = engine.readout(
         [LaneRequest(rows=rows, depth=24), LaneRequest(rows=rows, depth=24, ignore_eos=True)]

@@ -275,7 +275,6 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
 ):
     """STATEBLOCK_CAPTURE_COMPILE: the service compiles the base forward (its own model
     copy here; compiling is in place) and the published rows equal the eager capture."""
-    from stateblock.capture import capture
     from stateblock.serving import load_serving_model
     from tests.helpers import REFERENCE_BASE
 
@@ -297,10 +296,7 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
         await nc.close()
     assert getattr(model.model.base_model, "_stateblock_compiled", None) == "aot_eager"
     (rows,) = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key])).lane_rows()
-    ids = serving_model.tokenizer("copy: abc")["input_ids"]
-    x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
-    x[0, : len(ids)] = torch.tensor(ids)
-    eager = capture(serving_model.model, x, (x != 0).long())[0, : len(ids)]
+    eager = serving_model.prompt_rows("copy: abc", pad_to=bucket_width)
     assert torch.equal(rows, eager.to(rows.dtype))
 
 

@@ -12,12 +12,10 @@ import httpx
 import nats
 import openai
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from capture_svc.batcher import bucket_width
-from stateblock.capture import capture
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.streams import BLOCKS_STREAM
 from stateblock.v1 import capture_pb2, gateway_pb2, gateway_pb2_grpc
@@ -47,12 +45,7 @@ def in_process_answer(
     """The same prompt through capture + decoder in this process, padded like the service."""
     from readout_svc.engine import LaneRequest
 
-    ids = serving_model.tokenizer(prompt)["input_ids"]
-    x = torch.zeros(1, bucket_width(len(ids)), dtype=torch.long)
-    mask = torch.zeros_like(x)
-    x[0, : len(ids)] = torch.tensor(ids)
-    mask[0, : len(ids)] = 1
-    rows = capture(serving_model.model, x, mask)[0, : len(ids)]
+    rows = serving_model.prompt_rows(prompt, pad_to=bucket_width)
     (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens, ignore_eos=ignore_eos)])
     return list(result.token_ids)
 
