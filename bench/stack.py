@@ -27,7 +27,7 @@ import nats
 from prometheus_client import CollectorRegistry
 
 from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
-from registry import DEFAULT_BUCKET
+from registry import parse_update, updates_subject
 from stateblock.serving import ServingModel
 from stateblock.v1 import commit_pb2
 
@@ -72,10 +72,9 @@ class KvProbe:
 
     async def on_msg(self, msg) -> None:
         t = time.perf_counter()
-        if not msg.data:  # a delete (released claim) or purge
+        _, entry = parse_update(msg.subject, msg.data, msg.headers)
+        if entry is None:  # a delete (released claim) or purge
             return
-        entry = commit_pb2.RegistryEntry()
-        entry.ParseFromString(msg.data)
         if entry.state == commit_pb2.CLAIM_STATE_CLAIMED:
             self.claimed.setdefault(entry.block_id, t)
         elif entry.state == commit_pb2.CLAIM_STATE_COMMITTED:
@@ -115,7 +114,7 @@ async def _serve(
         stack.push_async_callback(nc.drain)
         probe_nc = await nats.connect(proc.url, name="bench-probe")
         stack.push_async_callback(probe_nc.drain)
-        await probe_nc.subscribe(f"$KV.{DEFAULT_BUCKET}.>", cb=probe.on_msg)
+        await probe_nc.subscribe(updates_subject(), cb=probe.on_msg)
         capture = await stack.enter_async_context(
             running_capture(
                 CaptureConfig(

@@ -16,7 +16,7 @@ import nats
 from nats.aio.msg import Msg
 
 from gateway.errors import ReadoutFailed
-from registry import CommitTimeout, Registry, RegistryError
+from registry import CommitTimeout, Registry, RegistryError, parse_update
 from stateblock import streams
 from stateblock.v1 import commit_pb2
 
@@ -70,7 +70,7 @@ class CommitWatcher:
 
     async def _on_update(self, msg: Msg) -> None:
         try:
-            block_id, entry = self._registry.parse_update(msg.subject, msg.data, msg.headers)
+            block_id, entry = parse_update(msg.subject, msg.data, msg.headers)
         except RegistryError:
             return  # not ours to judge here; the worker that wrote it reports it
         if entry is not None and entry.state == commit_pb2.CLAIM_STATE_COMMITTED:

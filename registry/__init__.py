@@ -9,7 +9,7 @@ from registry.errors import (
     RegistryUnavailable,
     RevisionConflict,
 )
-from registry.registry import DEFAULT_BUCKET, Claim, Registry
+from registry.registry import DEFAULT_BUCKET, Claim, Registry, parse_update, updates_subject
 
 __all__ = [
     "DEFAULT_BUCKET",
@@ -22,4 +22,6 @@ __all__ = [
     "RegistryError",
     "RegistryUnavailable",
     "RevisionConflict",
+    "parse_update",
+    "updates_subject",
 ]

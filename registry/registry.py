@@ -95,6 +95,23 @@ def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
     return entry
 
 
+def updates_subject(bucket: str = DEFAULT_BUCKET) -> str:
+    """The subject every write to the bucket is published on. A plain subscription to it
+    sees each claim and commit as it lands, with no consumer to create."""
+    return f"$KV.{bucket}.>"
+
+
+def parse_update(
+    subject: str, data: bytes, headers: dict | None
+) -> tuple[str, pb.RegistryEntry | None]:
+    """(block_id, entry) for a write seen on `updates_subject`; entry is None for a delete
+    or purge (a released claim). Raises RegistryError for an undecodable entry."""
+    block_id = subject.split(".", 2)[2]  # $KV.<bucket>.<key>: neither has a dot
+    if headers and headers.get("KV-Operation") in ("DEL", "PURGE"):
+        return block_id, None
+    return block_id, _decode(block_id, data)
+
+
 class Registry:
     def __init__(
         self, kv: KeyValue, bucket: str, *, clock: Callable[[], float] = time.time
@@ -105,17 +122,7 @@ class Registry:
 
     @property
     def updates_subject(self) -> str:
-        """The subject every write to the bucket is published on. A plain subscription to
-        it sees each commit as it lands, with no per-request consumer to create."""
-        return f"$KV.{self._bucket}.>"
-
-    def parse_update(self, subject: str, data: bytes, headers: dict | None) -> tuple:
-        """(block_id, entry) for a put seen on `updates_subject`; entry is None for a
-        delete or purge (a released claim)."""
-        block_id = subject[len(self.updates_subject) - 1 :]
-        if headers and headers.get("KV-Operation") in ("DEL", "PURGE"):
-            return block_id, None
-        return block_id, _decode(block_id, data)
+        return updates_subject(self._bucket)
 
     @classmethod
     async def open(
