@@ -15,7 +15,8 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import structlog
@@ -23,7 +24,7 @@ import torch
 
 from capture_svc.batcher import bucket_width
 from readout_svc.engine import LaneRequest, create_engine
-from stateblock.embedded import StackThread, UpConfig
+from stateblock.embedded import StackThread, StackUrls, UpConfig
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import ServingModel, load_serving_model
 
@@ -43,6 +44,29 @@ def pct(xs: list[float], q: float) -> float:
     return (
         statistics.quantiles(xs, n=100, method="inclusive")[round(q) - 1] if len(xs) > 1 else xs[0]
     )
+
+
+@contextmanager
+def embedded_stack(
+    workers: int, base_dir: Path = REFERENCE_BASE, decoder_dir: Path = REFERENCE_DECODER
+) -> Iterator[StackUrls]:
+    """The embedded stack on free ports in a throwaway data dir, stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
+        stack = StackThread(
+            UpConfig(
+                data_dir=Path(tmp),
+                http_port=0,
+                grpc_port=0,
+                workers=workers,
+                base_dir=base_dir,
+                decoder_dir=decoder_dir,
+            )
+        )
+        urls = stack.start(timeout=120.0)
+        try:
+            yield urls
+        finally:
+            stack.stop()
 
 
 def in_process_fn(model: ServingModel, engine, prompt: str, max_tokens: int) -> Callable[[], str]:
@@ -78,30 +102,16 @@ def main() -> None:
 
     import openai
 
-    with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
-        stack = StackThread(
-            UpConfig(
-                data_dir=Path(tmp),
-                http_port=0,
-                grpc_port=0,
-                workers=args.workers,
-                base_dir=args.base_dir,
-                decoder_dir=args.decoder_dir,
+    with embedded_stack(args.workers, args.base_dir, args.decoder_dir) as urls:
+        client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="unused", max_retries=0)
+
+        def http_call() -> str:
+            r = client.completions.create(
+                model=DEFAULT_MODEL_NAME, prompt=args.prompt, max_tokens=args.max_tokens
             )
-        )
-        urls = stack.start(timeout=120.0)
-        try:
-            client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="unused", max_retries=0)
+            return r.choices[0].text
 
-            def http_call() -> str:
-                r = client.completions.create(
-                    model=DEFAULT_MODEL_NAME, prompt=args.prompt, max_tokens=args.max_tokens
-                )
-                return r.choices[0].text
-
-            http_times, http_text = timed(http_call, args.requests, args.warmup)
-        finally:
-            stack.stop()
+        http_times, http_text = timed(http_call, args.requests, args.warmup)
 
     model = load_serving_model(DEFAULT_MODEL_NAME, args.base_dir, args.decoder_dir)
     engine = create_engine("reference", model)

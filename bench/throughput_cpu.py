@@ -15,7 +15,6 @@ import logging
 import os
 import platform
 import statistics
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,8 @@ import httpx
 import structlog
 import torch
 
-from bench.latency_cpu import pct
-from stateblock.embedded import StackThread, UpConfig
-from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
+from bench.latency_cpu import embedded_stack, pct
+from stateblock.runtime import DEFAULT_MODEL_NAME
 
 
 def run_load(url: str, body: dict, n: int, concurrency: int) -> tuple[float, list[float]]:
@@ -71,23 +69,9 @@ def main() -> None:
     body = {"model": DEFAULT_MODEL_NAME, "prompt": args.prompt, "max_tokens": args.max_tokens}
     results = []
     for workers in (int(w) for w in args.workers.split(",")):
-        with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
-            stack = StackThread(
-                UpConfig(
-                    data_dir=Path(tmp),
-                    http_port=0,
-                    grpc_port=0,
-                    workers=workers,
-                    base_dir=REFERENCE_BASE,
-                    decoder_dir=REFERENCE_DECODER,
-                )
-            )
-            urls = stack.start(timeout=120.0)
-            try:
-                run_load(urls.http, body, args.warmup, args.concurrency)
-                wall, lat = run_load(urls.http, body, args.requests, args.concurrency)
-            finally:
-                stack.stop()
+        with embedded_stack(workers) as urls:
+            run_load(urls.http, body, args.warmup, args.concurrency)
+            wall, lat = run_load(urls.http, body, args.requests, args.concurrency)
         row = {
             "workers": workers,
             "requests": len(lat),
