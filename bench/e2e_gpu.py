@@ -143,16 +143,14 @@ def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -
     width = bucket_width(prompt_len)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, model.config.vocab_size, (1, width), generator=gen).to(device)
-    mask = torch.zeros_like(ids)
-    mask[:, :prompt_len] = 1
     with torch.inference_mode():
-        for _ in range(2):
-            capture(model, ids, mask)
+        for _ in range(3):  # a compiled backbone compiles (and records its graphs) here
+            capture(model, ids)
         runs = []
         for _ in range(repeats):
             sync(device)
             t0 = time.perf_counter()
-            rows = capture(model, ids, mask)
+            rows = capture(model, ids)
             sync(device)
             runs.append(time.perf_counter() - t0)
     return {
@@ -211,7 +209,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-window-ms", type=float, default=None,
                     help="capture batch window (default: the capture service's)")  # fmt: skip
     ap.add_argument("--nats-max-payload", type=int, default=8 << 20)
-    ap.add_argument("--capture-compile", default="off", help="torch.compile backend, capture")
+    ap.add_argument(
+        "--capture-compile", default="off", help="capture: torch.compile backend or mode"
+    )
+    ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument("--nemotron", choices=[*sorted(NEMOTRON), "none"], default=None)
     ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--ar-eager-repeats", type=int, default=1)
@@ -284,6 +285,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         payload_path="inline" if inline else "object store",
         effective_batch_window_ms=window_ms,
         capture_compile=args.capture_compile,
+        blocks_storage=args.blocks_storage,
     )
     metrics, probe = CollectorRegistry(), KvProbe()
     stack_cfg = BenchStackConfig(
@@ -292,6 +294,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         batch_window_s=None if args.batch_window_ms is None else args.batch_window_ms / 1000.0,
         nats_max_payload=args.nats_max_payload,
         capture_compile=args.capture_compile,
+        blocks_storage=args.blocks_storage,
     )
     t0 = time.perf_counter()
     stack = BenchStack(stack_cfg, serving, engine, metrics, probe)
@@ -341,6 +344,16 @@ def measure_prefill(args, base, nemotron: str, device: str, report: Report, left
         )
     except Exception as e:
         prefill["llama"] = failure(e)
+    if args.capture_compile != "off" and left() > 150:
+        from stateblock.capture import compile_backbone
+
+        try:  # the same forward compiled, as STATEBLOCK_CAPTURE_COMPILE does in the service
+            compile_backbone(base.model, args.capture_compile)
+            prefill["llama_compiled"] = time_prefill(
+                base.model, args.prompt_len, device, args.prefill_repeats, args.seed
+            )
+        except Exception as e:
+            prefill["llama_compiled"] = failure(e)
     if nemotron == "none":
         prefill["nemotron"] = {"skipped": "--nemotron none"}
     elif left() < 90:

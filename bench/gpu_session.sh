@@ -2,12 +2,13 @@
 # The issue-5 GPU runs, one stage per device call (each under 10 minutes), from the repo root
 # on the H200 with `.whl` carried (bash bench/prepare_wheels.sh first, here):
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
-#   bash bench/gpu_session.sh e2e      # the 2.9 B end-to-end run vs AR decoding
+#   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
+#                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 # Outputs go to $OUT as each step ends.
 set -uo pipefail
 STAGE=${1:?checks or e2e}
 source bench/gpu_env.sh || exit 1
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 if [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"
@@ -16,5 +17,6 @@ if [ "$STAGE" = checks ]; then
     --json "$OUT/parity-torch.json" --markdown "$OUT/parity-torch.md" > "$OUT/audit-torch.log" 2>&1
   echo "audit torch rc=$?"; tail -c 400 "$OUT/parity-torch.md" 2>/dev/null
 else
-  python3 -m bench.e2e_gpu --out "$OUT" --scale full --engine torch --n 50 2>&1 | tee "$OUT/e2e.log"
+  python3 -m bench.e2e_gpu --out "$OUT" --scale full --engine torch --n 50 "${@:2}" 2>&1 |
+    tee "$OUT/e2e.log"
 fi

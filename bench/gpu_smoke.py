@@ -263,7 +263,9 @@ class Report:
         return value
 
 
-def time_top2(rep: Report, rate: float) -> None:
+def time_top2(rep: Report, rate: float):
+    """The fused kernel against the floor at each D, over a sweep of tile shapes (each with
+    the default split rule); returns the tiles fastest at D=8192."""
     from stateblock.triton_top2 import Top2Config, default_config, top2_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -271,29 +273,40 @@ def time_top2(rep: Report, rate: float) -> None:
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = [  # (block_n, block_v, block_k, warps, stages); the default split rule each
         Top2Config(flat=True),
-        Top2Config(128, 128, 64, 4, 4),
-        Top2Config(128, 128, 64, 8, 4),
         Top2Config(128, 256, 64, 8, 4),
-        Top2Config(64, 256, 64, 4, 4),
+        Top2Config(256, 128, 64, 8, 3),
+        Top2Config(tma=True),
+        Top2Config(128, 256, 64, 8, 4, tma=True),
+        Top2Config(128, 256, 64, 8, 3, flat=True, tma=True),
+        Top2Config(256, 128, 64, 8, 3, tma=True),
+        Top2Config(128, 128, 64, 4, 4, tma=True),
     ]
-    for d in (256, 1024, 2048, 8192):
+    best: dict[int, tuple[float, Top2Config]] = {}
+    for d in (256, 1024, 2048, 8192, 8 * 8192):
         h = torch.randn(d, D_BASE, generator=g, device="cuda").bfloat16()
         floor = 2 * d * D_BASE * V / (rate * 1e12) * 1e3
         row = {"floor_ms": floor, "plain_ms": cuda_ms(lambda h=h: (h @ w.t()).topk(2, dim=-1))}
         row["default"] = str(default_config(d, V, n_sm))
         row["fused_ms"] = cuda_ms(lambda h=h: top2_triton(h, w))
-        for tiles in sweep if d in (256, 8192) else ():
+        best[d] = (row["fused_ms"], Top2Config())
+        for tiles in sweep:
             cfg = default_config(d, V, n_sm, tiles)
             key = f"{cfg.block_n}x{cfg.block_v}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-            key += "_flat" if cfg.flat else ""
+            key += ("_flat" if cfg.flat else "") + ("_tma" if cfg.tma else "")
             try:
-                row[f"{key}_split{cfg.n_split}_ms"] = cuda_ms(
-                    lambda h=h, c=cfg: top2_triton(h, w, c)
-                )
+                ms = cuda_ms(lambda h=h, c=cfg: top2_triton(h, w, c))
             except Exception as e:  # noqa: BLE001 - a configuration may not fit the chip
                 row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            row[f"{key}_split{cfg.n_split}_ms"] = ms
+            if ms < best[d][0]:
+                best[d] = (ms, tiles)
         row["fused_over_floor"] = row["fused_ms"] / floor
+        row["best_ms"], row["best_tiles"] = best[d][0], str(best[d][1])
+        row["best_over_floor"] = best[d][0] / floor
         rep.put(f"top2_D{d}", row)
+        del h
+    return best[8192][1]
 
 
 def random_weights() -> tuple:
@@ -304,20 +317,24 @@ def random_weights() -> tuple:
     dec = ReadoutDecoder(ReadoutConfig(d_base=D_BASE, vocab_size=V, eos_token_id=eos))
     lm_head = (torch.randn(V, D_BASE, device="cuda") * 0.05).bfloat16()
     lm_head[eos] = 0  # EOS logit exactly 0 < the top-1: every lane reads its whole depth
-    return dec.cuda().bfloat16().eval().requires_grad_(False), lm_head, eos
+    # fp32 like the engine's decoder (it would convert it in place anyway); lm_head in bf16
+    return dec.cuda().float().eval().requires_grad_(False), lm_head, eos
 
 
-def time_engine(rep: Report, et, rate: float) -> None:
+def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     """K=1 at every depth on one warmed engine; then K in {1, 2, 4, 8} at D=8192, each on a
     fresh engine over the same weights, so its peak counts only its own graph pool, static
-    buffers and capture-time eager run beyond the resident weights."""
+    buffers and capture-time eager run beyond the resident weights. `tiles`: the engine's
+    top-2 tile shape (the split still follows each shape)."""
     from readout_svc.engine import LaneRequest
 
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
 
     def engine(**options):
-        return et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda", **options)
+        return et.TorchEngine(
+            dec, lm_head, ident, eos_token_id=eos, device="cuda", top2_config=tiles, **options
+        )
 
     rows = [torch.randn(500, D_BASE).bfloat16() for _ in range(8)]  # on the CPU, as blocks come
 
@@ -345,6 +362,7 @@ def time_engine(rep: Report, et, rate: float) -> None:
     rep.put("engine_warm_up", {"s": time.perf_counter() - t0, "shapes": len(eng.captured_shapes)})
     for d in (256, 1024, 2048, 8192):
         rep.run(f"engine_K1_D{d}", lambda d=d, e=eng, w=weights: measure(e, 1, d, w))
+    rep.run("engine_parts_K1_D8192", lambda: engine_parts(dec, lm_head, rows[0], tiles))
     del eng
     free()
     for k in (1, 2, 4, 8):
@@ -365,9 +383,24 @@ def time_engine(rep: Report, et, rate: float) -> None:
 
 
 @torch.inference_mode()
+def engine_parts(decoder, lm_head, rows, tiles) -> dict:
+    """Where one lane's D=8192 readout goes: the decoder's hidden rows, then the top-2."""
+    from stateblock.triton_top2 import top2_triton
+
+    x = rows.cuda()[None].float()  # (1, P, d_base), in the decoder's dtype
+    lens = torch.full((1,), x.shape[1], device="cuda")
+    pos = torch.arange(8192, device="cuda")[None]
+    h = decoder.hidden(x, lens, pos, impl="sdpa").to(lm_head.dtype)[0]  # (D, d_base)
+    return {
+        "hidden_ms": cuda_ms(lambda: decoder.hidden(x, lens, pos, impl="sdpa")),
+        "top2_ms": cuda_ms(lambda: top2_triton(h, lm_head, tiles)),
+    }
+
+
+@torch.inference_mode()
 def eager_reference(decoder, lm_head, rows, impl: str) -> dict:
     k, d = 8, 8192
-    x = torch.stack(rows[:k]).cuda()  # (K, P, d_base)
+    x = torch.stack(rows[:k]).cuda().float()  # (K, P, d_base), in the decoder's dtype
     lens = torch.full((k,), x.shape[1], device="cuda")
     pos = torch.arange(d, device="cuda").expand(k, d)
     depths = torch.full((k,), d, device="cuda")
@@ -416,6 +449,17 @@ def main() -> int:
             rep.run(f"check_top2_N{n}", lambda n=n: check_top2_kernel(n, V, D_BASE, seed=n))
         rep.run("check_top2_ties", lambda: check_top2_kernel(300, 5000, 200, seed=1, ties=True))
         rep.run("check_top2_ties_split", lambda: check_top2_kernel(16, 70000, 64, 2, ties=True))
+        from stateblock.triton_top2 import Top2Config
+
+        tma = Top2Config(tma=True)
+        rep.run("check_top2_N1024_tma", lambda: check_top2_kernel(1024, V, D_BASE, 3, cfg=tma))
+        rep.run("check_top2_ties_tma", lambda: check_top2_kernel(300, 5000, 200, 1, True, tma))
+        rep.run(
+            "check_top2_ties_split_tma",
+            lambda: check_top2_kernel(
+                16, 70000, 64, 2, True, Top2Config(32, 64, 64, 4, 3, tma=True)
+            ),
+        )
         from stateblock.serving import load_serving_model
 
         # paths, not stateblock.runtime: that module needs structlog and prometheus_client
@@ -427,8 +471,8 @@ def main() -> int:
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
     rate = rep.run("gemm_tflops", gemm_tflops)
     rate = rate if isinstance(rate, float) else 790.0
-    time_top2(rep, rate)
-    time_engine(rep, et, rate)
+    tiles = time_top2(rep, rate)
+    time_engine(rep, et, rate, tiles)
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():

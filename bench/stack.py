@@ -41,6 +41,7 @@ class BenchStackConfig:
     nats_max_payload: int | None = 8 << 20  # None: the server's 1 MiB default
     request_timeout_s: float = 120.0
     grace_s: float = 2.0
+    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
 
 
 class TimedEngine:
@@ -120,6 +121,7 @@ async def _serve(
                 CaptureConfig(
                     nats_url=proc.url, host="127.0.0.1", port=0, key_dir=key_dir,
                     grace_s=config.grace_s, compile=config.capture_compile, **window, **common,
+                    blocks_storage=config.blocks_storage,
                 ),
                 nc=nc, model=model, signer=signer, metrics=metrics,
             )
@@ -129,6 +131,7 @@ async def _serve(
                 ReadoutServiceConfig(
                     nats_url=proc.url, engine=engine.name, trusted_keys_dir=key_dir,
                     workers=config.workers, grace_s=config.grace_s, **common,
+                    blocks_storage=config.blocks_storage,  # must match capture's
                 ),
                 nc=nc, engine=engine, trust=trust, metrics=metrics,
             )

@@ -2,11 +2,13 @@
 
 Requests queued while the previous forward ran (or within an optional window) are grouped
 by padded-length bucket and run as cohorts of at most K_max lanes, one forward each, on a
-single forward thread. Lanes are
-right-padded to a power-of-two bucket with at least one pad column, whatever the cohort:
-a lane's rows then come out of the same computation alone or batched (the kernels see the
-same padded width and the same masked attention path), so batching never changes an
-answer.
+single forward thread. Lanes are right-padded to a bucket width (powers of two and 1.5x
+powers of two) and the forward runs without an attention mask: the base models are causal
+decoder-only (Llama; NemotronH attention and Mamba conv/scan), so with right padding no
+valid position sees a pad column, and the pad rows are dropped. A mask would only push
+Hugging Face SDPA off its causal (flash) kernel onto a materialized (B, 1, P, P) mask. A
+lane's rows then come out of the same computation alone or batched (the same bucket width,
+the same unmasked causal path), so batching never changes an answer.
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ MIN_BUCKET = 16
 
 
 def bucket_width(length: int) -> int:
-    """Smallest power of two (>= MIN_BUCKET) strictly above length: one pad column at least."""
+    """Smallest width >= length in 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x).
+
+    The 1.5x steps cap the padding at a third of the width (a plain power-of-two series
+    wastes up to half the prefill), while keeping few shapes to compile.
+    """
     width = MIN_BUCKET
-    while width <= length:
+    while True:
+        for candidate in (width, width * 3 // 2):
+            if candidate >= length:
+                return candidate
         width *= 2
-    return width
 
 
 @dataclass
@@ -61,9 +69,7 @@ class CohortForward:
     def warm_up(self) -> None:
         """One throwaway forward at start-up, so the first request pays no first-call cost."""
         ids = torch.full((1, MIN_BUCKET), self._pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        mask[0, :2] = 1
-        capture(self._model, ids.to(self._device), mask.to(self._device))
+        capture(self._model, ids.to(self._device))  # unmasked, as every request runs
 
     def __call__(self, cohort: Sequence[Pending]) -> None:
         width = max(p.bucket for p in cohort)
@@ -74,16 +80,16 @@ class CohortForward:
                 slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
                 lanes.append(ids)
         ids = torch.full((len(lanes), width), self._pad_id, dtype=torch.long)  # (B, P)
-        mask = torch.zeros_like(ids)
         for row, lane in enumerate(lanes):
             ids[row, : len(lane)] = torch.tensor(lane, dtype=torch.long)
-            mask[row, : len(lane)] = 1
-        lengths = mask.sum(dim=1).tolist()  # what the forward attends to, per batch row
+        # The valid prefix of each batch row, as the ids were actually laid out: the registry
+        # checks it against each plan's lane lengths. No mask goes to the model (see the
+        # module docstring): causality alone keeps pad columns out of the valid rows.
+        lengths = [len(lane) for lane in lanes]
         stamp = CohortStamp(tuple(slots), self._mode)
         capture(
             self._model,
             ids.to(self._device),
-            mask.to(self._device),
             on_rows=lambda rows: self._registry.record(stamp, rows, lengths),
         )
 

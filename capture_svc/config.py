@@ -22,7 +22,8 @@ class CaptureConfig:
     device: str = "cpu"
     dtype: str = "float32"
     batch_window_s: float = 0.0  # continuous batching; >0 waits for company
-    # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...):
+    # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...) or an
+    # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path):
     # one graph per (lanes, bucket) shape, compiled on its first request. Off by default:
     # a compiled kernel may round differently per shape, so batched rows are no longer
     # guaranteed bit-identical to the same request alone.
@@ -32,6 +33,7 @@ class CaptureConfig:
     answer_depth_max: int = 8192
     block_ttl_s: float = 120.0
     duplicate_window_s: float = 120.0
+    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
     publish_timeout_s: float = 5.0
     metrics_port: int | None = None
     grace_s: float = runtime.DEFAULT_GRACE_S
@@ -39,6 +41,7 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         runtime.subject_token(self.model_name)
+        runtime.blocks_storage(self.blocks_storage)
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
         if self.max_lanes < 1 or self.prompt_len_max < 1 or self.answer_depth_max < 1:
@@ -66,6 +69,7 @@ class CaptureConfig:
             answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
             block_ttl_s=e.float("BLOCK_TTL_S", d.block_ttl_s),
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
+            blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
             publish_timeout_s=e.float("PUBLISH_TIMEOUT_S", d.publish_timeout_s),
             metrics_port=None if metrics < 0 else metrics,
             grace_s=e.float("GRACE_S", d.grace_s),

@@ -109,7 +109,11 @@ async def running_capture(
 ) -> AsyncIterator[RunningCapture]:
     """The Capture gRPC service, serving until the context exits (grace, then stop)."""
     async with AsyncExitStack() as stack:
-        await streams.ensure_streams(nc.jetstream(), duplicate_window_s=config.duplicate_window_s)
+        await streams.ensure_streams(
+            nc.jetstream(),
+            duplicate_window_s=config.duplicate_window_s,
+            blocks_storage=config.blocks_storage,
+        )
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
         )

@@ -27,12 +27,14 @@ class ReadoutServiceConfig:
     fetch_timeout_s: float = 0.5  # how long an idle worker waits per pull (and to notice stop)
     retry_delay_s: float = 1.0  # nak delay for a block another worker holds a live claim on
     duplicate_window_s: float = 120.0
+    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
     metrics_port: int | None = None
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         runtime.subject_token(self.model_name)
+        runtime.blocks_storage(self.blocks_storage)
         if self.workers < 1:
             raise runtime.ConfigError("STATEBLOCK_WORKERS must be >= 1")
         if self.ack_wait_s <= self.lease_s:
@@ -59,6 +61,7 @@ class ReadoutServiceConfig:
             fetch_timeout_s=e.float("FETCH_TIMEOUT_S", d.fetch_timeout_s),
             retry_delay_s=e.float("RETRY_DELAY_S", d.retry_delay_s),
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
+            blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
             metrics_port=None if metrics < 0 else metrics,
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),

@@ -77,6 +77,7 @@ class ReferenceEngine:
         device: str | torch.device = "cpu",
     ) -> None:
         self._decoder = decoder
+        self._act = next(decoder.parameters()).dtype  # rows enter in the decoder's dtype
         self._lm_head = lm_head  # resident, bound by reference
         self.identity = identity
         self._eos = eos_token_id
@@ -98,13 +99,13 @@ class ReferenceEngine:
 
     def warm_up(self) -> None:
         """One throwaway readout at start-up, not on the first request."""
-        rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._lm_head.dtype)
+        rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
         self.readout([LaneRequest(rows=rows, depth=16)])
 
     @torch.inference_mode()
     def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
         dev = self._device
-        rows, prompt_lens = pad_lanes([lane.rows.to(dev, self._lm_head.dtype) for lane in lanes])
+        rows, prompt_lens = pad_lanes([lane.rows.to(dev, self._act) for lane in lanes])
         k = len(lanes)
         d = max(lane.depth for lane in lanes)
         positions = torch.arange(d, device=dev).expand(k, d)  # (K, D)

@@ -48,7 +48,9 @@ async def running_readout(
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
-    await streams.ensure_streams(js, duplicate_window_s=config.duplicate_window_s)
+    await streams.ensure_streams(
+        js, duplicate_window_s=config.duplicate_window_s, blocks_storage=config.blocks_storage
+    )
     durable = await streams.ensure_readout_consumer(
         js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
     )

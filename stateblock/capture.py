@@ -31,24 +31,37 @@ def lm_head_weight(model: nn.Module) -> Tensor:
     return head.weight
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     """Compile the backbone's forward in place (`torch.compile`, static shapes).
 
+    `backend` is a torch.compile backend ("inductor", "aot_eager", ...) or one of inductor's
+    modes (COMPILE_MODES). "reduce-overhead" replays each shape as one CUDA graph: a 28-layer
+    eager forward is bound by Python launching its ~500 kernels, not by the GPU. Its outputs
+    live in the graph's pool until the next replay; the capture hook copies its rows out
+    at once, and a later read of an overwritten output raises instead of returning them.
+
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
-    its own request-scoped hook. The capture service pads prompts to power-of-two buckets,
-    so each (lanes, bucket) shape compiles once; the first request of a shape pays for it.
+    its own request-scoped hook. The capture service pads prompts to bucket widths
+    (`bucket_width`), so each (lanes, bucket) shape compiles once; the first request of a
+    shape pays for it.
     """
     import torch._dynamo
 
     bb = backbone(model)
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
-    # one graph per (lanes, bucket) shape: K_max x ~10 buckets, above dynamo's default limit
+    # one graph per (lanes, bucket) shape: K_max x ~17 buckets (16..4096), above dynamo's default
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 128))
-    bb.forward = torch.compile(bb.forward, backend=backend, dynamic=False)
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+    if backend in COMPILE_MODES:
+        bb.forward = torch.compile(bb.forward, mode=backend, dynamic=False)
+    else:
+        bb.forward = torch.compile(bb.forward, backend=backend, dynamic=False)
     bb._stateblock_compiled = backend
 
 
@@ -56,11 +69,16 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
 def capture(
     model: nn.Module,
     input_ids: Tensor,  # (B, P) right-padded
-    attention_mask: Tensor | None = None,  # (B, P)
+    attention_mask: Tensor | None = None,  # (B, P); the serving path passes none
     *,
     on_rows: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """One forward; returns the final hidden rows (B, P, d_base).
+
+    Right-padded ids need no mask: the base models are causal, so a valid row never sees a
+    pad column, and without a mask Hugging Face SDPA takes its causal (flash) path instead
+    of building a (B, 1, P, P) mask. The rows at pad columns are garbage; callers drop them.
+    A mask still passes through for callers that left-pad or want the masked reference.
 
     `on_rows` sees the rows inside the hook, before anyone else: the capture registry
     uses it to verify the request identity and layout at the moment of recording.

@@ -118,6 +118,7 @@ class UpConfig:
     nats_max_payload: int | None = None
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
+    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ async def running_stack(
             decoder_dir=config.decoder_dir,
             key_dir=key_dir,
             grace_s=config.grace_s,
+            blocks_storage=config.blocks_storage,
         )
         capture = await stack.enter_async_context(
             running_capture(capture_cfg, nc=nc, model=model, signer=signer, metrics=metrics)
@@ -185,6 +187,7 @@ async def running_stack(
             trusted_keys_dir=key_dir,
             workers=config.workers,
             grace_s=config.grace_s,
+            blocks_storage=config.blocks_storage,
         )
         await stack.enter_async_context(
             running_readout(readout_cfg, nc=nc, engine=engine, trust=trust, metrics=metrics)

@@ -84,6 +84,16 @@ def subject_token(name: str, what: str = "model name") -> str:
     return name
 
 
+def blocks_storage(value: str) -> str:
+    """STATEBLOCK_BLOCKS_STORAGE: the blocks work queue's JetStream storage."""
+    from stateblock.streams import BLOCKS_STORAGE
+
+    if value not in BLOCKS_STORAGE:
+        choices = " or ".join(repr(k) for k in BLOCKS_STORAGE)
+        raise ConfigError(f"STATEBLOCK_BLOCKS_STORAGE={value!r} must be {choices}")
+    return value
+
+
 def configure_logging(level: str = "info") -> None:
     """structlog JSON lines on stderr; request_id / block_id come from bound contextvars."""
     structlog.configure(

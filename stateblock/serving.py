@@ -71,16 +71,14 @@ class ServingModel:
     def prompt_rows(self, prompt: str, pad_to: Callable[[int], int] | None = None) -> Tensor:
         """One prompt captured alone: its rows (P, d_base). `pad_to(P)` is the width the
         forward is right-padded to (the capture service's `bucket_width`, to get the rows it
-        gets); the padding's rows are dropped."""
+        gets); the padding's rows are dropped. No mask, as in the service: the model is
+        causal, so the padding never reaches the prompt's rows."""
         ids = self.tokenizer(prompt)["input_ids"]
         pad = self.tokenizer.pad_token_id or 0
         width = len(ids) if pad_to is None else pad_to(len(ids))
         x = torch.full((1, width), pad, dtype=torch.long)
-        mask = torch.zeros_like(x)
         x[0, : len(ids)] = torch.tensor(ids)
-        mask[0, : len(ids)] = 1
-        device = self.lm_head.device
-        return capture(self.model, x.to(device), mask.to(device))[0, : len(ids)]
+        return capture(self.model, x.to(self.lm_head.device))[0, : len(ids)]
 
 
 def load_serving_model(

@@ -33,9 +33,11 @@ from stateblock.vocab import chunked_topk
 try:  # Triton is optional: CI and the CPU path never import it
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
+    TensorDescriptor = None
 
 __all__ = ["Top2Config", "available", "default_config", "merge_top2", "top2", "top2_reference"]
 
@@ -56,11 +58,14 @@ class Top2Config:
     block_k: int = 64  # hidden-dimension step of the dot
     num_warps: int = 8
     num_stages: int = 3  # software-pipelining depth of the tile loads
-    n_split: int = 1  # vocabulary ranges, one program column each
+    n_split: int = 0  # vocabulary ranges, one program column each; 0: default_config's
     # one flat loop over (tile, k-step) instead of a loop over tiles around a loop over d:
     # the pipeliner then prefetches the next tile during the top-2 epilogue (the
     # persistent-matmul tutorial's shape); off until a GPU run shows it pays
     flat: bool = False
+    # tiles fetched by the TMA copy engine from host-made tensor descriptors (Hopper+):
+    # no address arithmetic or masks in the loop and fewer registers; chosen by the sweep
+    tma: bool = False
 
 
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
@@ -128,18 +133,40 @@ if triton is not None:
 
     @triton.jit
     def _load_tiles(
-        h_rows, w_ptr, cols, col_ok, row_ok, k0, ks, dim, stride_w, EVEN_K: tl.constexpr
+        h_ptr,
+        w_ptr,
+        row0,
+        v0,
+        rows,
+        cols,
+        col_ok,
+        row_ok,
+        k0,
+        ks,
+        dim,
+        stride_h,
+        stride_w,
+        EVEN_K: tl.constexpr,
+        TMA: tl.constexpr,
     ):
-        """The (BLOCK_N, BLOCK_K) tile of h and the (BLOCK_V, BLOCK_K) tile of lm_head at k0."""
-        kk = k0 + ks
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-        if EVEN_K:
-            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+        """The (BLOCK_N, BLOCK_K) tile of h and the (BLOCK_V, BLOCK_K) tile of lm_head at k0.
+
+        TMA: h_ptr / w_ptr are tensor descriptors and the copy engine fetches the boxes;
+        it zero-fills whatever lies past the rows, the vocabulary or d, so no masks."""
+        if TMA:
+            a = h_ptr.load([row0, k0])
+            b = w_ptr.load([v0, k0])
         else:
-            k_ok = kk[None, :] < dim
-            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
-            b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+            kk = k0 + ks
+            h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h
+            w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+            if EVEN_K:
+                a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+                b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None], other=0.0)
+            else:
+                k_ok = kk[None, :] < dim
+                a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+                b = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
         return a, b
 
     @triton.jit
@@ -161,8 +188,8 @@ if triton is not None:
 
     @triton.jit
     def _top2_kernel(
-        h_ptr,  # (N, d) bf16/fp16, unit stride along d
-        w_ptr,  # (V, d) same dtype, unit stride along d
+        h_ptr,  # (N, d) bf16/fp16, unit stride along d (a TMA descriptor when TMA)
+        w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
         val_ptr,  # (S, N, 2) float32
         idx_ptr,  # (S, N, 2) int64
         n_rows,
@@ -176,6 +203,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
         FLAT: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         pid_n = tl.program_id(0)  # row block: varies fastest, so programs that run
         pid_s = tl.program_id(1)  # together share lm_head tiles through L2
@@ -189,7 +217,6 @@ if triton is not None:
         best2 = tl.full([BLOCK_N], float("-inf"), tl.float32)
         id1 = tl.full([BLOCK_N], _NO_ID, tl.int64)
         id2 = tl.full([BLOCK_N], _NO_ID, tl.int64)
-        h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h
         if FLAT:
             n_k = tl.cdiv(dim, BLOCK_K)
             acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
@@ -198,16 +225,21 @@ if triton is not None:
                 cols = v0 + lanes
                 col_ok = cols < vocab
                 a, b = _load_tiles(
-                    h_rows,
+                    h_ptr,
                     w_ptr,
+                    pid_n * BLOCK_N,
+                    v0,
+                    rows,
                     cols,
                     col_ok,
                     row_ok,
                     (step % n_k) * BLOCK_K,
                     ks,
                     dim,
+                    stride_h,
                     stride_w,
                     EVEN_K,
+                    TMA,
                 )
                 acc = tl.dot(a, tl.trans(b), acc)
                 if step % n_k == n_k - 1:
@@ -223,7 +255,21 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
                 for k0 in range(0, dim, BLOCK_K):
                     a, b = _load_tiles(
-                        h_rows, w_ptr, cols, col_ok, row_ok, k0, ks, dim, stride_w, EVEN_K
+                        h_ptr,
+                        w_ptr,
+                        pid_n * BLOCK_N,
+                        v0,
+                        rows,
+                        cols,
+                        col_ok,
+                        row_ok,
+                        k0,
+                        ks,
+                        dim,
+                        stride_h,
+                        stride_w,
+                        EVEN_K,
+                        TMA,
                     )
                     acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
                 best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
@@ -247,16 +293,20 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
     vocab, d_w = lm_head.shape
     if d != d_w or h.stride(1) != 1 or lm_head.stride(1) != 1:
         raise ValueError(f"need unit-stride rows of one width, got {h.shape}, {lm_head.shape}")
-    if cfg is None:
+    if cfg is None or cfg.n_split == 0:  # the split that fills this GPU for these rows
         n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
-        cfg = default_config(n, vocab, n_sm)
+        cfg = default_config(n, vocab, n_sm, cfg)
     per, n_split = _vocab_per_split(vocab, cfg)
     vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
     grid = (triton.cdiv(n, cfg.block_n), n_split)
+    a, b = h, lm_head
+    if cfg.tma:
+        a = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_k])
+        b = TensorDescriptor.from_tensor(lm_head, [cfg.block_v, cfg.block_k])
     _top2_kernel[grid](
-        h,
-        lm_head,
+        a,
+        b,
         vals,
         ids,
         n,
@@ -270,6 +320,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         BLOCK_K=cfg.block_k,
         EVEN_K=d % cfg.block_k == 0,
         FLAT=cfg.flat,
+        TMA=cfg.tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

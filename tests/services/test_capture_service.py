@@ -9,6 +9,7 @@ import grpc
 import nats
 import pytest
 import torch
+from nats.js.api import StorageType
 from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width
@@ -27,6 +28,7 @@ from stateblock import envelope as env
 from stateblock import streams
 from stateblock.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 
 D = 8
@@ -151,8 +153,13 @@ def test_consume_checks_the_layout_digest(metrics, reg):
     assert count(metrics, "layout_digest_mismatch") == 1
 
 
-def test_bucket_width_always_pads():
-    assert [bucket_width(n) for n in (1, 15, 16, 17, 4096)] == [16, 16, 32, 32, 8192]
+def test_bucket_width_is_the_smallest_power_of_two_or_one_and_a_half_times_one():
+    lengths = (1, 15, 16, 17, 24, 25, 33, 512, 513, 768, 769, 4096)
+    assert [bucket_width(n) for n in lengths] == [
+        16, 16, 16, 24, 24, 32, 48, 512, 768, 768, 1024, 4096
+    ]  # fmt: skip
+    for n in range(17, 5000):
+        assert bucket_width(n) >= n and 3 * (bucket_width(n) - n) < bucket_width(n), n
 
 
 async def test_batched_cohort_rows_equal_each_request_alone(serving_model, metrics, reg):
@@ -298,6 +305,45 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
     (rows,) = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key])).lane_rows()
     eager = serving_model.prompt_rows("copy: abc", pad_to=bucket_width)
     assert torch.equal(rows, eager.to(rows.dtype))
+
+
+async def test_blocks_stream_on_memory_storage(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await streams.ensure_streams(js, blocks_storage="memory")
+        await streams.ensure_streams(js, blocks_storage="memory")  # idempotent
+        info = await js.stream_info(streams.BLOCKS_STREAM)
+        assert info.config.storage == StorageType.MEMORY
+        rejected = await js.stream_info(streams.REJECTED_STREAM)
+        assert rejected.config.storage == StorageType.FILE  # only the work queue moves
+    finally:
+        await nc.close()
+
+
+async def test_blocks_stream_with_the_other_storage_refuses_to_start(nats_url):
+    """JetStream cannot change a stream's storage: say so instead of serving from the other."""
+    nc = await nats.connect(nats_url)
+    try:
+        await streams.ensure_streams(nc.jetstream())  # file, the default
+        with pytest.raises(streams.StreamConflict, match="exists with storage 'file'.*'memory'"):
+            await streams.ensure_streams(nc.jetstream(), blocks_storage="memory")
+        config = CaptureConfig(nats_url=nats_url, port=0, blocks_storage="memory")
+        with pytest.raises(streams.StreamConflict):
+            async with running_capture(
+                config, nc=nc, model=None, signer=Signer.generate(), metrics=CollectorRegistry()
+            ):
+                pass
+    finally:
+        await nc.close()
+
+
+def test_blocks_storage_from_env():
+    assert CaptureConfig.from_env({}).blocks_storage == "file"
+    env = {"STATEBLOCK_BLOCKS_STORAGE": "memory"}
+    assert CaptureConfig.from_env(env).blocks_storage == "memory"
+    with pytest.raises(ConfigError, match="STATEBLOCK_BLOCKS_STORAGE='disk' must be 'file' or"):
+        CaptureConfig.from_env({"STATEBLOCK_BLOCKS_STORAGE": "disk"})
 
 
 async def test_capture_serves_the_standard_grpc_health_service(capture_service):

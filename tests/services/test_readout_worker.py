@@ -21,6 +21,7 @@ from stateblock import envelope as env
 from stateblock import streams
 from stateblock.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import commit_pb2
 
@@ -242,6 +243,28 @@ async def test_a_readout_longer_than_the_lease_keeps_its_claim(nc, engine, servi
     assert entry.attempt == 1  # renewed, never taken over
     assert value(metrics, "stateblock_claims_lost_total") == 0
     assert value(metrics, "stateblock_duplicate_deliveries_dropped_total") == 0
+
+
+def test_blocks_storage_from_env():
+    env = {"STATEBLOCK_BLOCKS_STORAGE": "memory"}
+    assert ReadoutServiceConfig.from_env(env).blocks_storage == "memory"
+    assert ReadoutServiceConfig.from_env({}).blocks_storage == "file"
+    with pytest.raises(ConfigError, match="STATEBLOCK_BLOCKS_STORAGE='Memory'"):
+        ReadoutServiceConfig.from_env({"STATEBLOCK_BLOCKS_STORAGE": "Memory"})
+
+
+async def test_readout_on_a_memory_blocks_stream_commits(nc, engine, serving_model):
+    config = ReadoutServiceConfig(nats_url="unused", workers=1, blocks_storage="memory")
+    trust = TrustStore([SIGNER.public_key])
+    async with running_readout(
+        config, nc=nc, engine=engine, trust=trust, metrics=CollectorRegistry()
+    ):
+        info = await nc.jetstream().stream_info(streams.BLOCKS_STREAM)
+        assert info.config.storage == "memory"
+        block = make_block(serving_model, seed=7)
+        await publish(nc, block)
+        registry = await Registry.open(nc.jetstream())
+        await registry.watch_commit(block.header.block_id, timeout=20)
 
 
 async def test_unknown_engine_refuses_to_start_the_service(monkeypatch):
