@@ -98,6 +98,28 @@ class MLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+@dataclass(frozen=True)
+class PrefixCausal:
+    """The mixer's mask without its (Nq, n_prefix + Nq) tensor: query t sees the n_prefix
+    leading keys (the latents) and the keys of positions <= t."""
+
+    n_prefix: int
+
+    def dense(self, nq: int, device: torch.device) -> Tensor:
+        causal = torch.ones(nq, nq, dtype=torch.bool, device=device).tril()
+        prefix = torch.ones(nq, self.n_prefix, dtype=torch.bool, device=device)
+        return torch.cat([prefix, causal], dim=1)  # (Nq, n_prefix + Nq)
+
+
+def prefix_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, n_prefix: int) -> Tensor:
+    """SDPA under PrefixCausal as plain causal attention: n_prefix zero queries in front make
+    the problem square, where is_causal means exactly that mask, and are dropped after. The
+    kernels then skip the masked half of the blocks and take no mask tensor (flash in
+    bf16), at the price of n_prefix extra query rows (64 of 8,256 at D=8192)."""
+    q = F.pad(q, (0, 0, n_prefix, 0))  # (K, H, n_prefix + Nq, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, n_prefix:]
+
+
 class Attention(nn.Module):
     """Multi-head attention with two implementations over the same weights.
 
@@ -118,12 +140,18 @@ class Attention(nn.Module):
         k, n, d = x.shape
         return x.view(k, n, self.n_heads, d // self.n_heads).transpose(1, 2)  # (K, H, n, hd)
 
-    def forward(self, xq: Tensor, xkv: Tensor, mask: Tensor | None, impl: str) -> Tensor:
+    def forward(
+        self, xq: Tensor, xkv: Tensor, mask: Tensor | PrefixCausal | None, impl: str
+    ) -> Tensor:
         # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
         q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
-        if impl == "sdpa":
+        if isinstance(mask, PrefixCausal) and impl == "sdpa":
+            y = prefix_causal_sdpa(q, k, v, mask.n_prefix)
+        elif impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif impl == "explicit":
+            if isinstance(mask, PrefixCausal):
+                mask = mask.dense(q.shape[2], q.device)
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (K,H,Nq,Nk)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
@@ -145,7 +173,9 @@ class Block(nn.Module):
         self.norm_mlp = RMSNorm(cfg.d_r, cfg.norm_eps)
         self.mlp = MLP(cfg.d_r, cfg.mlp_ratio)
 
-    def forward(self, x: Tensor, kv: Tensor, mask: Tensor | None, impl: str) -> Tensor:
+    def forward(
+        self, x: Tensor, kv: Tensor, mask: Tensor | PrefixCausal | None, impl: str
+    ) -> Tensor:
         x = x + self.attn(self.norm_q(x), self.norm_kv(kv), mask, impl)
         return x + self.mlp(self.norm_mlp(x))
 
@@ -194,9 +224,11 @@ class ReadoutDecoder(nn.Module):
         h = self.pos_in(position_features(positions, self.periods).to(lat.dtype))  # (K, D, d_r)
         # Prefix-causal: every position sees all latents and the positions up to itself, so
         # position t's token does not depend on how deep the caller reads. max_tokens
-        # truncation and depth-bucket padding are then exact, not approximations.
-        causal = torch.ones(d, d, dtype=torch.bool, device=h.device).tril()
-        mask = torch.cat([torch.ones(d, m, dtype=torch.bool, device=h.device), causal], dim=1)
+        # truncation and depth-bucket padding are then exact, not approximations. The
+        # explicit path (the ONNX graph's) gets the dense (D, M + D) mask.
+        mask: Tensor | PrefixCausal = PrefixCausal(m)
+        if impl == "explicit":
+            mask = mask.dense(d, h.device)
         for layer in self.mixer:
             h = layer(h, torch.cat([lat, h], dim=1), mask, impl)
         return self.out(self.norm_out(h))  # (K, D, d_base)

@@ -39,7 +39,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
     TensorDescriptor = None
 
-__all__ = ["Top2Config", "available", "default_config", "merge_top2", "top2", "top2_reference"]
+__all__ = [
+    "Top2Config",
+    "available",
+    "default_config",
+    "default_tiles",
+    "merge_top2",
+    "top2",
+    "top2_reference",
+]
 
 NO_ID = 2**62  # id of an empty slot; larger than any vocabulary id, so it never wins a tie
 
@@ -93,6 +101,13 @@ def default_config(
         if fill > best_fill:
             best, best_fill = cfg, fill
     return best
+
+
+def default_tiles(device: torch.device) -> Top2Config:
+    """128x256x64 tiles; fetched by TMA on Hopper and later (H200: 9.49 ms against 11.02 ms
+    with pointer loads at D=8192, a 7.61 ms GEMM floor; docs/BENCHMARKS.md)."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return Top2Config(tma=hopper)
 
 
 def _vocab_per_split(vocab: int, cfg: Top2Config) -> tuple[int, int]:
@@ -295,7 +310,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         raise ValueError(f"need unit-stride rows of one width, got {h.shape}, {lm_head.shape}")
     if cfg is None or cfg.n_split == 0:  # the split that fills this GPU for these rows
         n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
-        cfg = default_config(n, vocab, n_sm, cfg)
+        cfg = default_config(n, vocab, n_sm, cfg or default_tiles(h.device))
     per, n_split = _vocab_per_split(vocab, cfg)
     vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
