@@ -307,6 +307,11 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     finally:
         client.close()
         stack.stop()
+        from stateblock.capture import uncompile_backbone
+
+        # the stack compiled this same model (graphs recorded on its forward thread); the
+        # prefill and AR stages after this run it on the main thread
+        uncompile_backbone(serving.model)
     if device.startswith("cuda"):
         setup["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
@@ -345,7 +350,7 @@ def measure_prefill(args, base, nemotron: str, device: str, report: Report, left
     except Exception as e:
         prefill["llama"] = failure(e)
     if args.capture_compile != "off" and left() > 150:
-        from stateblock.capture import compile_backbone
+        from stateblock.capture import compile_backbone, uncompile_backbone
 
         try:  # the same forward compiled, as STATEBLOCK_CAPTURE_COMPILE does in the service
             compile_backbone(base.model, args.capture_compile)
@@ -354,6 +359,8 @@ def measure_prefill(args, base, nemotron: str, device: str, report: Report, left
             )
         except Exception as e:
             prefill["llama_compiled"] = failure(e)
+        finally:
+            uncompile_backbone(base.model)  # AR eager runs next, on the same model
     if nemotron == "none":
         prefill["nemotron"] = {"skipped": "--nemotron none"}
     elif left() < 90:

@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
-from stateblock.capture import pad_lanes
 from stateblock.checkpoint import load_decoder
 from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
@@ -205,14 +204,13 @@ class TorchEngine:
         for lane in lanes:
             if lane.rows.dim() != 2 or lane.rows.shape[1] != d_base:
                 raise ValueError(f"lane rows {tuple(lane.rows.shape)} are not (P, {d_base})")
-        host_rows, host_lens = pad_lanes([lane.rows.to(self._act) for lane in lanes])
-        k, p, _ = host_rows.shape
         rows.zero_()
-        rows[:k, :p].copy_(host_rows)
+        for i, lane in enumerate(lanes):  # over the bus in the block's dtype, widened on device
+            rows[i, : lane.rows.shape[0]].copy_(lane.rows.to(rows.device))
         lens.fill_(1)  # a filler lane reads one zero row: no empty softmax, no NaN
-        lens[:k].copy_(host_lens)
+        lens[: len(lanes)].copy_(torch.tensor([lane.rows.shape[0] for lane in lanes]))
         depths.zero_()
-        depths[:k].copy_(torch.tensor([lane.depth for lane in lanes]))
+        depths[: len(lanes)].copy_(torch.tensor([lane.depth for lane in lanes]))
 
     def _buffers(self, shape: Shape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Static (rows, lens, positions, depths) views for `shape`, all graphs sharing them."""

@@ -58,11 +58,28 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+    eager = bb.forward
     if backend in COMPILE_MODES:
-        bb.forward = torch.compile(bb.forward, mode=backend, dynamic=False)
+        bb.forward = torch.compile(eager, mode=backend, dynamic=False)
     else:
-        bb.forward = torch.compile(bb.forward, backend=backend, dynamic=False)
+        bb.forward = torch.compile(eager, backend=backend, dynamic=False)
+    bb._stateblock_eager_forward = eager
     bb._stateblock_compiled = backend
+
+
+def uncompile_backbone(model: nn.Module) -> None:
+    """Undo `compile_backbone` (a no-op on an eager backbone) and drop dynamo's caches: a
+    model whose CUDA graphs were recorded on one thread (a capture service's forward
+    thread) then runs eagerly on another."""
+    import torch._dynamo
+
+    bb = backbone(model)
+    eager = bb.__dict__.pop("_stateblock_eager_forward", None)
+    if eager is None:
+        return
+    bb.forward = eager
+    del bb._stateblock_compiled
+    torch._dynamo.reset()
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from stateblock.capture import (
     lm_head_weight,
     pack_lanes,
     pad_lanes,
+    uncompile_backbone,
     unpack_lanes,
 )
 from stateblock.readout import ReadoutConfig, ReadoutDecoder
@@ -111,3 +112,8 @@ def test_compiled_backbone_still_captures_through_the_hook():
     assert not model.base_model._forward_hooks
     one = capture(model, enc["input_ids"][:1], enc["attention_mask"][:1])  # another shape
     torch.testing.assert_close(one, eager[:1], rtol=0, atol=1e-5)  # batch size changes rounding
+    uncompile_backbone(model)  # back to the eager forward, dynamo's caches dropped
+    assert not hasattr(model.base_model, "_stateblock_compiled")
+    assert not hasattr(model.base_model.forward, "_torchdynamo_orig_callable")
+    assert torch.equal(capture(model, enc["input_ids"], enc["attention_mask"]), eager)
+    uncompile_backbone(model)  # a no-op on an eager backbone
