@@ -67,6 +67,12 @@ NOTES = [
 ]
 
 
+STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per request
+    ("capture", "stateblock_capture_stage_seconds", ("tokenize", "forward", "sign", "publish")),
+    ("worker", "stateblock_readout_stage_seconds", ("verify", "claim", "readout", "commit", "ack")),
+)
+
+
 def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
     """N sequential requests after a warm-up; latency and its breakdown per request."""
 
@@ -75,6 +81,17 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
 
     def sums() -> tuple[float, float, float]:
         return hist(CAPTURE), hist(READOUT), hist(REQUEST, {"api": "completions"})
+
+    def stage_sums() -> dict[str, float]:
+        """The services' own stage histograms (sum per stage), as `capture.forward`, ..."""
+        return {
+            f"{svc}.{stage}": hist(f"{metric}_sum", {"stage": stage})
+            for svc, metric, stages in STAGES
+            for stage in stages
+        }
+
+    def acked() -> float:  # the worker observes its stages after the ack, past the reply
+        return hist("stateblock_readout_stage_seconds_count", {"stage": "ack"})
 
     rng = random.Random(args.seed)
     prompt_len, depth = args.prompt_len, args.max_tokens
@@ -86,6 +103,7 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
     for i in range(args.warmup + args.n):
         prompt = bench_prompt(rng, prompt_len, scale.vocab_size)
         before, calls = sums(), len(engine.calls)
+        stages_before, acks = stage_sums(), acked()
         t0 = time.perf_counter()
         try:
             r = client.complete(MODEL_NAME, prompt, depth)
@@ -103,6 +121,12 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
             if rid in probe.block_of:
                 break
             time.sleep(0.001)
+        for _ in range(1000):
+            if acked() > acks:
+                break
+            time.sleep(0.001)
+        for key, value in stage_sums().items():
+            samples.setdefault(key, []).append(value - stages_before[key])
         block = probe.block_of.get(rid)
         if block is None or len(engine.calls) != calls + 1:
             errors.append(f"request {rid}: no probe commit or not one readout call")

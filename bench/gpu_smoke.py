@@ -381,6 +381,19 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     rep.run("engine_bf16_decoder_K1_D8192", lambda e=fast, w=weights: measure(e, 1, 8192, w))
     del fast
     free()
+    half = et.TorchEngine(  # fp16 autocast, fp32 residual: crosses 0.05 at depth 2048
+        copy.deepcopy(dec),
+        lm_head,
+        ident,
+        eos_token_id=eos,
+        device="cuda",
+        top2_config=tiles,
+        autocast=torch.float16,
+        warm_shapes=(),
+    )
+    rep.run("engine_fp16_autocast_K1_D8192", lambda e=half, w=weights: measure(e, 1, 8192, w))
+    del half
+    free()
     for k in (1, 2, 4, 8):
         eng = engine(warm_shapes=())
         free()

@@ -268,9 +268,9 @@ class CaptureRegistry:
             detail = f"lanes {actual}, plan {list(plan.lane_lengths)}"
             self._fail(request_id, "lane_length_mismatch", detail)
             return
-        # clone: the request owns its rows; the cohort tensor is freed after the forward
+        # cat copies: the request owns its rows, whatever becomes of the cohort tensor
         packed = torch.cat([rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)])
-        packed = packed.detach().to("cpu").clone()  # (total_rows, d)
+        packed = packed.detach().to("cpu")  # (total_rows, d)
         if packed.shape[0] != plan.total_rows:
             self._m.row_count_mismatch.inc()
             detail = f"{packed.shape[0]} rows, plan {plan.total_rows}"

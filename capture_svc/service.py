@@ -74,6 +74,15 @@ class CaptureMetrics:
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=registry,
         )
+        # where a capture's time goes: the wire-size block makes sign and publish matter
+        self.stage_seconds = Histogram(
+            "stateblock_capture_stage_seconds",
+            "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
+            "sign (digest + signature), publish (JetStream ack).",
+            ["stage"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=registry,
+        )
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",
             "Lanes per packed base forward.",
@@ -161,6 +170,9 @@ class CaptureService:
             plan = self._registry.register(request_id, layout)
         except CaptureRegistryError as e:
             raise InvalidCapture(str(e), "request_id") from e
+        stage = self._metrics.stage_seconds
+        t1 = time.perf_counter()
+        stage.labels("tokenize").observe(t1 - t0)
         try:
             await self._batcher.submit(plan, lane_ids)
             rows = self._registry.consume(request_id, plan.layout_digest)
@@ -169,6 +181,8 @@ class CaptureService:
             raise CaptureFailed(str(e)) from e
         finally:
             self._registry.discard(request_id)  # no-op once consumed
+        t2 = time.perf_counter()
+        stage.labels("forward").observe(t2 - t1)
         sampling = [
             pb.SamplingParams(
                 temperature=lane.temperature,
@@ -187,11 +201,15 @@ class CaptureService:
             signer=self._signer,
             ttl_s=self._config.block_ttl_s,
         )
+        t3 = time.perf_counter()
+        stage.labels("sign").observe(t3 - t2)
         try:
             via_object = await self._publisher.publish(block)
         except PublishError as e:
             raise CaptureUnavailable(str(e)) from e
-        self._metrics.capture_seconds.observe(time.perf_counter() - t0)
+        t4 = time.perf_counter()
+        stage.labels("publish").observe(t4 - t3)
+        self._metrics.capture_seconds.observe(t4 - t0)
         log.info(
             "block published",
             block_id=block.header.block_id,

@@ -80,12 +80,18 @@ def readout_step(
     *,
     eos_token_id: int,
     top2_fn,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One padded cohort -> hidden (K, D, d_base), top-2 values and ids (K, D, 2), EOS (K,).
 
-    Pure and shape-static: the body of every CUDA graph and of the eager path.
+    Pure and shape-static: the body of every CUDA graph and of the eager path. `autocast`:
+    the CUDA autocast dtype of the decoder (the top-2 runs outside it).
     """
-    h = decoder.hidden(rows, prompt_lens, positions, impl="sdpa").to(lm_head.dtype)
+    # cache_enabled=False: cached weight casts would outlive a CUDA-graph capture
+    on = autocast is not None
+    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False):
+        h = decoder.hidden(rows, prompt_lens, positions, impl="sdpa")
+    h = h.to(lm_head.dtype)
     k, d, dim = h.shape
     top_v, top_i = top2_fn(h.reshape(k * d, dim), lm_head)  # (K*D, 2) fp32, int64
     top_v, top_i = top_v.view(k, d, 2), top_i.view(k, d, 2)
@@ -127,16 +133,19 @@ class TorchEngine:
         warm_shapes: Sequence[Shape] | None = None,
         top2_config: Top2Config | None = None,
         decoder_dtype: torch.dtype = torch.float32,
+        autocast: torch.dtype | None = None,
     ) -> None:
         dev = require_device(device)
         on_gpu = dev.type == "cuda"
         self._device = dev
-        # The decoder (a few million parameters, a small share of the time) stays in fp32:
-        # run in bf16, its hidden rows drift enough to flip tokens at reference margins up to
-        # ~0.8 on the shipped model; in fp32 with only h and the lm_head in bf16, every flip
-        # sits under a 0.003 margin (32 held-out prompts, depth 256, docs/PARITY.md). The
-        # lm_head GEMM, where the time goes, runs in bf16 with fp32 accumulation.
+        # Precision (docs/PARITY.md; shipped model, 32 held-out prompts, flips against the
+        # fp32 reference): the decoder runs in fp32 and only the lm_head GEMM, where the time
+        # goes, reads bf16 (fp32 accumulation; every flip under a 0.006 margin at depth 1024).
+        # Its matmuls in bf16 flip tokens at margins up to ~0.8; even fp16 (`autocast`, 10
+        # mantissa bits, fp32 residual and norms) crosses the 0.05 near-tie bound at depth
+        # 2048 (0.071), so reduced precision stays an opt-in that fails the parity gate.
         self._act = decoder_dtype
+        self._autocast = autocast if on_gpu else None
         self._decoder = decoder.to(device=dev, dtype=decoder_dtype).eval().requires_grad_(False)
         # no copy when lm_head already lives on `dev` in `dtype`: bound by reference
         self._lm_head = lm_head.to(dev, torch.bfloat16 if on_gpu else torch.float32)
@@ -238,6 +247,7 @@ class TorchEngine:
             depths,
             eos_token_id=self._eos,
             top2_fn=self._top2,
+            autocast=self._autocast,
         )
 
     # -- CUDA graphs --------------------------------------------------------------------

@@ -55,6 +55,14 @@ class WorkerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=registry,
         )
+        self.stage_seconds = Histogram(
+            "stateblock_readout_stage_seconds",
+            "Worker time per committed block by stage: verify (parse, signature, digest, "
+            "rows), claim, readout, commit, ack.",
+            ["stage"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=registry,
+        )
         self.rejected = Counter(
             "stateblock_blocks_rejected",
             "Blocks terminated by reason.",
@@ -160,6 +168,7 @@ class ReadoutWorker:
 
     async def handle(self, msg: Msg) -> str:
         """Process one delivery; returns what happened (for logs and tests)."""
+        t_start = time.perf_counter()
         try:
             block = env.parse_block(msg.data)
             block_id = block.header.block_id if block.HasField("header") else ""
@@ -179,7 +188,7 @@ class ReadoutWorker:
                 ):
                     return await self._drop_duplicate(msg)
                 return await self._reject(msg, block_id, reason, str(e))
-            return await self._claim_and_read(msg, block, verified)
+            return await self._claim_and_read(msg, block, verified, t_start)
 
     async def _verify(self, block: block_pb.StateBlock) -> env.VerifiedBlock:
         if block.payload.WhichOneof("location") == "object_ref":
@@ -213,9 +222,10 @@ class ReadoutWorker:
         return bytes(result.data or b"")
 
     async def _claim_and_read(
-        self, msg: Msg, block: block_pb.StateBlock, verified: env.VerifiedBlock
+        self, msg: Msg, block: block_pb.StateBlock, verified: env.VerifiedBlock, t_start: float
     ) -> str:
         header = verified.header
+        t_verified = time.perf_counter()
         try:
             claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
         except AlreadyCommitted:
@@ -228,6 +238,8 @@ class ReadoutWorker:
             return "claimed_elsewhere"
         lanes = lane_requests(verified)
         t0 = time.perf_counter()
+        stage = self._m.stage_seconds
+        claimed_s = t0 - t_verified
         loop = asyncio.get_running_loop()
         held = [claim]
         keepalive = asyncio.create_task(self._keep_alive(held, msg))
@@ -244,7 +256,8 @@ class ReadoutWorker:
             keepalive.cancel()
         await asyncio.gather(keepalive, return_exceptions=True)
         claim = held[0]
-        self._m.readout_seconds.observe(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self._m.readout_seconds.observe(t1 - t0)
         try:
             await self._registry.commit(claim, commit_record(header, results, self.worker_id))
         except ClaimLost:
@@ -254,7 +267,16 @@ class ReadoutWorker:
             await self._nak("claim_lost", msg)
             log.warning("claim lost before commit")
             return "claim_lost"
+        t2 = time.perf_counter()
         await msg.ack_sync()
+        for name, seconds in (
+            ("verify", t_verified - t_start),
+            ("claim", claimed_s),
+            ("readout", t1 - t0),
+            ("commit", t2 - t1),
+            ("ack", time.perf_counter() - t2),
+        ):
+            stage.labels(name).observe(seconds)
         self._m.committed.inc()
         await self._cleanup_object(block)
         log.info("block committed", lanes=len(lanes))

@@ -42,6 +42,15 @@ def test_e2e_bench_tiny_dry_run(tmp_path):
     total = sum(e2e["breakdown"][span]["mean_ms"] for span in PARTITION)
     assert math.isclose(total, e2e["latency"]["mean_ms"], rel_tol=1e-6)
 
+    # the services' stage histograms, per request: capture's four stages make its span
+    stages = ("tokenize", "forward", "sign", "publish")
+    for stage in stages:
+        assert e2e["breakdown"][f"capture.{stage}"]["p50_ms"] > 0, stage
+    capture = sum(e2e["breakdown"][f"capture.{stage}"]["mean_ms"] for stage in stages)
+    assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
+    for stage in ("verify", "claim", "readout", "commit", "ack"):
+        assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
+
     eager = doc["ar"]["eager"]
     assert eager["tokens"] == depth and eager["all_counts_exact"]
     assert eager["answer_s"] > 0 and eager["per_token_ms"] > 0
