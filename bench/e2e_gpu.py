@@ -237,6 +237,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capture-compile", default="off", help="capture: torch.compile backend or mode"
     )
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
+    ap.add_argument(
+        "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+        help="base and rows dtype (auto: bf16 on CUDA, fp32 on the CPU)",
+    )  # fmt: skip
     ap.add_argument("--nemotron", choices=[*sorted(NEMOTRON), "none"], default=None)
     ap.add_argument("--prefill-repeats", type=int, default=5)
     ap.add_argument("--ar-eager-repeats", type=int, default=1)
@@ -478,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # bf16 weights either way; the CPU serves them in fp32 (bf16 matmuls are slow there)
         dtype = torch.bfloat16 if cuda else torch.float32
+        if args.dtype != "auto":
+            dtype = getattr(torch, args.dtype)
         base = build_base_and_decoder(scale, work, device, seed=args.seed, dtype=dtype)
         size = sum(p.stat().st_size for p in base.base_dir.glob("*.safetensors"))
         report.set(

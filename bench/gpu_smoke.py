@@ -237,6 +237,25 @@ def gemm_tflops() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def copy_gbs() -> dict:
+    """Copy bandwidth, GB/s (1e9): device to device (read + write counted), and host to
+    device / device to host of a 2.75 MB block (the e2e bench's 512 x 2688 bf16 rows) from
+    pinned and from pageable memory, as the readout worker and capture copy them."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out = {"d2d": 2 * n / (cuda_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9}
+    block = 512 * 2688 * 2
+    dev = torch.empty(block, dtype=torch.uint8, device="cuda")
+    for name, host in (
+        ("pinned", torch.empty(block, dtype=torch.uint8, pin_memory=True)),
+        ("pageable", torch.empty(block, dtype=torch.uint8)),
+    ):
+        out[f"h2d_{name}_block"] = block / (cuda_ms(lambda h=host: dev.copy_(h)) * 1e-3) / 1e9
+        out[f"d2h_{name}_block"] = block / (cuda_ms(lambda h=host: h.copy_(dev)) * 1e-3) / 1e9
+    return out
+
+
 def free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -499,6 +518,7 @@ def main() -> int:
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
     rate = rep.run("gemm_tflops", gemm_tflops)
+    rep.run("copy_gbs", copy_gbs)
     rate = rate if isinstance(rate, float) else 790.0
     tiles = time_top2(rep, rate)
     time_engine(rep, et, rate, tiles)

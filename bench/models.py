@@ -54,6 +54,16 @@ SCALES: dict[str, Scale] = {
         prompt_len=512,
         max_tokens=1014,
     ),
+    # the full scale's wire: a 512 x 2688 block per request, in the services' own CPU stages
+    # (sign, publish, verify, ...) on a machine without a GPU; one thin layer, small vocab
+    "wire": Scale(
+        llama=dict(hidden_size=2688, num_hidden_layers=1, num_attention_heads=21,
+                   num_key_value_heads=3, intermediate_size=256),
+        vocab_size=2048,
+        prompt_len=512,
+        max_tokens=64,
+        decoder=dict(d_r=64, n_latent=8, n_heads=4),
+    ),
     # the CPU dry run: the same code path in seconds
     "tiny": Scale(
         llama=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

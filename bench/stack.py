@@ -1,7 +1,7 @@
 """The whole request path in this process for the bench, on any device, with probes.
 
 The same services as `stateblock.embedded.running_stack` (a nats-server, capture, readout
-workers, gateway, one NATS connection), but handed a prebuilt `ServingModel` and engine:
+workers, gateway; a NATS connection each), but handed a prebuilt `ServingModel` and engine:
 `running_stack` loads the base from disk onto the CPU (UpConfig has no device or dtype),
 and the bench serves the model it built on the GPU. Two probes see each request from
 outside the services, without changing them:
@@ -111,8 +111,13 @@ async def _serve(
         proc = await stack.enter_async_context(
             nats_server(data_dir, max_payload=config.nats_max_payload)
         )
-        nc = await nats.connect(proc.url, name="bench-stack")
-        stack.push_async_callback(nc.drain)
+        # one connection per service, as separate processes would have: on a shared one the
+        # capture's publish ack queues behind the 2.75 MB delivery of the same block to the
+        # worker, both read by one client loop
+        conns = {}
+        for name in ("capture", "readout", "gateway"):
+            conns[name] = await nats.connect(proc.url, name=f"bench-{name}")
+            stack.push_async_callback(conns[name].drain)
         probe_nc = await nats.connect(proc.url, name="bench-probe")
         stack.push_async_callback(probe_nc.drain)
         await probe_nc.subscribe(updates_subject(), cb=probe.on_msg)
@@ -123,7 +128,7 @@ async def _serve(
                     grace_s=config.grace_s, compile=config.capture_compile, **window, **common,
                     blocks_storage=config.blocks_storage,
                 ),
-                nc=nc, model=model, signer=signer, metrics=metrics,
+                nc=conns["capture"], model=model, signer=signer, metrics=metrics,
             )
         )  # fmt: skip
         await stack.enter_async_context(
@@ -133,7 +138,7 @@ async def _serve(
                     workers=config.workers, grace_s=config.grace_s, **common,
                     blocks_storage=config.blocks_storage,  # must match capture's
                 ),
-                nc=nc, engine=engine, trust=trust, metrics=metrics,
+                nc=conns["readout"], engine=engine, trust=trust, metrics=metrics,
             )
         )  # fmt: skip
         gateway = await stack.enter_async_context(
@@ -143,7 +148,7 @@ async def _serve(
                     host="127.0.0.1", http_port=0, grpc_port=0,
                     request_timeout_s=config.request_timeout_s, grace_s=config.grace_s, **common,
                 ),
-                nc=nc, metrics=metrics, tokenizer=model.tokenizer,
+                nc=conns["gateway"], metrics=metrics, tokenizer=model.tokenizer,
             )
         )  # fmt: skip
         ready(f"http://127.0.0.1:{gateway.http_port}")

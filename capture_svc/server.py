@@ -108,6 +108,7 @@ async def running_capture(
     metrics: CollectorRegistry,
 ) -> AsyncIterator[RunningCapture]:
     """The Capture gRPC service, serving until the context exits (grace, then stop)."""
+    runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     async with AsyncExitStack() as stack:
         await streams.ensure_streams(
             nc.jetstream(),

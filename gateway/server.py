@@ -47,6 +47,7 @@ async def running_gateway(
     metrics: CollectorRegistry,
     tokenizer=None,
 ) -> AsyncIterator[RunningGateway]:
+    runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     manifest = decoder_manifest(config.decoder_dir)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.base_dir)
     registry = await Registry.open(nc.jetstream())

@@ -45,6 +45,7 @@ async def running_readout(
     metrics: CollectorRegistry,
 ) -> AsyncIterator[RunningReadout]:
     """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
+    runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
