@@ -22,6 +22,7 @@ in L2 by the other row blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -79,6 +80,7 @@ class Top2Config:
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
 
 
+@functools.lru_cache(maxsize=256)  # eager callers pay this loop per call otherwise
 def default_config(
     n_rows: int, vocab: int, n_sm: int, tiles: Top2Config | None = None
 ) -> Top2Config:
