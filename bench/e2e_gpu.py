@@ -238,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument(
+        "--processes", action="store_true", help="one process per service, not one event loop"
+    )
+    ap.add_argument(
         "--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
         help="base and rows dtype (auto: bf16 on CUDA, fp32 on the CPU)",
     )  # fmt: skip
@@ -288,6 +291,10 @@ def environment(args, device: str) -> dict:
 
 def serve_and_measure(args, scale, base, device: str, report: Report, left) -> None:
     """The stack on the in-memory base; the e2e requests; the stack stopped again."""
+    if args.processes:  # the deployment's shape: a process per service, from the saved files
+        from bench.procs import serve_processes
+
+        return serve_processes(args, scale, base, device, report, MODEL_NAME)
     from prometheus_client import CollectorRegistry
 
     from bench.models import serving_model

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,38 @@ def test_e2e_bench_tiny_dry_run(tmp_path):
         prefill = doc["prefill"][name]
         assert prefill["median_ms"] > 0 and prefill["rows_finite"], name
     assert "e2e readout vs AR" in proc.stdout
+
+
+def test_e2e_bench_process_stack_tiny(tmp_path):
+    """`--processes`: nats-server and the three services as their own processes (`python -m
+    ...` configured by STATEBLOCK_* variables), measured from outside: the client's clock
+    and each service's stage histograms, scraped from its /metrics around every request."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.e2e_gpu", "--out", str(out), "--work-dir",
+           str(tmp_path / "work"), "--scale", "tiny", "--engine", "reference", "--n", "3",
+           "--warmup", "1", "--device", "cpu", "--processes", "--nemotron", "none",
+           "--ar-eager-repeats", "0", "--blocks-storage", "memory"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "e2e.json").read_text())
+    assert doc["config"]["stack"] == "processes"
+    e2e = doc["e2e"]
+    assert e2e["n_ok"] == 3 and e2e["n_errors"] == 0, e2e["errors"]
+    assert e2e["all_full_depth"]
+    stages = ("tokenize", "forward", "sign", "publish")
+    capture = sum(e2e["breakdown"][f"capture.{s}"]["mean_ms"] for s in stages)
+    assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
+    for stage in ("verify", "claim", "readout", "commit", "ack"):
+        assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
+    assert 0 < e2e["breakdown"]["outside"]["p50_ms"] < e2e["latency"]["p50_ms"]
+    # the stage stopped what it started: no nats-server is left on this run's store
+    store = str(tmp_path / "work" / "procs" / "nats")
+    left = [p for p in Path("/proc").glob("[0-9]*") if store in _cmdline(p)]
+    assert not left, left
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # gone meanwhile, or not ours to read
+        return ""

@@ -1,0 +1,288 @@
+"""The stack as it is deployed, one process per service: nats-server, `python -m capture_svc`,
+`python -m readout_svc` and `python -m gateway`, each configured by its STATEBLOCK_*
+variables and each with its own interpreter, event loop and GIL.
+
+`bench.stack` runs the same services on one event loop in the bench's process, where the
+capture's publish, the worker's read of the same 2.75 MB block and the gateway's reply wait
+on each other's turns. This module measures what a deployment pays instead. The services
+are seen only from outside: the client's clock, and their Prometheus stage histograms
+scraped between requests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stateblock.embedded import free_port, nats_server_binary
+from stateblock.keys import load_or_generate_signer
+
+REPO = Path(__file__).resolve().parent.parent
+# the histograms whose per-request sums the bench reads (what a dashboard would plot)
+SCRAPED = (
+    "stateblock_capture_seconds",
+    "stateblock_capture_stage_seconds",
+    "stateblock_readout_stage_seconds",
+)
+
+
+@dataclass(frozen=True)
+class ProcStackConfig:
+    data_dir: Path
+    model_name: str
+    base_dir: Path
+    decoder_dir: Path
+    device: str  # for capture and readout alike
+    capture_dtype: str  # "bfloat16" on a GPU
+    engine: str
+    workers: int = 2
+    capture_compile: str = "off"
+    blocks_storage: str = "file"
+    nats_max_payload: int = 8 << 20
+    ready_timeout_s: float = 600.0
+
+
+class ProcStack:
+    """`start()` launches the four processes and returns the gateway's URL; `stop()` ends
+    them (SIGTERM: each service drains and stops gracefully)."""
+
+    def __init__(self, config: ProcStackConfig) -> None:
+        self.config = config
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._metrics_urls: list[str] = []
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = (self.config.data_dir / f"{name}.log").open("ab")
+        full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+        self._procs[name] = subprocess.Popen(argv, stdout=log, stderr=log, env=full, cwd=REPO)
+        log.close()
+
+    def start(self) -> str:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        key_dir = cfg.data_dir / "keys"
+        load_or_generate_signer(key_dir)  # before the workers read the trust store
+        nats_port = free_port()
+        conf = cfg.data_dir / "nats.conf"
+        conf.write_text(f"max_payload: {cfg.nats_max_payload}\n")
+        store = cfg.data_dir / "nats"
+        self._spawn(
+            "nats",
+            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd",
+             str(store), "-c", str(conf)],
+            {},
+        )  # fmt: skip
+        self._wait(lambda: _port_open(nats_port), "nats-server")
+        capture_port, gateway_port = free_port(), free_port()
+        capture_metrics, readout_metrics = free_port(), free_port()
+        common = {
+            "STATEBLOCK_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+            "STATEBLOCK_MODEL_NAME": cfg.model_name,
+            "STATEBLOCK_BASE_DIR": str(cfg.base_dir),
+            "STATEBLOCK_DECODER_DIR": str(cfg.decoder_dir),
+            "STATEBLOCK_KEY_DIR": str(key_dir),
+            "STATEBLOCK_DEVICE": cfg.device,
+            "STATEBLOCK_BLOCKS_STORAGE": cfg.blocks_storage,
+            "STATEBLOCK_LOG_LEVEL": "warning",
+        }
+        py = sys.executable
+        self._spawn(
+            "capture",
+            [py, "-m", "capture_svc"],
+            {
+                **common,
+                "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
+                "STATEBLOCK_CAPTURE_PORT": str(capture_port),
+                "STATEBLOCK_CAPTURE_DTYPE": cfg.capture_dtype,
+                "STATEBLOCK_CAPTURE_COMPILE": cfg.capture_compile,
+                "STATEBLOCK_CAPTURE_METRICS_PORT": str(capture_metrics),
+            },
+        )
+        self._spawn(
+            "readout",
+            [py, "-m", "readout_svc"],
+            {
+                **common,
+                "STATEBLOCK_ENGINE": cfg.engine,
+                "STATEBLOCK_WORKERS": str(cfg.workers),
+                "STATEBLOCK_READOUT_METRICS_PORT": str(readout_metrics),
+            },
+        )
+        self._spawn(
+            "gateway",
+            [py, "-m", "gateway"],
+            {
+                **common,
+                "STATEBLOCK_CAPTURE_TARGET": f"127.0.0.1:{capture_port}",
+                "STATEBLOCK_GATEWAY_HOST": "127.0.0.1",
+                "STATEBLOCK_HTTP_PORT": str(gateway_port),
+                "STATEBLOCK_GRPC_PORT": str(free_port()),
+            },
+        )
+        url = f"http://127.0.0.1:{gateway_port}"
+        self._metrics_urls = [
+            f"http://127.0.0.1:{capture_metrics}/metrics",
+            f"http://127.0.0.1:{readout_metrics}/metrics",
+        ]
+        for probe in (f"{url}/health", *self._metrics_urls):
+            self._wait(lambda p=probe: _http_ok(p), probe)
+        return url
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while not ready():
+            dead = {n: p.returncode for n, p in self._procs.items() if p.poll() is not None}
+            if dead or time.monotonic() > deadline:
+                self.stop()
+                logs = {n: _tail(self.config.data_dir / f"{n}.log") for n in self._procs}
+                raise RuntimeError(f"{what} not ready (exited: {dead}); logs: {logs}")
+            time.sleep(0.2)
+
+    def scrape(self) -> dict[tuple[str, str], float]:
+        """{(sample name, stage label or ''): value} of the histograms' _sum and _count."""
+        out: dict[tuple[str, str], float] = {}
+        for url in self._metrics_urls:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+            for family in text_string_to_metric_families(text):
+                if family.name not in SCRAPED:
+                    continue
+                for s in family.samples:
+                    if s.name.endswith(("_sum", "_count")):
+                        out[(s.name, s.labels.get("stage", ""))] = s.value
+        return out
+
+    def stop(self) -> None:
+        # services first (they drain through NATS), the server last
+        for name in ("gateway", "readout", "capture", "nats"):
+            proc = self._procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_e2e_procs(args, scale, client, stack: ProcStack, model_name: str) -> dict:
+    """N sequential requests after a warm-up: the client's latency, and per request the
+    services' own stage times (histogram sums before and after it)."""
+    from bench.models import bench_prompt
+    from bench.report import ms_summary
+
+    rng = random.Random(args.seed)
+    ack = ("stateblock_readout_stage_seconds_count", "ack")
+    samples: dict[str, list[float]] = {"e2e": []}
+    completion, errors = [], []
+    for i in range(args.warmup + args.n):
+        prompt = bench_prompt(rng, args.prompt_len, scale.vocab_size)
+        before = stack.scrape()
+        t0 = time.perf_counter()
+        try:
+            r = client.complete(model_name, prompt, args.max_tokens)
+        except Exception as e:  # counted; the third ends the stage
+            errors.append(repr(e))
+            if len(errors) >= 3:
+                break
+            continue
+        t1 = time.perf_counter()
+        if i < args.warmup:
+            continue
+        after = stack.scrape()
+        for _ in range(200):  # the worker observes its stages after the ack, past the reply
+            if after.get(ack, 0.0) > before.get(ack, 0.0):
+                break
+            time.sleep(0.005)
+            after = stack.scrape()
+        samples["e2e"].append(t1 - t0)
+        for (name, stage), value in after.items():
+            if name.endswith("_sum"):
+                prefix = "capture" if "capture" in name else "worker"
+                key = f"{prefix}.{stage}" if stage else prefix
+                samples.setdefault(key, []).append(value - before.get((name, stage), 0.0))
+        completion.append(r["usage"]["completion_tokens"])
+    out: dict = {"n_ok": len(samples["e2e"]), "errors": errors[:5], "n_errors": len(errors)}
+    if not samples["e2e"]:
+        return out
+    in_worker = ("worker.verify", "worker.claim", "worker.readout", "worker.commit")
+    samples["outside"] = [  # the bus, the gateway, gRPC and HTTP: what no stage covers
+        e - c - sum(samples[k][j] for k in in_worker if k in samples)
+        for j, (e, c) in enumerate(zip(samples["e2e"], samples.get("capture", []), strict=False))
+    ]
+    out.update(
+        completion_tokens={"min": min(completion), "max": max(completion)},
+        all_full_depth=all(c == args.max_tokens for c in completion),
+        latency=ms_summary(samples["e2e"]),
+        breakdown={k: ms_summary(v) for k, v in samples.items() if k != "e2e" and v},
+        partition="e2e = capture + worker.verify/claim/readout/commit + outside",
+    )
+    return out
+
+
+def serve_processes(args, scale, base, device: str, report, model_name: str) -> None:
+    """The e2e stage on the process stack, over the base and decoder the bench saved."""
+    from bench.stack import CompletionsClient
+
+    cuda = device.startswith("cuda")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    config = ProcStackConfig(
+        data_dir=base.base_dir.parent / "procs",
+        model_name=model_name,
+        base_dir=base.base_dir,
+        decoder_dir=base.decoder_dir,
+        device=device,
+        capture_dtype=dtype,
+        engine=args.engine,
+        workers=args.workers,
+        capture_compile=args.capture_compile,
+        blocks_storage=args.blocks_storage,
+        nats_max_payload=args.nats_max_payload,
+    )
+    report.doc["config"].update(stack="processes", capture_compile=args.capture_compile,
+                                blocks_storage=args.blocks_storage)  # fmt: skip
+    stack = ProcStack(config)
+    t0 = time.perf_counter()
+    url = stack.start()
+    report.doc["setup"]["stack_start_s"] = time.perf_counter() - t0
+    report.write()
+    client = CompletionsClient(url, timeout=300.0)
+    try:
+        report.set("e2e", run_e2e_procs(args, scale, client, stack, model_name))
+    finally:
+        client.close()
+        stack.stop()
