@@ -108,8 +108,8 @@ def keep_freed_buffers() -> bool:
     Every request copies its state block, 2.75 MB at the full scale, a few times (rows to
     bytes, protobuf, the NATS command, the parse on the worker). By default glibc maps each
     such buffer fresh and unmaps it when freed, so every copy pays a page fault per 4 KiB
-    page: nats-py's publish command build alone took 2.7 ms of its 4.2 ms that way, and
-    0.3 ms with the freed buffers kept (`python -m bench.e2e_gpu --scale wire`)."""
+    page: nats-py's publish command build alone took 2.7 ms of a 4.2 ms core publish that
+    way, and 0.3 ms with the freed buffers kept (docs/BENCHMARKS.md, the CPU wire section)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
