@@ -75,6 +75,7 @@ STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per requ
 
 def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
     """N sequential requests after a warm-up; latency and its breakdown per request."""
+    from bench.stack import sequential_completions
 
     def hist(name: str, labels: dict | None = None) -> float:
         return metrics.get_sample_value(name, labels) or 0.0
@@ -100,19 +101,14 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
     samples: dict[str, list[float]] = {k: [] for k in keys}
     completion, prompt_tokens, finish = [], [], {}
     errors: list[str] = []
-    for i in range(args.warmup + args.n):
-        prompt = bench_prompt(rng, prompt_len, scale.vocab_size)
-        before, calls = sums(), len(engine.calls)
-        stages_before, acks = stage_sums(), acked()
-        t0 = time.perf_counter()
-        try:
-            r = client.complete(MODEL_NAME, prompt, depth)
-        except Exception as e:  # counted; the third ends the stage
-            errors.append(repr(e))
-            if len(errors) >= 3:
-                break
-            continue
-        t1 = time.perf_counter()
+    prompts = (bench_prompt(rng, prompt_len, scale.vocab_size) for _ in range(args.warmup + args.n))
+
+    def snapshot() -> tuple:
+        return sums(), len(engine.calls), stage_sums(), acked()
+
+    for i, r, t0, t1, (before, calls, stages_before, acks) in sequential_completions(
+        client, MODEL_NAME, prompts, depth, errors, snapshot
+    ):
         if i < args.warmup:
             continue
         cap, read, req = (a - b for a, b in zip(sums(), before, strict=True))

@@ -292,12 +292,10 @@ def time_top2(rep: Report, rate: float):
     w = (torch.randn(V, D_BASE, generator=g, device="cuda") * 0.05).bfloat16()
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = [  # (block_n, block_v, block_k, warps, stages); the default split rule each
-        Top2Config(flat=True),
         Top2Config(128, 256, 64, 8, 4),
         Top2Config(256, 128, 64, 8, 3),
         Top2Config(tma=True),
         Top2Config(128, 256, 64, 8, 4, tma=True),
-        Top2Config(128, 256, 64, 8, 3, flat=True, tma=True),
         Top2Config(256, 128, 64, 8, 3, tma=True),
         Top2Config(128, 128, 64, 4, 4, tma=True),
     ]
@@ -312,7 +310,7 @@ def time_top2(rep: Report, rate: float):
         for tiles in sweep:
             cfg = default_config(d, V, n_sm, tiles)
             key = f"{cfg.block_n}x{cfg.block_v}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-            key += ("_flat" if cfg.flat else "") + ("_tma" if cfg.tma else "")
+            key += "_tma" if cfg.tma else ""
             try:
                 ms = cuda_ms(lambda h=h, c=cfg: top2_triton(h, w, c))
             except Exception as e:  # noqa: BLE001 - a configuration may not fit the chip
@@ -385,34 +383,25 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     rep.run("engine_parts_K1_D8192", lambda: engine_parts(dec, lm_head, rows[0], tiles))
     del eng
     free()
-    # the trade the engine does not take: its decoder in bf16 (faster, flips tokens at
-    # margins up to ~0.8 on the shipped model); a copy, since the engine converts in place
-    fast = et.TorchEngine(
-        copy.deepcopy(dec),
-        lm_head,
-        ident,
-        eos_token_id=eos,
-        device="cuda",
-        top2_config=tiles,
-        decoder_dtype=torch.bfloat16,
-        warm_shapes=(),
-    )
-    rep.run("engine_bf16_decoder_K1_D8192", lambda e=fast, w=weights: measure(e, 1, 8192, w))
-    del fast
-    free()
-    half = et.TorchEngine(  # fp16 autocast, fp32 residual: crosses 0.05 at depth 2048
-        copy.deepcopy(dec),
-        lm_head,
-        ident,
-        eos_token_id=eos,
-        device="cuda",
-        top2_config=tiles,
-        autocast=torch.float16,
-        warm_shapes=(),
-    )
-    rep.run("engine_fp16_autocast_K1_D8192", lambda e=half, w=weights: measure(e, 1, 8192, w))
-    del half
-    free()
+    # the trades the engine does not take (docs/PARITY.md): its decoder in bf16, or under
+    # fp16 autocast; each on a copy, since the engine converts its decoder in place
+    for key, precision in (
+        ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16}),
+        ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16}),
+    ):
+        variant = et.TorchEngine(
+            copy.deepcopy(dec),
+            lm_head,
+            ident,
+            eos_token_id=eos,
+            device="cuda",
+            top2_config=tiles,
+            warm_shapes=(),
+            **precision,
+        )
+        rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
+        del variant
+        free()
     for k in (1, 2, 4, 8):
         eng = engine(warm_shapes=())
         free()

@@ -204,23 +204,18 @@ def run_e2e_procs(args, scale, client, stack: ProcStack, model_name: str) -> dic
     services' own stage times (histogram sums before and after it)."""
     from bench.models import bench_prompt
     from bench.report import ms_summary
+    from bench.stack import sequential_completions
 
     rng = random.Random(args.seed)
     ack = ("stateblock_readout_stage_seconds_count", "ack")
     samples: dict[str, list[float]] = {"e2e": []}
     completion, errors = [], []
-    for i in range(args.warmup + args.n):
-        prompt = bench_prompt(rng, args.prompt_len, scale.vocab_size)
-        before = stack.scrape()
-        t0 = time.perf_counter()
-        try:
-            r = client.complete(model_name, prompt, args.max_tokens)
-        except Exception as e:  # counted; the third ends the stage
-            errors.append(repr(e))
-            if len(errors) >= 3:
-                break
-            continue
-        t1 = time.perf_counter()
+    prompts = (
+        bench_prompt(rng, args.prompt_len, scale.vocab_size) for _ in range(args.warmup + args.n)
+    )
+    for i, r, t0, t1, before in sequential_completions(
+        client, model_name, prompts, args.max_tokens, errors, stack.scrape
+    ):
         if i < args.warmup:
             continue
         after = stack.scrape()

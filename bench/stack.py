@@ -17,7 +17,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,3 +233,26 @@ class CompletionsClient:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def sequential_completions(
+    client: CompletionsClient,
+    model: str,
+    prompts: Iterable[str],
+    max_tokens: int,
+    errors: list[str],
+    snapshot: Callable[[], object] = lambda: None,
+) -> Iterator[tuple[int, dict, float, float, object]]:
+    """One request at a time: (index, response, sent, replied, snapshot taken just before
+    sending) for each that succeeds. Failures go to `errors`; the third ends the run."""
+    for i, prompt in enumerate(prompts):
+        before = snapshot()
+        t0 = time.perf_counter()
+        try:
+            r = client.complete(model, prompt, max_tokens)
+        except Exception as e:
+            errors.append(repr(e))
+            if len(errors) >= 3:
+                return
+            continue
+        yield i, r, t0, time.perf_counter(), before

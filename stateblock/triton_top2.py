@@ -68,10 +68,6 @@ class Top2Config:
     num_warps: int = 8
     num_stages: int = 3  # software-pipelining depth of the tile loads
     n_split: int = 0  # vocabulary ranges, one program column each; 0: default_config's
-    # one flat loop over (tile, k-step) instead of a loop over tiles around a loop over d:
-    # the pipeliner then prefetches the next tile during the top-2 epilogue (the
-    # persistent-matmul tutorial's shape); off until a GPU run shows it pays
-    flat: bool = False
     # tiles fetched by the TMA copy engine from host-made tensor descriptors (Hopper+):
     # no address arithmetic or masks in the loop and fewer registers; chosen by the sweep
     tma: bool = False
@@ -219,7 +215,6 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
-        FLAT: tl.constexpr,
         TMA: tl.constexpr,
     ):
         pid_n = tl.program_id(0)  # row block: varies fastest, so programs that run
@@ -234,13 +229,12 @@ if triton is not None:
         best2 = tl.full([BLOCK_N], float("-inf"), tl.float32)
         id1 = tl.full([BLOCK_N], _NO_ID, tl.int64)
         id2 = tl.full([BLOCK_N], _NO_ID, tl.int64)
-        if FLAT:
-            n_k = tl.cdiv(dim, BLOCK_K)
+        # splits are whole tiles, so only the last one crosses V (the mask clips it)
+        for v0 in range(v_lo, v_lo + v_per_split, BLOCK_V):
+            cols = v0 + lanes
+            col_ok = cols < vocab
             acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-            for step in range(0, tl.cdiv(v_per_split, BLOCK_V) * n_k):
-                v0 = v_lo + (step // n_k) * BLOCK_V
-                cols = v0 + lanes
-                col_ok = cols < vocab
+            for k0 in range(0, dim, BLOCK_K):
                 a, b = _load_tiles(
                     h_ptr,
                     w_ptr,
@@ -250,7 +244,7 @@ if triton is not None:
                     cols,
                     col_ok,
                     row_ok,
-                    (step % n_k) * BLOCK_K,
+                    k0,
                     ks,
                     dim,
                     stride_h,
@@ -258,38 +252,8 @@ if triton is not None:
                     EVEN_K,
                     TMA,
                 )
-                acc = tl.dot(a, tl.trans(b), acc)
-                if step % n_k == n_k - 1:
-                    best1, id1, best2, id2 = _fold_tile(
-                        acc, col_ok, lanes, v0, best1, id1, best2, id2
-                    )
-                    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-        else:
-            # splits are whole tiles, so only the last one crosses V (the mask clips it)
-            for v0 in range(v_lo, v_lo + v_per_split, BLOCK_V):
-                cols = v0 + lanes
-                col_ok = cols < vocab
-                acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-                for k0 in range(0, dim, BLOCK_K):
-                    a, b = _load_tiles(
-                        h_ptr,
-                        w_ptr,
-                        pid_n * BLOCK_N,
-                        v0,
-                        rows,
-                        cols,
-                        col_ok,
-                        row_ok,
-                        k0,
-                        ks,
-                        dim,
-                        stride_h,
-                        stride_w,
-                        EVEN_K,
-                        TMA,
-                    )
-                    acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
-                best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
+                acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
+            best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
 
         out = (pid_s * n_rows + rows) * 2
         tl.store(val_ptr + out, best1, mask=row_ok)
@@ -336,7 +300,6 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         BLOCK_V=cfg.block_v,
         BLOCK_K=cfg.block_k,
         EVEN_K=d % cfg.block_k == 0,
-        FLAT=cfg.flat,
         TMA=cfg.tma,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
