@@ -5,9 +5,9 @@
 #   bash bench/gpu_session.sh final [ARGS]  # e2e (no NemotronH), audit, smoke in one call
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
-# Outputs go to $OUT as each step ends.
+# Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks or e2e}
+STAGE=${1:?checks, final or e2e}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -18,6 +18,7 @@ if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: e2e
     --json "$OUT/parity-torch.json" --markdown "$OUT/parity-torch.md" > "$OUT/audit-torch.log" 2>&1
   timeout 120 python3 -m bench.gpu_smoke --out "$OUT" > "$OUT/smoke.log" 2>&1
   echo "smoke rc=$?"
+  tail -c 3000 "$OUT/e2e.log"; tail -c 700 "$OUT/parity-torch.md"; grep -A40 '^summary' "$OUT/smoke.log"
 elif [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"
   timeout 120 python3 -m pytest -q -rs tests/test_engine_torch.py 2>&1 | tee "$OUT/pytest-gpu.log"
@@ -28,3 +29,6 @@ else
   python3 -m bench.e2e_gpu --out "$OUT" --scale full --engine torch --n 50 "${@:2}" 2>&1 |
     tee "$OUT/e2e.log"
 fi
+# the device tool returns at most 8 files: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tgz ./*.log gpu.txt 2>/dev/null && rm -f ./*.log gpu.txt)
+ls "$OUT"

@@ -24,8 +24,6 @@ import statistics
 import sys
 import time
 import traceback
-import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,26 +34,10 @@ ITERS, WARMUP = 20, 3
 
 
 def import_engine():
-    """readout_svc.engine_torch; on a bare image without the service stack (cryptography,
-    the generated protobuf code) the envelope module is replaced by its one dataclass."""
-    try:
-        import readout_svc.engine_torch as et
-    except Exception as e:  # noqa: BLE001 - any import failure of the service stack
-        print(f"note: {type(e).__name__}: {e}; using a stand-in ModelIdentity")
-        for name in [m for m in sys.modules if m.startswith(("readout_svc", "stateblock."))]:
-            del sys.modules[name]
-        shim = types.ModuleType("stateblock.envelope")
+    """readout_svc.engine_torch: the service stack must be importable (on the GPU machine,
+    `bench/gpu_env.sh` installs its wheels)."""
+    import readout_svc.engine_torch as et
 
-        @dataclass(frozen=True)
-        class ModelIdentity:
-            model: str
-            base_model_digest: bytes
-            lm_head_digest: bytes
-            decoder_digest: bytes
-
-        shim.ModelIdentity = ModelIdentity
-        sys.modules["stateblock.envelope"] = shim
-        import readout_svc.engine_torch as et
     return et
 
 
