@@ -280,6 +280,8 @@ def time_top2(rep: Report, rate: float):
         Top2Config(128, 256, 64, 8, 4, tma=True),
         Top2Config(256, 128, 64, 8, 3, tma=True),
         Top2Config(128, 128, 64, 4, 4, tma=True),
+        Top2Config(tma=True, persistent=True),
+        Top2Config(128, 256, 64, 8, 4, tma=True, persistent=True),
     ]
     best: dict[int, tuple[float, Top2Config | None]] = {}
     for d in (256, 1024, 2048, 8192, 8 * 8192):
@@ -292,7 +294,7 @@ def time_top2(rep: Report, rate: float):
         for tiles in sweep:
             cfg = default_config(d, V, n_sm, tiles)
             key = f"{cfg.block_n}x{cfg.block_v}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-            key += "_tma" if cfg.tma else ""
+            key += ("_tma" if cfg.tma else "") + ("_persistent" if cfg.persistent else "")
             try:
                 ms = cuda_ms(lambda h=h, c=cfg: top2_triton(h, w, c))
             except Exception as e:  # noqa: BLE001 - a configuration may not fit the chip

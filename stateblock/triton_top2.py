@@ -71,6 +71,9 @@ class Top2Config:
     # tiles fetched by the TMA copy engine from host-made tensor descriptors (Hopper+):
     # no address arithmetic or masks in the loop and fewer registers; chosen by the sweep
     tma: bool = False
+    # one program per multiprocessor striding over (row block, split) items: no partial
+    # last wave (K=8 x D=8192 is 512 items, 3.9 waves on 132 SMs); chosen by the sweep
+    persistent: bool = False
 
 
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
@@ -200,11 +203,13 @@ if triton is not None:
         return tl.where(keep, best1, t1), tl.where(keep, id1, g1), new2, new_id2
 
     @triton.jit
-    def _top2_kernel(
-        h_ptr,  # (N, d) bf16/fp16, unit stride along d (a TMA descriptor when TMA)
-        w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
-        val_ptr,  # (S, N, 2) float32
-        idx_ptr,  # (S, N, 2) int64
+    def _top2_block(
+        h_ptr,
+        w_ptr,
+        val_ptr,
+        idx_ptr,
+        pid_n,  # row block
+        pid_s,  # vocabulary split
         n_rows,
         vocab,
         dim,
@@ -214,11 +219,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
+        EVEN_K: tl.constexpr,
         TMA: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)  # row block: varies fastest, so programs that run
-        pid_s = tl.program_id(1)  # together share lm_head tiles through L2
+        """One work item: the top-2 of BLOCK_N rows over one vocabulary split."""
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n_rows
         lanes = tl.arange(0, BLOCK_V)
@@ -261,6 +265,43 @@ if triton is not None:
         tl.store(idx_ptr + out, id1, mask=row_ok)
         tl.store(idx_ptr + out + 1, id2, mask=row_ok)
 
+    @triton.jit
+    def _top2_kernel(
+        h_ptr,  # (N, d) bf16/fp16, unit stride along d (a TMA descriptor when TMA)
+        w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
+        val_ptr,  # (S, N, 2) float32
+        idx_ptr,  # (S, N, 2) int64
+        n_rows,
+        vocab,
+        dim,
+        v_per_split,
+        stride_h,
+        stride_w,
+        n_row_blocks,
+        n_work,  # n_row_blocks * S work items
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
+        TMA: tl.constexpr,
+        PERSISTENT: tl.constexpr,  # one program per SM striding over the work items
+    ):
+        if PERSISTENT:
+            # row blocks vary fastest, so the items in flight share one vocabulary split's
+            # lm_head tiles through L2, as the launch order does below
+            for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+                _top2_block(
+                    h_ptr, w_ptr, val_ptr, idx_ptr, w % n_row_blocks, w // n_row_blocks,
+                    n_rows, vocab, dim, v_per_split, stride_h, stride_w,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
+                )  # fmt: skip
+        else:
+            _top2_block(
+                h_ptr, w_ptr, val_ptr, idx_ptr, tl.program_id(0), tl.program_id(1),
+                n_rows, vocab, dim, v_per_split, stride_h, stride_w,
+                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
+            )  # fmt: skip
+
 
 def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tuple[Tensor, Tensor]:
     """The fused kernel: h (N, d), lm_head (V, d) (bf16/fp16) -> (N, 2) float32, (N, 2) int64.
@@ -274,13 +315,15 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
     vocab, d_w = lm_head.shape
     if d != d_w or h.stride(1) != 1 or lm_head.stride(1) != 1:
         raise ValueError(f"need unit-stride rows of one width, got {h.shape}, {lm_head.shape}")
+    n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
     if cfg is None or cfg.n_split == 0:  # the split that fills this GPU for these rows
-        n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
         cfg = default_config(n, vocab, n_sm, cfg or default_tiles(h.device))
     per, n_split = _vocab_per_split(vocab, cfg)
     vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
-    grid = (triton.cdiv(n, cfg.block_n), n_split)
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    n_work = row_blocks * n_split
+    grid = (min(n_sm, n_work),) if cfg.persistent else (row_blocks, n_split)
     a, b = h, lm_head
     if cfg.tma:
         a = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_k])
@@ -296,11 +339,14 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         per,
         h.stride(0),
         lm_head.stride(0),
+        row_blocks,
+        n_work,
         BLOCK_N=cfg.block_n,
         BLOCK_V=cfg.block_v,
         BLOCK_K=cfg.block_k,
         EVEN_K=d % cfg.block_k == 0,
         TMA=cfg.tma,
+        PERSISTENT=cfg.persistent,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

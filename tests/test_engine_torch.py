@@ -203,12 +203,25 @@ def test_default_config_fills_the_gpu():
 
 # -- on a GPU -----------------------------------------------------------------------------
 @needs_cuda
-def test_gpu_triton_top2_equals_topk():
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,
+        Top2Config(tma=False),
+        Top2Config(persistent=True),
+        Top2Config(tma=True, persistent=True),
+    ],
+    ids=["default", "pointer-loads", "persistent", "tma-persistent"],
+)
+def test_gpu_triton_top2_equals_topk(cfg):
     from bench.gpu_smoke import check_top2_kernel
 
+    if cfg is not None and cfg.tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
     for n in (256, 1024):
-        check_top2_kernel(n, vocab=131072, dim=2688, seed=n)
-    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True)
+        check_top2_kernel(n, vocab=131072, dim=2688, seed=n, cfg=cfg)
+    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, cfg=cfg)
+    check_top2_kernel(16, vocab=70000, dim=64, seed=2, ties=True, cfg=cfg)  # splits, tails
 
 
 @needs_cuda
