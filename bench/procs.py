@@ -134,6 +134,9 @@ class ProcStack:
             f"http://127.0.0.1:{capture_metrics}/metrics",
             f"http://127.0.0.1:{readout_metrics}/metrics",
         ]
+        # the capture's gRPC port opens after its warm-up, and after its /metrics: a gateway
+        # that is up before it answers 503 (capture unavailable)
+        self._wait(lambda: _port_open(capture_port), "capture gRPC")
         for probe in (f"{url}/health", *self._metrics_urls):
             self._wait(lambda p=probe: _http_ok(p), probe)
         return url
