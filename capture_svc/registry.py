@@ -2,8 +2,8 @@
 
 A request registers an immutable plan (its layout) before the forward. The forward hook
 records the cohort's rows through `record`, stamped with each slot's request identity;
-the registry checks identity, per-lane lengths (from the attention mask the forward
-actually saw), total rows, the layout digest and the capture mode, and holds the rows for
+the registry checks identity, per-lane lengths (of the token rows the cohort's forward was
+built from), total rows, the layout digest and the capture mode, and holds the rows for
 that request only. `consume` hands them over exactly once, against the layout digest.
 
 `record` runs on the forward thread inside the hook, the rest on the event loop, so every
@@ -213,7 +213,7 @@ class CaptureRegistry:
 
     # -- forward-thread side -----------------------------------------------------------
     def record(self, stamp: CohortStamp, rows: Tensor, lane_lengths: Sequence[int]) -> None:
-        """Called by the hook: rows (B, P, d) of one cohort, lane_lengths (B,) from the mask."""
+        """Called by the hook: rows (B, P, d) of one cohort, lane_lengths (B,) of its inputs."""
         with self._lock:
             rows_of: dict[str, list[Slot]] = {}
             seen_rows: set[int] = set()
