@@ -333,9 +333,9 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
 
-    def engine(**options):
+    def engine(decoder=dec, **options):
         return et.TorchEngine(
-            dec, lm_head, ident, eos_token_id=eos, device="cuda", top2_config=tiles, **options
+            decoder, lm_head, ident, eos_token_id=eos, device="cuda", top2_config=tiles, **options
         )
 
     rows = [torch.randn(500, D_BASE).bfloat16() for _ in range(8)]  # on the CPU, as blocks come
@@ -373,16 +373,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16}),
         ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16}),
     ):
-        variant = et.TorchEngine(
-            copy.deepcopy(dec),
-            lm_head,
-            ident,
-            eos_token_id=eos,
-            device="cuda",
-            top2_config=tiles,
-            warm_shapes=(),
-            **precision,
-        )
+        variant = engine(copy.deepcopy(dec), warm_shapes=(), **precision)
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
         del variant
         free()

@@ -144,14 +144,13 @@ class Attention(nn.Module):
         self, xq: Tensor, xkv: Tensor, mask: Tensor | PrefixCausal | None, impl: str
     ) -> Tensor:
         # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
+        # (or, for sdpa, a PrefixCausal standing for it)
         q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
-        if isinstance(mask, PrefixCausal) and impl == "sdpa":
+        if impl == "sdpa" and isinstance(mask, PrefixCausal):
             y = prefix_causal_sdpa(q, k, v, mask.n_prefix)
         elif impl == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif impl == "explicit":
-            if isinstance(mask, PrefixCausal):
-                mask = mask.dense(q.shape[2], q.device)
+        elif impl == "explicit":  # a dense mask only: `hidden` builds it once for all layers
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (K,H,Nq,Nk)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
