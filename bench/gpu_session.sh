@@ -2,23 +2,30 @@
 # The issue-5 GPU runs, one stage per device call (each under 10 minutes), from the repo root
 # on the H200 with `.whl` carried (bash bench/prepare_wheels.sh first, here):
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
-#   bash bench/gpu_session.sh final [ARGS]  # e2e (no NemotronH), audit, smoke in one call
+#   bash bench/gpu_session.sh smoke    # timings (no checks), TF32 audit, the GPU tests
+#   bash bench/gpu_session.sh final [ARGS]  # smoke (no checks, TF32 audit), e2e (no NemotronH)
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, final or e2e}
+STAGE=${1:?checks, smoke, final or e2e}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
-if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: e2e, then checks
+if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: smoke, then e2e
+  timeout 220 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
+    > "$OUT/smoke.log" 2>&1
+  echo "smoke rc=$?"
   timeout 330 python3 -m bench.e2e_gpu --out "$OUT" --scale full --engine torch --n 50 \
     --nemotron none --budget-s 300 "${@:2}" > "$OUT/e2e.log" 2>&1
-  timeout 100 python3 -m stateblock.cli audit --engine torch --device cuda \
-    --json "$OUT/parity-torch.json" --markdown "$OUT/parity-torch.md" > "$OUT/audit-torch.log" 2>&1
-  timeout 120 python3 -m bench.gpu_smoke --out "$OUT" > "$OUT/smoke.log" 2>&1
+  echo "e2e rc=$?"
+  grep -A60 '^summary' "$OUT/smoke.log"; tail -c 3500 "$OUT/e2e.log"
+elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
+  timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
+    > "$OUT/smoke.log" 2>&1
   echo "smoke rc=$?"
-  tail -c 3000 "$OUT/e2e.log"; tail -c 700 "$OUT/parity-torch.md"; grep -A40 '^summary' "$OUT/smoke.log"
+  timeout 150 python3 -m pytest -q -rs tests/test_engine_torch.py > "$OUT/pytest-gpu.log" 2>&1
+  echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"; grep -A60 '^summary' "$OUT/smoke.log"
 elif [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"
   timeout 120 python3 -m pytest -q -rs tests/test_engine_torch.py 2>&1 | tee "$OUT/pytest-gpu.log"

@@ -1,15 +1,19 @@
 """GPU smoke of the `torch` readout engine: correctness checks, then timings, as JSON.
 
 `python -m bench.gpu_smoke --out DIR` on one CUDA GPU (made for an H200, ~2-4 minutes).
-1. checks (shared with the GPU tests of tests/test_engine_torch.py): the Triton top-2 vs
-   torch.topk at V=131072, d=2688 and on exact ties; the engine (bf16, CUDA graphs) vs the
-   reference engine on the shipped model modulo near-ties; graph replay vs eager;
+0. the machine (bench/machine.py): copy bandwidth, and the host CPU's costs on one block;
+1. checks (shared with the GPU tests of tests/test_engine_torch.py; --skip-checks): the
+   Triton top-2 vs torch.topk at V=131072, d=2688 and on exact ties; the engine (bf16,
+   CUDA graphs) vs the reference engine on the shipped model modulo near-ties; graph
+   replay vs eager;
 2. bf16 GEMM rate, so the lm_head GEMM floor is 2*D*d*V / rate;
-3. fused top-2 vs `(h @ lm_head.T).topk(2)` at D in {256, 1024, 2048, 8192}, and a few tile
-   configurations of the kernel;
+3. fused top-2 vs `(h @ lm_head.T).topk(2)` at D in {256, 1024, 2048, 8192, 65536}, and a
+   few tile configurations of the kernel (--sweep full: the ones that lost, too);
 4. the whole engine readout with a random decoder (d_base 2688, V 131072, defaults for the
-   rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, and the eager
-   reference (SDPA and explicit attention) at K=8, D=8192.
+   rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, the precision
+   variants (bf16 decoder, fp16 autocast, TF32 matmuls), and the eager reference (SDPA and
+   explicit attention) at K=8, D=8192;
+5. --audit: the parity audit of the engine as it serves (TF32 matmuls, fused attention).
 Every result is written to DIR/smoke.json as soon as it exists. Times: CUDA events, warm-up
 then the median of 20. Imports the repo, torch and triton only.
 """
@@ -20,7 +24,6 @@ import argparse
 import copy
 import gc
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -28,9 +31,19 @@ from pathlib import Path
 
 import torch
 
-NEAR_TIE = 0.05  # DESIGN.md: reference top-1 minus top-2 margin under which a flip is allowed
-V, D_BASE = 131072, 2688
-ITERS, WARMUP = 20, 3
+from bench.gpu_checks import (
+    D_BASE,
+    V,
+    check_engine_parity,
+    check_fused_attention,
+    check_graph_vs_eager,
+    check_random_decoder_parity,
+    check_top2_kernel,
+    random_weights,
+    shipped_rows,
+)
+from bench.machine import copy_gbs, cuda_ms, gemm_tflops, host_costs
+from stateblock.triton_top2 import Top2Config
 
 
 def import_engine():
@@ -41,201 +54,22 @@ def import_engine():
     return et
 
 
-# -- checks (also run by the GPU tests) ----------------------------------------------------
-def check_top2_kernel(
-    n: int, vocab: int, dim: int, seed: int, ties: bool = False, cfg=None, device: str = "cuda"
-):
-    """Kernel vs an fp32 torch.topk: the chosen ids' logits within 1e-3 relative of the true
-    top-1 / top-2; on exact ties (integer inputs), exactly the lowest ids."""
-    from stateblock.triton_top2 import top2_triton
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    if ties:  # small integers: exact products and sums, many exactly equal logits
-        h = torch.randint(-2, 3, (n, dim), generator=g, device=device).bfloat16()
-        w = torch.randint(-1, 2, (vocab, dim), generator=g, device=device).bfloat16()
-        w[vocab // 2 :] = w[: vocab - vocab // 2].clone()  # ties across tiles and splits
-    else:
-        h = torch.randn(n, dim, generator=g, device=device).bfloat16()
-        w = (torch.randn(vocab, dim, generator=g, device=device) * 0.05).bfloat16()
-    val, idx = top2_triton(h, w, cfg)
-    logits = h.float() @ w.float().t()  # (n, V) fp32 truth
-    if ties:
-        ref_v, ref_i = torch.sort(logits, dim=-1, descending=True, stable=True)
-        assert torch.equal(idx, ref_i[:, :2]), "exact ties: not the lowest ids"
-        assert torch.equal(val, ref_v[:, :2])
-        return {
-            "n": n,
-            "vocab": vocab,
-            "dim": dim,
-            "ties": True,
-            "tied_rows": int((ref_v[:, 0] == ref_v[:, 1]).sum()),
-        }
-    true_v, true_i = logits.topk(2, dim=-1)
-    assert bool(((idx >= 0) & (idx < vocab)).all()), "ids out of range: unwritten output?"
-    assert bool((idx[:, 0] != idx[:, 1]).all())
-    chosen = logits.gather(1, idx)  # the truth at the kernel's ids
-    rel = ((true_v - chosen) / true_v.abs().clamp_min(1e-6)).max().item()
-    val_err = ((val - true_v).abs() / true_v.abs().clamp_min(1e-6)).max().item()
-    assert rel < 1e-3 and val_err < 1e-3, (rel, val_err)
-    return {
-        "n": n,
-        "vocab": vocab,
-        "dim": dim,
-        "id_mismatch_frac": (idx != true_i).float().mean().item(),
-        "chosen_rel_gap_max": rel,
-        "value_rel_err_max": val_err,
-    }
-
-
-def compare_near_ties(ref, out) -> dict:
-    """Lane results: any token or EOS difference must sit where the reference's margin is
-    under NEAR_TIE. Returns counts; raises AssertionError on a real mismatch."""
-    stats = {"positions": 0, "mismatches": 0, "near_tie_mismatches": 0, "worst_margin": 0.0}
-    for a, b in zip(ref, out, strict=True):
-        n = min(len(a.token_ids), len(b.token_ids))
-        stats["positions"] += n
-        diffs = [t for t in range(n) if a.token_ids[t] != b.token_ids[t]]
-        if a.eos_pos != b.eos_pos:
-            diffs.append(min(a.eos_pos, b.eos_pos))
-        for t in diffs:
-            stats["mismatches"] += 1
-            m = a.margins[t]
-            stats["worst_margin"] = max(stats["worst_margin"], m)
-            stats["near_tie_mismatches"] += m < NEAR_TIE
-    assert stats["mismatches"] == stats["near_tie_mismatches"], stats
-    return stats
-
-
-def shipped_engines(served, device: str = "cuda", **options):
-    """TorchEngine (bf16, CUDA graphs) and a bf16 ReferenceEngine sharing its weights."""
-    from readout_svc.engine import ReferenceEngine
-    from readout_svc.engine_torch import TorchEngine
-
-    eng = TorchEngine.load(served, device, **options)
-    ref = ReferenceEngine(
-        eng._decoder, eng._lm_head, served.identity, eos_token_id=eng._eos, device=device
-    )
-    return eng, ref
-
-
-def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
-    from readout_svc.engine import LaneRequest
-
-    eng, ref = shipped_engines(served, device)
-    eng.warm_up()
-    depths = [1, 40, 300, 64, 16, 600, 1000, 2600, 2000]  # 9 lanes: cohorts of 8 and 1
-    lanes = [LaneRequest(rows=rows[i % len(rows)], depth=d) for i, d in enumerate(depths)]
-    greedy = compare_near_ties(ref.readout(lanes), eng.readout(lanes))
-    single = compare_near_ties(ref.readout(lanes[7:8]), eng.readout(lanes[7:8]))
-    sampled = [LaneRequest(rows=rows[0], depth=500, temperature=0.8, seed=3)]
-    a, b = ref.readout(sampled)[0], eng.readout(sampled)[0]
-    n = min(len(a.token_ids), len(b.token_ids))
-    agree = sum(x == y for x, y in zip(a.token_ids[:n], b.token_ids[:n], strict=True)) / max(1, n)
-    return {"greedy": greedy, "single_lane": single, "sampled_agreement": agree}
-
-
-def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
-    from readout_svc.engine import LaneRequest
-    from readout_svc.engine_torch import TorchEngine
-
-    graphed, _ = shipped_engines(served, device)
-    eager = TorchEngine(
-        graphed._decoder,
-        graphed._lm_head,
-        served.identity,
-        eos_token_id=graphed._eos,
-        device=device,
-        cuda_graphs=False,
-    )
-    cohorts = [  # several buckets in turn: the shared pool and static buffers are reused
-        [LaneRequest(rows=rows[0], depth=200)],
-        [LaneRequest(rows=r, depth=d) for r, d in zip(rows[:3], [900, 17, 400], strict=True)],
-        [LaneRequest(rows=rows[1], depth=3000, temperature=0.7, seed=9)],
-        [LaneRequest(rows=rows[0], depth=200)],
-    ]
-    first = None
-    for lanes in cohorts:
-        a, b = graphed.readout(lanes), eager.readout(lanes)
-        for x, y in zip(a, b, strict=True):
-            assert x.token_ids == y.token_ids and x.eos_pos == y.eos_pos
-            assert (
-                max((abs(p - q) for p, q in zip(x.margins, y.margins, strict=True)), default=0)
-                < 1e-3
-            )
-        first = first or a
-    assert graphed.readout(cohorts[0]) == first  # a replay after other shapes: same answer
-    return {"shapes": [str(s) for s in graphed.captured_shapes]}
-
-
-def check_random_decoder_parity(et) -> dict:
-    """At full size (d_base 2688, V 131072; random weights, EOS never wins): the engine vs
-    the reference over every position of two lanes, modulo near-ties."""
-    from readout_svc.engine import LaneRequest, ReferenceEngine
-
-    dec, lm_head, eos = random_weights()
-    ident = et.ModelIdentity("bench", b"", b"", b"")
-    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda", warm_shapes=())
-    ref = ReferenceEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda")
-    g = torch.Generator().manual_seed(5)
-    lanes = [
-        LaneRequest(rows=torch.randn(p, D_BASE, generator=g).bfloat16(), depth=d)
-        for p, d in [(300, 2048), (512, 1500)]
-    ]
-    stats = compare_near_ties(ref.readout(lanes), eng.readout(lanes))
-    assert stats["positions"] == 2048 + 1500, stats
-    return stats
-
-
-def shipped_rows(served) -> list[torch.Tensor]:
-    """Captured rows of 9 held-out prompts: one per family, then two with answers of
-    ~1,850 and ~2,480 tokens, so the parity check compares thousands of positions."""
-    from stateblock import tasks
-
-    examples = tasks.per_family(1, split="heldout", seed=7)
-    examples += [e for e in tasks.per_family(3, split="heldout", seed=11) if len(e.answer) > 1800]
-    return [served.prompt_rows(ex.prompt) for ex in examples]
-
-
 # -- timing -------------------------------------------------------------------------------
-def cuda_ms(fn, iters: int = ITERS, warmup: int = WARMUP) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def audit_default() -> dict:
+    """`stateblock audit --engine torch --device cuda`: the engine as it serves, the shipped
+    model, the audit's default depths and prompts, against the fp32 reference."""
+    from readout_svc.engine import create_engine
+    from stateblock import audit
+    from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
+    from stateblock.serving import load_serving_model
 
-
-def gemm_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # random: zeros run fast
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = cuda_ms(lambda: a @ b)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
-
-
-def copy_gbs() -> dict:
-    """Copy bandwidth, GB/s (1e9): device to device (read + write counted), and host to
-    device / device to host of a 2.75 MB block (the e2e bench's 512 x 2688 bf16 rows) from
-    pinned and from pageable memory, as the readout worker and capture copy them."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    out = {"d2d": 2 * n / (cuda_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9}
-    block = 512 * 2688 * 2
-    dev = torch.empty(block, dtype=torch.uint8, device="cuda")
-    for name, host in (
-        ("pinned", torch.empty(block, dtype=torch.uint8, pin_memory=True)),
-        ("pageable", torch.empty(block, dtype=torch.uint8)),
-    ):
-        out[f"h2d_{name}_block"] = block / (cuda_ms(lambda h=host: dev.copy_(h)) * 1e-3) / 1e9
-        out[f"d2h_{name}_block"] = block / (cuda_ms(lambda h=host: h.copy_(dev)) * 1e-3) / 1e9
-    return out
+    t0 = time.perf_counter()
+    model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER, device="cuda")
+    engine = create_engine("torch", model, "cuda")
+    report = audit.parity_audit(model, engine, create_engine("reference", model, "cuda"))
+    report["engine_settings"] = {"attention": engine.attention, "precision": engine._precision}
+    report["wall_s"] = time.perf_counter() - t0
+    return report
 
 
 def free() -> None:
@@ -265,24 +99,36 @@ class Report:
         return value
 
 
-def time_top2(rep: Report, rate: float):
+UNGROUPED = Top2Config(tma=True, group_rows=-1)  # < 0: the wave-fill split, no groups
+GROUPED_SWEEP = [  # row-block groups whose h tiles fit in L2 (Top2Config.group_rows)
+    Top2Config(tma=True, group_rows=32, n_split=4),
+    Top2Config(tma=True, group_rows=8, n_split=16),
+    Top2Config(tma=True, group_rows=16, n_split=4),
+]
+
+
+def time_top2(rep: Report, rate: float, full_sweep: bool = False):
     """The fused kernel against the floor at each D, over a sweep of tile shapes (each with
     the default split rule); returns the tiles fastest at D=8192."""
-    from stateblock.triton_top2 import Top2Config, default_config, top2_triton
+    from stateblock.triton_top2 import default_config, top2_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(V, D_BASE, generator=g, device="cuda") * 0.05).bfloat16()
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = [  # (block_n, block_v, block_k, warps, stages); the default split rule each
-        Top2Config(128, 256, 64, 8, 4),
-        Top2Config(256, 128, 64, 8, 3),
         Top2Config(tma=True),
+        UNGROUPED,
         Top2Config(128, 256, 64, 8, 4, tma=True),
-        Top2Config(256, 128, 64, 8, 3, tma=True),
-        Top2Config(128, 128, 64, 4, 4, tma=True),
         Top2Config(tma=True, persistent=True),
         Top2Config(128, 256, 64, 8, 4, tma=True, persistent=True),
     ]
+    if full_sweep:  # the shapes that lost on the H200 (docs/BENCHMARKS.md)
+        sweep += [
+            Top2Config(128, 256, 64, 8, 4),
+            Top2Config(256, 128, 64, 8, 3),
+            Top2Config(256, 128, 64, 8, 3, tma=True),
+            Top2Config(128, 128, 64, 4, 4, tma=True),
+        ]
     best: dict[int, tuple[float, Top2Config | None]] = {}
     for d in (256, 1024, 2048, 8192, 8 * 8192):
         h = torch.randn(d, D_BASE, generator=g, device="cuda").bfloat16()
@@ -291,17 +137,18 @@ def time_top2(rep: Report, rate: float):
         row["default"] = str(default_config(d, V, n_sm))
         row["fused_ms"] = cuda_ms(lambda h=h: top2_triton(h, w))
         best[d] = (row["fused_ms"], None)  # None: the engine's own default_tiles
-        for tiles in sweep:
-            cfg = default_config(d, V, n_sm, tiles)
+        for tiles in sweep + (GROUPED_SWEEP if d >= 8192 else []):
+            cfg = tiles if tiles.n_split else default_config(d, V, n_sm, tiles)
             key = f"{cfg.block_n}x{cfg.block_v}x{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
             key += ("_tma" if cfg.tma else "") + ("_persistent" if cfg.persistent else "")
+            key += f"_group{cfg.group_rows}" if cfg.group_rows else ""
             try:
                 ms = cuda_ms(lambda h=h, c=cfg: top2_triton(h, w, c))
             except Exception as e:  # noqa: BLE001 - a configuration may not fit the chip
                 row[key] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             row[f"{key}_split{cfg.n_split}_ms"] = ms
-            if ms < best[d][0]:
+            if ms < best[d][0] and not tiles.n_split:  # the engine's tiles keep the auto split
                 best[d] = (ms, tiles)
         row["fused_over_floor"] = row["fused_ms"] / floor
         row["best_ms"], row["best_tiles"] = best[d][0], str(best[d][1])
@@ -309,18 +156,6 @@ def time_top2(rep: Report, rate: float):
         rep.put(f"top2_D{d}", row)
         del h
     return best[8192][1]
-
-
-def random_weights() -> tuple:
-    from stateblock.readout import ReadoutConfig, ReadoutDecoder
-
-    torch.manual_seed(0)
-    eos = 2
-    dec = ReadoutDecoder(ReadoutConfig(d_base=D_BASE, vocab_size=V, eos_token_id=eos))
-    lm_head = (torch.randn(V, D_BASE, device="cuda") * 0.05).bfloat16()
-    lm_head[eos] = 0  # EOS logit exactly 0 < the top-1: every lane reads its whole depth
-    # fp32 like the engine's decoder (it would convert it in place anyway); lm_head in bf16
-    return dec.cuda().float().eval().requires_grad_(False), lm_head, eos
 
 
 def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
@@ -334,9 +169,8 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     ident = et.ModelIdentity("bench", b"", b"", b"")
 
     def engine(decoder=dec, **options):
-        return et.TorchEngine(
-            decoder, lm_head, ident, eos_token_id=eos, device="cuda", top2_config=tiles, **options
-        )
+        options.setdefault("top2_config", tiles)
+        return et.TorchEngine(decoder, lm_head, ident, eos_token_id=eos, device="cuda", **options)
 
     rows = [torch.randn(500, D_BASE).bfloat16() for _ in range(8)]  # on the CPU, as blocks come
 
@@ -364,7 +198,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     rep.put("engine_warm_up", {"s": time.perf_counter() - t0, "shapes": len(eng.captured_shapes)})
     for d in (256, 1024, 2048, 8192):
         rep.run(f"engine_K1_D{d}", lambda d=d, e=eng, w=weights: measure(e, 1, d, w))
-    rep.run("engine_parts_K1_D8192", lambda: engine_parts(dec, lm_head, rows[0], tiles))
+    rep.run("engine_parts_K1_D8192", lambda: engine_parts(et, dec, lm_head, rows[0], tiles))
     del eng
     free()
     # the trades the engine does not take (docs/PARITY.md): its decoder in bf16, or under
@@ -377,25 +211,36 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
         del variant
         free()
-    for k in (1, 2, 4, 8):
-        eng = engine(warm_shapes=())
+    # the decoder's earlier defaults: fp32 matmuls + SDPA, then TF32 matmuls + SDPA
+    for key, options in (
+        ("engine_fp32_sdpa", {"matmul_precision": "highest", "attention": "sdpa"}),
+        ("engine_tf32_sdpa", {"matmul_precision": "high", "attention": "sdpa"}),
+    ):
+        variant = engine(warm_shapes=(), **options)
+        for d in (1024, 8192):
+            rep.run(f"{key}_K1_D{d}", lambda d=d, e=variant, w=weights: measure(e, 1, d, w))
+        del variant
         free()
-        weights = torch.cuda.memory_allocated()
-        rep.run(f"engine_fresh_K{k}_D8192", lambda e=eng, k=k, w=weights: measure(e, k, 8192, w))
-        del eng
-        free()
-    one, eight = (
-        rep.data.get("engine_fresh_K1_D8192", {}),
-        rep.data.get("engine_fresh_K8_D8192", {}),
-    )
-    if "readout_ms" in one and "readout_ms" in eight:
-        rep.put("k8_over_k1", eight["readout_ms"] / one["readout_ms"])
+    for prefix, options in (
+        ("engine_fresh", {}),
+        ("engine_ungrouped_fresh", {"top2_config": UNGROUPED}),
+    ):
+        for k in (1, 2, 4, 8) if not options else (1, 8):
+            eng = engine(warm_shapes=(), **options)
+            free()
+            weights = torch.cuda.memory_allocated()
+            rep.run(f"{prefix}_K{k}_D8192", lambda e=eng, k=k, w=weights: measure(e, k, 8192, w))
+            del eng
+            free()
+        one, eight = rep.data.get(f"{prefix}_K1_D8192", {}), rep.data.get(f"{prefix}_K8_D8192", {})
+        if "readout_ms" in one and "readout_ms" in eight:
+            rep.put(f"{prefix}_k8_over_k1", eight["readout_ms"] / one["readout_ms"])
     rep.run("reference_sdpa_K8_D8192", lambda: eager_reference(dec, lm_head, rows, "sdpa"))
     rep.run("reference_explicit_K8_D8192", lambda: eager_reference(dec, lm_head, rows, "explicit"))
 
 
 @torch.inference_mode()
-def engine_parts(decoder, lm_head, rows, tiles) -> dict:
+def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
     """Where one lane's D=8192 readout goes: the decoder's hidden rows, then the top-2."""
     from stateblock.triton_top2 import top2_triton
 
@@ -403,10 +248,46 @@ def engine_parts(decoder, lm_head, rows, tiles) -> dict:
     lens = torch.full((1,), x.shape[1], device="cuda")
     pos = torch.arange(8192, device="cuda")[None]
     h = decoder.hidden(x, lens, pos, impl="sdpa").to(lm_head.dtype)[0]  # (D, d_base)
+
+    def hidden(precision: str, impl: str) -> float:
+        def run():
+            with et.matmul_precision(precision):
+                decoder.hidden(x, lens, pos, impl=impl)
+
+        return cuda_ms(run)
+
     return {
-        "hidden_ms": cuda_ms(lambda: decoder.hidden(x, lens, pos, impl="sdpa")),
+        "hidden_fp32_sdpa_ms": hidden("highest", "sdpa"),
+        "hidden_tf32_sdpa_ms": hidden("high", "sdpa"),
+        "hidden_tf32_fused_ms": hidden("high", "fused"),  # the engine's default
         "top2_ms": cuda_ms(lambda: top2_triton(h, lm_head, tiles)),
     }
+
+
+def time_attention() -> dict:
+    """The mixer's attention alone at D=8192 (8 heads of 32, 64 latents in front): the fused
+    kernel (TF32 and exact dots) against SDPA in fp32 (memory-efficient, no tensor cores)
+    and in bf16 (flash), over K=1 and K=8 lanes."""
+    from stateblock.readout import prefix_causal_sdpa
+    from stateblock.triton_attention import prefix_causal_attention
+
+    def lanes(k: int) -> dict:
+        q = torch.randn(k, 8, 8192, 32, device="cuda")
+        kv = torch.randn(k, 8, 64 + 8192, 32, device="cuda")
+        qb, kb = q.bfloat16(), kv.bfloat16()
+        row = {
+            f"fused_{p}_ms": cuda_ms(
+                lambda p=p: prefix_causal_attention(q, kv, kv, 64, precision=p)
+            )
+            for p in ("tf32", "ieee")
+        }
+        row["sdpa_fp32_ms"] = cuda_ms(lambda: prefix_causal_sdpa(q, kv, kv, 64))
+        row["sdpa_bf16_ms"] = cuda_ms(lambda: prefix_causal_sdpa(qb, kb, kb, 64))
+        flops = 4 * k * 8 * 32 * (8192 * 64 + 8192 * 8193 / 2)
+        row["fused_tf32_tflops"] = flops / (row["fused_tf32_ms"] * 1e-3) / 1e12
+        return row
+
+    return {f"K{k}": lanes(k) for k in (1, 8)}
 
 
 @torch.inference_mode()
@@ -430,6 +311,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sweep", choices=("short", "full"), default="short", help="top-2 tiles")
+    ap.add_argument("--audit", action="store_true", help="parity audit of the default engine")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_smoke needs a CUDA GPU")
@@ -456,6 +339,8 @@ def main() -> int:
         },
     )
     t0 = time.perf_counter()
+    rep.run("copy_gbs", copy_gbs)  # first: docs/BENCHMARKS.md needs it whatever else runs
+    rep.run("host_costs", host_costs)
     if not args.skip_checks:
         for n in (256, 1024):
             rep.run(f"check_top2_N{n}", lambda n=n: check_top2_kernel(n, V, D_BASE, seed=n))
@@ -481,11 +366,14 @@ def main() -> int:
         rep.run("check_engine_parity", lambda: check_engine_parity(served, rows))
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
+    rep.run("check_fused_attention", check_fused_attention)
     rate = rep.run("gemm_tflops", gemm_tflops)
-    rep.run("copy_gbs", copy_gbs)
     rate = rate if isinstance(rate, float) else 790.0
-    tiles = time_top2(rep, rate)
+    tiles = time_top2(rep, rate, args.sweep == "full")
+    rep.run("attention_D8192", time_attention)
     time_engine(rep, et, rate, tiles)
+    if args.audit:
+        rep.run("audit_default", audit_default)
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():

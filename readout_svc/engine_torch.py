@@ -1,8 +1,9 @@
 """The `torch` readout engine: the GPU fast path of DESIGN.md s.5.
 
-On CUDA: bf16 weights, the SDPA mixer (no D x D score tensor), the fused Triton top-2
-(`stateblock.triton_top2`: logits never leave the chip) and one CUDA graph per shape
-bucket. On the CPU the same code runs eagerly in fp32 with the chunked PyTorch top-2 and,
+On CUDA: the decoder in fp32 with TF32 matmuls, its mixer attention as one fp32 flash
+kernel (`stateblock.triton_attention`: no D x D score tensor, TF32 tensor-core dots), the
+lm_head GEMM in bf16 inside the fused Triton top-2 (`stateblock.triton_top2`: logits never
+leave the chip), and one CUDA graph per shape bucket. On the CPU the same code runs eagerly in fp32 with the chunked PyTorch top-2 and,
 by default, no buckets (exact shapes, as the reference), so CI imports and tests it
 against the reference engine. device="cuda" without a GPU raises EngineUnavailable.
 
@@ -32,7 +33,8 @@ states (correctness first; the noise is drawn per lane from its seed exactly as 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,6 +46,7 @@ from stateblock.checkpoint import load_decoder
 from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
 from stateblock.serving import ServingModel
+from stateblock.triton_attention import available as attention_available
 from stateblock.triton_top2 import Top2Config, available, top2
 from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
@@ -52,6 +55,7 @@ LANE_BUCKETS = (1, 2, 4, 8)
 PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
 WARM_PROMPT = 512  # the prompt_len profile's typical value
+MATMUL_PRECISIONS = ("highest", "high")  # torch's names: fp32, TF32 (10 mantissa bits)
 
 
 class EngineUnavailable(RuntimeError):
@@ -70,6 +74,22 @@ def bucket(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+@contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch.set_float32_matmul_precision for the block, restored after. It is process-wide,
+    but only fp32 matmuls read it (the capture's bf16 base does not), and a CUDA graph keeps
+    the kernels chosen while it was captured, so holding it over capture and eager runs is
+    enough."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def readout_step(
     decoder: ReadoutDecoder,
     lm_head: Tensor,  # (V, d_base), resident
@@ -81,16 +101,21 @@ def readout_step(
     eos_token_id: int,
     top2_fn,
     autocast: torch.dtype | None = None,
+    precision: str = "highest",
+    attention: str = "sdpa",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One padded cohort -> hidden (K, D, d_base), top-2 values and ids (K, D, 2), EOS (K,).
 
     Pure and shape-static: the body of every CUDA graph and of the eager path. `autocast`:
-    the CUDA autocast dtype of the decoder (the top-2 runs outside it).
+    the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: the fp32
+    matmul precision of the decoder ("high" = TF32 on the GPU; see `matmul_precision`);
+    `attention`: the decoder's attention implementation ("sdpa" or "fused", see Attention).
     """
     # cache_enabled=False: cached weight casts would outlive a CUDA-graph capture
     on = autocast is not None
-    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False):
-        h = decoder.hidden(rows, prompt_lens, positions, impl="sdpa")
+    amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
+    with amp, matmul_precision(precision):
+        h = decoder.hidden(rows, prompt_lens, positions, impl=attention)
     h = h.to(lm_head.dtype)
     k, d, dim = h.shape
     top_v, top_i = top2_fn(h.reshape(k * d, dim), lm_head)  # (K*D, 2) fp32, int64
@@ -134,6 +159,8 @@ class TorchEngine:
         top2_config: Top2Config | None = None,
         decoder_dtype: torch.dtype = torch.float32,
         autocast: torch.dtype | None = None,
+        matmul_precision: str | None = None,
+        attention: str | None = None,
     ) -> None:
         dev = require_device(device)
         on_gpu = dev.type == "cuda"
@@ -144,8 +171,25 @@ class TorchEngine:
         # Its matmuls in bf16 flip tokens at margins up to ~0.8; even fp16 (`autocast`, 10
         # mantissa bits, fp32 residual and norms) crosses the 0.05 near-tie bound at depth
         # 2048 (0.071), so reduced precision stays an opt-in that fails the parity gate.
+        # TF32 matmuls (`matmul_precision="high"`, the GPU default) pass the audit on the H200
+        # (exact to depth 2048, 3 near-ties of 32 lanes at 4096 and 8192); "highest" is fp32.
         self._act = decoder_dtype
         self._autocast = autocast if on_gpu else None
+        precision = matmul_precision or ("high" if on_gpu else "highest")
+        if precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}")
+        self._precision = precision if on_gpu else "highest"  # CPU: the reference's fp32
+        # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
+        # path has no tensor cores: ~4.5 of the 6.2 ms fp32 decoder at D=8192), else SDPA.
+        fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32
+        self.attention = attention or ("fused" if fused_ok and autocast is None else "sdpa")
+        if self.attention not in ("sdpa", "fused"):
+            raise ValueError(f"attention must be 'sdpa' or 'fused', not {self.attention!r}")
+        if self.attention == "fused" and not (fused_ok and self._autocast is None):
+            raise EngineUnavailable(
+                "the fused attention kernel needs Triton, a CUDA device and an fp32 decoder "
+                "without autocast"
+            )
         self._decoder = decoder.to(device=dev, dtype=decoder_dtype).eval().requires_grad_(False)
         # no copy when lm_head already lives on `dev` in `dtype`: bound by reference
         self._lm_head = lm_head.to(dev, torch.bfloat16 if on_gpu else torch.float32)
@@ -248,6 +292,8 @@ class TorchEngine:
             eos_token_id=self._eos,
             top2_fn=self._top2,
             autocast=self._autocast,
+            precision=self._precision,
+            attention=self.attention,
         )
 
     # -- CUDA graphs --------------------------------------------------------------------

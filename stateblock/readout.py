@@ -125,7 +125,10 @@ class Attention(nn.Module):
 
     `explicit` is MatMul/Softmax (what the ONNX graph contains, and it builds the full
     score tensor); `sdpa` is scaled_dot_product_attention, which on the GPU never
-    materialises the (queries x keys) scores: the K=8 x D=8192 memory wall of the seed.
+    materialises the (queries x keys) scores: the K=8 x D=8192 memory wall of the seed;
+    `fused` is `sdpa` except for the mixer's PrefixCausal attention, which runs the fp32
+    flash kernel of `stateblock.triton_attention` (CUDA + Triton, fp32 only: SDPA has no
+    tensor-core kernel for fp32).
     """
 
     def __init__(self, dim: int, n_heads: int) -> None:
@@ -146,9 +149,18 @@ class Attention(nn.Module):
         # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
         # (or, for sdpa, a PrefixCausal standing for it)
         q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
-        if impl == "sdpa" and isinstance(mask, PrefixCausal):
+        if impl == "fused" and isinstance(mask, PrefixCausal):
+            from stateblock.triton_attention import prefix_causal_attention
+
+            kk, nq, d = xq.shape
+            out = torch.empty(
+                kk, nq, self.n_heads, d // self.n_heads, dtype=q.dtype, device=q.device
+            )
+            prefix_causal_attention(q, k, v, mask.n_prefix, out=out.transpose(1, 2))
+            return self.wo(out.view(kk, nq, d))  # heads already interleaved: no transpose copy
+        if impl in ("sdpa", "fused") and isinstance(mask, PrefixCausal):
             y = prefix_causal_sdpa(q, k, v, mask.n_prefix)
-        elif impl == "sdpa":
+        elif impl in ("sdpa", "fused"):  # fused: only the mixer's attention has a kernel
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif impl == "explicit":  # a dense mask only: `hidden` builds it once for all layers
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (K,H,Nq,Nk)

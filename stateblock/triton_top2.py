@@ -74,9 +74,18 @@ class Top2Config:
     # one program per multiprocessor striding over (row block, split) items: no partial
     # last wave (K=8 x D=8192 is 512 items, 3.9 waves on 132 SMs); chosen by the sweep
     persistent: bool = False
+    # row blocks per launch group (0: no groups): the programs in flight then cover
+    # group_rows row blocks x n_split vocabulary ranges instead of ~n_sm row blocks of one
+    # range, so the h tiles they re-read per vocabulary tile stay in L2 (K=8 x D=8192:
+    # 132 row blocks of 688 KB in flight is 90 MB, over the H200's 50 MB L2)
+    group_rows: int = 0  # with n_split=0: 0 lets default_config group, -1 never groups
 
 
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
+# From 16 row blocks up: groups of 16 row blocks x 8 vocabulary ranges, 128 items, about
+# one wave on an H200 whose in-flight h tiles (11 MB) and lm_head tiles (11 MB) share L2.
+# H200, TMA tiles: D=8192 9.39 -> 8.89 ms, K*D=65536 81.0 -> 73.8 ms (docs/BENCHMARKS.md).
+GROUP_ROWS, GROUP_SPLIT = 16, 8
 
 
 @functools.lru_cache(maxsize=256)  # eager callers pay this loop per call otherwise
@@ -84,14 +93,19 @@ def default_config(
     n_rows: int, vocab: int, n_sm: int, tiles: Top2Config | None = None
 ) -> Top2Config:
     """`tiles` (default: Hopper matmul tiles 128x256x64, 8 warps, 3 stages, ~147 KB of
-    shared memory, one program per multiprocessor) with the fewest vocabulary splits that
-    fill the multiprocessors' waves (>= WAVE_FILL), each program streaming >= 4 tiles.
+    shared memory, one program per multiprocessor) with, from GROUP_ROWS row blocks up,
+    groups of GROUP_ROWS row blocks x GROUP_SPLIT splits; below, the fewest vocabulary
+    splits that fill the multiprocessors' waves (>= WAVE_FILL). Each program streams >= 4
+    lm_head tiles.
 
-    H200 (132 SMs): D=256 -> 2 row blocks x 64 splits; D=8192 -> 64 x 2; K*D=65536 -> 512 x 1.
+    H200 (132 SMs): D=256 -> 2 row blocks x 64 splits; D=1024 -> 8 x 16; D=2048 and up ->
+    groups of 16 x 8 (D=2048 is one group: the same items as 16 x 8 without groups).
     """
     tiles = tiles or Top2Config()
     row_blocks = math.ceil(n_rows / tiles.block_n)
     max_split = max(1, math.ceil(vocab / (tiles.block_v * 4)))
+    if row_blocks >= GROUP_ROWS and tiles.group_rows == 0:
+        return replace(tiles, n_split=min(GROUP_SPLIT, max_split), group_rows=GROUP_ROWS)
     best, best_fill = replace(tiles, n_split=1), 0.0
     for n_split in range(1, max_split + 1):
         cfg = replace(tiles, n_split=n_split)
@@ -266,6 +280,19 @@ if triton is not None:
         tl.store(idx_ptr + out + 1, id2, mask=row_ok)
 
     @triton.jit
+    def _work_item(w, n_row_blocks, n_split, GROUP_ROWS: tl.constexpr):
+        """Work item w -> (row block, split). Plain: row blocks vary fastest. Grouped: item
+        w falls in group w // (GROUP_ROWS * n_split) of GROUP_ROWS row blocks (fewer in the
+        last), whose items cover its row blocks (fastest) x every split."""
+        if GROUP_ROWS == 0:
+            return w % n_row_blocks, w // n_row_blocks
+        per_group = GROUP_ROWS * n_split
+        first = (w // per_group) * GROUP_ROWS
+        rows_here = tl.minimum(n_row_blocks - first, GROUP_ROWS)
+        r = w % per_group
+        return first + r % rows_here, r // rows_here
+
+    @triton.jit
     def _top2_kernel(
         h_ptr,  # (N, d) bf16/fp16, unit stride along d (a TMA descriptor when TMA)
         w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
@@ -278,6 +305,7 @@ if triton is not None:
         stride_h,
         stride_w,
         n_row_blocks,
+        n_split,
         n_work,  # n_row_blocks * S work items
         BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
@@ -285,19 +313,22 @@ if triton is not None:
         EVEN_K: tl.constexpr,  # dim % BLOCK_K == 0: no mask along d (2688 = 42 * 64)
         TMA: tl.constexpr,
         PERSISTENT: tl.constexpr,  # one program per SM striding over the work items
+        GROUP_ROWS: tl.constexpr,  # see Top2Config.group_rows
     ):
+        # items in launch order: the ones in flight share lm_head tiles (and, grouped, h
+        # tiles) through L2
         if PERSISTENT:
-            # row blocks vary fastest, so the items in flight share one vocabulary split's
-            # lm_head tiles through L2, as the launch order does below
             for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+                pid_n, pid_s = _work_item(w, n_row_blocks, n_split, GROUP_ROWS)
                 _top2_block(
-                    h_ptr, w_ptr, val_ptr, idx_ptr, w % n_row_blocks, w // n_row_blocks,
+                    h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
                     n_rows, vocab, dim, v_per_split, stride_h, stride_w,
                     BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
                 )  # fmt: skip
         else:
+            pid_n, pid_s = _work_item(tl.program_id(0), n_row_blocks, n_split, GROUP_ROWS)
             _top2_block(
-                h_ptr, w_ptr, val_ptr, idx_ptr, tl.program_id(0), tl.program_id(1),
+                h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
                 n_rows, vocab, dim, v_per_split, stride_h, stride_w,
                 BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
             )  # fmt: skip
@@ -323,7 +354,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
     row_blocks = triton.cdiv(n, cfg.block_n)
     n_work = row_blocks * n_split
-    grid = (min(n_sm, n_work),) if cfg.persistent else (row_blocks, n_split)
+    grid = (min(n_sm, n_work) if cfg.persistent else n_work,)
     a, b = h, lm_head
     if cfg.tma:
         a = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_k])
@@ -340,6 +371,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         h.stride(0),
         lm_head.stride(0),
         row_blocks,
+        n_split,
         n_work,
         BLOCK_N=cfg.block_n,
         BLOCK_V=cfg.block_v,
@@ -347,6 +379,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         EVEN_K=d % cfg.block_k == 0,
         TMA=cfg.tma,
         PERSISTENT=cfg.persistent,
+        GROUP_ROWS=max(0, cfg.group_rows),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

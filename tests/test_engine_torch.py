@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from readout_svc.engine import LaneRequest, ReferenceEngine, create_engine
-from readout_svc.engine_torch import EngineUnavailable, Shape, TorchEngine, bucket
+from readout_svc.engine_torch import (
+    EngineUnavailable,
+    Shape,
+    TorchEngine,
+    bucket,
+    matmul_precision,
+)
 from stateblock import tasks
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.serving import load_serving_model
@@ -155,6 +161,36 @@ def test_cuda_without_a_gpu_fails_clearly(served):
         create_engine("torch", served, "cuda")
 
 
+def test_cpu_engine_runs_the_reference_numerics(served, engine):
+    """On the CPU the engine computes as the reference does: fp32 matmuls, SDPA attention;
+    asking for the GPU-only fused kernel fails clearly instead of falling back."""
+    assert engine.attention == "sdpa" and engine._precision == "highest"
+    with pytest.raises(EngineUnavailable, match="fused attention kernel needs"):
+        TorchEngine.load(served, attention="fused")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        TorchEngine.load(served, matmul_precision="medium")
+
+
+def test_matmul_precision_is_scoped():
+    before = torch.get_float32_matmul_precision()
+    with matmul_precision("high"):
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+    with pytest.raises(ValueError), matmul_precision("low"):
+        pass
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_fused_impl_without_a_prefix_mask_is_sdpa(served, captured):
+    """impl="fused" changes only the mixer's PrefixCausal attention: the pooling and repair
+    (a row mask, no mask) stay SDPA, so encode() is identical on any device."""
+    dec = TorchEngine.load(served)._decoder
+    rows = captured[0][None].float()
+    lens = torch.tensor([rows.shape[1]])
+    with torch.inference_mode():
+        assert torch.equal(dec.encode(rows, lens, "fused"), dec.encode(rows, lens, "sdpa"))
+
+
 def test_bucket_choice():
     assert bucket(1, (256, 1024)) == 256 and bucket(256, (256, 1024)) == 256
     assert bucket(257, (256, 1024)) == 1024 and bucket(1025, (256, 1024)) is None
@@ -190,12 +226,15 @@ def test_merge_top2_lowest_id_wins_ties():
 
 
 def test_default_config_fills_the_gpu():
-    """H200 (132 SMs), V=131072: every D gets a last wave of programs >= 95% full."""
-    for n, split in [(256, 64), (1024, 16), (2048, 8), (8192, 2), (65536, 1)]:
+    """H200 (132 SMs), V=131072: every D gets a last wave of programs >= 95% full; from 16
+    row blocks up, groups of 16 row blocks x 8 splits."""
+    for n, split, group in [(256, 64, 0), (1024, 16, 0), (2048, 8, 16), (8192, 8, 16),
+                            (65536, 8, 16)]:  # fmt: skip
         cfg = default_config(n, 131072, 132)
         programs = -(-n // cfg.block_n) * cfg.n_split
         waves = programs / 132
-        assert cfg.n_split == split and waves / -(-waves // 1) >= 0.95, (n, cfg)
+        assert (cfg.n_split, cfg.group_rows) == (split, group), (n, cfg)
+        assert waves / -(-waves // 1) >= 0.95, (n, cfg)
         assert 131072 // cfg.n_split >= 4 * cfg.block_v  # >= 4 lm_head tiles per program
     assert default_config(8, 64, 132).n_split == 1  # a tiny vocabulary is not split
     assert 2688 % Top2Config().block_k == 0  # d_base 2688 takes the unmasked d loop
@@ -210,11 +249,13 @@ def test_default_config_fills_the_gpu():
         Top2Config(tma=False),
         Top2Config(persistent=True),
         Top2Config(tma=True, persistent=True),
+        Top2Config(group_rows=2, n_split=3),
+        Top2Config(persistent=True, group_rows=3, n_split=2),
     ],
-    ids=["default", "pointer-loads", "persistent", "tma-persistent"],
+    ids=["default", "pointer-loads", "persistent", "tma-persistent", "grouped", "grouped-pers"],
 )
 def test_gpu_triton_top2_equals_topk(cfg):
-    from bench.gpu_smoke import check_top2_kernel
+    from bench.gpu_checks import check_top2_kernel
 
     if cfg is not None and cfg.tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
@@ -225,14 +266,30 @@ def test_gpu_triton_top2_equals_topk(cfg):
 
 
 @needs_cuda
+def test_gpu_fused_attention_equals_sdpa():
+    from bench.gpu_checks import check_fused_attention
+
+    check_fused_attention()
+
+
+@needs_cuda
+def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
+    from stateblock.triton_attention import available as attention_available
+
+    eng = TorchEngine.load(served, device="cuda")
+    assert eng._precision == "high"
+    assert eng.attention == ("fused" if attention_available("cuda") else "sdpa")
+
+
+@needs_cuda
 def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
-    from bench.gpu_smoke import check_engine_parity
+    from bench.gpu_checks import check_engine_parity
 
     check_engine_parity(served, captured)
 
 
 @needs_cuda
 def test_gpu_graph_replay_equals_eager(served, captured):
-    from bench.gpu_smoke import check_graph_vs_eager
+    from bench.gpu_checks import check_graph_vs_eager
 
     check_graph_vs_eager(served, captured)

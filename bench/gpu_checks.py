@@ -1,0 +1,203 @@
+"""GPU correctness checks of the `torch` engine's kernels and graphs, shared by
+`bench/gpu_smoke.py` and the GPU tests of tests/test_engine_torch.py. Each raises
+AssertionError on a failure and returns what it compared."""
+
+from __future__ import annotations
+
+import torch
+
+NEAR_TIE = 0.05  # DESIGN.md: reference top-1 minus top-2 margin under which a flip is allowed
+V, D_BASE = 131072, 2688
+
+
+def random_weights() -> tuple:
+    from stateblock.readout import ReadoutConfig, ReadoutDecoder
+
+    torch.manual_seed(0)
+    eos = 2
+    dec = ReadoutDecoder(ReadoutConfig(d_base=D_BASE, vocab_size=V, eos_token_id=eos))
+    lm_head = (torch.randn(V, D_BASE, device="cuda") * 0.05).bfloat16()
+    lm_head[eos] = 0  # EOS logit exactly 0 < the top-1: every lane reads its whole depth
+    # fp32 like the engine's decoder (it would convert it in place anyway); lm_head in bf16
+    return dec.cuda().float().eval().requires_grad_(False), lm_head, eos
+
+
+def check_top2_kernel(
+    n: int, vocab: int, dim: int, seed: int, ties: bool = False, cfg=None, device: str = "cuda"
+):
+    """Kernel vs an fp32 torch.topk: the chosen ids' logits within 1e-3 relative of the true
+    top-1 / top-2; on exact ties (integer inputs), exactly the lowest ids."""
+    from stateblock.triton_top2 import top2_triton
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    if ties:  # small integers: exact products and sums, many exactly equal logits
+        h = torch.randint(-2, 3, (n, dim), generator=g, device=device).bfloat16()
+        w = torch.randint(-1, 2, (vocab, dim), generator=g, device=device).bfloat16()
+        w[vocab // 2 :] = w[: vocab - vocab // 2].clone()  # ties across tiles and splits
+    else:
+        h = torch.randn(n, dim, generator=g, device=device).bfloat16()
+        w = (torch.randn(vocab, dim, generator=g, device=device) * 0.05).bfloat16()
+    val, idx = top2_triton(h, w, cfg)
+    logits = h.float() @ w.float().t()  # (n, V) fp32 truth
+    if ties:
+        ref_v, ref_i = torch.sort(logits, dim=-1, descending=True, stable=True)
+        assert torch.equal(idx, ref_i[:, :2]), "exact ties: not the lowest ids"
+        assert torch.equal(val, ref_v[:, :2])
+        return {
+            "n": n,
+            "vocab": vocab,
+            "dim": dim,
+            "ties": True,
+            "tied_rows": int((ref_v[:, 0] == ref_v[:, 1]).sum()),
+        }
+    true_v, true_i = logits.topk(2, dim=-1)
+    assert bool(((idx >= 0) & (idx < vocab)).all()), "ids out of range: unwritten output?"
+    assert bool((idx[:, 0] != idx[:, 1]).all())
+    chosen = logits.gather(1, idx)  # the truth at the kernel's ids
+    rel = ((true_v - chosen) / true_v.abs().clamp_min(1e-6)).max().item()
+    val_err = ((val - true_v).abs() / true_v.abs().clamp_min(1e-6)).max().item()
+    assert rel < 1e-3 and val_err < 1e-3, (rel, val_err)
+    return {
+        "n": n,
+        "vocab": vocab,
+        "dim": dim,
+        "id_mismatch_frac": (idx != true_i).float().mean().item(),
+        "chosen_rel_gap_max": rel,
+        "value_rel_err_max": val_err,
+    }
+
+
+def compare_near_ties(ref, out) -> dict:
+    """Lane results: any token or EOS difference must sit where the reference's margin is
+    under NEAR_TIE. Returns counts; raises AssertionError on a real mismatch."""
+    stats = {"positions": 0, "mismatches": 0, "near_tie_mismatches": 0, "worst_margin": 0.0}
+    for a, b in zip(ref, out, strict=True):
+        n = min(len(a.token_ids), len(b.token_ids))
+        stats["positions"] += n
+        diffs = [t for t in range(n) if a.token_ids[t] != b.token_ids[t]]
+        if a.eos_pos != b.eos_pos:
+            diffs.append(min(a.eos_pos, b.eos_pos))
+        for t in diffs:
+            stats["mismatches"] += 1
+            m = a.margins[t]
+            stats["worst_margin"] = max(stats["worst_margin"], m)
+            stats["near_tie_mismatches"] += m < NEAR_TIE
+    assert stats["mismatches"] == stats["near_tie_mismatches"], stats
+    return stats
+
+
+def shipped_engines(served, device: str = "cuda", **options):
+    """TorchEngine (bf16, CUDA graphs) and a bf16 ReferenceEngine sharing its weights."""
+    from readout_svc.engine import ReferenceEngine
+    from readout_svc.engine_torch import TorchEngine
+
+    eng = TorchEngine.load(served, device, **options)
+    ref = ReferenceEngine(
+        eng._decoder, eng._lm_head, served.identity, eos_token_id=eng._eos, device=device
+    )
+    return eng, ref
+
+
+def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+    from readout_svc.engine import LaneRequest
+
+    eng, ref = shipped_engines(served, device)
+    eng.warm_up()
+    depths = [1, 40, 300, 64, 16, 600, 1000, 2600, 2000]  # 9 lanes: cohorts of 8 and 1
+    lanes = [LaneRequest(rows=rows[i % len(rows)], depth=d) for i, d in enumerate(depths)]
+    greedy = compare_near_ties(ref.readout(lanes), eng.readout(lanes))
+    single = compare_near_ties(ref.readout(lanes[7:8]), eng.readout(lanes[7:8]))
+    sampled = [LaneRequest(rows=rows[0], depth=500, temperature=0.8, seed=3)]
+    a, b = ref.readout(sampled)[0], eng.readout(sampled)[0]
+    n = min(len(a.token_ids), len(b.token_ids))
+    agree = sum(x == y for x, y in zip(a.token_ids[:n], b.token_ids[:n], strict=True)) / max(1, n)
+    return {"greedy": greedy, "single_lane": single, "sampled_agreement": agree}
+
+
+def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+    from readout_svc.engine import LaneRequest
+    from readout_svc.engine_torch import TorchEngine
+
+    graphed, _ = shipped_engines(served, device)
+    eager = TorchEngine(
+        graphed._decoder,
+        graphed._lm_head,
+        served.identity,
+        eos_token_id=graphed._eos,
+        device=device,
+        cuda_graphs=False,
+    )
+    cohorts = [  # several buckets in turn: the shared pool and static buffers are reused
+        [LaneRequest(rows=rows[0], depth=200)],
+        [LaneRequest(rows=r, depth=d) for r, d in zip(rows[:3], [900, 17, 400], strict=True)],
+        [LaneRequest(rows=rows[1], depth=3000, temperature=0.7, seed=9)],
+        [LaneRequest(rows=rows[0], depth=200)],
+    ]
+    first = None
+    for lanes in cohorts:
+        a, b = graphed.readout(lanes), eager.readout(lanes)
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids == y.token_ids and x.eos_pos == y.eos_pos
+            assert (
+                max((abs(p - q) for p, q in zip(x.margins, y.margins, strict=True)), default=0)
+                < 1e-3
+            )
+        first = first or a
+    assert graphed.readout(cohorts[0]) == first  # a replay after other shapes: same answer
+    return {"shapes": [str(s) for s in graphed.captured_shapes]}
+
+
+def check_random_decoder_parity(et) -> dict:
+    """At full size (d_base 2688, V 131072; random weights, EOS never wins): the engine vs
+    the reference over every position of two lanes, modulo near-ties."""
+    from readout_svc.engine import LaneRequest, ReferenceEngine
+
+    dec, lm_head, eos = random_weights()
+    ident = et.ModelIdentity("bench", b"", b"", b"")
+    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda", warm_shapes=())
+    ref = ReferenceEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    lanes = [
+        LaneRequest(rows=torch.randn(p, D_BASE, generator=g).bfloat16(), depth=d)
+        for p, d in [(300, 2048), (512, 1500)]
+    ]
+    stats = compare_near_ties(ref.readout(lanes), eng.readout(lanes))
+    assert stats["positions"] == 2048 + 1500, stats
+    return stats
+
+
+def shipped_rows(served) -> list[torch.Tensor]:
+    """Captured rows of 9 held-out prompts: one per family, then two with answers of
+    ~1,850 and ~2,480 tokens, so the parity check compares thousands of positions."""
+    from stateblock import tasks
+
+    examples = tasks.per_family(1, split="heldout", seed=7)
+    examples += [e for e in tasks.per_family(3, split="heldout", seed=11) if len(e.answer) > 1800]
+    return [served.prompt_rows(ex.prompt) for ex in examples]
+
+
+def check_fused_attention(seed: int = 0) -> dict:
+    """The prefix-causal flash kernel vs fp32 SDPA under the dense PrefixCausal mask: "ieee"
+    dots within 1e-4, TF32 dots within 2e-2 (10-bit inputs, fp32 accumulation), over
+    shapes with ragged query blocks, no prefix, and the decoder's own (8 heads of 32)."""
+    import torch.nn.functional as F
+
+    from stateblock.readout import PrefixCausal
+    from stateblock.triton_attention import prefix_causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    worst = {"ieee": 0.0, "tf32": 0.0}
+    for b, h, nq, n_prefix, hd in [(2, 3, 5, 64, 32), (1, 8, 1000, 64, 32), (2, 2, 300, 0, 16),
+                                   (1, 2, 129, 7, 64), (1, 8, 8192, 64, 32)]:  # fmt: skip
+        q = torch.randn(b, h, nq, hd, generator=g, device="cuda")
+        k = torch.randn(b, h, n_prefix + nq, hd, generator=g, device="cuda")
+        v = torch.randn(b, h, n_prefix + nq, hd, generator=g, device="cuda")
+        mask = PrefixCausal(n_prefix).dense(nq, q.device)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # fp32: no flash
+        for precision, tol in (("ieee", 1e-4), ("tf32", 2e-2)):
+            out = torch.empty(b, nq, h, hd, device="cuda").transpose(1, 2)
+            prefix_causal_attention(q, k, v, n_prefix, out=out, precision=precision)
+            err = (out - ref).abs().max().item()
+            assert err < tol, (b, h, nq, n_prefix, hd, precision, err)
+            worst[precision] = max(worst[precision], err)
+    return {"max_abs_err": worst}

@@ -1,0 +1,105 @@
+"""What the GPU machine itself measures: CUDA-event timing, the bf16 GEMM rate, copy
+bandwidth and the host CPU's costs on one block. Shared by gpu_smoke and e2e_gpu."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+D_BASE = 2688
+ITERS, WARMUP = 20, 3
+
+
+def cuda_ms(fn, iters: int = ITERS, warmup: int = WARMUP) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gemm_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # random: zeros run fast
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def copy_gbs() -> dict:
+    """Copy bandwidth, GB/s (1e9): device to device (read + write counted), and host to
+    device / device to host of a 2.75 MB block (the e2e bench's 512 x 2688 bf16 rows) from
+    pinned and from pageable memory, as the readout worker and capture copy them."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    out = {"d2d": 2 * n / (cuda_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9}
+    block = 512 * 2688 * 2
+    dev = torch.empty(block, dtype=torch.uint8, device="cuda")
+    for name, host in (
+        ("pinned", torch.empty(block, dtype=torch.uint8, pin_memory=True)),
+        ("pageable", torch.empty(block, dtype=torch.uint8)),
+    ):
+        out[f"h2d_{name}_block"] = block / (cuda_ms(lambda h=host: dev.copy_(h)) * 1e-3) / 1e9
+        out[f"d2h_{name}_block"] = block / (cuda_ms(lambda h=host: h.copy_(dev)) * 1e-3) / 1e9
+    return out
+
+
+def host_costs() -> dict:
+    """ms, median of 50, on this machine's CPU: what the services do to one 2.75 MB block
+    besides moving it (the e2e stage histograms say how these add up)."""
+    import hashlib
+
+    from stateblock import envelope as env
+    from stateblock.keys import Signer, TrustStore
+
+    def ms(fn, n: int = 50) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    rows = torch.randn(512, D_BASE).bfloat16()
+    data = env.rows_to_bytes(rows)
+    signer = Signer.generate()
+    ident = env.ModelIdentity("bench", b"", b"", b"")
+    layout = env.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
+    block = env.build_block(
+        layout, rows, request_id="r", identity=ident, sampling=[env.pb.SamplingParams()],
+        signer=signer, ttl_s=60,
+    )  # fmt: skip
+    wire = env.serialize_block(block)
+    trust = TrustStore([signer.public_key])
+    return {
+        "sha256_block": ms(lambda: hashlib.sha256(data).digest()),
+        "rows_to_bytes": ms(lambda: env.rows_to_bytes(rows)),
+        "build_block": ms(
+            lambda: env.build_block(
+                layout,
+                rows,
+                request_id="r",
+                identity=ident,
+                sampling=[env.pb.SamplingParams()],
+                signer=signer,
+                ttl_s=60,
+            )  # fmt: skip
+        ),
+        "serialize": ms(lambda: env.serialize_block(block)),
+        "parse": ms(lambda: env.parse_block(wire)),
+        "verify": ms(lambda: env.verify(env.parse_block(wire), trust)),
+        "cpu": next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if "model name" in ln),
+            "?",
+        ),
+    }
