@@ -10,10 +10,11 @@
 3. fused top-2 vs `(h @ lm_head.T).topk(2)` at D in {256, 1024, 2048, 8192, 65536}, and a
    few tile configurations of the kernel (--sweep full: the ones that lost, too);
 4. the whole engine readout with a random decoder (d_base 2688, V 131072, defaults for the
-   rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, the precision
-   variants (bf16 decoder, fp16 autocast, TF32 matmuls), and the eager reference (SDPA and
-   explicit attention) at K=8, D=8192;
-5. --audit: the parity audit of the engine as it serves (TF32 matmuls, fused attention).
+   rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, the variants
+   (the lm_head GEMM instead of the fused head, earlier precisions, bf16 decoder, fp16
+   autocast), and the eager reference (SDPA and explicit attention) at K=8, D=8192;
+5. --audit: the parity audit of the engine as it serves (TF32 matmuls, fused attention,
+   fused fp32 head) and with the fused head in bf16.
 Every result is written to DIR/smoke.json as soon as it exists. Times: CUDA events, warm-up
 then the median of 20. Imports the repo, torch and triton only.
 """
@@ -27,6 +28,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +45,7 @@ from bench.gpu_checks import (
     shipped_rows,
 )
 from bench.machine import copy_gbs, cuda_ms, gemm_tflops, host_costs
-from stateblock.triton_top2 import Top2Config
+from stateblock.triton_top2 import Top2Config, default_tiles
 
 
 def import_engine():
@@ -55,7 +57,7 @@ def import_engine():
 
 
 # -- timing -------------------------------------------------------------------------------
-def audit_default() -> dict:
+def audit_default(**options) -> dict:
     """`stateblock audit --engine torch --device cuda`: the engine as it serves, the shipped
     model, the audit's default depths and prompts, against the fp32 reference."""
     from readout_svc.engine import create_engine
@@ -65,9 +67,19 @@ def audit_default() -> dict:
 
     t0 = time.perf_counter()
     model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER, device="cuda")
-    engine = create_engine("torch", model, "cuda")
+    if options:
+        from readout_svc.engine_torch import TorchEngine
+
+        engine = TorchEngine.load(model, "cuda", **options)
+    else:
+        engine = create_engine("torch", model, "cuda")
     report = audit.parity_audit(model, engine, create_engine("reference", model, "cuda"))
-    report["engine_settings"] = {"attention": engine.attention, "precision": engine._precision}
+    report["engine_settings"] = {
+        "attention": engine.attention,
+        "precision": engine._precision,
+        "head": engine.head,
+        "head_dtype": str(engine._head.dtype),
+    }
     report["wall_s"] = time.perf_counter() - t0
     return report
 
@@ -211,10 +223,16 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
         del variant
         free()
-    # the decoder's earlier defaults: fp32 matmuls + SDPA, then TF32 matmuls + SDPA
+    # the earlier defaults: the lm_head GEMM after an fp32 decoder with SDPA (session 3),
+    # then after a TF32 decoder with the fused attention; and the fused head in bf16
+    old_head = {"head": "lm_head"}
     for key, options in (
-        ("engine_fp32_sdpa", {"matmul_precision": "highest", "attention": "sdpa"}),
-        ("engine_tf32_sdpa", {"matmul_precision": "high", "attention": "sdpa"}),
+        (
+            "engine_lm_head_fp32_sdpa",
+            {**old_head, "matmul_precision": "highest", "attention": "sdpa"},
+        ),
+        ("engine_lm_head", old_head),
+        ("engine_fused_bf16", {"head_dtype": torch.bfloat16}),
     ):
         variant = engine(warm_shapes=(), **options)
         for d in (1024, 8192):
@@ -223,7 +241,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         free()
     for prefix, options in (
         ("engine_fresh", {}),
-        ("engine_ungrouped_fresh", {"top2_config": UNGROUPED}),
+        ("engine_lm_head_fresh", old_head),
     ):
         for k in (1, 2, 4, 8) if not options else (1, 8):
             eng = engine(warm_shapes=(), **options)
@@ -241,26 +259,32 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
 
 @torch.inference_mode()
 def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
-    """Where one lane's D=8192 readout goes: the decoder's hidden rows, then the top-2."""
+    """Where one lane's D=8192 readout goes, eagerly: the decoder (to its hidden rows, or
+    to the mixer's output for the fused head), then the top-2 (lm_head, or fused head)."""
     from stateblock.triton_top2 import top2_triton
 
     x = rows.cuda()[None].float()  # (1, P, d_base), in the decoder's dtype
     lens = torch.full((1,), x.shape[1], device="cuda")
     pos = torch.arange(8192, device="cuda")[None]
     h = decoder.hidden(x, lens, pos, impl="sdpa").to(lm_head.dtype)[0]  # (D, d_base)
+    m = decoder.mixed(x, lens, pos, impl="sdpa")[0]  # (D, d_r)
+    head = et.fused_head(lm_head, decoder.out.weight, torch.float32)
 
-    def hidden(precision: str, impl: str) -> float:
+    def decoder_ms(stage, precision: str, impl: str) -> float:
         def run():
             with et.matmul_precision(precision):
-                decoder.hidden(x, lens, pos, impl=impl)
+                stage(x, lens, pos, impl=impl)
 
         return cuda_ms(run)
 
+    tf32 = replace(tiles or default_tiles(m.device, torch.float32), block_k=32, precision="tf32")
     return {
-        "hidden_fp32_sdpa_ms": hidden("highest", "sdpa"),
-        "hidden_tf32_sdpa_ms": hidden("high", "sdpa"),
-        "hidden_tf32_fused_ms": hidden("high", "fused"),  # the engine's default
-        "top2_ms": cuda_ms(lambda: top2_triton(h, lm_head, tiles)),
+        "hidden_fp32_sdpa_ms": decoder_ms(decoder.hidden, "highest", "sdpa"),
+        "hidden_tf32_fused_ms": decoder_ms(decoder.hidden, "high", "fused"),
+        "mixed_tf32_fused_ms": decoder_ms(decoder.mixed, "high", "fused"),  # the default
+        "top2_lm_head_ms": cuda_ms(lambda: top2_triton(h, lm_head, tiles)),
+        "top2_fused_tf32_ms": cuda_ms(lambda: top2_triton(m, head, tf32)),  # the default
+        "top2_fused_bf16_ms": cuda_ms(lambda: top2_triton(m.bfloat16(), head.bfloat16(), tiles)),
     }
 
 
@@ -369,11 +393,13 @@ def main() -> int:
     rep.run("check_fused_attention", check_fused_attention)
     rate = rep.run("gemm_tflops", gemm_tflops)
     rate = rate if isinstance(rate, float) else 790.0
+    rep.run("gemm_tf32_tflops", lambda: gemm_tflops(torch.float32))
     tiles = time_top2(rep, rate, args.sweep == "full")
     rep.run("attention_D8192", time_attention)
     time_engine(rep, et, rate, tiles)
     if args.audit:
         rep.run("audit_default", audit_default)
+        rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():

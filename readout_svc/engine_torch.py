@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -47,7 +47,7 @@ from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
 from stateblock.serving import ServingModel
 from stateblock.triton_attention import available as attention_available
-from stateblock.triton_top2 import Top2Config, available, top2
+from stateblock.triton_top2 import Top2Config, available, default_tiles, top2
 from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
 K_MAX = 8  # lanes per enqueue (DESIGN.md: cohort K_max)
@@ -90,9 +90,17 @@ def matmul_precision(precision: str) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
+def fused_head(lm_head: Tensor, out_weight: Tensor, dtype: torch.dtype, chunk: int = 16384):
+    """lm_head @ out.weight: (V, d_base) @ (d_base, d_r) -> (V, d_r), in exact fp32, then
+    `dtype`. Chunked over V so the fp32 temporary stays ~180 MB at d_base 2688."""
+    w = out_weight.float()
+    with matmul_precision("highest"):
+        return torch.cat([(c.float() @ w).to(dtype) for c in lm_head.split(chunk)])
+
+
 def readout_step(
     decoder: ReadoutDecoder,
-    lm_head: Tensor,  # (V, d_base), resident
+    head: Tensor,  # (V, d_base) the resident lm_head, or (V, d_r) the fused head
     rows: Tensor,  # (K, P, d_base)
     prompt_lens: Tensor,  # (K,) int64
     positions: Tensor,  # (K, D) int64
@@ -103,10 +111,13 @@ def readout_step(
     autocast: torch.dtype | None = None,
     precision: str = "highest",
     attention: str = "sdpa",
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One padded cohort -> hidden (K, D, d_base), top-2 values and ids (K, D, 2), EOS (K,).
+    """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,).
 
-    Pure and shape-static: the body of every CUDA graph and of the eager path. `autocast`:
+    Pure and shape-static: the body of every CUDA graph and of the eager path. The logits
+    are h @ head.T: the decoder's hidden states against the lm_head, or, when `fused`, the
+    mixer's normed output against the fused head (`fused_head`). `autocast`:
     the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: the fp32
     matmul precision of the decoder ("high" = TF32 on the GPU; see `matmul_precision`);
     `attention`: the decoder's attention implementation ("sdpa" or "fused", see Attention).
@@ -115,10 +126,11 @@ def readout_step(
     on = autocast is not None
     amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
     with amp, matmul_precision(precision):
-        h = decoder.hidden(rows, prompt_lens, positions, impl=attention)
-    h = h.to(lm_head.dtype)
+        stage = decoder.mixed if fused else decoder.hidden
+        h = stage(rows, prompt_lens, positions, impl=attention)
+    h = h.to(head.dtype)
     k, d, dim = h.shape
-    top_v, top_i = top2_fn(h.reshape(k * d, dim), lm_head)  # (K*D, 2) fp32, int64
+    top_v, top_i = top2_fn(h.reshape(k * d, dim), head)  # (K*D, 2) fp32, int64
     top_v, top_i = top_v.view(k, d, 2), top_i.view(k, d, 2)
     valid = positions < depths.unsqueeze(1)  # (K, D): padding positions never stop a lane
     eos_pos = first_eos(top_i[..., 0], valid, eos_token_id)
@@ -161,6 +173,8 @@ class TorchEngine:
         autocast: torch.dtype | None = None,
         matmul_precision: str | None = None,
         attention: str | None = None,
+        head: str | None = None,
+        head_dtype: torch.dtype = torch.float32,
     ) -> None:
         dev = require_device(device)
         on_gpu = dev.type == "cuda"
@@ -193,6 +207,17 @@ class TorchEngine:
         self._decoder = decoder.to(device=dev, dtype=decoder_dtype).eval().requires_grad_(False)
         # no copy when lm_head already lives on `dev` in `dtype`: bound by reference
         self._lm_head = lm_head.to(dev, torch.bfloat16 if on_gpu else torch.float32)
+        # The head the top-2 streams. "fused" (the GPU default): lm_head @ out.weight, a
+        # (V, d_r) = (131072, 256) matrix (128 MB in fp32) computed once here, so the
+        # vocabulary GEMM runs over d_r = 256 instead of d_base = 2688 (10.5x fewer FLOPs).
+        # "lm_head": the decoder's hidden states against the resident lm_head in bf16.
+        self.head = head or ("fused" if on_gpu else "lm_head")
+        if self.head == "fused":
+            self._head = fused_head(self._lm_head, self._decoder.out.weight, head_dtype)
+        elif self.head == "lm_head":
+            self._head = self._lm_head
+        else:
+            raise ValueError(f"head must be 'fused' or 'lm_head', not {self.head!r}")
         self.identity = identity
         self._eos = eos_token_id
         self._n_chunks = decoder.cfg.n_chunks
@@ -216,7 +241,10 @@ class TorchEngine:
             else (Shape(1, bucket(WARM_PROMPT, self._prompt_b) or 1, d) for d in self._depth_b)
         )
         self.top2_backend = "triton" if available(dev) else "torch-chunked"
-        self._top2 = partial(top2, n_chunks=self._n_chunks, cfg=top2_config)
+        # fp32 heads take the decoder's precision: TF32 dots at "high", exact at "highest"
+        tiles = top2_config or default_tiles(dev, self._head.dtype)
+        tiles = replace(tiles, precision="tf32" if self._precision == "high" else "ieee")
+        self._top2 = partial(top2, n_chunks=self._n_chunks, cfg=tiles)
         self._graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
         self._static: dict[str, Tensor] = {}
         self._pool = None
@@ -284,7 +312,7 @@ class TorchEngine:
     def _step(self, rows, lens, positions, depths) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return readout_step(
             self._decoder,
-            self._lm_head,
+            self._head,
             rows,
             lens,
             positions,
@@ -294,6 +322,7 @@ class TorchEngine:
             autocast=self._autocast,
             precision=self._precision,
             attention=self.attention,
+            fused=self.head == "fused",
         )
 
     # -- CUDA graphs --------------------------------------------------------------------
@@ -396,7 +425,7 @@ class TorchEngine:
         # per-lane noise from the lane's seed; gumbel_noise draws a row-major stream, so the
         # first positions match the reference's (max depth, 8) draw at any padded depth
         noise = torch.stack([gumbel_noise((depth, TOP_K_SAMPLE), lanes[i].seed) for i in sampled])
-        top_v, top_i = chunked_topk(h[idx], self._lm_head, self._n_chunks, TOP_K_SAMPLE)
+        top_v, top_i = chunked_topk(h[idx], self._head, self._n_chunks, TOP_K_SAMPLE)
         picked = gumbel_select(top_v, top_i, temp, noise.to(dev))  # (S, D)
         depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
         valid = torch.arange(depth, device=dev).unsqueeze(0) < depths.unsqueeze(1)

@@ -229,6 +229,15 @@ class ReadoutDecoder(nn.Module):
         self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, impl: str = "sdpa"
     ) -> Tensor:
         """Answer-position states in lm_head space. positions (K, D) -> (K, D, d_base)."""
+        return self.out(self.mixed(rows, prompt_lens, positions, impl))
+
+    def mixed(
+        self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, impl: str = "sdpa"
+    ) -> Tensor:
+        """The normed mixer output, before the linear `out` map into lm_head space: (K, D, d_r).
+
+        `out` has no bias and nothing follows it but the lm_head, so the logits are also
+        mixed @ (lm_head @ out.weight).T, a (V, d_r) head: the torch engine's fused head."""
         lat = self.encode(rows, prompt_lens, impl)  # (K, M, d_r)
         m = lat.shape[1]
         d = positions.shape[1]
@@ -242,7 +251,7 @@ class ReadoutDecoder(nn.Module):
             mask = mask.dense(d, h.device)
         for layer in self.mixer:
             h = layer(h, torch.cat([lat, h], dim=1), mask, impl)
-        return self.out(self.norm_out(h))  # (K, D, d_base)
+        return self.norm_out(h)  # (K, D, d_r)
 
     def forward(
         self,

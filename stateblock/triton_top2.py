@@ -50,6 +50,7 @@ __all__ = [
     "top2_reference",
 ]
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NO_ID = 2**62  # id of an empty slot; larger than any vocabulary id, so it never wins a tie
 
 
@@ -79,6 +80,9 @@ class Top2Config:
     # range, so the h tiles they re-read per vocabulary tile stay in L2 (K=8 x D=8192:
     # 132 row blocks of 688 KB in flight is 90 MB, over the H200's 50 MB L2)
     group_rows: int = 0  # with n_split=0: 0 lets default_config group, -1 never groups
+    # fp32 inputs only: "tf32" tensor-core dots (10-bit mantissas, fp32 accumulation) or
+    # "ieee" (exact fp32, no tensor cores); bf16/fp16 inputs always accumulate in fp32
+    precision: str = "tf32"
 
 
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
@@ -118,11 +122,12 @@ def default_config(
     return best
 
 
-def default_tiles(device: torch.device) -> Top2Config:
-    """128x256x64 tiles; fetched by TMA on Hopper and later (H200: 9.49 ms against 11.02 ms
-    with pointer loads at D=8192, a 7.61 ms GEMM floor; docs/BENCHMARKS.md)."""
+def default_tiles(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Top2Config:
+    """128x256 tiles, 128 bytes of d per step (64 bf16, 32 fp32: the widest row a swizzled
+    TMA box takes); fetched by TMA on Hopper and later (H200: 9.49 ms against 11.02 ms with
+    pointer loads at D=8192, a 7.61 ms GEMM floor; docs/BENCHMARKS.md)."""
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return Top2Config(tma=hopper)
+    return Top2Config(block_k=128 // dtype.itemsize, tma=hopper)
 
 
 def _vocab_per_split(vocab: int, cfg: Top2Config) -> tuple[int, int]:
@@ -235,6 +240,8 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         TMA: tl.constexpr,
+        FP32: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """One work item: the top-2 of BLOCK_N rows over one vocabulary split."""
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,7 +277,10 @@ if triton is not None:
                     EVEN_K,
                     TMA,
                 )
-                acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
+                if FP32:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
             best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
 
         out = (pid_s * n_rows + rows) * 2
@@ -294,7 +304,7 @@ if triton is not None:
 
     @triton.jit
     def _top2_kernel(
-        h_ptr,  # (N, d) bf16/fp16, unit stride along d (a TMA descriptor when TMA)
+        h_ptr,  # (N, d) bf16/fp16/fp32, unit stride along d (a TMA descriptor when TMA)
         w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
         val_ptr,  # (S, N, 2) float32
         idx_ptr,  # (S, N, 2) int64
@@ -314,6 +324,8 @@ if triton is not None:
         TMA: tl.constexpr,
         PERSISTENT: tl.constexpr,  # one program per SM striding over the work items
         GROUP_ROWS: tl.constexpr,  # see Top2Config.group_rows
+        FP32: tl.constexpr,  # fp32 inputs: dots at PRECISION
+        PRECISION: tl.constexpr,
     ):
         # items in launch order: the ones in flight share lm_head tiles (and, grouped, h
         # tiles) through L2
@@ -323,19 +335,20 @@ if triton is not None:
                 _top2_block(
                     h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
                     n_rows, vocab, dim, v_per_split, stride_h, stride_w,
-                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION,
                 )  # fmt: skip
         else:
             pid_n, pid_s = _work_item(tl.program_id(0), n_row_blocks, n_split, GROUP_ROWS)
             _top2_block(
                 h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
                 n_rows, vocab, dim, v_per_split, stride_h, stride_w,
-                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA,
+                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION,
             )  # fmt: skip
 
 
 def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tuple[Tensor, Tensor]:
-    """The fused kernel: h (N, d), lm_head (V, d) (bf16/fp16) -> (N, 2) float32, (N, 2) int64.
+    """The fused kernel: h (N, d), lm_head (V, d) (bf16/fp16/fp32, one dtype) -> (N, 2)
+    float32, (N, 2) int64.
 
     Host work is shape arithmetic only (no sync), so it can be captured in a CUDA graph
     once the kernel is compiled. Also runs on CPU tensors under TRITON_INTERPRET=1.
@@ -346,9 +359,17 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
     vocab, d_w = lm_head.shape
     if d != d_w or h.stride(1) != 1 or lm_head.stride(1) != 1:
         raise ValueError(f"need unit-stride rows of one width, got {h.shape}, {lm_head.shape}")
+    if h.dtype != lm_head.dtype or h.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"h and lm_head must share a dtype of {KERNEL_DTYPES}: {h.dtype}, {lm_head.dtype}"
+        )
     n_sm = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 4
     if cfg is None or cfg.n_split == 0:  # the split that fills this GPU for these rows
-        cfg = default_config(n, vocab, n_sm, cfg or default_tiles(h.device))
+        cfg = default_config(n, vocab, n_sm, cfg or default_tiles(h.device, h.dtype))
+    if cfg.block_k * h.dtype.itemsize > 128:  # a swizzled TMA box row, and shared memory
+        cfg = replace(cfg, block_k=128 // h.dtype.itemsize)  # (fp32 at 64: 288 KB > 227 KB)
+    if cfg.precision not in ("tf32", "ieee"):
+        raise ValueError(f"precision {cfg.precision!r} is not 'tf32' or 'ieee'")
     per, n_split = _vocab_per_split(vocab, cfg)
     vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
@@ -380,6 +401,8 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         TMA=cfg.tma,
         PERSISTENT=cfg.persistent,
         GROUP_ROWS=max(0, cfg.group_rows),
+        FP32=h.dtype == torch.float32,
+        PRECISION=cfg.precision,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -393,8 +416,8 @@ def top2(
 ) -> tuple[Tensor, Tensor]:
     """Top-2 logits of h @ lm_head.T: (N, d), (V, d) -> (N, 2) float32, (N, 2) int64.
 
-    The fused kernel on CUDA bf16/fp16 with Triton; the chunked PyTorch path otherwise.
+    The fused kernel on CUDA bf16/fp16/fp32 with Triton; the chunked PyTorch path otherwise.
     """
-    if available(h.device) and h.dtype in (torch.bfloat16, torch.float16):
+    if available(h.device) and h.dtype in KERNEL_DTYPES:
         return top2_triton(h, lm_head, cfg)
     return top2_reference(h, lm_head, n_chunks)

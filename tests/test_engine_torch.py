@@ -16,6 +16,7 @@ from readout_svc.engine_torch import (
     Shape,
     TorchEngine,
     bucket,
+    fused_head,
     matmul_precision,
 )
 from stateblock import tasks
@@ -104,6 +105,23 @@ def test_seeded_sampling_equals_reference(reference, engine, captured):
     assert [r.token_ids for r in again] == [r.token_ids for r in out]  # a seed reproduces
     greedy = engine.readout(lanes_of(captured, [64, 200, 33, 150]))
     assert out[3].token_ids != greedy[3].token_ids  # temperature 3 actually samples
+
+
+def test_fused_head_reads_the_same_logits(served, reference, captured):
+    """head="fused" (the GPU default) multiplies the mixer's normed output by the precomputed
+    lm_head @ out.weight: the same logits by associativity, so in fp32 the same greedy and
+    seeded answers as the reference, whose hidden states meet the lm_head itself."""
+    eng = TorchEngine.load(served, head="fused")
+    dec = eng._decoder
+    assert eng._head.shape == (served.lm_head.shape[0], dec.cfg.d_r)
+    want = served.lm_head.float() @ dec.out.weight.float()
+    assert torch.allclose(fused_head(served.lm_head, dec.out.weight, torch.float32), want)
+    lanes = lanes_of(captured, [1, 40, 300, 7, 128], temps=[0, 0, 1.5, 0, 0.7],
+                     seeds=[None, None, 21, None, 22])  # fmt: skip
+    worst = assert_same(reference.readout(lanes), eng.readout(lanes), atol=1e-3)
+    print(f"fused head: 5 lanes, max margin diff {worst:.2e}")
+    with pytest.raises(ValueError, match="head must be"):
+        TorchEngine.load(served, head="logits")
 
 
 def test_depth_and_prompt_bucket_padding_is_exact(served, engine, captured):
@@ -266,6 +284,19 @@ def test_gpu_triton_top2_equals_topk(cfg):
 
 
 @needs_cuda
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_gpu_triton_top2_fp32(precision):
+    """fp32 inputs, the fused head's dtype: TF32 or exact dots, ties still lowest-id."""
+    from bench.gpu_checks import check_top2_kernel
+
+    cfg = Top2Config(precision=precision)
+    f32 = dict(cfg=cfg, dtype=torch.float32)
+    check_top2_kernel(8192, vocab=131072, dim=256, seed=3, **f32)  # d_r 256: the fused head
+    check_top2_kernel(1000, vocab=20000, dim=256, seed=4, **f32)
+    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, **f32)
+
+
+@needs_cuda
 def test_gpu_fused_attention_equals_sdpa():
     from bench.gpu_checks import check_fused_attention
 
@@ -277,7 +308,8 @@ def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
     from stateblock.triton_attention import available as attention_available
 
     eng = TorchEngine.load(served, device="cuda")
-    assert eng._precision == "high"
+    assert eng._precision == "high" and eng.head == "fused"
+    assert eng._head.shape == (served.lm_head.shape[0], eng._decoder.cfg.d_r)
     assert eng.attention == ("fused" if attention_available("cuda") else "sdpa")
 
 
