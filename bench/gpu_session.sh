@@ -2,13 +2,14 @@
 # The issue-5 GPU runs, one stage per device call (each under 10 minutes), from the repo root
 # on the H200 with `.whl` carried (bash bench/prepare_wheels.sh first, here):
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
-#   bash bench/gpu_session.sh smoke    # timings (no checks), TF32 audit, the GPU tests
+#   bash bench/gpu_session.sh smoke    # timings (no checks), the audit, the GPU tests
+#   bash bench/gpu_session.sh e2e-both [ARGS]  # the e2e in one process (+ AR), then per service
 #   bash bench/gpu_session.sh final [ARGS]  # smoke (no checks, TF32 audit), e2e (no NemotronH)
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, final or e2e}
+STAGE=${1:?checks, smoke, final, e2e or e2e-both}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -20,6 +21,16 @@ if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: smo
     --nemotron none --budget-s 300 "${@:2}" > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"
   grep -A60 '^summary' "$OUT/smoke.log"; tail -c 3500 "$OUT/e2e.log"
+elif [ "$STAGE" = e2e-both ]; then  # the e2e in one process (with AR), then a process each
+  mkdir -p "$OUT/inproc" "$OUT/procs"
+  timeout 320 python3 -m bench.e2e_gpu --out "$OUT/inproc" --scale full --engine torch --n 50 \
+    --nemotron none --budget-s 300 "${@:2}" > "$OUT/e2e.log" 2>&1
+  echo "e2e rc=$?"
+  timeout 240 python3 -m bench.e2e_gpu --out "$OUT/procs" --scale full --engine torch --n 50 \
+    --nemotron none --budget-s 220 --processes --ar-compiled off --ar-eager-repeats 0 \
+    "${@:2}" > "$OUT/e2e-procs.log" 2>&1
+  echo "e2e procs rc=$?"
+  tail -c 2500 "$OUT/e2e.log"; tail -c 1800 "$OUT/e2e-procs.log"
 elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
   timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1
@@ -37,5 +48,6 @@ else
     tee "$OUT/e2e.log"
 fi
 # the device tool returns at most 8 files: the logs travel as one archive
-(cd "$OUT" && tar czf logs.tgz ./*.log gpu.txt 2>/dev/null && rm -f ./*.log gpu.txt)
+(cd "$OUT" && find . -name '*.log' -o -name gpu.txt | tar czf logs.tgz -T - &&
+  find . \( -name '*.log' -o -name gpu.txt \) -delete)
 ls "$OUT"

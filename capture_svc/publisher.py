@@ -10,7 +10,6 @@ from nats.js.object_store import ObjectStore
 
 from stateblock import envelope as env
 from stateblock import streams
-from stateblock.v1 import block_pb2 as pb
 
 # Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
 HEADER_HEADROOM = 512
@@ -43,19 +42,19 @@ class BlockPublisher:
         objects = await streams.payload_store(js)
         return cls(js, objects, model=model, max_payload=nc.max_payload, timeout_s=timeout_s)
 
-    async def publish(self, block: pb.StateBlock) -> bool:
+    async def publish(self, block: env.SealedBlock) -> bool:
         """Publish with Nats-Msg-Id = block_id; True if the rows went via the object store."""
         block_id = block.header.block_id
-        data = env.serialize_block(block)
-        via_object = len(data) + HEADER_HEADROOM > self._max_payload
+        via_object = block.wire_size() + HEADER_HEADROOM > self._max_payload
         try:
             if via_object:
-                block, rows = env.with_object_payload(block, streams.PAYLOAD_BUCKET, block_id)
                 meta = ObjectMeta(
                     name=block_id, options=ObjectMetaOptions(max_chunk_size=self._chunk)
                 )
-                await self._objects.put(block_id, rows, meta=meta)
-                data = env.serialize_block(block)
+                await self._objects.put(block_id, block.rows.tobytes(), meta=meta)
+                data = block.object_wire(streams.PAYLOAD_BUCKET, block_id)
+            else:
+                data = block.wire()
             await self._js.publish(
                 self._subject,
                 data,

@@ -22,6 +22,7 @@ from stateblock import envelope as env
 from stateblock.ids import uuid7
 from stateblock.keys import Signer
 from stateblock.serving import ServingModel
+from stateblock.tokenizer import PromptEncoder
 from stateblock.v1 import block_pb2 as pb
 
 log = structlog.get_logger("capture_svc")
@@ -110,6 +111,7 @@ class CaptureService:
         self._signer = signer
         self._metrics = metrics
         self._config = config
+        self._encode = PromptEncoder(model.tokenizer)
 
     def tokenize(self, lane: LaneInput, index: int) -> list[int]:
         tok = self._model.tokenizer
@@ -122,7 +124,7 @@ class CaptureService:
         else:
             if not lane.prompt:
                 raise InvalidCapture(f"lane {index}: the prompt is empty", "prompt")
-            ids = tok(lane.prompt)["input_ids"]
+            ids = self._encode(lane.prompt)
         ids = list(ids)
         limit = self._config.prompt_len_max
         if len(ids) > limit:
@@ -192,7 +194,7 @@ class CaptureService:
             )
             for lane in lanes
         ]
-        block = env.build_block(
+        block = env.seal_block(
             layout,
             rows,
             request_id=request_id,

@@ -6,6 +6,12 @@ inline or through the object store without re-signing. `verify` checks in the or
 request path: well-formed, trusted key, signature, expiry, layout digest, forward-state
 digest; the first failure raises `BlockRejected(reason)`, whose reason names the
 `stateblock.rejected.<reason>` subject.
+
+At full scale a block carries 2.75 MB of rows, so the services keep them out of protobuf
+messages: `seal_block` hashes the rows where they lie and `SealedBlock.wire` frames them
+into the message bytes; `parse_wire` parses the header alone and leaves the rows a view of
+the received bytes (`stateblock.wire`). The bytes and the outcome are those of
+`serialize_block` and `parse_block`, which stay the definition.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from torch import Tensor
 
+from stateblock import wire
 from stateblock.ids import uuid7
 from stateblock.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
@@ -134,7 +141,14 @@ def rows_to_bytes(rows: Tensor) -> bytes:
     return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def rows_from_bytes(data: bytes, layout: pb.Layout) -> Tensor:
+def rows_view(rows: Tensor) -> memoryview:
+    """The bytes `rows_to_bytes` returns, as a read-only view of the CPU rows: no copy when
+    they are contiguous on the CPU already. The rows must not change while it is in use."""
+    flat = rows.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).toreadonly()
+
+
+def rows_from_bytes(data: bytes | memoryview, layout: pb.Layout) -> Tensor:
     """The packed rows (total_rows, hidden_size) that rows_to_bytes wrote."""
     dtype = torch_dtype(layout.dtype)
     expected = layout.total_rows * layout.hidden_size * dtype.itemsize
@@ -185,6 +199,92 @@ def sign_header(header: pb.StateBlockHeader, signer: Signer) -> None:
     header.signature = signer.sign(signing_bytes(header))
 
 
+@dataclass(frozen=True)
+class SealedBlock:
+    """A signed header and its rows, kept apart until they go on the wire.
+
+    `rows` is a read-only view of the captured rows (`rows_view`) that the header's
+    forward_state_digest was computed over; `wire()` is `serialize_block(message())`.
+    """
+
+    header: pb.StateBlockHeader
+    rows: memoryview
+
+    def message(self) -> pb.StateBlock:
+        """The block with its rows inline, as a protobuf message (a copy of the rows)."""
+        block = pb.StateBlock(header=self.header)
+        block.payload.inline_rows = self.rows.tobytes()
+        return block
+
+    def wire_size(self) -> int:
+        """len(self.wire()), without building it."""
+        return wire.inline_size(self.header.ByteSize(), len(self.rows))
+
+    def wire(self) -> bytes:
+        """The block with its rows inline, serialised (`stateblock.wire`: the rows are
+        copied once, into the message bytes)."""
+        return wire.encode_inline(self.header.SerializeToString(deterministic=True), self.rows)
+
+    def object_wire(self, bucket: str, name: str) -> bytes:
+        """The block with an ObjectRef payload, for rows that go through the object store.
+
+        The header is untouched, so the signature still holds: it commits to the rows
+        through forward_state_digest, which the worker checks after fetching the object.
+        The ref's digest is that same digest: it was computed over these rows when sealing.
+        """
+        ref = pb.ObjectRef(
+            bucket=bucket,
+            name=name,
+            digest=self.header.forward_state_digest,
+            size=len(self.rows),
+        )
+        return serialize_block(
+            pb.StateBlock(header=self.header, payload=pb.Payload(object_ref=ref))
+        )
+
+
+def seal_block(
+    layout: pb.Layout,
+    rows: Tensor,  # (total_rows, hidden_size), lanes packed in layout order
+    *,
+    request_id: str,
+    identity: ModelIdentity,
+    sampling: Sequence[pb.SamplingParams],
+    signer: Signer,
+    ttl_s: float,
+    block_id: str | None = None,
+    now: float | None = None,
+) -> SealedBlock:
+    """Digest and sign the rows; they stay where they are (see `SealedBlock`)."""
+    check_layout(layout, request_id)
+    if tuple(rows.shape) != (layout.total_rows, layout.hidden_size):
+        raise LayoutError(f"rows {tuple(rows.shape)} do not match layout")
+    if rows.dtype != torch_dtype(layout.dtype):
+        raise LayoutError(f"rows are {rows.dtype}, layout says {torch_dtype(layout.dtype)}")
+    if len(sampling) != len(layout.lanes):
+        raise LayoutError(f"{len(sampling)} sampling params for {len(layout.lanes)} lanes")
+    if ttl_s <= 0:
+        raise ValueError("ttl_s must be positive")
+    now = time.time() if now is None else now
+    data = rows_view(rows)
+    header = pb.StateBlockHeader(
+        request_id=request_id,
+        block_id=block_id or uuid7(),
+        model=identity.model,
+        layout=layout,
+        layout_digest=layout_digest(layout),
+        forward_state_digest=hashlib.sha256(data).digest(),
+        base_model_digest=identity.base_model_digest,
+        lm_head_digest=identity.lm_head_digest,
+        decoder_digest=identity.decoder_digest,
+        sampling=sampling,
+        created_at=_timestamp(now),
+        expires_at=_timestamp(now + ttl_s),
+    )
+    sign_header(header, signer)
+    return SealedBlock(header, data)
+
+
 def build_block(
     layout: pb.Layout,
     rows: Tensor,  # (total_rows, hidden_size), lanes packed in layout order
@@ -197,51 +297,19 @@ def build_block(
     block_id: str | None = None,
     now: float | None = None,
 ) -> pb.StateBlock:
-    """A signed block with the rows inline (see `with_object_payload` for large ones)."""
-    check_layout(layout, request_id)
-    if tuple(rows.shape) != (layout.total_rows, layout.hidden_size):
-        raise LayoutError(f"rows {tuple(rows.shape)} do not match layout")
-    if rows.dtype != torch_dtype(layout.dtype):
-        raise LayoutError(f"rows are {rows.dtype}, layout says {torch_dtype(layout.dtype)}")
-    if len(sampling) != len(layout.lanes):
-        raise LayoutError(f"{len(sampling)} sampling params for {len(layout.lanes)} lanes")
-    if ttl_s <= 0:
-        raise ValueError("ttl_s must be positive")
-    now = time.time() if now is None else now
-    data = rows_to_bytes(rows)
-    header = pb.StateBlockHeader(
+    """A signed block with the rows inline, as a protobuf message (`SealedBlock.message`)."""
+    sealed = seal_block(
+        layout,
+        rows,
         request_id=request_id,
-        block_id=block_id or uuid7(),
-        model=identity.model,
-        layout=layout,
-        layout_digest=layout_digest(layout),
-        forward_state_digest=forward_state_digest(data),
-        base_model_digest=identity.base_model_digest,
-        lm_head_digest=identity.lm_head_digest,
-        decoder_digest=identity.decoder_digest,
+        identity=identity,
         sampling=sampling,
-        created_at=_timestamp(now),
-        expires_at=_timestamp(now + ttl_s),
+        signer=signer,
+        ttl_s=ttl_s,
+        block_id=block_id,
+        now=now,
     )
-    sign_header(header, signer)
-    return pb.StateBlock(header=header, payload=pb.Payload(inline_rows=data))
-
-
-def with_object_payload(
-    block: pb.StateBlock, bucket: str, name: str
-) -> tuple[pb.StateBlock, bytes]:
-    """Move inline rows out (for blocks over max_payload): (block with ObjectRef, rows bytes).
-
-    The header is untouched, so the signature still holds: it commits to the rows through
-    forward_state_digest, which the worker checks after fetching the object.
-    """
-    if block.payload.WhichOneof("location") != "inline_rows":
-        raise ValueError("block payload is not inline")
-    data = block.payload.inline_rows
-    ref = pb.ObjectRef(
-        bucket=bucket, name=name, digest=hashlib.sha256(data).digest(), size=len(data)
-    )
-    return pb.StateBlock(header=block.header, payload=pb.Payload(object_ref=ref)), data
+    return sealed.message()
 
 
 def serialize_block(block: pb.StateBlock) -> bytes:
@@ -257,6 +325,25 @@ def parse_block(data: bytes) -> pb.StateBlock:
     return block
 
 
+def parse_wire(data: bytes) -> tuple[pb.StateBlock, memoryview | None]:
+    """`parse_block`, leaving inline rows in `data`: (the block without its payload, a view
+    of the rows) for the canonical encoding (header, then a payload of inline rows, nothing
+    else: what `serialize_block` writes), whose protobuf parse would copy the rows into the
+    message and out again; anything else is `(parse_block(data), None)`. Pass the view to
+    `verify` as `payload`."""
+    split = wire.split_inline(data)
+    if split is None:
+        return parse_block(data), None
+    header, rows = split
+    block = pb.StateBlock()
+    block.header.SetInParent()  # present even when empty, as the full parse leaves it
+    try:
+        block.header.ParseFromString(header)
+    except DecodeError as e:
+        raise BlockRejected(RejectReason.MALFORMED, f"not a StateBlock: {e}") from e
+    return block, rows
+
+
 @dataclass(frozen=True)
 class VerifiedBlock:
     header: pb.StateBlockHeader
@@ -266,7 +353,7 @@ class VerifiedBlock:
         return lane_rows(self.rows, self.header.layout)
 
 
-def _check_well_formed(block: pb.StateBlock) -> None:
+def _check_well_formed(block: pb.StateBlock, *, rows_apart: bool) -> None:
     if not block.HasField("header"):
         raise BlockRejected(RejectReason.MALFORMED, "no header")
     header = block.header
@@ -283,7 +370,7 @@ def _check_well_formed(block: pb.StateBlock) -> None:
     for name in ("layout_digest", "forward_state_digest"):
         if len(getattr(header, name)) != DIGEST_BYTES:
             raise BlockRejected(RejectReason.MALFORMED, f"{name} is not a SHA-256 digest")
-    if block.payload.WhichOneof("location") is None:
+    if block.payload.WhichOneof("location") is None and not rows_apart:
         raise BlockRejected(RejectReason.MALFORMED, "no payload")
 
 
@@ -292,13 +379,15 @@ def verify(
     trust_store: TrustStore,
     now: float | None = None,
     *,
-    payload: bytes | None = None,
+    payload: bytes | memoryview | None = None,
 ) -> VerifiedBlock:
     """Check everything a worker must before it claims; raise BlockRejected on the first failure.
 
-    `payload` is the fetched object for an ObjectRef payload (ignored for inline rows).
+    `payload` is the rows when they are not in the message: the fetched object for an
+    ObjectRef payload, or the inline rows `parse_wire` split off (the block then has no
+    payload). It is ignored for a block that holds its rows inline.
     """
-    _check_well_formed(block)
+    _check_well_formed(block, rows_apart=payload is not None)
     header = block.header
     public_key = trust_store.get(header.key_id)
     if public_key is None:
@@ -323,9 +412,13 @@ def verify(
     return VerifiedBlock(header=header, rows=rows)
 
 
-def _payload_bytes(block: pb.StateBlock, fetched: bytes | None) -> bytes:
-    if block.payload.WhichOneof("location") == "inline_rows":
+def _payload_bytes(block: pb.StateBlock, fetched: bytes | memoryview | None) -> bytes | memoryview:
+    location = block.payload.WhichOneof("location")
+    if location == "inline_rows":
         return block.payload.inline_rows
+    if location is None:  # rows split off by parse_wire (checked in _check_well_formed)
+        assert fetched is not None
+        return fetched
     ref = block.payload.object_ref
     if ref.digest != block.header.forward_state_digest:
         raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, "object digest != forward state")

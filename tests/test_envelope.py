@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 
@@ -49,6 +50,21 @@ def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16
         now=NOW,
     )
     return block, lanes
+
+
+def seal(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)) -> env.SealedBlock:
+    torch.manual_seed(0)
+    layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
+    return env.seal_block(
+        layout,
+        torch.randn(sum(counts), 4).to(dtype),
+        request_id="req-1",
+        identity=IDENTITY,
+        sampling=[pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths],
+        signer=signer,
+        ttl_s=30,
+        now=NOW,
+    )
 
 
 def resign(block: pb.StateBlock, signer: Signer) -> None:
@@ -209,14 +225,18 @@ def test_build_rejects_rows_that_do_not_match_the_layout(signer):
 
 
 def test_object_payload(signer, trust):
-    block, lanes = make_block(signer)
-    moved, data = env.with_object_payload(block, "STATEBLOCK_PAYLOADS", block.header.block_id)
-    assert moved.header == block.header and not moved.payload.HasField("inline_rows")
-    verified = env.verify(moved, trust, NOW + 1, payload=data)
-    assert torch.equal(verified.rows, torch.cat(lanes))
-    corrupted = bytearray(data)
+    sealed = seal(signer)
+    data = env.parse_block(sealed.object_wire("STATEBLOCK_PAYLOADS", sealed.header.block_id))
+    assert data.header == sealed.header and not data.payload.HasField("inline_rows")
+    ref = data.payload.object_ref
+    assert ref.name == sealed.header.block_id and ref.size == len(sealed.rows)
+    assert ref.digest == hashlib.sha256(sealed.rows).digest()  # the forward-state digest
+    rows = sealed.rows.tobytes()
+    verified = env.verify(data, trust, NOW + 1, payload=rows)
+    assert torch.equal(verified.rows, env.rows_from_bytes(rows, sealed.header.layout))
+    corrupted = bytearray(rows)
     corrupted[0] ^= 0xFF
-    got = reject_reason(moved, trust, payload=bytes(corrupted))
+    got = reject_reason(data, trust, payload=bytes(corrupted))
     assert got == RejectReason.FORWARD_STATE_DIGEST
 
 

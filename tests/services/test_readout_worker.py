@@ -18,7 +18,7 @@ from readout_svc.engine import LaneRequest, UnknownEngine, create_engine
 from readout_svc.server import running_readout
 from registry import Registry
 from stateblock import envelope as env
-from stateblock import streams
+from stateblock import streams, wire
 from stateblock.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
@@ -29,7 +29,13 @@ SIGNER = Signer.generate()
 STRANGER = Signer.generate()
 
 
-def make_block(serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0):
+def make_block(serving_model, **kw) -> pb.StateBlock:
+    return make_sealed(serving_model, **kw).message()
+
+
+def make_sealed(
+    serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0
+) -> env.SealedBlock:
     gen = torch.Generator().manual_seed(seed)
     d = serving_model.hidden_size
     rows = torch.randn(sum(rows_per_lane), d, generator=gen)  # (total_rows, d)
@@ -38,7 +44,7 @@ def make_block(serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=N
         request_id, rows_per_lane, [depth] * len(rows_per_lane), hidden_size=d, dtype=rows.dtype
     )
     sampling = [pb.SamplingParams(max_tokens=depth) for _ in rows_per_lane]
-    return env.build_block(
+    return env.seal_block(
         layout,
         rows,
         request_id=request_id,
@@ -166,6 +172,24 @@ async def test_block_published_twice_is_committed_once(nc, readout, serving_mode
     assert entry.state == commit_pb2.CLAIM_STATE_COMMITTED and entry.commit == commit
 
 
+async def test_a_block_in_another_valid_encoding_is_committed(nc, readout, serving_model):
+    """Protobuf accepts the fields in any order; such bytes take the worker's full parse
+    instead of the split of the canonical encoding, to the same commit."""
+    block = make_block(serving_model, rows_per_lane=(3, 4), seed=8)
+    payload, header = block.payload.SerializeToString(), block.header.SerializeToString()
+    data = (
+        b"\x12" + wire.varint(len(payload)) + payload + b"\x0a" + wire.varint(len(header)) + header
+    )
+    assert data != env.serialize_block(block) and env.parse_block(data) == block
+    await nc.jetstream().publish(
+        streams.blocks_subject(MODEL), data, headers={"Nats-Msg-Id": block.header.block_id}
+    )
+    registry = await Registry.open(nc.jetstream())
+    commit = await registry.watch_commit(block.header.block_id, timeout=20)
+    assert commit.forward_state_digest == block.header.forward_state_digest
+    assert [lane.lane_index for lane in commit.lanes] == [0, 1]
+
+
 async def test_model_mismatch_is_rejected(nc, readout, serving_model):
     other = dataclasses.replace(serving_model.identity, decoder_digest=b"\x00" * 32)
     block = make_block(dataclasses.replace(serving_model, identity=other), seed=4)
@@ -184,8 +208,8 @@ async def test_block_over_max_payload_goes_through_the_object_store(
         assert nc.max_payload == 16 * 1024
         await streams.ensure_streams(nc.jetstream())
         publisher = await BlockPublisher.open(nc, model=MODEL, timeout_s=5)
-        block = make_block(serving_model, rows_per_lane=(40, 30), seed=5)  # 70 KiB of rows
-        assert len(env.serialize_block(block)) > nc.max_payload
+        block = make_sealed(serving_model, rows_per_lane=(40, 30), seed=5)  # 70 KiB of rows
+        assert len(block.wire()) > nc.max_payload
         assert await publisher.publish(block)  # True: via the object store
         config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
         trust = TrustStore([SIGNER.public_key])
