@@ -59,6 +59,13 @@ def copy_gbs() -> dict:
     return out
 
 
+def verify_wire(data: bytes, trust) -> object:
+    from stateblock import envelope as env
+
+    block, rows = env.parse_wire(data)
+    return env.verify(block, trust, payload=rows)
+
+
 def host_costs() -> dict:
     """ms, median of 50, on this machine's CPU: what the services do to one 2.75 MB block
     besides moving it (the e2e stage histograms say how these add up)."""
@@ -81,29 +88,24 @@ def host_costs() -> dict:
     signer = Signer.generate()
     ident = env.ModelIdentity("bench", b"", b"", b"")
     layout = env.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
-    block = env.build_block(
-        layout, rows, request_id="r", identity=ident, sampling=[env.pb.SamplingParams()],
-        signer=signer, ttl_s=60,
-    )  # fmt: skip
+
+    def seal():
+        return env.seal_block(
+            layout, rows, request_id="r", identity=ident, sampling=[env.pb.SamplingParams()],
+            signer=signer, ttl_s=60,
+        )  # fmt: skip
+
+    block = seal().message()
     wire = env.serialize_block(block)
     trust = TrustStore([signer.public_key])
     return {
         "sha256_block": ms(lambda: hashlib.sha256(data).digest()),
         "rows_to_bytes": ms(lambda: env.rows_to_bytes(rows)),
-        "build_block": ms(
-            lambda: env.build_block(
-                layout,
-                rows,
-                request_id="r",
-                identity=ident,
-                sampling=[env.pb.SamplingParams()],
-                signer=signer,
-                ttl_s=60,
-            )  # fmt: skip
-        ),
+        "seal_and_wire": ms(lambda: seal().wire()),  # the capture's sign stage and framing
+        "parse_wire_and_verify": ms(lambda: verify_wire(wire, trust)),  # the worker's verify
         "serialize": ms(lambda: env.serialize_block(block)),
         "parse": ms(lambda: env.parse_block(wire)),
-        "verify": ms(lambda: env.verify(env.parse_block(wire), trust)),
+        "parse_block_and_verify": ms(lambda: env.verify(env.parse_block(wire), trust)),
         "cpu": next(
             (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if "model name" in ln),
             "?",

@@ -285,33 +285,6 @@ def seal_block(
     return SealedBlock(header, data)
 
 
-def build_block(
-    layout: pb.Layout,
-    rows: Tensor,  # (total_rows, hidden_size), lanes packed in layout order
-    *,
-    request_id: str,
-    identity: ModelIdentity,
-    sampling: Sequence[pb.SamplingParams],
-    signer: Signer,
-    ttl_s: float,
-    block_id: str | None = None,
-    now: float | None = None,
-) -> pb.StateBlock:
-    """A signed block with the rows inline, as a protobuf message (`SealedBlock.message`)."""
-    sealed = seal_block(
-        layout,
-        rows,
-        request_id=request_id,
-        identity=identity,
-        sampling=sampling,
-        signer=signer,
-        ttl_s=ttl_s,
-        block_id=block_id,
-        now=now,
-    )
-    return sealed.message()
-
-
 def serialize_block(block: pb.StateBlock) -> bytes:
     return block.SerializeToString(deterministic=True)
 

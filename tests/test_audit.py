@@ -251,7 +251,7 @@ def _block(model, prompt: str, signer: Signer, depth: int = 32) -> env.VerifiedB
     rows = model.prompt_rows(prompt)
     layout = env.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
                              dtype=rows.dtype)  # fmt: skip
-    block = env.build_block(
+    block = env.seal_block(
         layout,
         rows,
         request_id="req-1",
@@ -259,7 +259,7 @@ def _block(model, prompt: str, signer: Signer, depth: int = 32) -> env.VerifiedB
         sampling=[block_pb2.SamplingParams(max_tokens=depth)],
         signer=signer,
         ttl_s=60,
-    )
+    ).message()
     return env.verify(block, TrustStore([signer.public_key]))
 
 

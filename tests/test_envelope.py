@@ -39,7 +39,7 @@ def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16
     lanes = [torch.randn(c, 4).to(dtype) for c in counts]
     layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
     sampling = [pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths]
-    block = env.build_block(
+    block = env.seal_block(
         layout,
         torch.cat(lanes),
         request_id="req-1",
@@ -48,7 +48,7 @@ def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16
         signer=signer,
         ttl_s=30,
         now=NOW,
-    )
+    ).message()
     return block, lanes
 
 
@@ -217,11 +217,11 @@ def test_build_rejects_rows_that_do_not_match_the_layout(signer):
     sampling = [pb.SamplingParams(), pb.SamplingParams()]
     common = dict(request_id="r", identity=IDENTITY, sampling=sampling, signer=signer, ttl_s=1)
     with pytest.raises(LayoutError, match="do not match"):
-        env.build_block(layout, torch.zeros(6, 4), **common)
+        env.seal_block(layout, torch.zeros(6, 4), **common)
     with pytest.raises(LayoutError, match="dtype|are"):
-        env.build_block(layout, torch.zeros(5, 4, dtype=torch.float16), **common)
+        env.seal_block(layout, torch.zeros(5, 4, dtype=torch.float16), **common)
     with pytest.raises(LayoutError, match="belongs"):
-        env.build_block(layout, torch.zeros(5, 4), **{**common, "request_id": "other"})
+        env.seal_block(layout, torch.zeros(5, 4), **{**common, "request_id": "other"})
 
 
 def test_object_payload(signer, trust):
