@@ -34,30 +34,16 @@ def trust(signer: Signer) -> TrustStore:
     return TrustStore([signer.public_key])
 
 
-def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)):
+def lanes_of(dtype=torch.float32, counts=(3, 5)) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    lanes = [torch.randn(c, 4).to(dtype) for c in counts]
-    layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
-    sampling = [pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths]
-    block = env.seal_block(
-        layout,
-        torch.cat(lanes),
-        request_id="req-1",
-        identity=IDENTITY,
-        sampling=sampling,
-        signer=signer,
-        ttl_s=30,
-        now=NOW,
-    ).message()
-    return block, lanes
+    return [torch.randn(c, 4).to(dtype) for c in counts]
 
 
 def seal(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)) -> env.SealedBlock:
-    torch.manual_seed(0)
     layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
     return env.seal_block(
         layout,
-        torch.randn(sum(counts), 4).to(dtype),
+        torch.cat(lanes_of(dtype, counts)),
         request_id="req-1",
         identity=IDENTITY,
         sampling=[pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths],
@@ -65,6 +51,11 @@ def seal(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)) -> 
         ttl_s=30,
         now=NOW,
     )
+
+
+def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)):
+    """The block as a protobuf message, and its lanes' rows."""
+    return seal(signer, dtype, counts, depths).message(), lanes_of(dtype, counts)
 
 
 def resign(block: pb.StateBlock, signer: Signer) -> None:
