@@ -13,8 +13,9 @@
    rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, the variants
    (the lm_head GEMM instead of the fused head, earlier precisions, bf16 decoder, fp16
    autocast), and the eager reference (SDPA and explicit attention) at K=8, D=8192;
-5. --audit: the parity audit of the engine as it serves (TF32 matmuls, fused attention,
-   fused fp32 head) and with the fused head in bf16.
+5. --audit: the parity audit of the engine as it serves (fp32 linears, TF32 dots in the
+   fused attention and the fused fp32 head), with its linears in TF32 too, and with the
+   fused head in bf16.
 Every result is written to DIR/smoke.json as soon as it exists. Times: CUDA events, warm-up
 then the median of 20. Imports the repo, torch and triton only.
 """
@@ -76,7 +77,8 @@ def audit_default(**options) -> dict:
     report = audit.parity_audit(model, engine, create_engine("reference", model, "cuda"))
     report["engine_settings"] = {
         "attention": engine.attention,
-        "precision": engine._precision,
+        "linears": engine._precision,
+        "kernel_dots": engine._kernel_precision,
         "head": engine.head,
         "head_dtype": str(engine._head.dtype),
     }
@@ -223,15 +225,14 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
         del variant
         free()
-    # the earlier defaults: the lm_head GEMM after an fp32 decoder with SDPA (session 3),
-    # then after a TF32 decoder with the fused attention; and the fused head in bf16
+    # session 3's engine (the lm_head GEMM after an fp32 decoder with SDPA), the lm_head GEMM
+    # after today's decoder, the decoder's linears in TF32 too (session 4's measured run:
+    # process-wide switch), and the fused head in bf16
     old_head = {"head": "lm_head"}
     for key, options in (
-        (
-            "engine_lm_head_fp32_sdpa",
-            {**old_head, "matmul_precision": "highest", "attention": "sdpa"},
-        ),
+        ("engine_lm_head_fp32_sdpa", {**old_head, "attention": "sdpa", "kernel_precision": "ieee"}),
         ("engine_lm_head", old_head),
+        ("engine_tf32_linears", {"matmul_precision": "high"}),
         ("engine_fused_bf16", {"head_dtype": torch.bfloat16}),
     ):
         variant = engine(warm_shapes=(), **options)
@@ -270,9 +271,9 @@ def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
     m = decoder.mixed(x, lens, pos, impl="sdpa")[0]  # (D, d_r)
     head = et.fused_head(lm_head, decoder.out.weight, torch.float32)
 
-    def decoder_ms(stage, precision: str, impl: str) -> float:
+    def decoder_ms(stage, linears: str, impl: str) -> float:
         def run():
-            with et.matmul_precision(precision):
+            with et.matmul_precision(linears), et.dot_precision("tf32"):
                 stage(x, lens, pos, impl=impl)
 
         return cuda_ms(run)
@@ -280,8 +281,9 @@ def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
     tf32 = replace(tiles or default_tiles(m.device, torch.float32), block_k=32, precision="tf32")
     return {
         "hidden_fp32_sdpa_ms": decoder_ms(decoder.hidden, "highest", "sdpa"),
-        "hidden_tf32_fused_ms": decoder_ms(decoder.hidden, "high", "fused"),
-        "mixed_tf32_fused_ms": decoder_ms(decoder.mixed, "high", "fused"),  # the default
+        "hidden_fused_ms": decoder_ms(decoder.hidden, "highest", "fused"),
+        "mixed_fused_ms": decoder_ms(decoder.mixed, "highest", "fused"),  # the default
+        "mixed_fused_tf32_linears_ms": decoder_ms(decoder.mixed, "high", "fused"),
         "top2_lm_head_ms": cuda_ms(lambda: top2_triton(h, lm_head, tiles)),
         "top2_fused_tf32_ms": cuda_ms(lambda: top2_triton(m, head, tf32)),  # the default
         "top2_fused_bf16_ms": cuda_ms(lambda: top2_triton(m.bfloat16(), head.bfloat16(), tiles)),
@@ -399,6 +401,7 @@ def main() -> int:
     time_engine(rep, et, rate, tiles)
     if args.audit:
         rep.run("audit_default", audit_default)
+        rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high"))
         rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")

@@ -47,6 +47,7 @@ from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
 from stateblock.serving import ServingModel
 from stateblock.triton_attention import available as attention_available
+from stateblock.triton_attention import dot_precision
 from stateblock.triton_top2 import Top2Config, available, default_tiles, top2
 from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
@@ -83,6 +84,9 @@ def matmul_precision(precision: str) -> Iterator[None]:
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
     before = torch.get_float32_matmul_precision()
+    if before == precision:  # the default path: the switch is never touched
+        yield
+        return
     torch.set_float32_matmul_precision(precision)
     try:
         yield
@@ -91,11 +95,11 @@ def matmul_precision(precision: str) -> Iterator[None]:
 
 
 def fused_head(lm_head: Tensor, out_weight: Tensor, dtype: torch.dtype, chunk: int = 16384):
-    """lm_head @ out.weight: (V, d_base) @ (d_base, d_r) -> (V, d_r), in exact fp32, then
-    `dtype`. Chunked over V so the fp32 temporary stays ~180 MB at d_base 2688."""
-    w = out_weight.float()
-    with matmul_precision("highest"):
-        return torch.cat([(c.float() @ w).to(dtype) for c in lm_head.split(chunk)])
+    """lm_head @ out.weight: (V, d_base) @ (d_base, d_r) -> (V, d_r), accumulated in fp64
+    (exact whatever torch's TF32 switch says, and no switch flipped), then `dtype`. Chunked
+    over V so the fp64 temporary stays ~350 MB at d_base 2688 (~3 ms on an H200)."""
+    w = out_weight.double()
+    return torch.cat([(c.double() @ w).to(dtype) for c in lm_head.split(chunk)])
 
 
 def readout_step(
@@ -112,20 +116,22 @@ def readout_step(
     precision: str = "highest",
     attention: str = "sdpa",
     fused: bool = False,
+    kernel_precision: str = "ieee",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,).
 
     Pure and shape-static: the body of every CUDA graph and of the eager path. The logits
     are h @ head.T: the decoder's hidden states against the lm_head, or, when `fused`, the
     mixer's normed output against the fused head (`fused_head`). `autocast`:
-    the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: the fp32
-    matmul precision of the decoder ("high" = TF32 on the GPU; see `matmul_precision`);
-    `attention`: the decoder's attention implementation ("sdpa" or "fused", see Attention).
+    the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: torch's
+    fp32 matmul precision for the decoder's linears ("high" = TF32, process-wide while it
+    runs; see `matmul_precision`); `attention`: the decoder's attention ("sdpa" or "fused",
+    see Attention); `kernel_precision`: the fused attention kernel's dots ("tf32"/"ieee").
     """
     # cache_enabled=False: cached weight casts would outlive a CUDA-graph capture
     on = autocast is not None
     amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
-    with amp, matmul_precision(precision):
+    with amp, matmul_precision(precision), dot_precision(kernel_precision):
         stage = decoder.mixed if fused else decoder.hidden
         h = stage(rows, prompt_lens, positions, impl=attention)
     h = h.to(head.dtype)
@@ -171,7 +177,8 @@ class TorchEngine:
         top2_config: Top2Config | None = None,
         decoder_dtype: torch.dtype = torch.float32,
         autocast: torch.dtype | None = None,
-        matmul_precision: str | None = None,
+        matmul_precision: str = "highest",
+        kernel_precision: str | None = None,
         attention: str | None = None,
         head: str | None = None,
         head_dtype: torch.dtype = torch.float32,
@@ -185,14 +192,22 @@ class TorchEngine:
         # Its matmuls in bf16 flip tokens at margins up to ~0.8; even fp16 (`autocast`, 10
         # mantissa bits, fp32 residual and norms) crosses the 0.05 near-tie bound at depth
         # 2048 (0.071), so reduced precision stays an opt-in that fails the parity gate.
-        # TF32 matmuls (`matmul_precision="high"`, the GPU default) pass the audit on the H200
-        # (exact to depth 2048, 3 near-ties of 32 lanes at 4096 and 8192); "highest" is fp32.
+        # TF32 passes the audit on the H200 (docs/PARITY.md). The engine uses it where it
+        # says so per call: the Triton kernels' dots (`kernel_precision`, default "tf32" on
+        # Ampere and later: the mixer's attention and the fused head). The decoder's linears
+        # are cuBLAS calls that only torch's process-wide switch moves to TF32: that is the
+        # opt-in `matmul_precision="high"`, for a readout process of its own, since while it
+        # is on a capture in the same process would run its fp32 matmuls (the rotary
+        # tables) in TF32 too.
         self._act = decoder_dtype
         self._autocast = autocast if on_gpu else None
-        precision = matmul_precision or ("high" if on_gpu else "highest")
-        if precision not in MATMUL_PRECISIONS:
+        if matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}")
-        self._precision = precision if on_gpu else "highest"  # CPU: the reference's fp32
+        self._precision = matmul_precision if on_gpu else "highest"  # CPU: the reference's
+        tf32_ok = on_gpu and torch.cuda.get_device_capability(dev) >= (8, 0)
+        self._kernel_precision = kernel_precision or ("tf32" if tf32_ok else "ieee")
+        if self._kernel_precision not in ("tf32", "ieee"):
+            raise ValueError("kernel_precision must be 'tf32' or 'ieee'")
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
         # path has no tensor cores: ~4.5 of the 6.2 ms fp32 decoder at D=8192), else SDPA.
         fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32
@@ -241,9 +256,9 @@ class TorchEngine:
             else (Shape(1, bucket(WARM_PROMPT, self._prompt_b) or 1, d) for d in self._depth_b)
         )
         self.top2_backend = "triton" if available(dev) else "torch-chunked"
-        # fp32 heads take the decoder's precision: TF32 dots at "high", exact at "highest"
+        # an fp32 head's dots (the fused head's) run at kernel_precision
         tiles = top2_config or default_tiles(dev, self._head.dtype)
-        tiles = replace(tiles, precision="tf32" if self._precision == "high" else "ieee")
+        tiles = replace(tiles, precision=self._kernel_precision)
         self._top2 = partial(top2, n_chunks=self._n_chunks, cfg=tiles)
         self._graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
         self._static: dict[str, Tensor] = {}
@@ -321,6 +336,7 @@ class TorchEngine:
             top2_fn=self._top2,
             autocast=self._autocast,
             precision=self._precision,
+            kernel_precision=self._kernel_precision,
             attention=self.attention,
             fused=self.head == "fused",
         )

@@ -4,9 +4,10 @@ The readout mixer runs in fp32 (docs/PARITY.md: bf16 or fp16 anywhere in the dec
 flips tokens), and fp32 is where PyTorch's SDPA has no tensor-core kernel: it takes the
 memory-efficient SIMT path, about 4.5 ms of the 6.2 ms fp32 decoder at D=8192 on an H200.
 This kernel is flash attention (online softmax, scores never leave the chip) over fp32
-tiles whose two products run as TF32 tensor-core dots when torch's fp32 matmul precision
-allows TF32 (`torch.set_float32_matmul_precision("high")`, as the engine sets it) and as
-exact fp32 ("ieee") otherwise, so it follows the same switch as the decoder's linears.
+tiles whose two products run as TF32 tensor-core dots ("tf32") or exact fp32 ("ieee"). The
+precision is the caller's: an argument, or `dot_precision` around the call (a context
+variable, so one thread's choice never leaks into another's, unlike torch's process-wide
+fp32 matmul switch), or else what torch's fp32 matmuls use now.
 
 The mask is PrefixCausal's: query t sees the n_prefix leading keys (the latents) and the
 keys of positions <= t, i.e. key j is visible to query t iff j <= n_prefix + t. Key blocks
@@ -17,6 +18,9 @@ diagonal pay for the mask, and blocks past the last query's horizon are never lo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -28,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["available", "prefix_causal_attention", "precision_of_torch"]
+__all__ = ["available", "dot_precision", "prefix_causal_attention", "resolve_precision"]
 
 BLOCK_M, BLOCK_N = 128, 64  # queries per program, keys per step
 NUM_WARPS, NUM_STAGES = 4, 2
@@ -42,9 +46,31 @@ def available(device: torch.device | str | None = None) -> bool:
     return device is None or torch.device(device).type == "cuda"
 
 
-def precision_of_torch() -> str:
-    """The dot precision torch's fp32 matmuls use now: "ieee" at "highest", else "tf32"."""
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+DOT_PRECISIONS = ("tf32", "ieee")
+_DOT_PRECISION: ContextVar[str | None] = ContextVar("stateblock_dot_precision", default=None)
+
+
+@contextmanager
+def dot_precision(precision: str) -> Iterator[None]:
+    """The kernel's dot precision for calls in this block, in this thread (or task) only."""
+    if precision not in DOT_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {DOT_PRECISIONS}")
+    token = _DOT_PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _DOT_PRECISION.reset(token)
+
+
+def resolve_precision(precision: str | None = None) -> str:
+    """The argument, else `dot_precision`'s, else what torch's fp32 matmuls use now ("ieee"
+    at "highest", else "tf32")."""
+    precision = precision or _DOT_PRECISION.get()
+    if precision is None:
+        precision = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if precision not in DOT_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {DOT_PRECISIONS}")
+    return precision
 
 
 if triton is not None:
@@ -139,7 +165,7 @@ def prefix_causal_attention(
     n_prefix: int,
     *,
     out: Tensor | None = None,  # (B, H, Nq, hd) by strides, e.g. a transpose of (B, Nq, H, hd)
-    precision: str | None = None,  # "tf32" / "ieee"; None: what torch's fp32 matmuls use now
+    precision: str | None = None,  # "tf32" / "ieee"; None: see resolve_precision
 ) -> Tensor:
     """softmax(q k^T / sqrt(hd) under PrefixCausal(n_prefix)) v; the (B, H, Nq, hd) output.
 
@@ -156,9 +182,7 @@ def prefix_causal_attention(
         raise ValueError(f"fp32 q, k, v only (got {q.dtype}, {k.dtype}, {v.dtype})")
     if hd < 16 or hd & (hd - 1) or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError(f"head dim must be a power of two >= 16 with unit stride (got {hd})")
-    precision = precision or precision_of_torch()
-    if precision not in ("tf32", "ieee"):
-        raise ValueError(f"precision {precision!r} is not 'tf32' or 'ieee'")
+    precision = resolve_precision(precision)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.shape != q.shape or out.stride(-1) != 1 or out.dtype != q.dtype:

@@ -114,8 +114,10 @@ def test_fused_head_reads_the_same_logits(served, reference, captured):
     eng = TorchEngine.load(served, head="fused")
     dec = eng._decoder
     assert eng._head.shape == (served.lm_head.shape[0], dec.cfg.d_r)
-    want = served.lm_head.float() @ dec.out.weight.float()
-    assert torch.allclose(fused_head(served.lm_head, dec.out.weight, torch.float32), want)
+    want = (served.lm_head.double() @ dec.out.weight.double()).float()  # exact, then rounded
+    got = fused_head(served.lm_head, dec.out.weight, torch.float32)
+    assert torch.allclose(got, want, rtol=2.5e-7, atol=1e-12)  # at most the last fp32 bit
+    assert torch.allclose(want, served.lm_head.float() @ dec.out.weight.float(), atol=1e-5)
     lanes = lanes_of(captured, [1, 40, 300, 7, 128], temps=[0, 0, 1.5, 0, 0.7],
                      seeds=[None, None, 21, None, 22])  # fmt: skip
     worst = assert_same(reference.readout(lanes), eng.readout(lanes), atol=1e-3)
@@ -183,6 +185,7 @@ def test_cpu_engine_runs_the_reference_numerics(served, engine):
     """On the CPU the engine computes as the reference does: fp32 matmuls, SDPA attention;
     asking for the GPU-only fused kernel fails clearly instead of falling back."""
     assert engine.attention == "sdpa" and engine._precision == "highest"
+    assert engine._kernel_precision == "ieee"
     with pytest.raises(EngineUnavailable, match="fused attention kernel needs"):
         TorchEngine.load(served, attention="fused")
     with pytest.raises(ValueError, match="matmul_precision"):
@@ -197,6 +200,25 @@ def test_matmul_precision_is_scoped():
     with pytest.raises(ValueError), matmul_precision("low"):
         pass
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_dot_precision_is_per_thread():
+    """The fused kernels' TF32 choice is a context variable: another thread, such as a
+    capture service's forward in the same process, never sees it."""
+    import threading
+
+    from stateblock.triton_attention import dot_precision, resolve_precision
+
+    seen = {}
+    with dot_precision("tf32"):
+        assert resolve_precision() == "tf32" and resolve_precision("ieee") == "ieee"
+        t = threading.Thread(target=lambda: seen.update(other=resolve_precision()))
+        t.start()
+        t.join()
+    assert seen["other"] == "ieee"  # torch's own default ("highest") there
+    assert resolve_precision() == "ieee"
+    with pytest.raises(ValueError), dot_precision("bf16"):
+        pass
 
 
 def test_fused_impl_without_a_prefix_mask_is_sdpa(served, captured):
@@ -308,7 +330,9 @@ def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
     from stateblock.triton_attention import available as attention_available
 
     eng = TorchEngine.load(served, device="cuda")
-    assert eng._precision == "high" and eng.head == "fused"
+    # TF32 in the kernels' own dots; torch's process-wide switch left alone
+    assert eng._kernel_precision == "tf32" and eng._precision == "highest"
+    assert eng.head == "fused"
     assert eng._head.shape == (served.lm_head.shape[0], eng._decoder.cfg.d_r)
     assert eng.attention == ("fused" if attention_available("cuda") else "sdpa")
 
