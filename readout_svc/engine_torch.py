@@ -1,11 +1,13 @@
 """The `torch` readout engine: the GPU fast path of DESIGN.md s.5.
 
-On CUDA: the decoder in fp32 with TF32 matmuls, its mixer attention as one fp32 flash
-kernel (`stateblock.triton_attention`: no D x D score tensor, TF32 tensor-core dots), the
-lm_head GEMM in bf16 inside the fused Triton top-2 (`stateblock.triton_top2`: logits never
-leave the chip), and one CUDA graph per shape bucket. On the CPU the same code runs eagerly in fp32 with the chunked PyTorch top-2 and,
-by default, no buckets (exact shapes, as the reference), so CI imports and tests it
-against the reference engine. device="cuda" without a GPU raises EngineUnavailable.
+On CUDA: the decoder in fp32, its mixer attention as one fp32 flash kernel
+(`stateblock.triton_attention`: no D x D score tensor, TF32 tensor-core dots), the
+vocabulary top-2 over the fused head lm_head @ out.weight (V x d_r, fp32, TF32 dots) in the
+Triton top-2 kernel (`stateblock.triton_top2`: logits never leave the chip; `head="lm_head"`
+keeps the bf16 lm_head GEMM), and one CUDA graph per shape bucket. On the CPU the same code
+runs eagerly in fp32 with the chunked PyTorch top-2 and, by default, no buckets (exact
+shapes, as the reference), so CI imports and tests it against the reference engine.
+device="cuda" without a GPU raises EngineUnavailable.
 
 Shapes. A cohort of at most K_MAX lanes is one enqueue: lanes, prompt rows and answer
 depth are each padded up to a bucket, so a handful of fixed shapes cover all traffic.
