@@ -157,19 +157,25 @@ def cmd_up(a: argparse.Namespace) -> int:
             return
 
         def ask_then_stop() -> None:
-            # --ask: one real request through the HTTP API, then the same clean stop as Ctrl-C
-            print(f"ask: {a.ask}", flush=True)
-            asked = argparse.Namespace(
-                prompt=a.ask,
-                url=urls.http,
-                model=None,
-                max_tokens=None,
-                temperature=None,
-                timeout=120.0,
-                verbose=True,
-            )
-            results.append(cmd_ask(asked))
-            os.kill(os.getpid(), signal.SIGINT)
+            # --ask: one real request through the HTTP API, then the same clean stop as Ctrl-C,
+            # whatever happened to the ask: a reader that went away (`| head -1`) leaves a
+            # BrokenPipeError here, and without the stop the stack would run on, unattended
+            try:
+                print(f"ask: {a.ask}", flush=True)
+                asked = argparse.Namespace(
+                    prompt=a.ask,
+                    url=urls.http,
+                    model=None,
+                    max_tokens=None,
+                    temperature=None,
+                    timeout=120.0,
+                    verbose=True,
+                )
+                results.append(cmd_ask(asked))
+            except Exception:  # noqa: BLE001 - the exit status says the ask failed
+                results.append(1)
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)
 
         threading.Thread(target=ask_then_stop, daemon=True).start()
 

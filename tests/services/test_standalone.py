@@ -172,3 +172,26 @@ def test_readout_service_fails_closed_at_start_up(standalone_env, tmp_path, engi
     assert rc != 0, service.stderr()
     assert says in service.stderr()
     assert READY_LINES["readout_svc"] not in service.stderr()
+
+
+def test_up_ask_stops_when_its_reader_goes_away(tmp_path):
+    """`stateblock up --ask ... | head -5`: the reader takes the banner and closes the pipe
+    before the answer is printed; the embedded stack must still stop instead of running on
+    unattended."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stateblock.cli", "up", "--ask", PROMPT,
+         "--data-dir", str(tmp_path / "up"), "--http-port", str(free_port()),
+         "--grpc-port", str(free_port())],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        banner = [proc.stdout.readline() for _ in range(5)]  # up, HTTP, gRPC, metrics, NATS
+        assert banner[0].startswith(b"stateblock is up") and b"NATS" in banner[4], banner
+        proc.stdout.close()  # `head -5` is done
+        rc = proc.wait(timeout=READY_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc != 0  # the ask could not print its answer: a failed ask, not a hang
