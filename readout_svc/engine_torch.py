@@ -79,10 +79,10 @@ def bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 @contextmanager
 def matmul_precision(precision: str) -> Iterator[None]:
-    """torch.set_float32_matmul_precision for the block, restored after. It is process-wide,
-    but only fp32 matmuls read it (the capture's bf16 base does not), and a CUDA graph keeps
-    the kernels chosen while it was captured, so holding it over capture and eager runs is
-    enough."""
+    """torch.set_float32_matmul_precision for the block, restored after; untouched when it
+    already holds. The switch is process-wide (so "high" is an opt-in, see TorchEngine), and
+    a CUDA graph keeps the kernels chosen while it was captured, so holding it over capture
+    and eager runs is enough."""
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
     before = torch.get_float32_matmul_precision()
@@ -189,11 +189,10 @@ class TorchEngine:
         on_gpu = dev.type == "cuda"
         self._device = dev
         # Precision (docs/PARITY.md; shipped model, 32 held-out prompts, flips against the
-        # fp32 reference): the decoder runs in fp32 and only the lm_head GEMM, where the time
-        # goes, reads bf16 (fp32 accumulation; every flip under a 0.006 margin at depth 1024).
-        # Its matmuls in bf16 flip tokens at margins up to ~0.8; even fp16 (`autocast`, 10
-        # mantissa bits, fp32 residual and norms) crosses the 0.05 near-tie bound at depth
-        # 2048 (0.071), so reduced precision stays an opt-in that fails the parity gate.
+        # fp32 reference): the decoder runs in fp32. Its matmuls in bf16 flip tokens at
+        # margins up to ~0.8; even fp16 (`autocast`, 10 mantissa bits, fp32 residual and
+        # norms) crosses the 0.05 near-tie bound at depth 2048 (0.071), so reduced precision
+        # stays an opt-in that fails the parity gate.
         # TF32 passes the audit on the H200 (docs/PARITY.md). The engine uses it where it
         # says so per call: the Triton kernels' dots (`kernel_precision`, default "tf32" on
         # Ampere and later: the mixer's attention and the fused head). The decoder's linears
