@@ -17,7 +17,11 @@ multiprocessors), the vocabulary is cut into `n_split` ranges, each program writ
 top-2 of its range, and `merge_top2` folds the (n_split, N, 2) candidates in a second,
 tiny pass. Programs that share a vocabulary range run side by side (row blocks vary
 fastest in launch order), so each lm_head tile is read from DRAM about once and then hit
-in L2 by the other row blocks.
+in L2 by the other row blocks; from 16 row blocks up, launch groups of 16 row blocks x 8
+ranges also keep the h tiles those programs re-read in L2 (`Top2Config.group_rows`).
+
+Inputs: bf16/fp16 (the lm_head) or fp32 with TF32 or exact dots (the torch engine's fused
+head, lm_head @ out.weight, whose d is the decoder's 256 rather than 2,688).
 """
 
 from __future__ import annotations
