@@ -191,7 +191,11 @@ def test_up_ask_stops_when_its_reader_goes_away(tmp_path):
         proc.stdout.close()  # `head -5` is done
         rc = proc.wait(timeout=READY_TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # hung: Ctrl-C first, so it stops its nats-server too
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=GRACE_S + EXIT_HEADROOM_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert rc != 0  # the ask could not print its answer: a failed ask, not a hang
