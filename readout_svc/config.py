@@ -17,6 +17,10 @@ class ReadoutServiceConfig:
     base_dir: Path = runtime.REFERENCE_BASE
     decoder_dir: Path = runtime.REFERENCE_DECODER
     engine: str = "reference"
+    # torch engine only: "high" runs the decoder's linears in TF32 through torch's
+    # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
+    matmul_precision: str = "highest"
+    readout_head: str = ""  # torch engine only: "fused" or "lm_head"; "": the engine's default
     trusted_keys_dir: Path = Path("keys")  # every *.pub in here is trusted
     device: str = "cpu"
     workers: int = 2  # concurrent pull loops in this process
@@ -35,10 +39,28 @@ class ReadoutServiceConfig:
     def __post_init__(self) -> None:
         runtime.subject_token(self.model_name)
         runtime.blocks_storage(self.blocks_storage)
+        if self.matmul_precision not in ("highest", "high"):
+            raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")
+        if self.readout_head not in ("", "fused", "lm_head"):
+            raise runtime.ConfigError("STATEBLOCK_READOUT_HEAD must be fused or lm_head")
+        if self.engine != "torch" and self.engine_options():
+            raise runtime.ConfigError(
+                "STATEBLOCK_MATMUL_PRECISION and STATEBLOCK_READOUT_HEAD apply to "
+                f"STATEBLOCK_ENGINE=torch only, not {self.engine!r}"
+            )
         if self.workers < 1:
             raise runtime.ConfigError("STATEBLOCK_WORKERS must be >= 1")
         if self.ack_wait_s <= self.lease_s:
             raise runtime.ConfigError("STATEBLOCK_ACK_WAIT_S must exceed STATEBLOCK_LEASE_S")
+
+    def engine_options(self) -> dict[str, str]:
+        """The engine settings that differ from the engine's defaults."""
+        options = {}
+        if self.matmul_precision != "highest":
+            options["matmul_precision"] = self.matmul_precision
+        if self.readout_head:
+            options["head"] = self.readout_head
+        return options
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReadoutServiceConfig:
@@ -51,6 +73,8 @@ class ReadoutServiceConfig:
             base_dir=e.path("BASE_DIR", d.base_dir),
             decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
             engine=e.str("ENGINE", d.engine),
+            matmul_precision=e.str("MATMUL_PRECISION", d.matmul_precision),
+            readout_head=e.str("READOUT_HEAD", d.readout_head),
             trusted_keys_dir=e.path("TRUSTED_KEYS_DIR", e.path("KEY_DIR", d.trusted_keys_dir)),
             device=e.str("DEVICE", d.device),
             workers=e.int("WORKERS", d.workers, minimum=1),

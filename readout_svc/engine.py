@@ -142,14 +142,14 @@ def _load_onnx(model: ServingModel, device: str = "cpu") -> ReadoutEngine:
     return OnnxEngine.load(model, device)
 
 
-def _load_torch(model: ServingModel, device: str = "cpu") -> ReadoutEngine:
+def _load_torch(model: ServingModel, device: str = "cpu", **options) -> ReadoutEngine:
     # imported here: engine_torch imports this module (LaneRequest, LaneResult)
     from readout_svc.engine_torch import TorchEngine
 
-    return TorchEngine.load(model, device)
+    return TorchEngine.load(model, device, **options)
 
 
-ENGINES: dict[str, Callable[[ServingModel, str], ReadoutEngine]] = {
+ENGINES: dict[str, Callable[..., ReadoutEngine]] = {
     "reference": ReferenceEngine.load,
     "onnx": _load_onnx,
     "torch": _load_torch,
@@ -166,6 +166,17 @@ def require_engine(name: str) -> Callable[[ServingModel, str], ReadoutEngine]:
     return factory
 
 
-def create_engine(name: str, model: ServingModel, device: str = "cpu") -> ReadoutEngine:
-    """The named engine, loaded against `model`."""
-    return require_engine(name)(model, device)
+# The settings each engine takes beyond the model and device (the readout service's
+# STATEBLOCK_MATMUL_PRECISION and STATEBLOCK_READOUT_HEAD); any other is refused.
+ENGINE_OPTIONS: dict[str, frozenset[str]] = {"torch": frozenset({"matmul_precision", "head"})}
+
+
+def create_engine(
+    name: str, model: ServingModel, device: str = "cpu", **options: object
+) -> ReadoutEngine:
+    """The named engine, loaded against `model`, with the settings it takes."""
+    factory = require_engine(name)
+    extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
+    if extra:
+        raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
+    return factory(model, device, **options)

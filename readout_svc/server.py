@@ -113,7 +113,7 @@ async def main() -> None:
         config.decoder_dir,
         device=config.device,
     )
-    engine = create_engine(config.engine, model, config.device)
+    engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
         nc = await nats.connect(config.nats_url, name="readout_svc")
         stack.push_async_callback(nc.drain)

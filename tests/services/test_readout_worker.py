@@ -277,6 +277,28 @@ def test_blocks_storage_from_env():
         ReadoutServiceConfig.from_env({"STATEBLOCK_BLOCKS_STORAGE": "Memory"})
 
 
+def test_torch_engine_settings_from_env(serving_model):
+    """STATEBLOCK_MATMUL_PRECISION / STATEBLOCK_READOUT_HEAD reach the torch engine, fail
+    closed on a bad value or on another engine, and the factory refuses unknown settings."""
+    env = {"STATEBLOCK_ENGINE": "torch", "STATEBLOCK_MATMUL_PRECISION": "high",
+           "STATEBLOCK_READOUT_HEAD": "fused"}  # fmt: skip
+    config = ReadoutServiceConfig.from_env(env)
+    assert config.engine_options() == {"matmul_precision": "high", "head": "fused"}
+    assert ReadoutServiceConfig.from_env({"STATEBLOCK_ENGINE": "torch"}).engine_options() == {}
+    with pytest.raises(ConfigError, match="MATMUL_PRECISION"):
+        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_MATMUL_PRECISION": "medium"})
+    with pytest.raises(ConfigError, match="READOUT_HEAD"):
+        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_READOUT_HEAD": "logits"})
+    with pytest.raises(ConfigError, match="ENGINE=torch only"):
+        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_ENGINE": "reference"})
+    # the CPU engine takes them (its numerics stay the reference's) ...
+    eng = create_engine("torch", serving_model, "cpu", **config.engine_options())
+    assert eng.head == "fused"
+    # ... and no engine takes a setting it does not know
+    with pytest.raises(ValueError, match="takes no setting"):
+        create_engine("reference", serving_model, "cpu", head="fused")
+
+
 async def test_readout_on_a_memory_blocks_stream_commits(nc, engine, serving_model):
     config = ReadoutServiceConfig(nats_url="unused", workers=1, blocks_storage="memory")
     trust = TrustStore([SIGNER.public_key])
