@@ -205,6 +205,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument(
+        "--matmul-precision",
+        choices=["highest", "high"],
+        default="highest",
+        help="torch engine: the decoder's linears in fp32, or TF32 (STATEBLOCK_MATMUL_PRECISION)",
+    )
+    ap.add_argument(
         "--processes", action="store_true", help="one process per service, not one event loop"
     )
     ap.add_argument(
@@ -258,6 +264,8 @@ def environment(args, device: str) -> dict:
 
 def serve_and_measure(args, scale, base, device: str, report: Report, left) -> None:
     """The stack on the in-memory base; the e2e requests; the stack stopped again."""
+    from bench.procs import engine_options
+
     if args.processes:  # the deployment's shape: a process per service, from the saved files
         from bench.procs import serve_processes
 
@@ -271,7 +279,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     setup = report.doc["setup"]
     t0 = time.perf_counter()
     serving = serving_model(MODEL_NAME, base)
-    inner = create_engine(args.engine, serving, device)
+    inner = create_engine(args.engine, serving, device, **engine_options(args))
     engine = TimedEngine(inner)
     setup["serving_checks_and_engine_load_s"] = time.perf_counter() - t0
     setup["engine_top2_backend"] = getattr(inner, "top2_backend", None)

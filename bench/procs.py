@@ -18,13 +18,23 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from stateblock.embedded import free_port, nats_server_binary
 from stateblock.keys import load_or_generate_signer
+
+ENGINE_ENV = {"matmul_precision": "MATMUL_PRECISION", "head": "READOUT_HEAD"}  # readout_svc
+
+
+def engine_options(args) -> dict[str, str]:
+    """The readout engine settings the e2e bench was asked for (--matmul-precision)."""
+    if args.matmul_precision == "highest":
+        return {}
+    return {"matmul_precision": args.matmul_precision}
+
 
 REPO = Path(__file__).resolve().parent.parent
 # the histograms whose per-request sums the bench reads (what a dashboard would plot)
@@ -47,6 +57,7 @@ class ProcStackConfig:
     workers: int = 2
     capture_compile: str = "off"
     blocks_storage: str = "file"
+    engine_options: dict[str, str] = field(default_factory=dict)  # the readout's, see below
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
 
@@ -114,6 +125,7 @@ class ProcStack:
             {
                 **common,
                 "STATEBLOCK_ENGINE": cfg.engine,
+                **{f"STATEBLOCK_{ENGINE_ENV[k]}": v for k, v in cfg.engine_options.items()},
                 "STATEBLOCK_WORKERS": str(cfg.workers),
                 "STATEBLOCK_READOUT_METRICS_PORT": str(readout_metrics),
             },
@@ -272,6 +284,7 @@ def serve_processes(args, scale, base, device: str, report, model_name: str) -> 
         workers=args.workers,
         capture_compile=args.capture_compile,
         blocks_storage=args.blocks_storage,
+        engine_options=engine_options(args),
         nats_max_payload=args.nats_max_payload,
     )
     report.doc["config"].update(stack="processes", capture_compile=args.capture_compile,
