@@ -156,7 +156,7 @@ ENGINES: dict[str, Callable[..., ReadoutEngine]] = {
 }
 
 
-def require_engine(name: str) -> Callable[[ServingModel, str], ReadoutEngine]:
+def require_engine(name: str) -> Callable[..., ReadoutEngine]:
     """Fail closed, before anything is loaded: an unknown engine never falls back."""
     factory = ENGINES.get(name)
     if factory is None:

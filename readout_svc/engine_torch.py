@@ -48,8 +48,8 @@ from stateblock.checkpoint import load_decoder
 from stateblock.envelope import ModelIdentity
 from stateblock.readout import ReadoutDecoder
 from stateblock.serving import ServingModel
+from stateblock.triton_attention import DOT_PRECISIONS, dot_precision
 from stateblock.triton_attention import available as attention_available
-from stateblock.triton_attention import dot_precision
 from stateblock.triton_top2 import Top2Config, available, default_tiles, top2
 from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
@@ -207,8 +207,8 @@ class TorchEngine:
         self._precision = matmul_precision if on_gpu else "highest"  # CPU: the reference's
         tf32_ok = on_gpu and torch.cuda.get_device_capability(dev) >= (8, 0)
         self._kernel_precision = kernel_precision or ("tf32" if tf32_ok else "ieee")
-        if self._kernel_precision not in ("tf32", "ieee"):
-            raise ValueError("kernel_precision must be 'tf32' or 'ieee'")
+        if self._kernel_precision not in DOT_PRECISIONS:
+            raise ValueError(f"kernel_precision must be one of {DOT_PRECISIONS}")
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
         # path has no tensor cores: ~4.5 of the 6.2 ms fp32 decoder at D=8192), else SDPA.
         fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32

@@ -158,7 +158,7 @@ class Attention(nn.Module):
             )
             prefix_causal_attention(q, k, v, mask.n_prefix, out=out.transpose(1, 2))
             return self.wo(out.view(kk, nq, d))  # heads already interleaved: no transpose copy
-        if impl in ("sdpa", "fused") and isinstance(mask, PrefixCausal):
+        if impl == "sdpa" and isinstance(mask, PrefixCausal):
             y = prefix_causal_sdpa(q, k, v, mask.n_prefix)
         elif impl in ("sdpa", "fused"):  # fused: only the mixer's attention has a kernel
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
