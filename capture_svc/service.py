@@ -19,6 +19,7 @@ from capture_svc.config import CaptureConfig
 from capture_svc.publisher import BlockPublisher, PublishError
 from capture_svc.registry import CaptureRegistry, CaptureRegistryError
 from stateblock import envelope as env
+from stateblock import runtime
 from stateblock.ids import uuid7
 from stateblock.keys import Signer
 from stateblock.serving import ServingModel
@@ -81,7 +82,7 @@ class CaptureMetrics:
             "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
             "sign (digest + signature), publish (JetStream ack).",
             ["stage"],
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            buckets=runtime.STAGE_BUCKETS_S,
             registry=registry,
         )
         self.cohort_lanes = Histogram(

@@ -31,7 +31,7 @@ from registry import (
     RegistryError,
 )
 from stateblock import envelope as env
-from stateblock import streams
+from stateblock import runtime, streams
 from stateblock.keys import TrustStore
 from stateblock.v1 import block_pb2 as block_pb
 from stateblock.v1 import commit_pb2 as pb
@@ -60,7 +60,7 @@ class WorkerMetrics:
             "Worker time per committed block by stage: verify (parse, signature, digest, "
             "rows), claim, readout, commit, ack.",
             ["stage"],
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            buckets=runtime.STAGE_BUCKETS_S,
             registry=registry,
         )
         self.rejected = Counter(
