@@ -69,8 +69,9 @@ NOTES = [
 
 STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per request
     ("capture", "stateblock_capture_stage_seconds", ("tokenize", "forward", "sign", "publish")),
-    ("worker", "stateblock_readout_stage_seconds", ("verify", "claim", "readout", "commit", "ack")),
-)
+    ("worker", "stateblock_readout_stage_seconds",
+     ("verify", "claim", "readout", "digest", "digest_wait", "commit", "ack")),
+)  # fmt: skip
 
 
 def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:

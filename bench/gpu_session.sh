@@ -4,12 +4,14 @@
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
 #   bash bench/gpu_session.sh smoke    # timings (no checks), the audit, the GPU tests
 #   bash bench/gpu_session.sh e2e-both [ARGS]  # the e2e in one process (+ AR), then per service
+#   bash bench/gpu_session.sh e2e-procs [ARGS] # the e2e per service (+ compiled AR), then in
+#                                              # one process (no AR)
 #   bash bench/gpu_session.sh final [ARGS]  # smoke (no checks, TF32 audit), e2e (no NemotronH)
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, final, e2e or e2e-both}
+STAGE=${1:?checks, smoke, final, e2e, e2e-both or e2e-procs}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -31,6 +33,17 @@ elif [ "$STAGE" = e2e-both ]; then  # the e2e in one process (with AR), then a p
     "${@:2}" > "$OUT/e2e-procs.log" 2>&1
   echo "e2e procs rc=$?"
   tail -c 2500 "$OUT/e2e.log"; tail -c 1800 "$OUT/e2e-procs.log"
+elif [ "$STAGE" = e2e-procs ]; then  # the deployment's shape with AR, then one event loop
+  mkdir -p "$OUT/procs" "$OUT/inproc"
+  timeout 330 python3 -m bench.e2e_gpu --out "$OUT/procs" --scale full --engine torch --n 50 \
+    --nemotron none --budget-s 310 --processes --ar-eager-repeats 0 "${@:2}" \
+    > "$OUT/e2e-procs.log" 2>&1
+  echo "e2e procs rc=$?"
+  timeout 200 python3 -m bench.e2e_gpu --out "$OUT/inproc" --scale full --engine torch --n 50 \
+    --nemotron none --budget-s 180 --ar-compiled off --ar-eager-repeats 0 "${@:2}" \
+    > "$OUT/e2e.log" 2>&1
+  echo "e2e rc=$?"
+  tail -c 2600 "$OUT/e2e-procs.log"; tail -c 1800 "$OUT/e2e.log"
 elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
   timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1

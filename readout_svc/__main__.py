@@ -1,8 +1,7 @@
 """`python -m readout_svc`: readout workers alone, configured by STATEBLOCK_* variables."""
 
-import asyncio
-
 from readout_svc.server import main
+from stateblock import runtime
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    runtime.run(main())

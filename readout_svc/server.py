@@ -64,6 +64,10 @@ async def running_readout(
         executor = stack.enter_context(
             ThreadPoolExecutor(config.workers, thread_name_prefix="readout")
         )
+        # the rows' SHA-256 runs beside the claim and the readout, not after them
+        digests = stack.enter_context(
+            ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
+        )
         await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
         workers, tasks = [], []
         for i in range(config.workers):
@@ -74,6 +78,7 @@ async def running_readout(
                 nc=nc,
                 objects=objects,
                 executor=executor,
+                digest_executor=digests,
                 metrics=worker_metrics,
                 worker_id=f"{base_id}-w{i}",
                 lease_s=config.lease_s,

@@ -49,7 +49,7 @@ def test_e2e_bench_tiny_dry_run(tmp_path):
         assert e2e["breakdown"][f"capture.{stage}"]["p50_ms"] > 0, stage
     capture = sum(e2e["breakdown"][f"capture.{stage}"]["mean_ms"] for stage in stages)
     assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
-    for stage in ("verify", "claim", "readout", "commit", "ack"):
+    for stage in ("verify", "claim", "readout", "digest", "commit", "ack"):
         assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
 
     eager = doc["ar"]["eager"]
@@ -84,7 +84,7 @@ def test_e2e_bench_process_stack_tiny(tmp_path):
     stages = ("tokenize", "forward", "sign", "publish")
     capture = sum(e2e["breakdown"][f"capture.{s}"]["mean_ms"] for s in stages)
     assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
-    for stage in ("verify", "claim", "readout", "commit", "ack"):
+    for stage in ("verify", "claim", "readout", "digest", "commit", "ack"):
         assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
     assert 0 < e2e["breakdown"]["outside"]["p50_ms"] < e2e["latency"]["p50_ms"]
     # the stage stopped what it started: no nats-server is left on this run's store

@@ -108,6 +108,10 @@ async def test_block_committed_with_the_engine_answer(nc, readout, engine, servi
     assert commit.forward_state_digest == block.header.forward_state_digest
     assert len(commit.output_digest) == 32 and commit.request_id == block.header.request_id
     assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
+    # the rows' digest was checked (in its thread) before this commit, once
+    count = "stateblock_readout_stage_seconds_count"
+    assert value(metrics, count, stage="digest") == 1
+    assert value(metrics, count, stage="digest_wait") == 1
 
 
 def _flip_payload(block: pb.StateBlock) -> None:
@@ -133,9 +137,12 @@ TAMPERS = [
 
 
 @pytest.mark.parametrize(("reason", "tamper", "kw"), TAMPERS, ids=[t[0] for t in TAMPERS])
-async def test_tampered_block_rejected_never_claimed(
+async def test_tampered_block_rejected_nothing_committed(
     nc, readout, serving_model, reason, tamper, kw
 ):
+    """A header that fails is never claimed; rows that fail their digest (checked beside the
+    claim and the readout) release the claim before the rejection: either way the registry
+    holds nothing for the block once it is rejected, and nothing later."""
     _, metrics = readout
     rejected = await nc.subscribe("stateblock.rejected.>")
     block = make_block(serving_model, **kw)
