@@ -21,7 +21,7 @@ names=(
   fastapi starlette uvicorn pydantic pydantic-core annotated-types annotated-doc opentelemetry-api
   typing-inspection typing-extensions anyio sniffio h11 click
   grpcio grpcio-health-checking grpcio-reflection protobuf
-  structlog prometheus-client
+  structlog prometheus-client uvloop
   cryptography cffi pycparser
   httpx httpcore certifi idna
 )

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
 from registry import parse_update, updates_subject
+from stateblock import runtime
 from stateblock.serving import ServingModel
 from stateblock.v1 import commit_pb2
 
@@ -185,7 +186,7 @@ class BenchStack:
             await _serve(*self._args, self._on_ready, self._stop)
 
         try:
-            asyncio.run(main())
+            runtime.run(main())
         except BaseException as e:  # surfaced by start()
             self._error = e
             self._ready.set()

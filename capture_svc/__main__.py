@@ -1,8 +1,7 @@
 """`python -m capture_svc`: the capture service alone, configured by STATEBLOCK_* variables."""
 
-import asyncio
-
 from capture_svc.server import main
+from stateblock import runtime
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    runtime.run(main())

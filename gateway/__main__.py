@@ -1,8 +1,7 @@
 """`python -m gateway`: the gateway alone, configured by STATEBLOCK_* variables."""
 
-import asyncio
-
 from gateway.server import main
+from stateblock import runtime
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    runtime.run(main())

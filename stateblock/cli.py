@@ -120,7 +120,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    import asyncio
 
     from stateblock import embedded, runtime
 
@@ -182,7 +181,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     results: list[int] = []
 
     try:
-        asyncio.run(embedded.up(config, ready))
+        runtime.run(embedded.up(config, ready))
     except Exception as e:  # start-up failures: one clear line, not a traceback
         print(f"stateblock up: {e}", file=sys.stderr)
         return 1

@@ -247,7 +247,7 @@ class StackThread:
                 await self._stop.wait()
 
         try:
-            asyncio.run(main())
+            runtime.run(main())
         except BaseException as e:  # surfaced by start()
             self._error = e
             self._ready.set()

@@ -1,0 +1,49 @@
+"""The services' event loop: `runtime.run` and STATEBLOCK_EVENT_LOOP."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import warnings
+
+import pytest
+
+from stateblock import runtime
+
+
+async def loop_module() -> str:
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop is not built for Windows")
+def test_uvloop_is_the_default_where_it_is_installed():
+    assert runtime.uvloop is not None  # a dependency of the package on this platform
+    assert runtime.event_loop_choice({}) == "uvloop"
+    assert runtime.event_loop_choice({"STATEBLOCK_EVENT_LOOP": "auto"}) == "uvloop"
+    assert runtime.run(loop_module(), {}) == "uvloop"
+
+
+def test_asyncio_loop_on_request():
+    env = {"STATEBLOCK_EVENT_LOOP": " AsyncIO "}
+    assert runtime.event_loop_choice(env) == "asyncio"
+    assert runtime.run(loop_module(), env) == "asyncio"
+
+
+def test_an_unknown_loop_is_a_config_error_and_nothing_runs():
+    coro = loop_module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(runtime.ConfigError, match="STATEBLOCK_EVENT_LOOP='trio'"):
+            runtime.run(coro, {"STATEBLOCK_EVENT_LOOP": "trio"})
+        del coro
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_uvloop_asked_for_but_missing_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(runtime, "uvloop", None)
+    assert runtime.event_loop_choice({}) == "asyncio"  # auto falls back
+    with pytest.raises(runtime.ConfigError, match="not installed"):
+        runtime.event_loop_choice({"STATEBLOCK_EVENT_LOOP": "uvloop"})
