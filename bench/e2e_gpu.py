@@ -347,7 +347,9 @@ def measure_ar(args, base, device: str, report: Report, deadline: float, left) -
         ar["eager"] = failure(e)
     report.set("ar", ar)
     cap = min(args.ar_compiled_cap_s, left() - 10.0)
-    if not compiled:
+    if args.ar_compiled == "off":
+        ar["compiled"] = {"skipped": "--ar-compiled off"}
+    elif not compiled:
         ar["compiled"] = {"skipped": "no CUDA device: torch.compile of the decode step takes "
                           "~50 s for the tiny model on this CPU; --ar-compiled on runs it"}  # fmt: skip
     elif cap < 60.0:
