@@ -4,13 +4,14 @@
 
 1. Builds (bench/models.py, random weights, nothing downloaded) the 2.9 B Llama-shaped base
    on the device, saves it in bf16 with its tokenizer, and a matching readout decoder.
-2. Serves that in-memory model through the whole request path in this process (nats-server,
+2. Capture-only prefill of the base (before the stack compiles it on another thread).
+3. Serves that in-memory model through the whole request path in this process (nats-server,
    capture, readout workers, gateway; bench/stack.py) and sends N sequential
    /v1/completions requests: a 512-token prompt, max_tokens 1014, temperature 0. Every
    request must come back with all 1014 tokens (finish_reason "length"). Latency p50/p90
    and a per-request breakdown from the services' histograms plus two probes.
-3. Capture-only prefill of the base and of a NemotronH-shaped hybrid.
-4. HF `generate` of the same base for the same 1014 tokens: eager, then static cache +
+4. Capture-only prefill of a NemotronH-shaped hybrid.
+5. HF `generate` of the same base for the same 1014 tokens: eager, then static cache +
    torch.compile (own process, capped); seconds per answer and per token; the ratios.
 Results go to DIR/e2e.json after every measurement; a markdown summary is printed last.
 The full run is budgeted (--budget-s, default 520 s): a stage that would not fit is skipped
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.models import NEMOTRON, SCALES, bench_prompt, n_params
-from bench.prefill import failure, measure_prefill
+from bench.prefill import failure, measure_hybrid_prefill, measure_prefill
 from bench.report import Report, markdown, ms_summary, ratios
 
 REPO = Path(__file__).resolve().parent.parent
@@ -318,11 +319,12 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     finally:
         client.close()
         stack.stop()
-        from stateblock.capture import uncompile_backbone
+        if args.ar_eager_repeats > 0:
+            from stateblock.capture import uncompile_backbone
 
-        # the stack compiled this same model (graphs recorded on its forward thread); the
-        # prefill and AR stages after this run it on the main thread
-        uncompile_backbone(serving.model)
+            # the stack compiled this same model (graphs recorded on its forward thread);
+            # the eager AR decode runs it next, on this thread
+            uncompile_backbone(serving.model)
     if device.startswith("cuda"):
         setup["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
@@ -411,8 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 base.timings, params=n_params(base.model), work_dir=str(work), base_bytes=size
             ),  # fmt: skip
         )
+        measure_prefill(args, base, device, report, left)  # before the stack records CUDA graphs
         serve_and_measure(args, scale, base, device, report, left)
-        measure_prefill(args, base, nemotron, device, report, left)
+        measure_hybrid_prefill(args, nemotron, device, report, left)
         measure_ar(args, base, device, report, deadline, left)
         report.set("ratios", ratios(doc))
     finally:
