@@ -319,12 +319,12 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     finally:
         client.close()
         stack.stop()
-        if args.ar_eager_repeats > 0:
-            from stateblock.capture import uncompile_backbone
+        from stateblock.capture import uncompile_backbone
 
-            # the stack compiled this same model (graphs recorded on its forward thread);
-            # the eager AR decode runs it next, on this thread
-            uncompile_backbone(serving.model)
+        # the stack compiled this same model (graphs recorded on its forward thread); the
+        # eager AR decode (its warm-up and estimate even at --ar-eager-repeats 0) runs it
+        # next, on this thread
+        uncompile_backbone(serving.model)
     if device.startswith("cuda"):
         setup["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
