@@ -213,7 +213,8 @@ class ReadoutWorker:
             )
             try:
                 return await self._claim_and_read(msg, block, checked, digest, t_start)
-            finally:  # returned before the commit needed it: its outcome is not wanted
+            finally:  # on a raise, its outcome is not wanted: drop it if it has not started
+                digest.cancel()
                 digest.add_done_callback(_discard_outcome)
 
     async def _verify(
@@ -261,14 +262,21 @@ class ReadoutWorker:
         t_verified = time.perf_counter()
         try:
             claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
-        except AlreadyCommitted:
-            return await self._drop_duplicate(msg)
-        except ValueError as e:  # a block id that cannot be a registry key
+        except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
+            # Rows that fail their digest are rejected as such, as when the digest came
+            # before the claim; a block's own outcome comes only after that.
+            try:
+                await digest
+            except env.BlockRejected as bad:
+                return await self._reject(msg, header.block_id, str(bad.reason), str(bad))
+            if isinstance(e, AlreadyCommitted):
+                return await self._drop_duplicate(msg)
+            if isinstance(e, AlreadyClaimed):
+                await self._nak("claimed_elsewhere", msg)
+                log.info("block claimed elsewhere, redelivering later", holder=e.holder)
+                return "claimed_elsewhere"
+            # a block id that cannot be a registry key
             return await self._reject(msg, header.block_id, "malformed", str(e))
-        except AlreadyClaimed as e:
-            await self._nak("claimed_elsewhere", msg)
-            log.info("block claimed elsewhere, redelivering later", holder=e.holder)
-            return "claimed_elsewhere"
         lanes = lane_requests(checked)
         t0 = time.perf_counter()
         stage = self._m.stage_seconds
@@ -289,11 +297,11 @@ class ReadoutWorker:
         try:
             _, digest_s = await digest
         except env.BlockRejected as e:  # signed header, other rows: nothing of it commits
-            await self._registry.release(claim)
+            await self._release(claim)
             return await self._reject(msg, header.block_id, str(e.reason), str(e))
         t_digest = time.perf_counter()
         if results is None:
-            await self._registry.release(claim)
+            await self._release(claim)
             await self._nak("readout_failed", msg)
             return "readout_failed"
         self._m.readout_seconds.observe(t1 - t0)
@@ -322,6 +330,13 @@ class ReadoutWorker:
         await self._cleanup_object(block)
         log.info("block committed", lanes=len(lanes))
         return "committed"
+
+    async def _release(self, claim: Claim) -> None:
+        """Give the claim back; one taken over already (our lease ran out) is not ours."""
+        try:
+            await self._registry.release(claim)
+        except ClaimLost:
+            log.info("claim already taken over; nothing to release")
 
     async def _keep_alive(self, held: list[Claim], msg: Msg) -> None:
         """Renew the lease (and JetStream's ack timer) while a long readout runs."""

@@ -179,6 +179,29 @@ async def test_block_published_twice_is_committed_once(nc, readout, serving_mode
     assert entry.state == commit_pb2.CLAIM_STATE_COMMITTED and entry.commit == commit
 
 
+async def test_tampered_copy_of_a_committed_block_is_rejected_not_dropped(
+    nc, readout, serving_model
+):
+    """After the commit, a copy with the same signed header and other rows is rejected for
+    its digest (as when the digest came before the claim), not dropped as a duplicate; the
+    commit stays the original's."""
+    _, metrics = readout
+    block = make_block(serving_model, seed=5)
+    await publish(nc, block)
+    registry = await Registry.open(nc.jetstream())
+    commit = await registry.watch_commit(block.header.block_id, timeout=20)
+    rejected = await nc.subscribe("stateblock.rejected.>")
+    tampered = pb.StateBlock()
+    tampered.CopyFrom(block)
+    _flip_payload(tampered)
+    await publish(nc, tampered, msg_id=f"{block.header.block_id}-tampered")
+    msg = await rejected.next_msg(timeout=20)
+    assert msg.subject == "stateblock.rejected.forward_state_digest"
+    assert value(metrics, "stateblock_duplicate_deliveries_dropped_total") == 0
+    entry = await registry.get(block.header.block_id)
+    assert entry.state == commit_pb2.CLAIM_STATE_COMMITTED and entry.commit == commit
+
+
 async def test_a_block_in_another_valid_encoding_is_committed(nc, readout, serving_model):
     """Protobuf accepts the fields in any order; such bytes take the worker's full parse
     instead of the split of the canonical encoding, to the same commit."""
