@@ -274,7 +274,7 @@ def seal_block(
         model=identity.model,
         layout=layout,
         layout_digest=layout_digest(layout),
-        forward_state_digest=hashlib.sha256(data).digest(),
+        forward_state_digest=forward_state_digest(data),
         base_model_digest=identity.base_model_digest,
         lm_head_digest=identity.lm_head_digest,
         decoder_digest=identity.decoder_digest,
@@ -346,9 +346,13 @@ class HeaderVerified:
 
     def confirm(self) -> VerifiedBlock:
         """The last check of `verify`: raise BlockRejected unless the rows match the digest."""
-        if hashlib.sha256(self.data).digest() != self.header.forward_state_digest:
-            raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, f"block {self.header.block_id}")
+        _check_forward_state(self.header, self.data)
         return VerifiedBlock(header=self.header, rows=self.rows)
+
+
+def _check_forward_state(header: pb.StateBlockHeader, data: bytes | memoryview) -> None:
+    if forward_state_digest(data) != header.forward_state_digest:
+        raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, f"block {header.block_id}")
 
 
 def _check_well_formed(block: pb.StateBlock, *, rows_apart: bool) -> None:
@@ -419,7 +423,7 @@ def verify_header(
         # Rows of another size than the signed layout's: if they are not the signed rows
         # either, that is the reason (as when the digest came first); otherwise a trusted
         # signer described rows it did not send.
-        HeaderVerified(header, torch.empty(0), data).confirm()
+        _check_forward_state(header, data)
         raise BlockRejected(RejectReason.MALFORMED, str(e)) from e
     return HeaderVerified(header=header, rows=rows, data=data)
 
