@@ -41,8 +41,8 @@ STACK_MODULES = (
     "capture_svc.server",
     "readout_svc.server",
     "registry",
-    "stateblock.embedded",
-    "stateblock.cli",
+    "stateblock.app.stack",
+    "stateblock.app.cli",
     "bench.e2e_gpu",
 )
 # Requirement markers as the GPU machine evaluates them.

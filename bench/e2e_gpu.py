@@ -276,7 +276,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
 
     from bench.models import serving_model
     from bench.stack import BenchStack, BenchStackConfig, CompletionsClient, KvProbe, TimedEngine
-    from readout_svc.engine import create_engine
+    from stateblock.engines import create_engine
 
     setup = report.doc["setup"]
     t0 = time.perf_counter()
@@ -319,7 +319,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     finally:
         client.close()
         stack.stop()
-        from stateblock.capture import uncompile_backbone
+        from stateblock.model.capture import uncompile_backbone
 
         # the stack compiled this same model (graphs recorded on its forward thread); the
         # eager AR decode (its warm-up and estimate even at --ar-eager-repeats 0) runs it
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from bench.models import build_base_and_decoder
-    from readout_svc.engine import require_engine
+    from stateblock.engines import require_engine
 
     require_engine(args.engine)  # fail closed before minutes of model building
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from readout_svc.engine import LaneRequest, create_engine
-from stateblock import tasks
+from stateblock.engines import LaneRequest, create_engine
+from stateblock.model.loading import load_serving_model
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-from stateblock.serving import load_serving_model
+from stateblock.train import tasks
 
 
 def captured_lanes(model, k: int, seed: int) -> list[torch.Tensor]:

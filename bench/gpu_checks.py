@@ -11,7 +11,7 @@ V, D_BASE = 131072, 2688
 
 
 def random_weights() -> tuple:
-    from stateblock.readout import ReadoutConfig, ReadoutDecoder
+    from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 
     torch.manual_seed(0)
     eos = 2
@@ -35,7 +35,7 @@ def check_top2_kernel(
     """Kernel vs an fp32 torch.topk: the chosen ids' logits within 1e-3 relative of the true
     top-1 / top-2 (TF32 dots on fp32 inputs: 5e-3); on exact ties (integer inputs),
     exactly the lowest ids."""
-    from stateblock.triton_top2 import top2_triton
+    from stateblock.model.kernels.top2 import top2_triton
 
     g = torch.Generator(device=device).manual_seed(seed)
     if ties:  # small integers: exact products and sums, many exactly equal logits
@@ -98,8 +98,8 @@ def compare_near_ties(ref, out) -> dict:
 
 def shipped_engines(served, device: str = "cuda", **options):
     """TorchEngine (bf16, CUDA graphs) and a bf16 ReferenceEngine sharing its weights."""
-    from readout_svc.engine import ReferenceEngine
-    from readout_svc.engine_torch import TorchEngine
+    from stateblock.engines import ReferenceEngine
+    from stateblock.engines.torch_engine import TorchEngine
 
     eng = TorchEngine.load(served, device, **options)
     ref = ReferenceEngine(
@@ -109,7 +109,7 @@ def shipped_engines(served, device: str = "cuda", **options):
 
 
 def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
-    from readout_svc.engine import LaneRequest
+    from stateblock.engines import LaneRequest
 
     eng, ref = shipped_engines(served, device)
     eng.warm_up()
@@ -125,8 +125,8 @@ def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") 
 
 
 def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
-    from readout_svc.engine import LaneRequest
-    from readout_svc.engine_torch import TorchEngine
+    from stateblock.engines import LaneRequest
+    from stateblock.engines.torch_engine import TorchEngine
 
     graphed, _ = shipped_engines(served, device)
     eager = TorchEngine(
@@ -160,7 +160,7 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
 def check_random_decoder_parity(et) -> dict:
     """At full size (d_base 2688, V 131072; random weights, EOS never wins): the engine vs
     the reference over every position of two lanes, modulo near-ties."""
-    from readout_svc.engine import LaneRequest, ReferenceEngine
+    from stateblock.engines import LaneRequest, ReferenceEngine
 
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
@@ -179,7 +179,7 @@ def check_random_decoder_parity(et) -> dict:
 def shipped_rows(served) -> list[torch.Tensor]:
     """Captured rows of 9 held-out prompts: one per family, then two with answers of
     ~1,850 and ~2,480 tokens, so the parity check compares thousands of positions."""
-    from stateblock import tasks
+    from stateblock.train import tasks
 
     examples = tasks.per_family(1, split="heldout", seed=7)
     examples += [e for e in tasks.per_family(3, split="heldout", seed=11) if len(e.answer) > 1800]
@@ -192,8 +192,8 @@ def check_fused_attention(seed: int = 0) -> dict:
     shapes with ragged query blocks, no prefix, and the decoder's own (8 heads of 32)."""
     import torch.nn.functional as F
 
-    from stateblock.readout import PrefixCausal
-    from stateblock.triton_attention import prefix_causal_attention
+    from stateblock.model.decoder import PrefixCausal
+    from stateblock.model.kernels.attention import prefix_causal_attention
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     worst = {"ieee": 0.0, "tf32": 0.0}

@@ -53,7 +53,7 @@ elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
 elif [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"
   timeout 120 python3 -m pytest -q -rs tests/test_engine_torch.py 2>&1 | tee "$OUT/pytest-gpu.log"
-  timeout 180 python3 -m stateblock.cli audit --engine torch --device cuda \
+  timeout 180 python3 -m stateblock.app.cli audit --engine torch --device cuda \
     --json "$OUT/parity-torch.json" --markdown "$OUT/parity-torch.md" > "$OUT/audit-torch.log" 2>&1
   echo "audit torch rc=$?"; tail -c 400 "$OUT/parity-torch.md" 2>/dev/null
 else

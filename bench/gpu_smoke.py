@@ -46,13 +46,13 @@ from bench.gpu_checks import (
     shipped_rows,
 )
 from bench.machine import copy_gbs, cuda_ms, gemm_tflops, host_costs
-from stateblock.triton_top2 import Top2Config, default_tiles
+from stateblock.model.kernels.top2 import Top2Config, default_tiles
 
 
 def import_engine():
-    """readout_svc.engine_torch: the service stack must be importable (on the GPU machine,
+    """stateblock.engines.torch_engine: the service stack must be importable (on the GPU machine,
     `bench/gpu_env.sh` installs its wheels)."""
-    import readout_svc.engine_torch as et
+    import stateblock.engines.torch_engine as et
 
     return et
 
@@ -61,15 +61,15 @@ def import_engine():
 def audit_default(**options) -> dict:
     """`stateblock audit --engine torch --device cuda`: the engine as it serves, the shipped
     model, the audit's default depths and prompts, against the fp32 reference."""
-    from readout_svc.engine import create_engine
-    from stateblock import audit
+    from stateblock.engines import create_engine
+    from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-    from stateblock.serving import load_serving_model
+    from stateblock.tools import audit
 
     t0 = time.perf_counter()
     model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER, device="cuda")
     if options:
-        from readout_svc.engine_torch import TorchEngine
+        from stateblock.engines.torch_engine import TorchEngine
 
         engine = TorchEngine.load(model, "cuda", **options)
     else:
@@ -124,7 +124,7 @@ GROUPED_SWEEP = [  # row-block groups whose h tiles fit in L2 (Top2Config.group_
 def time_top2(rep: Report, rate: float, full_sweep: bool = False):
     """The fused kernel against the floor at each D, over a sweep of tile shapes (each with
     the default split rule); returns the tiles fastest at D=8192."""
-    from stateblock.triton_top2 import default_config, top2_triton
+    from stateblock.model.kernels.top2 import default_config, top2_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(V, D_BASE, generator=g, device="cuda") * 0.05).bfloat16()
@@ -177,7 +177,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     fresh engine over the same weights, so its peak counts only its own graph pool, static
     buffers and capture-time eager run beyond the resident weights. `tiles`: the engine's
     top-2 tile shape (the split still follows each shape)."""
-    from readout_svc.engine import LaneRequest
+    from stateblock.engines import LaneRequest
 
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
@@ -262,7 +262,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
 def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
     """Where one lane's D=8192 readout goes, eagerly: the decoder (to its hidden rows, or
     to the mixer's output for the fused head), then the top-2 (lm_head, or fused head)."""
-    from stateblock.triton_top2 import top2_triton
+    from stateblock.model.kernels.top2 import top2_triton
 
     x = rows.cuda()[None].float()  # (1, P, d_base), in the decoder's dtype
     lens = torch.full((1,), x.shape[1], device="cuda")
@@ -294,8 +294,8 @@ def time_attention() -> dict:
     """The mixer's attention alone at D=8192 (8 heads of 32, 64 latents in front): the fused
     kernel (TF32 and exact dots) against SDPA in fp32 (memory-efficient, no tensor cores)
     and in bf16 (flash), over K=1 and K=8 lanes."""
-    from stateblock.readout import prefix_causal_sdpa
-    from stateblock.triton_attention import prefix_causal_attention
+    from stateblock.model.decoder import prefix_causal_sdpa
+    from stateblock.model.kernels.attention import prefix_causal_attention
 
     def lanes(k: int) -> dict:
         q = torch.randn(k, 8, 8192, 32, device="cuda")
@@ -372,7 +372,7 @@ def main() -> int:
             rep.run(f"check_top2_N{n}", lambda n=n: check_top2_kernel(n, V, D_BASE, seed=n))
         rep.run("check_top2_ties", lambda: check_top2_kernel(300, 5000, 200, seed=1, ties=True))
         rep.run("check_top2_ties_split", lambda: check_top2_kernel(16, 70000, 64, 2, ties=True))
-        from stateblock.triton_top2 import Top2Config
+        from stateblock.model.kernels.top2 import Top2Config
 
         tma = Top2Config(tma=True)
         rep.run("check_top2_N1024_tma", lambda: check_top2_kernel(1024, V, D_BASE, 3, cfg=tma))
@@ -383,7 +383,7 @@ def main() -> int:
                 16, 70000, 64, 2, True, Top2Config(32, 64, 64, 4, 3, tma=True)
             ),
         )
-        from stateblock.serving import load_serving_model
+        from stateblock.model.loading import load_serving_model
 
         # paths, not stateblock.runtime: that module needs structlog and prometheus_client
         shipped = Path(__file__).resolve().parent.parent / "models" / "reference"

@@ -2,7 +2,7 @@
 
 HTTP: the embedded stack (nats-server, capture, readout workers, gateway) in this process on a
 background event loop, N sequential /v1/completions requests through the openai client.
-In-process: the same prompt through `stateblock.capture.capture` + the readout engine, padded
+In-process: the same prompt through `stateblock.model.capture.capture` + the readout engine, padded
 as the capture service pads it. The difference of the p50s is the serving overhead.
 """
 
@@ -23,10 +23,10 @@ import structlog
 import torch
 
 from capture_svc.batcher import bucket_width
-from readout_svc.engine import LaneRequest, create_engine
-from stateblock.embedded import StackThread, StackUrls, UpConfig
+from stateblock.app.stack import StackThread, StackUrls, UpConfig
+from stateblock.engines import LaneRequest, create_engine
+from stateblock.model.loading import ServingModel, load_serving_model
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-from stateblock.serving import ServingModel, load_serving_model
 
 
 def timed(fn: Callable[[], object], n: int, warmup: int) -> tuple[list[float], object]:

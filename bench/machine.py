@@ -60,10 +60,10 @@ def copy_gbs() -> dict:
 
 
 def verify_wire(data: bytes, trust) -> object:
-    from stateblock import envelope as env
+    from stateblock.protocol import envelope
 
-    block, rows = env.parse_wire(data)
-    return env.verify(block, trust, payload=rows)
+    block, rows = envelope.parse_wire(data)
+    return envelope.verify(block, trust, payload=rows)
 
 
 def host_costs() -> dict:
@@ -71,8 +71,9 @@ def host_costs() -> dict:
     besides moving it (the e2e stage histograms say how these add up)."""
     import hashlib
 
-    from stateblock import envelope as env
-    from stateblock.keys import Signer, TrustStore
+    from stateblock.model.rows import rows_to_bytes, rows_view
+    from stateblock.protocol import envelope
+    from stateblock.protocol.keys import Signer, TrustStore
 
     def ms(fn, n: int = 50) -> float:
         fn()
@@ -84,28 +85,29 @@ def host_costs() -> dict:
         return statistics.median(times) * 1e3
 
     rows = torch.randn(512, D_BASE).bfloat16()
-    data = env.rows_to_bytes(rows)
+    data = rows_to_bytes(rows)
     signer = Signer.generate()
-    ident = env.ModelIdentity("bench", b"", b"", b"")
-    layout = env.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
+    ident = envelope.ModelIdentity("bench", b"", b"", b"")
+    layout = envelope.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
 
     def seal():
-        return env.seal_block(
-            layout, rows, request_id="r", identity=ident, sampling=[env.pb.SamplingParams()],
+        return envelope.seal_block(
+            layout, rows_view(rows), request_id="r", identity=ident,
+            sampling=[envelope.pb.SamplingParams()],
             signer=signer, ttl_s=60,
         )  # fmt: skip
 
     block = seal().message()
-    wire = env.serialize_block(block)
+    wire = envelope.serialize_block(block)
     trust = TrustStore([signer.public_key])
     return {
         "sha256_block": ms(lambda: hashlib.sha256(data).digest()),
-        "rows_to_bytes": ms(lambda: env.rows_to_bytes(rows)),
+        "rows_to_bytes": ms(lambda: rows_to_bytes(rows)),
         "seal_and_wire": ms(lambda: seal().wire()),  # the capture's sign stage and framing
         "parse_wire_and_verify": ms(lambda: verify_wire(wire, trust)),  # the worker's verify
-        "serialize": ms(lambda: env.serialize_block(block)),
-        "parse": ms(lambda: env.parse_block(wire)),
-        "parse_block_and_verify": ms(lambda: env.verify(env.parse_block(wire), trust)),
+        "serialize": ms(lambda: envelope.serialize_block(block)),
+        "parse": ms(lambda: envelope.parse_block(wire)),
+        "parse_block_and_verify": ms(lambda: envelope.verify(envelope.parse_block(wire), trust)),
         "cpu": next(
             (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if "model name" in ln),
             "?",

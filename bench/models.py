@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stateblock import checkpoint as ckpt
-from stateblock.capture import lm_head_weight
-from stateblock.envelope import ModelIdentity
-from stateblock.readout import ReadoutConfig, ReadoutDecoder
-from stateblock.serving import ServingModel
+from stateblock.model import checkpoint as ckpt
+from stateblock.model.capture import lm_head_weight
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.loading import ServingModel
+from stateblock.protocol.envelope import ModelIdentity
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)  # ids 0..3; word i is "w{i}" for i >= 4

@@ -20,7 +20,7 @@ def failure(e: BaseException) -> dict:
 def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -> dict:
     """`capture()` over one prompt padded as the capture service pads it; median of repeats."""
     from capture_svc.batcher import bucket_width
-    from stateblock.capture import capture
+    from stateblock.model.capture import capture
 
     width = bucket_width(prompt_len)
     gen = torch.Generator().manual_seed(seed)
@@ -87,7 +87,7 @@ def measure_prefill(args, base, device: str, report: Report, left) -> None:
             "in this process; the service's capture span is the compiled figure"
         }
     elif args.capture_compile != "off" and left() > 150:
-        from stateblock.capture import compile_backbone, uncompile_backbone
+        from stateblock.model.capture import compile_backbone, uncompile_backbone
 
         try:  # the same forward compiled, as STATEBLOCK_CAPTURE_COMPILE does in the service
             compile_backbone(base.model, args.capture_compile)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stateblock.embedded import free_port, nats_server_binary
-from stateblock.keys import load_or_generate_signer
+from stateblock.app.stack import free_port, nats_server_binary
+from stateblock.protocol.keys import load_or_generate_signer
 
 ENGINE_ENV = {"matmul_precision": "MATMUL_PRECISION", "head": "READOUT_HEAD"}  # readout_svc
 

@@ -1,6 +1,6 @@
 """The whole request path in this process for the bench, on any device, with probes.
 
-The same services as `stateblock.embedded.running_stack` (a nats-server, capture, readout
+The same services as `stateblock.app.stack.running_stack` (a nats-server, capture, readout
 workers, gateway; a NATS connection each), but handed a prebuilt `ServingModel` and engine:
 `running_stack` loads the base from disk onto the CPU (UpConfig has no device or dtype),
 and the bench serves the model it built on the GPU. Two probes see each request from
@@ -26,10 +26,10 @@ from urllib.parse import urlsplit
 import nats
 from prometheus_client import CollectorRegistry
 
-from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
 from registry import parse_update, updates_subject
 from stateblock import runtime
-from stateblock.serving import ServingModel
+from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
+from stateblock.model.loading import ServingModel
 from stateblock.v1 import commit_pb2
 
 
@@ -99,8 +99,8 @@ async def _serve(
     from gateway.server import running_gateway
     from readout_svc.config import ReadoutServiceConfig
     from readout_svc.server import running_readout
-    from stateblock.embedded import nats_server
-    from stateblock.keys import TrustStore, load_or_generate_signer
+    from stateblock.app.stack import nats_server
+    from stateblock.protocol.keys import TrustStore, load_or_generate_signer
 
     data_dir = config.data_dir.resolve()
     key_dir = data_dir / "keys"

@@ -22,8 +22,8 @@ import structlog
 import torch
 from torch import nn
 
-from capture_svc.registry import CapturePlan, CaptureRegistry, CohortStamp, Slot
-from stateblock.capture import capture
+from capture_svc.plans import CapturePlan, CaptureRegistry, CohortStamp, Slot
+from stateblock.model.capture import capture
 
 log = structlog.get_logger("capture_svc.batcher")
 MIN_BUCKET = 16

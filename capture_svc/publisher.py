@@ -8,8 +8,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import ObjectStore
 
-from stateblock import envelope as env
-from stateblock import streams
+from stateblock.protocol import envelope, streams
 
 # Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
 HEADER_HEADROOM = 512
@@ -42,7 +41,7 @@ class BlockPublisher:
         objects = await streams.payload_store(js)
         return cls(js, objects, model=model, max_payload=nc.max_payload, timeout_s=timeout_s)
 
-    async def publish(self, block: env.SealedBlock) -> bool:
+    async def publish(self, block: envelope.SealedBlock) -> bool:
         """Publish with Nats-Msg-Id = block_id; True if the rows went via the object store."""
         block_id = block.header.block_id
         via_object = block.wire_size() + HEADER_HEADROOM > self._max_payload

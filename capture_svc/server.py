@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.config import CaptureConfig
+from capture_svc.plans import CaptureRegistry, CaptureRegistryMetrics
 from capture_svc.publisher import BlockPublisher
-from capture_svc.registry import CaptureRegistry, CaptureRegistryMetrics
 from capture_svc.service import (
     CAPTURE_MODE,
     CaptureError,
@@ -28,10 +28,11 @@ from capture_svc.service import (
     InvalidCapture,
     LaneInput,
 )
-from stateblock import runtime, streams
-from stateblock.capture import compile_backbone
-from stateblock.keys import Signer, load_or_generate_signer
-from stateblock.serving import ServingModel, load_serving_model, parse_dtype
+from stateblock import runtime
+from stateblock.model.capture import compile_backbone
+from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.protocol import streams
+from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
 log = structlog.get_logger("capture_svc")

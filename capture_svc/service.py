@@ -16,14 +16,15 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from capture_svc.batcher import ForwardBatcher
 from capture_svc.config import CaptureConfig
+from capture_svc.plans import CaptureRegistry, CaptureRegistryError
 from capture_svc.publisher import BlockPublisher, PublishError
-from capture_svc.registry import CaptureRegistry, CaptureRegistryError
-from stateblock import envelope as env
 from stateblock import runtime
-from stateblock.ids import uuid7
-from stateblock.keys import Signer
-from stateblock.serving import ServingModel
-from stateblock.tokenizer import PromptEncoder
+from stateblock.model.loading import ServingModel
+from stateblock.model.prompts import PromptEncoder
+from stateblock.model.rows import check_rows, rows_view
+from stateblock.protocol import envelope
+from stateblock.protocol.ids import uuid7
+from stateblock.protocol.keys import Signer
 from stateblock.v1 import block_pb2 as pb
 
 log = structlog.get_logger("capture_svc")
@@ -161,7 +162,7 @@ class CaptureService:
         request_id = request_id or uuid7()
         self._check(model, lanes)
         lane_ids = [self.tokenize(lane, i) for i, lane in enumerate(lanes)]
-        layout = env.make_layout(
+        layout = envelope.make_layout(
             request_id,
             [len(ids) for ids in lane_ids],
             [lane.max_tokens for lane in lanes],
@@ -195,9 +196,10 @@ class CaptureService:
             )
             for lane in lanes
         ]
-        block = env.seal_block(
+        check_rows(rows, layout)
+        block = envelope.seal_block(
             layout,
-            rows,
+            rows_view(rows),
             request_id=request_id,
             identity=self._model.identity,
             sampling=sampling,

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from gateway.errors import ReadoutFailed
 from registry import CommitTimeout, Registry, RegistryError, parse_update
-from stateblock import streams
+from stateblock.protocol import streams
 from stateblock.v1 import commit_pb2
 
 _REMEMBERED = 4096

@@ -16,12 +16,13 @@ from prometheus_client import CollectorRegistry
 from gateway.capture_client import GrpcCaptureClient
 from gateway.commits import CommitWatcher
 from gateway.config import GatewayConfig
+from gateway.detokenizer import Detokenizer
 from gateway.grpc_server import serve_grpc
 from gateway.http import create_app, serve_http
 from gateway.service import GatewayMetrics, GatewayService
 from registry import Registry
 from stateblock import runtime
-from stateblock.serving import decoder_manifest, default_max_tokens
+from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
 log = structlog.get_logger("gateway")
 
@@ -31,12 +32,6 @@ class RunningGateway:
     http_port: int
     grpc_port: int
     service: GatewayService
-
-
-def load_tokenizer(base_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
 
 
 @asynccontextmanager
@@ -49,7 +44,7 @@ async def running_gateway(
 ) -> AsyncIterator[RunningGateway]:
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     manifest = decoder_manifest(config.decoder_dir)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.base_dir)
+    tokenizer = tokenizer if tokenizer is not None else Detokenizer.load(config.base_dir)
     registry = await Registry.open(nc.jetstream())
     async with AsyncExitStack() as stack:
         commits = await stack.enter_async_context(CommitWatcher.open(nc, registry))
@@ -84,7 +79,7 @@ async def main() -> None:
     runtime.configure_logging(config.log_level)
     shutdown = runtime.shutdown_event()
     metrics = CollectorRegistry()
-    tokenizer = await asyncio.to_thread(load_tokenizer, config.base_dir)
+    tokenizer = await asyncio.to_thread(Detokenizer.load, config.base_dir)
     async with AsyncExitStack() as stack:
         nc = await nats.connect(config.nats_url, name="gateway")
         stack.push_async_callback(nc.drain)

@@ -21,9 +21,9 @@ from gateway.capture_client import CaptureResult, LaneSpec
 from gateway.config import GatewayConfig
 from gateway.errors import DeadlineExceeded, GatewayError, InvalidRequest, Unavailable
 from registry import CommitTimeout, RegistryError
-from stateblock.ids import uuid7
+from stateblock.protocol.ids import uuid7
+from stateblock.protocol.sampling import NO_EOS
 from stateblock.v1 import commit_pb2
-from stateblock.vocab import NO_EOS
 
 log = structlog.get_logger("gateway")
 MAX_TEMPERATURE = 2.0  # the OpenAI range

@@ -15,12 +15,13 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from readout_svc.config import ReadoutServiceConfig
-from readout_svc.engine import ReadoutEngine, create_engine, require_engine
 from readout_svc.worker import ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
-from stateblock import runtime, streams
-from stateblock.keys import TrustStore
-from stateblock.serving import load_serving_model
+from stateblock import runtime
+from stateblock.engines import ReadoutEngine, create_engine, require_engine
+from stateblock.model.loading import load_serving_model
+from stateblock.protocol import streams
+from stateblock.protocol.keys import TrustStore
 
 log = structlog.get_logger("readout_svc")
 

@@ -26,7 +26,6 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
 from registry import (
     AlreadyClaimed,
     AlreadyCommitted,
@@ -35,9 +34,10 @@ from registry import (
     Registry,
     RegistryError,
 )
-from stateblock import envelope as env
-from stateblock import runtime, streams
-from stateblock.keys import TrustStore
+from stateblock import runtime
+from stateblock.engines import LaneResult, ReadoutEngine, lane_requests
+from stateblock.protocol import envelope, streams
+from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import block_pb2 as block_pb
 from stateblock.v1 import commit_pb2 as pb
 
@@ -107,24 +107,6 @@ def output_digest(lanes: list[pb.LaneAnswer]) -> bytes:
     return hashlib.sha256(answer.SerializeToString(deterministic=True)).digest()
 
 
-def lane_requests(block: env.VerifiedBlock | env.HeaderVerified) -> list[LaneRequest]:
-    """The engine input of a (header-)verified block, lane by lane (also what an audit
-    re-reads)."""
-    header = block.header
-    return [
-        LaneRequest(
-            rows=rows,
-            depth=lane.answer_depth,
-            temperature=s.temperature,
-            seed=s.seed if s.HasField("seed") else None,
-            ignore_eos=s.ignore_eos,
-        )
-        for rows, lane, s in zip(
-            block.lane_rows(), header.layout.lanes, header.sampling, strict=True
-        )
-    ]
-
-
 def commit_record(
     header: block_pb.StateBlockHeader, results: list[LaneResult], worker_id: str
 ) -> pb.Commit:
@@ -147,7 +129,7 @@ def commit_record(
     )
 
 
-def _timed_confirm(checked: env.HeaderVerified) -> tuple[env.VerifiedBlock, float]:
+def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
     t0 = time.perf_counter()
     return checked.confirm(), time.perf_counter() - t0
 
@@ -190,22 +172,23 @@ class ReadoutWorker:
         t_start = time.perf_counter()
         try:
             # inline rows stay a view of msg.data (2.75 MB not copied through protobuf)
-            block, inline_rows = env.parse_wire(msg.data)
+            block, inline_rows = envelope.parse_wire(msg.data)
             block_id = block.header.block_id if block.HasField("header") else ""
-        except env.BlockRejected as e:
+        except envelope.BlockRejected as e:
             return await self._reject(msg, "", str(e.reason), str(e))
         with structlog.contextvars.bound_contextvars(
             block_id=block_id, request_id=block.header.request_id
         ):
             try:
                 checked = await self._verify(block, inline_rows)
-            except (Rejected, env.BlockRejected) as e:
+            except (Rejected, envelope.BlockRejected) as e:
                 reason = str(e.reason)
                 # A redelivery after the commit: its payload object is gone (deleted on
                 # commit) or it has expired since. Drop it as the duplicate it is.
-                if reason in (OBJECT_MISSING, env.RejectReason.EXPIRED) and await self._committed(
-                    block_id
-                ):
+                if reason in (
+                    OBJECT_MISSING,
+                    envelope.RejectReason.EXPIRED,
+                ) and await self._committed(block_id):
                     return await self._drop_duplicate(msg)
                 return await self._reject(msg, block_id, reason, str(e))
             digest = asyncio.get_running_loop().run_in_executor(
@@ -219,15 +202,15 @@ class ReadoutWorker:
 
     async def _verify(
         self, block: block_pb.StateBlock, inline_rows: memoryview | None
-    ) -> env.HeaderVerified:
+    ) -> envelope.HeaderVerified:
         if block.payload.WhichOneof("location") == "object_ref":
             try:  # signature, expiry and layout first: an untrusted block fetches nothing
-                env.verify_header(block, self._trust)
+                envelope.verify_header(block, self._trust)
             except ValueError:  # only the payload is missing: fetch it
                 pass
-            checked = env.verify_header(block, self._trust, payload=await self._fetch(block))
+            checked = envelope.verify_header(block, self._trust, payload=await self._fetch(block))
         else:
-            checked = env.verify_header(block, self._trust, payload=inline_rows)
+            checked = envelope.verify_header(block, self._trust, payload=inline_rows)
         header, want = checked.header, self._engine.identity
         if (
             header.model != want.model
@@ -245,7 +228,7 @@ class ReadoutWorker:
         try:
             result = await self._objects.get(ref.name)
         except js_errors.DigestMismatchError as e:
-            raise Rejected(str(env.RejectReason.FORWARD_STATE_DIGEST), "object chunks") from e
+            raise Rejected(str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks") from e
         except js_errors.NotFoundError as e:
             raise Rejected(OBJECT_MISSING, f"object {ref.name!r} not found") from e
         return bytes(result.data or b"")
@@ -254,8 +237,8 @@ class ReadoutWorker:
         self,
         msg: Msg,
         block: block_pb.StateBlock,
-        checked: env.HeaderVerified,
-        digest: asyncio.Future[tuple[env.VerifiedBlock, float]],
+        checked: envelope.HeaderVerified,
+        digest: asyncio.Future[tuple[envelope.VerifiedBlock, float]],
         t_start: float,
     ) -> str:
         header = checked.header
@@ -267,7 +250,7 @@ class ReadoutWorker:
             # before the claim; a block's own outcome comes only after that.
             try:
                 await digest
-            except env.BlockRejected as bad:
+            except envelope.BlockRejected as bad:
                 return await self._reject(msg, header.block_id, str(bad.reason), str(bad))
             if isinstance(e, AlreadyCommitted):
                 return await self._drop_duplicate(msg)
@@ -296,7 +279,7 @@ class ReadoutWorker:
         t1 = time.perf_counter()
         try:
             _, digest_s = await digest
-        except env.BlockRejected as e:  # signed header, other rows: nothing of it commits
+        except envelope.BlockRejected as e:  # signed header, other rows: nothing of it commits
             await self._release(claim)
             return await self._reject(msg, header.block_id, str(e.reason), str(e))
         t_digest = time.perf_counter()

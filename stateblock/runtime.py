@@ -96,7 +96,7 @@ def subject_token(name: str, what: str = "model name") -> str:
 
 def blocks_storage(value: str) -> str:
     """STATEBLOCK_BLOCKS_STORAGE: the blocks work queue's JetStream storage."""
-    from stateblock.streams import BLOCKS_STORAGE
+    from stateblock.protocol.streams import BLOCKS_STORAGE
 
     if value not in BLOCKS_STORAGE:
         choices = " or ".join(repr(k) for k in BLOCKS_STORAGE)

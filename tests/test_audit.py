@@ -10,19 +10,20 @@ import json
 import pytest
 import torch
 
-from readout_svc.engine import LaneRequest, LaneResult, ReferenceEngine, create_engine
 from readout_svc.worker import commit_record
-from stateblock import audit
-from stateblock import audit_determinism as det
-from stateblock import envelope as env
-from stateblock.checkpoint import load_decoder
-from stateblock.cli import main
-from stateblock.keys import Signer, TrustStore
+from stateblock.app import determinism as det
+from stateblock.app.cli import main
+from stateblock.engines import LaneRequest, LaneResult, ReferenceEngine, create_engine
+from stateblock.model.checkpoint import load_decoder
+from stateblock.model.loading import load_serving_model
+from stateblock.model.rows import block_rows, rows_view
+from stateblock.model.vocab import NO_EOS
+from stateblock.protocol import envelope
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME
-from stateblock.serving import load_serving_model
+from stateblock.tools import audit
 from stateblock.v1 import block_pb2
 from stateblock.v1 import commit_pb2 as pb
-from stateblock.vocab import NO_EOS
 from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
 
 EOS = 2
@@ -247,20 +248,20 @@ def test_classify_is_origin_aware():
     )
 
 
-def _block(model, prompt: str, signer: Signer, depth: int = 32) -> env.VerifiedBlock:
+def _block(model, prompt: str, signer: Signer, depth: int = 32) -> envelope.VerifiedBlock:
     rows = model.prompt_rows(prompt)
-    layout = env.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
+    layout = envelope.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
                              dtype=rows.dtype)  # fmt: skip
-    block = env.seal_block(
+    block = envelope.seal_block(
         layout,
-        rows,
+        rows_view(rows),
         request_id="req-1",
         identity=model.identity,
         sampling=[block_pb2.SamplingParams(max_tokens=depth)],
         signer=signer,
         ttl_s=60,
     ).message()
-    return env.verify(block, TrustStore([signer.public_key]))
+    return envelope.verify(block, TrustStore([signer.public_key]))
 
 
 def test_rerun_of_a_block_drives_all_three_outcomes(model, reference):
@@ -308,4 +309,4 @@ def test_lane_requests_follow_the_layout(model):
     block = _block(model, "sort: cab", Signer.generate(), depth=12)
     (req,) = det.lane_requests(block)
     assert isinstance(req, LaneRequest) and req.depth == 12 and req.seed is None
-    assert torch.equal(req.rows, block.rows)
+    assert torch.equal(req.rows, block_rows(block))

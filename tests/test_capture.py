@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from stateblock.capture import (
+from stateblock.model.capture import (
     capture,
     compile_backbone,
     lm_head_weight,
@@ -13,8 +13,8 @@ from stateblock.capture import (
     uncompile_backbone,
     unpack_lanes,
 )
-from stateblock.readout import ReadoutConfig, ReadoutDecoder
-from stateblock.reference import load_base
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.loading import load_base
 from tests.helpers import REFERENCE_BASE
 
 

@@ -19,7 +19,7 @@ import yaml
 from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
-from stateblock.keys import TrustStore, generate_keypair, load_or_generate_signer
+from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
 from tests.deploy_chart import (
     CHART,
     CONFIGS,

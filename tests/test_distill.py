@@ -6,12 +6,13 @@ import shutil
 import pytest
 import torch
 
-from stateblock import tasks
-from stateblock.capture import lm_head_weight
-from stateblock.checkpoint import DecoderMismatch, load_decoder, read_manifest
-from stateblock.distill import DistillConfig, train_decoder
-from stateblock.reference import encode_examples, load_base
-from stateblock.teacher import greedy_answers
+from stateblock.model.capture import lm_head_weight
+from stateblock.model.checkpoint import DecoderMismatch, load_decoder, read_manifest
+from stateblock.model.loading import load_base
+from stateblock.train import tasks
+from stateblock.train.distill import DistillConfig, train_decoder
+from stateblock.train.reference import encode_examples
+from stateblock.train.teacher import greedy_answers
 from tests.helpers import REFERENCE_BASE
 
 TINY = {"d_r": 32, "n_latent": 4, "n_heads": 4}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readout_svc.engine import LaneRequest, ReferenceEngine, create_engine
-from readout_svc.engine_torch import (
+from stateblock.engines import LaneRequest, ReferenceEngine, create_engine
+from stateblock.engines.torch_engine import (
     EngineUnavailable,
     Shape,
     TorchEngine,
@@ -19,11 +19,17 @@ from readout_svc.engine_torch import (
     fused_head,
     matmul_precision,
 )
-from stateblock import tasks
+from stateblock.model.kernels.top2 import (
+    Top2Config,
+    default_config,
+    merge_top2,
+    top2,
+    top2_reference,
+)
+from stateblock.model.loading import load_serving_model
+from stateblock.model.vocab import NO_EOS
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-from stateblock.serving import load_serving_model
-from stateblock.triton_top2 import Top2Config, default_config, merge_top2, top2, top2_reference
-from stateblock.vocab import NO_EOS
+from stateblock.train import tasks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -207,7 +213,7 @@ def test_dot_precision_is_per_thread():
     capture service's forward in the same process, never sees it."""
     import threading
 
-    from stateblock.triton_attention import dot_precision, resolve_precision
+    from stateblock.model.kernels.attention import dot_precision, resolve_precision
 
     seen = {}
     with dot_precision("tf32"):
@@ -327,7 +333,7 @@ def test_gpu_fused_attention_equals_sdpa():
 
 @needs_cuda
 def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
-    from stateblock.triton_attention import available as attention_available
+    from stateblock.model.kernels.attention import available as attention_available
 
     eng = TorchEngine.load(served, device="cuda")
     # TF32 in the kernels' own dots; torch's process-wide switch left alone

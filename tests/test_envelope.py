@@ -9,9 +9,17 @@ import stat
 import pytest
 import torch
 
-from stateblock import envelope as env
-from stateblock.envelope import BlockRejected, LayoutError, RejectReason
-from stateblock.keys import (
+from stateblock.model.rows import (
+    block_lanes,
+    block_rows,
+    check_rows,
+    rows_from_bytes,
+    rows_to_bytes,
+    rows_view,
+)
+from stateblock.protocol import envelope
+from stateblock.protocol.envelope import BlockRejected, LayoutError, RejectReason
+from stateblock.protocol.keys import (
     Signer,
     TrustStore,
     generate_keypair,
@@ -21,7 +29,7 @@ from stateblock.keys import (
 from stateblock.v1 import block_pb2 as pb
 
 NOW = 1_800_000_000.0
-IDENTITY = env.ModelIdentity("tiny", b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
+IDENTITY = envelope.ModelIdentity("tiny", b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +47,13 @@ def lanes_of(dtype=torch.float32, counts=(3, 5)) -> list[torch.Tensor]:
     return [torch.randn(c, 4).to(dtype) for c in counts]
 
 
-def seal(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)) -> env.SealedBlock:
-    layout = env.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
-    return env.seal_block(
+def seal(
+    signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)
+) -> envelope.SealedBlock:
+    layout = envelope.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
+    return envelope.seal_block(
         layout,
-        torch.cat(lanes_of(dtype, counts)),
+        rows_view(torch.cat(lanes_of(dtype, counts))),
         request_id="req-1",
         identity=IDENTITY,
         sampling=[pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths],
@@ -59,35 +69,35 @@ def make_block(signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16
 
 
 def resign(block: pb.StateBlock, signer: Signer) -> None:
-    env.sign_header(block.header, signer)
+    envelope.sign_header(block.header, signer)
 
 
 def reject_reason(block: pb.StateBlock, trust: TrustStore, now: float = NOW + 1, **kw) -> str:
     with pytest.raises(BlockRejected) as info:
-        env.verify(block, trust, now, **kw)
+        envelope.verify(block, trust, now, **kw)
     return info.value.reason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_round_trip_through_bytes(signer, trust, dtype):
     block, lanes = make_block(signer, dtype)
-    parsed = env.parse_block(env.serialize_block(block))
-    verified = env.verify(parsed, trust, NOW + 1)
-    assert verified.rows.dtype == dtype
-    for got, want in zip(verified.lane_rows(), lanes, strict=True):
+    parsed = envelope.parse_block(envelope.serialize_block(block))
+    verified = envelope.verify(parsed, trust, NOW + 1)
+    assert block_rows(verified).dtype == dtype
+    for got, want in zip(block_lanes(verified), lanes, strict=True):
         assert torch.equal(got, want)
     h = verified.header
     assert h.layout.total_rows == 8 and [lane.row_offset for lane in h.layout.lanes] == [0, 3]
     assert h.key_id == signer.key_id and h.block_id and h.model == "tiny"
-    assert h.forward_state_digest == env.forward_state_digest(torch.cat(lanes))
+    assert h.forward_state_digest == envelope.forward_state_digest(rows_to_bytes(torch.cat(lanes)))
     assert h.expires_at.ToSeconds() == NOW + 30
 
 
 def test_serialisation_is_deterministic(signer):
     block, _ = make_block(signer)
-    again = env.parse_block(env.serialize_block(block))
-    assert env.serialize_block(again) == env.serialize_block(block)
-    assert env.layout_digest(again.header.layout) == block.header.layout_digest
+    again = envelope.parse_block(envelope.serialize_block(block))
+    assert envelope.serialize_block(again) == envelope.serialize_block(block)
+    assert envelope.layout_digest(again.header.layout) == block.header.layout_digest
 
 
 def test_flipped_payload_byte(signer, trust):
@@ -118,7 +128,7 @@ def rename_request(h: pb.StateBlockHeader) -> None:
 )
 def test_changed_header_field(signer, trust, tamper):
     block, _ = make_block(signer)
-    env.verify(block, trust, NOW + 1)
+    envelope.verify(block, trust, NOW + 1)
     tamper(block.header)
     assert reject_reason(block, trust) == RejectReason.BAD_SIGNATURE
 
@@ -153,7 +163,7 @@ def test_key_id_swapped_to_a_trusted_key(signer, trust):
 
 def test_expired(signer, trust):
     block, _ = make_block(signer)
-    env.verify(block, trust, NOW + 29.9)
+    envelope.verify(block, trust, NOW + 29.9)
     assert reject_reason(block, trust, now=NOW + 30) == RejectReason.EXPIRED
 
 
@@ -178,53 +188,59 @@ def test_malformed(signer, trust, mutate):
 
 def test_unparseable_bytes_are_malformed():
     with pytest.raises(BlockRejected) as info:
-        env.parse_block(b"\xff\xff\xff")
+        envelope.parse_block(b"\xff\xff\xff")
     assert info.value.reason == RejectReason.MALFORMED
 
 
 def test_payload_size_that_disagrees_with_a_signed_layout(signer, trust):
     block, _ = make_block(signer)
     block.payload.inline_rows = block.payload.inline_rows[:-4]
-    block.header.forward_state_digest = env.forward_state_digest(block.payload.inline_rows)
+    block.header.forward_state_digest = envelope.forward_state_digest(block.payload.inline_rows)
     resign(block, signer)
     assert reject_reason(block, trust) == RejectReason.MALFORMED
 
 
 def test_layout_invariants():
-    layout = env.make_layout("r", [2, 3, 4], [1, 1, 1], hidden_size=8, dtype=torch.float16)
+    layout = envelope.make_layout("r", [2, 3, 4], [1, 1, 1], hidden_size=8, dtype=torch.float16)
     assert layout.total_rows == 9 == sum(lane.row_count for lane in layout.lanes)
     assert [lane.row_offset for lane in layout.lanes] == [0, 2, 5]
     layout.total_rows = 10
     with pytest.raises(LayoutError, match="total_rows"):
-        env.check_layout(layout)
+        envelope.check_layout(layout)
     with pytest.raises(LayoutError):
-        env.make_layout("r", [2, 0], [1, 1], hidden_size=8, dtype=torch.float32)
+        envelope.make_layout("r", [2, 0], [1, 1], hidden_size=8, dtype=torch.float32)
     with pytest.raises(LayoutError):
-        env.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
+        envelope.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
 
 
 def test_build_rejects_rows_that_do_not_match_the_layout(signer):
-    layout = env.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
+    layout = envelope.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
     sampling = [pb.SamplingParams(), pb.SamplingParams()]
     common = dict(request_id="r", identity=IDENTITY, sampling=sampling, signer=signer, ttl_s=1)
+    with pytest.raises(LayoutError, match="payload has 96 bytes, layout needs 80"):
+        envelope.seal_block(layout, rows_view(torch.zeros(6, 4)), **common)
     with pytest.raises(LayoutError, match="do not match"):
-        env.seal_block(layout, torch.zeros(6, 4), **common)
-    with pytest.raises(LayoutError, match="dtype|are"):
-        env.seal_block(layout, torch.zeros(5, 4, dtype=torch.float16), **common)
+        check_rows(torch.zeros(6, 4), layout)
+    with pytest.raises(LayoutError, match="payload has 40 bytes"):  # float16 rows, float32 layout
+        envelope.seal_block(layout, rows_view(torch.zeros(5, 4, dtype=torch.float16)), **common)
+    with pytest.raises(LayoutError, match="are torch.float16"):  # caught before sealing
+        check_rows(torch.zeros(5, 4, dtype=torch.float16), layout)
     with pytest.raises(LayoutError, match="belongs"):
-        env.seal_block(layout, torch.zeros(5, 4), **{**common, "request_id": "other"})
+        envelope.seal_block(
+            layout, rows_view(torch.zeros(5, 4)), **{**common, "request_id": "other"}
+        )
 
 
 def test_object_payload(signer, trust):
     sealed = seal(signer)
-    data = env.parse_block(sealed.object_wire("STATEBLOCK_PAYLOADS", sealed.header.block_id))
+    data = envelope.parse_block(sealed.object_wire("STATEBLOCK_PAYLOADS", sealed.header.block_id))
     assert data.header == sealed.header and not data.payload.HasField("inline_rows")
     ref = data.payload.object_ref
     assert ref.name == sealed.header.block_id and ref.size == len(sealed.rows)
     assert ref.digest == hashlib.sha256(sealed.rows).digest()  # the forward-state digest
     rows = sealed.rows.tobytes()
-    verified = env.verify(data, trust, NOW + 1, payload=rows)
-    assert torch.equal(verified.rows, env.rows_from_bytes(rows, sealed.header.layout))
+    verified = envelope.verify(data, trust, NOW + 1, payload=rows)
+    assert torch.equal(block_rows(verified), rows_from_bytes(rows, sealed.header.layout))
     corrupted = bytearray(rows)
     corrupted[0] ^= 0xFF
     got = reject_reason(data, trust, payload=bytes(corrupted))
@@ -242,7 +258,7 @@ def test_generate_keypair_and_trust_store(tmp_path):
     store = TrustStore.from_dir(tmp_path)
     assert len(store) == 2 and files.key_id in store
     block, _ = make_block(signer)
-    env.verify(block, store, NOW + 1)
+    envelope.verify(block, store, NOW + 1)
 
 
 def test_trust_store_ignores_file_names(tmp_path):

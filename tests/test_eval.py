@@ -2,9 +2,9 @@
 
 import json
 
-from stateblock.cli import main
-from stateblock.evaluate import BUCKETS, METRICS, bucket_of, score
-from stateblock.vocab import NO_EOS
+from stateblock.app.cli import main
+from stateblock.model.vocab import NO_EOS
+from stateblock.tools.evaluate import BUCKETS, METRICS, bucket_of, score
 from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
 
 EOS = 2

@@ -16,19 +16,19 @@ import onnx
 import pytest
 import torch
 
-from readout_svc.engine import LaneRequest, create_engine
-from readout_svc.engine_onnx import OnnxEngine
-from stateblock.cli import main as cli_main
-from stateblock.onnx_export import (
+from stateblock.app.cli import main as cli_main
+from stateblock.engines import LaneRequest, create_engine
+from stateblock.engines.onnx_engine import OnnxEngine
+from stateblock.engines.onnx_graph import (
     GRAPH_FILE,
     OnnxGraphError,
     OnnxGraphMismatch,
     file_sha256,
     manifest_path,
 )
-from stateblock.serving import load_serving_model
-from stateblock.tasks import generate
-from stateblock.vocab import NO_EOS
+from stateblock.model.loading import load_serving_model
+from stateblock.model.vocab import NO_EOS
+from stateblock.train.tasks import generate
 from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
 
 NEAR_TIE = 1e-3

@@ -14,16 +14,16 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from stateblock import tensorrt_build
-from stateblock.onnx_export import (
+from stateblock.engines.onnx_graph import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     OnnxGraphError,
     export_readout,
     manifest_path,
 )
-from stateblock.readout import NO_EOS, ReadoutConfig, ReadoutDecoder
-from stateblock.vocab import gumbel_noise
+from stateblock.model.decoder import NO_EOS, ReadoutConfig, ReadoutDecoder
+from stateblock.model.vocab import gumbel_noise
+from stateblock.tools import tensorrt_build
 
 # V not divisible by the 8 chunks, and the last chunk (7 ids) narrower than the top-8
 D_BASE, VOCAB, EOS = 32, 70, 3

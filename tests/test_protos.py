@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stateblock import protogen
+from stateblock.tools import protogen
 
 REPO = protogen.REPO_ROOT
 
@@ -45,9 +45,11 @@ def test_buf_format(tmp_path):
 def test_generated_code_is_current(tmp_path):
     fresh = protogen.generate(tmp_path)
     checked_in = protogen.generated_files(REPO)
-    assert fresh == checked_in, "generated file set differs: run `python -m stateblock.protogen`"
+    assert fresh == checked_in, (
+        "generated file set differs: run `python -m stateblock.tools.protogen`"
+    )
     stale = [p for p in fresh if (tmp_path / p).read_bytes() != (REPO / p).read_bytes()]
-    assert not stale, f"stale generated code {stale}: run `python -m stateblock.protogen`"
+    assert not stale, f"stale generated code {stale}: run `python -m stateblock.tools.protogen`"
 
 
 def test_every_proto_is_generated():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from stateblock.readout import NO_EOS, ReadoutConfig, ReadoutDecoder
-from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
+from stateblock.model.decoder import NO_EOS, ReadoutConfig, ReadoutDecoder
+from stateblock.model.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 
 D_BASE, VOCAB, EOS = 48, 203, 7  # vocab not divisible by the chunk count on purpose
 
@@ -171,10 +171,10 @@ def test_positions_are_functional_not_a_table():
 def test_ignore_eos_returns_every_position_eos_included():
     """The shipped decoder stops `copy: hello` at its EOS; with ignore_eos the same lane
     returns all `depth` tokens: the answer, then the EOS token, then what follows."""
-    from readout_svc.engine import LaneRequest, create_engine, lane_result
+    from stateblock.engines import LaneRequest, create_engine, lane_result
+    from stateblock.model.loading import load_serving_model
+    from stateblock.model.vocab import NO_EOS
     from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-    from stateblock.serving import load_serving_model
-    from stateblock.vocab import NO_EOS
 
     model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
     rows = model.prompt_rows("copy: hello")

@@ -4,8 +4,8 @@ import random
 
 from transformers import AutoTokenizer
 
-from stateblock import tasks
-from stateblock.tokenizer import save_tokenizer
+from stateblock.train import tasks
+from stateblock.train.tokenizer import save_tokenizer
 
 
 def test_at_least_six_families_with_exact_answers():

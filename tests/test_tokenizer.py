@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from bench.models import bench_prompt, bench_tokenizer
+from stateblock.model.prompts import PromptEncoder
 from stateblock.runtime import REFERENCE_BASE
-from stateblock.tasks import generate
-from stateblock.tokenizer import PromptEncoder
+from stateblock.train.tasks import generate
 
 EDGES = [
     "",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateblock import envelope as env
-from stateblock import wire
-from stateblock.envelope import BlockRejected, RejectReason
-from stateblock.keys import Signer, TrustStore
+from stateblock.model.rows import block_lanes, block_rows, rows_to_bytes, rows_view
+from stateblock.protocol import envelope, wire
+from stateblock.protocol.envelope import BlockRejected, RejectReason
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
 
 NOW = 1_800_000_000.0
-IDENTITY = env.ModelIdentity("tiny", b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
+IDENTITY = envelope.ModelIdentity("tiny", b"\x01" * 32, b"\x02" * 32, b"\x03" * 32)
 SIGNER = Signer.generate()
 TRUST = TrustStore([SIGNER.public_key])
 
@@ -22,17 +22,17 @@ def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
 
 
-def seal(rows: torch.Tensor, counts: tuple[int, ...] | None = None) -> env.SealedBlock:
+def seal(rows: torch.Tensor, counts: tuple[int, ...] | None = None) -> envelope.SealedBlock:
     counts = counts or (rows.shape[0],)
-    layout = env.make_layout(
+    layout = envelope.make_layout(
         "req-1", counts, [8] * len(counts), hidden_size=rows.shape[1], dtype=rows.dtype
     )
     sampling = [
         pb.SamplingParams(temperature=0.5, seed=i, max_tokens=8) for i in range(len(counts))
     ]
-    return env.seal_block(
+    return envelope.seal_block(
         layout,
-        rows,
+        rows_view(rows),
         request_id="req-1",
         identity=IDENTITY,
         sampling=sampling,
@@ -42,10 +42,10 @@ def seal(rows: torch.Tensor, counts: tuple[int, ...] | None = None) -> env.Seale
     )
 
 
-def protobuf_wire(sealed: env.SealedBlock) -> bytes:
+def protobuf_wire(sealed: envelope.SealedBlock) -> bytes:
     """The definition: the whole block through protobuf, rows inline."""
     block = pb.StateBlock(header=sealed.header, payload=pb.Payload(inline_rows=bytes(sealed.rows)))
-    return env.serialize_block(block)
+    return envelope.serialize_block(block)
 
 
 # row sizes whose length fields take 1, 2 and 3 varint bytes, on both sides of each step
@@ -53,7 +53,9 @@ def protobuf_wire(sealed: env.SealedBlock) -> bytes:
 def test_encode_inline_is_the_protobuf_encoding(n_bytes):
     header = seal(randn(3, 4)).header
     rows = bytes(range(256)) * (n_bytes // 256) + bytes(n_bytes % 256)
-    want = env.serialize_block(pb.StateBlock(header=header, payload=pb.Payload(inline_rows=rows)))
+    want = envelope.serialize_block(
+        pb.StateBlock(header=header, payload=pb.Payload(inline_rows=rows))
+    )
     got = wire.encode_inline(header.SerializeToString(deterministic=True), memoryview(rows))
     assert got == want
     assert wire.inline_size(header.ByteSize(), n_bytes) == len(want)
@@ -64,19 +66,19 @@ def test_sealed_block_wire_is_protobufs_own(dtype):
     rows = randn(7, 96).to(dtype)
     sealed = seal(rows, counts=(3, 4))
     built = sealed.message()
-    assert sealed.wire() == protobuf_wire(sealed) == env.serialize_block(built)
+    assert sealed.wire() == protobuf_wire(sealed) == envelope.serialize_block(built)
     assert sealed.wire_size() == len(sealed.wire())
-    assert bytes(sealed.rows) == env.rows_to_bytes(rows)
-    assert sealed.header.forward_state_digest == env.forward_state_digest(rows)
+    assert bytes(sealed.rows) == rows_to_bytes(rows)
+    assert sealed.header.forward_state_digest == envelope.forward_state_digest(rows_to_bytes(rows))
 
 
 def test_rows_view_of_rows_that_are_not_contiguous():
     rows = randn(96, 7).t()  # (7, 96), column-major storage
     assert not rows.is_contiguous()
     sealed = seal(rows)
-    assert bytes(sealed.rows) == env.rows_to_bytes(rows)
-    block, view = env.parse_wire(sealed.wire())
-    assert torch.equal(env.verify(block, TRUST, NOW + 1, payload=view).rows, rows)
+    assert bytes(sealed.rows) == rows_to_bytes(rows)
+    block, view = envelope.parse_wire(sealed.wire())
+    assert torch.equal(block_rows(envelope.verify(block, TRUST, NOW + 1, payload=view)), rows)
     with pytest.raises(TypeError):  # read-only: the digest was taken over these bytes
         sealed.rows[0] = 1
 
@@ -84,15 +86,15 @@ def test_rows_view_of_rows_that_are_not_contiguous():
 def test_parse_wire_splits_the_canonical_encoding_without_copying():
     rows = randn(12, 64)
     data = seal(rows, counts=(5, 7)).wire()
-    block, view = env.parse_wire(data)
-    full = env.parse_block(data)
+    block, view = envelope.parse_wire(data)
+    full = envelope.parse_block(data)
     assert block.HasField("header") and block.header == full.header
     assert block.payload.WhichOneof("location") is None  # the rows stay in `data`
     assert isinstance(view, memoryview) and view.obj is data
     assert bytes(view) == full.payload.inline_rows
-    verified = env.verify(block, TRUST, NOW + 1, payload=view)
-    assert torch.equal(verified.rows, env.verify(full, TRUST, NOW + 1).rows)
-    assert [r.shape[0] for r in verified.lane_rows()] == [5, 7]
+    verified = envelope.verify(block, TRUST, NOW + 1, payload=view)
+    assert torch.equal(block_rows(verified), block_rows(envelope.verify(full, TRUST, NOW + 1)))
+    assert [r.shape[0] for r in block_lanes(verified)] == [5, 7]
 
 
 def _key(field: int) -> bytes:
@@ -129,7 +131,7 @@ def _variants() -> dict[str, bytes]:
         + _field(2, _field(1, b"zz") + payload),
         "rows then an unknown field in the payload": _field(1, header)
         + _field(2, payload + _field(7, b"x")),
-        "object ref": env.serialize_block(
+        "object ref": envelope.serialize_block(
             pb.StateBlock(header=sealed.header, payload=pb.Payload(object_ref=ref))
         ),
         "no payload": _field(1, header),
@@ -149,13 +151,13 @@ def _variants() -> dict[str, bytes]:
 def test_parse_wire_agrees_with_the_protobuf_parse(name):
     data = _variants()[name]
     try:
-        want = env.parse_block(data)
+        want = envelope.parse_block(data)
     except BlockRejected as e:
         with pytest.raises(BlockRejected) as info:
-            env.parse_wire(data)
+            envelope.parse_wire(data)
         assert info.value.reason == e.reason == RejectReason.MALFORMED
         return
-    block, view = env.parse_wire(data)
+    block, view = envelope.parse_wire(data)
     if view is None:
         assert block == want
     else:  # split: the header parsed alone, the rows a view
@@ -166,7 +168,7 @@ def test_parse_wire_agrees_with_the_protobuf_parse(name):
         if blk.payload.WhichOneof("location") == "object_ref":
             payload = bytes(VARIANT.rows)  # the fetched object
         try:
-            outcomes.append(env.verify(blk, TRUST, NOW + 1, payload=payload).rows)
+            outcomes.append(block_rows(envelope.verify(blk, TRUST, NOW + 1, payload=payload)))
         except BlockRejected as e:
             outcomes.append(e.reason)
     if isinstance(outcomes[0], torch.Tensor):
@@ -184,14 +186,14 @@ def test_parse_wire_agrees_with_the_protobuf_parse(name):
 def test_tampered_bytes_are_rejected_through_the_split(where, reason):
     data = bytearray(seal(randn(6, 16)).wire())
     data[where(data)] ^= 0x01
-    block, view = env.parse_wire(bytes(data))
+    block, view = envelope.parse_wire(bytes(data))
     with pytest.raises(BlockRejected) as info:
-        env.verify(block, TRUST, NOW + 1, payload=view)
+        envelope.verify(block, TRUST, NOW + 1, payload=view)
     assert info.value.reason == reason
 
 
 def test_a_header_only_block_without_rows_is_malformed():
-    block, _ = env.parse_wire(seal(randn(2, 4)).wire())
+    block, _ = envelope.parse_wire(seal(randn(2, 4)).wire())
     with pytest.raises(BlockRejected) as info:
-        env.verify(block, TRUST, NOW + 1)  # the split rows not passed on
+        envelope.verify(block, TRUST, NOW + 1)  # the split rows not passed on
     assert info.value.reason == RejectReason.MALFORMED

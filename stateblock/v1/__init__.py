@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC modules for stateblock.v1 (`python -m stateblock.protogen`)."""
+"""Generated protobuf and gRPC modules for stateblock.v1 (`python -m stateblock.tools.protogen`)."""

@@ -14,11 +14,16 @@ import pytest
 import structlog
 import torch
 
-from stateblock.capture import lm_head_weight
-from stateblock.checkpoint import base_model_digest, save_decoder, tensor_digest, tokenizer_digest
-from stateblock.embedded import StackThread, UpConfig
-from stateblock.readout import ReadoutConfig, ReadoutDecoder
-from stateblock.reference import load_base
+from stateblock.app.stack import StackThread, UpConfig
+from stateblock.model.capture import lm_head_weight
+from stateblock.model.checkpoint import (
+    base_model_digest,
+    save_decoder,
+    tensor_digest,
+    tokenizer_digest,
+)
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.loading import load_base
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE
 
 TEST_MAX_ANSWER = 4096
@@ -64,14 +69,14 @@ def decoder_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def serving_model(decoder_dir):
-    from stateblock.serving import load_serving_model
+    from stateblock.model.loading import load_serving_model
 
     return load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, decoder_dir)
 
 
 @pytest.fixture(scope="session")
 def engine(serving_model):
-    from readout_svc.engine import create_engine
+    from stateblock.engines import create_engine
 
     return create_engine("reference", serving_model)
 

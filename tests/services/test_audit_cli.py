@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from stateblock.cli import main
+from stateblock.app.cli import main
 
 
 def test_onnx_audit_exports_when_asked_and_fails_closed_otherwise(decoder_dir, tmp_path, capsys):

@@ -12,7 +12,7 @@ from capture_svc.server import running_capture
 from gateway.server import running_gateway
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
-from stateblock.keys import Signer, TrustStore
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from tests.services.test_gateway_errors import gateway_config
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width
 from capture_svc.config import CaptureConfig
-from capture_svc.registry import (
+from capture_svc.plans import (
     CaptureIntegrityError,
     CaptureRegistry,
     CaptureRegistryMetrics,
@@ -24,9 +24,9 @@ from capture_svc.registry import (
 )
 from capture_svc.server import running_capture
 from capture_svc.service import CaptureFailed, InvalidCapture, LaneInput
-from stateblock import envelope as env
-from stateblock import streams
-from stateblock.keys import Signer, TrustStore
+from stateblock.model.rows import block_lanes
+from stateblock.protocol import envelope, streams
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
@@ -69,7 +69,9 @@ def count(metrics: CollectorRegistry, name: str) -> float:
 
 
 def plan(reg: CaptureRegistry, rid: str, lengths=(3, 5)):
-    layout = env.make_layout(rid, lengths, [4] * len(lengths), hidden_size=D, dtype=torch.float32)
+    layout = envelope.make_layout(
+        rid, lengths, [4] * len(lengths), hidden_size=D, dtype=torch.float32
+    )
     return reg.register(rid, layout)
 
 
@@ -171,7 +173,7 @@ async def test_batched_cohort_rows_equal_each_request_alone(serving_model, metri
         pending = []
         for p in batch:
             ids = tok(p)["input_ids"]
-            layout = env.make_layout(
+            layout = envelope.make_layout(
                 f"{tag}{p}", [len(ids)], [4], hidden_size=serving_model.hidden_size,
                 dtype=torch.float32,
             )  # fmt: skip
@@ -192,7 +194,7 @@ async def test_batcher_groups_concurrent_requests(serving_model, metrics, reg):
 
     async def submit(batcher, rid: str, prompt: str):
         ids = tok(prompt)["input_ids"]
-        layout = env.make_layout(
+        layout = envelope.make_layout(
             rid, [len(ids)], [4], hidden_size=serving_model.hidden_size, dtype=torch.float32
         )
         p = reg.register(rid, layout)
@@ -230,13 +232,13 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
     (msg,) = await sub.fetch(1, timeout=5)
     assert msg.headers["Nats-Msg-Id"] == captured.block_id
     # the rows framed by hand: the bytes are protobuf's own encoding of the block
-    assert msg.data == env.serialize_block(env.parse_block(msg.data))
-    verified = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key]))
+    assert msg.data == envelope.serialize_block(envelope.parse_block(msg.data))
+    verified = envelope.verify(envelope.parse_block(msg.data), TrustStore([signer.public_key]))
     header = verified.header
     assert header.request_id == "req-1" and header.block_id == captured.block_id
     assert [lane.answer_depth for lane in header.layout.lanes] == [12, 7]
     assert header.sampling[1].seed == 3 and header.sampling[1].temperature == 0.5
-    a, b = verified.lane_rows()
+    a, b = block_lanes(verified)
     assert torch.equal(a, b)  # the chat template renders a lone user turn like the prompt
     assert (
         captured.prompt_tokens
@@ -284,7 +286,7 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
 ):
     """STATEBLOCK_CAPTURE_COMPILE: the service compiles the base forward (its own model
     copy here; compiling is in place) and the published rows equal the eager capture."""
-    from stateblock.serving import load_serving_model
+    from stateblock.model.loading import load_serving_model
     from tests.helpers import REFERENCE_BASE
 
     config = CaptureConfig.from_env(
@@ -304,7 +306,9 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
     finally:
         await nc.close()
     assert getattr(model.model.base_model, "_stateblock_compiled", None) == "aot_eager"
-    (rows,) = env.verify(env.parse_block(msg.data), TrustStore([signer.public_key])).lane_rows()
+    (rows,) = block_lanes(
+        envelope.verify(envelope.parse_block(msg.data), TrustStore([signer.public_key]))
+    )
     eager = serving_model.prompt_rows("copy: abc", pad_to=bucket_width)
     assert torch.equal(rows, eager.to(rows.dtype))
 

@@ -10,17 +10,18 @@ import pytest
 import structlog
 import torch
 
-from readout_svc.engine import create_engine
 from registry import Registry
-from stateblock import audit_determinism as det
-from stateblock import envelope as env
-from stateblock import tasks
-from stateblock.capture import capture
-from stateblock.cli import main
-from stateblock.keys import TrustStore
-from stateblock.reference import load_base
+from stateblock.app import determinism as det
+from stateblock.app.cli import main
+from stateblock.engines import create_engine
+from stateblock.model.capture import capture
+from stateblock.model.loading import load_base
+from stateblock.model.rows import block_rows, rows_to_bytes
+from stateblock.protocol import envelope
+from stateblock.protocol.keys import TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE
+from stateblock.train import tasks
 from tests.test_audit import perturbed_engine
 
 PROMPTS = [e.prompt for e in tasks.generate(3, split="heldout", seed=5)]
@@ -91,8 +92,8 @@ async def test_recaptured_rows_that_change_the_answer_are_upstream(stack, nc, tr
     norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=torch.Generator().manual_seed(0)))
     ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
     rows = capture(other_base, ids)[0]  # (P, d_base): same prompt, other base weights
-    assert rows.shape == stored.rows.shape and not torch.equal(rows, stored.rows)
-    recaptured = env.VerifiedBlock(header=stored.header, rows=rows)
+    assert rows.shape == block_rows(stored).shape and not torch.equal(rows, block_rows(stored))
+    recaptured = envelope.VerifiedBlock(header=stored.header, data=rows_to_bytes(rows))
     rerun = det.rerun_commit(recaptured, engine)
     assert rerun.forward_state_digest != commit.forward_state_digest
     assert rerun.output_digest != commit.output_digest

@@ -17,8 +17,8 @@ from gateway.config import GatewayConfig
 from gateway.server import running_gateway
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
-from stateblock.embedded import free_port
-from stateblock.keys import Signer, TrustStore
+from stateblock.app.stack import free_port
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 

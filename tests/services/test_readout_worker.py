@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.publisher import BlockPublisher
 from readout_svc.config import ReadoutServiceConfig
-from readout_svc.engine import LaneRequest, UnknownEngine, create_engine
 from readout_svc.server import running_readout
 from registry import Registry
-from stateblock import envelope as env
-from stateblock import streams, wire
-from stateblock.keys import Signer, TrustStore
+from stateblock.engines import LaneRequest, UnknownEngine, create_engine
+from stateblock.model.rows import block_lanes, rows_view
+from stateblock.protocol import envelope, streams, wire
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
@@ -35,18 +35,18 @@ def make_block(serving_model, **kw) -> pb.StateBlock:
 
 def make_sealed(
     serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0
-) -> env.SealedBlock:
+) -> envelope.SealedBlock:
     gen = torch.Generator().manual_seed(seed)
     d = serving_model.hidden_size
     rows = torch.randn(sum(rows_per_lane), d, generator=gen)  # (total_rows, d)
     request_id = f"req-{seed}-{len(rows_per_lane)}"
-    layout = env.make_layout(
+    layout = envelope.make_layout(
         request_id, rows_per_lane, [depth] * len(rows_per_lane), hidden_size=d, dtype=rows.dtype
     )
     sampling = [pb.SamplingParams(max_tokens=depth) for _ in rows_per_lane]
-    return env.seal_block(
+    return envelope.seal_block(
         layout,
-        rows,
+        rows_view(rows),
         request_id=request_id,
         identity=serving_model.identity,
         sampling=sampling,
@@ -78,7 +78,7 @@ async def readout(nc, engine):
 async def publish(nc, block: pb.StateBlock, msg_id: str | None = None):
     js = nc.jetstream()
     headers = {"Nats-Msg-Id": msg_id or block.header.block_id}
-    data = env.serialize_block(block)
+    data = envelope.serialize_block(block)
     return await js.publish(streams.blocks_subject(MODEL), data, headers=headers)
 
 
@@ -101,8 +101,8 @@ async def test_block_committed_with_the_engine_answer(nc, readout, engine, servi
     await publish(nc, block)
     registry = await Registry.open(nc.jetstream())
     commit = await registry.watch_commit(block.header.block_id, timeout=20)
-    verified = env.verify(block, TrustStore([SIGNER.public_key]))
-    expected = engine.readout([LaneRequest(rows=r, depth=24) for r in verified.lane_rows()])
+    verified = envelope.verify(block, TrustStore([SIGNER.public_key]))
+    expected = engine.readout([LaneRequest(rows=r, depth=24) for r in block_lanes(verified)])
     assert [list(lane.token_ids) for lane in commit.lanes] == [list(e.token_ids) for e in expected]
     assert [lane.eos_pos for lane in commit.lanes] == [e.eos_pos for e in expected]
     assert commit.forward_state_digest == block.header.forward_state_digest
@@ -125,7 +125,7 @@ def _change_header(block: pb.StateBlock) -> None:
 
 
 def _unknown_key(block: pb.StateBlock) -> None:
-    env.sign_header(block.header, STRANGER)
+    envelope.sign_header(block.header, STRANGER)
 
 
 TAMPERS = [
@@ -210,7 +210,7 @@ async def test_a_block_in_another_valid_encoding_is_committed(nc, readout, servi
     data = (
         b"\x12" + wire.varint(len(payload)) + payload + b"\x0a" + wire.varint(len(header)) + header
     )
-    assert data != env.serialize_block(block) and env.parse_block(data) == block
+    assert data != envelope.serialize_block(block) and envelope.parse_block(data) == block
     await nc.jetstream().publish(
         streams.blocks_subject(MODEL), data, headers={"Nats-Msg-Id": block.header.block_id}
     )

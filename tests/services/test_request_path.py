@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from capture_svc.batcher import bucket_width
+from stateblock.model.vocab import NO_EOS
+from stateblock.protocol.streams import BLOCKS_STREAM
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
-from stateblock.streams import BLOCKS_STREAM
 from stateblock.v1 import capture_pb2, gateway_pb2, gateway_pb2_grpc
-from stateblock.vocab import NO_EOS
 
 PROMPTS = [f"copy: {'abcdefgh'[i % 8] * (1 + i % 13)}{i}" for i in range(50)]
 
@@ -43,7 +43,7 @@ def in_process_answer(
     serving_model, engine, prompt: str, max_tokens: int, ignore_eos: bool = False
 ) -> list[int]:
     """The same prompt through capture + decoder in this process, padded like the service."""
-    from readout_svc.engine import LaneRequest
+    from stateblock.engines import LaneRequest
 
     rows = serving_model.prompt_rows(prompt, pad_to=bucket_width)
     (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens, ignore_eos=ignore_eos)])
@@ -272,8 +272,8 @@ def test_openai_client_raises_bad_request(client):
 
 
 def test_cli_ask_and_keys_generate(stack, client, capsys, tmp_path):
-    from stateblock.cli import main
-    from stateblock.keys import Signer, TrustStore
+    from stateblock.app.cli import main
+    from stateblock.protocol.keys import Signer, TrustStore
 
     messages = [{"role": "user", "content": "copy: cli"}]
     expected = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)

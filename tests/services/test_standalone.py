@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from stateblock.keys import generate_keypair
+from stateblock.protocol.keys import generate_keypair
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, REPO
 from tests.conftest import free_port
@@ -179,7 +179,7 @@ def test_up_ask_stops_when_its_reader_goes_away(tmp_path):
     before the answer is printed; the embedded stack must still stop instead of running on
     unattended."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stateblock.cli", "up", "--ask", PROMPT,
+        [sys.executable, "-m", "stateblock.app.cli", "up", "--ask", PROMPT,
          "--data-dir", str(tmp_path / "up"), "--http-port", str(free_port()),
          "--grpc-port", str(free_port())],
         cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -1,4 +1,5 @@
-"""Decoder checkpoints: safetensors plus a manifest that binds them to one base model.
+"""Decoder checkpoints: safetensors plus a manifest (stateblock.protocol.manifest) that
+binds them to one base model.
 
 A readout decoder is only meaningful against the exact base model, lm_head and tokenizer
 it was distilled from; loading it against anything else raises DecoderMismatch instead of
@@ -14,48 +15,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from stateblock.readout import ReadoutConfig, ReadoutDecoder
-
-WEIGHTS = "decoder.safetensors"
-MANIFEST = "manifest.json"
-FORMAT = "stateblock-readout-decoder/1"
-
-
-class DecoderError(Exception):
-    """A decoder checkpoint cannot be used."""
-
-
-class DecoderMismatch(DecoderError):
-    def __init__(self, field: str, expected: str, actual: str) -> None:
-        super().__init__(
-            f"readout decoder does not match the loaded base model: {field} is {actual[:16]}..., "
-            f"the decoder was distilled against {expected[:16]}... (retrain with `stateblock train`)"
-        )
-        self.field = field
-
-
-def sha_files(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode() + b"\0")
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
-def base_model_digest(base_dir: str | Path) -> str:
-    """SHA-256 over the base model's config and weight files, in name order."""
-    d = Path(base_dir)
-    files = sorted([d / "config.json", *d.glob("*.safetensors"), *d.glob("*.bin")])
-    if not files[1:]:
-        raise DecoderError(f"no weight files in {d}")
-    return sha_files(files)
-
-
-def tokenizer_digest(base_dir: str | Path) -> str:
-    d = Path(base_dir)
-    return sha_files(sorted(p for p in d.glob("tokenizer*.json") if p.is_file()))
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.protocol.manifest import (  # noqa: F401  (re-exported: the checkpoint's names)
+    FORMAT,
+    MANIFEST,
+    WEIGHTS,
+    DecoderError,
+    DecoderMismatch,
+    base_model_digest,
+    decoder_digest,
+    read_manifest,
+    sha_files,
+    tokenizer_digest,
+)
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -66,10 +38,6 @@ def tensor_digest(t: torch.Tensor) -> str:
     for lo in range(0, flat.shape[0], 4096):
         h.update(flat[lo : lo + 4096].to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def decoder_digest(decoder_dir: str | Path) -> str:
-    return sha_files([Path(decoder_dir) / WEIGHTS])
 
 
 def save_decoder(out_dir: str | Path, decoder: ReadoutDecoder, identity: dict, extra: dict) -> None:
@@ -84,17 +52,6 @@ def save_decoder(out_dir: str | Path, decoder: ReadoutDecoder, identity: dict, e
     manifest = {"format": FORMAT, "decoder_config": decoder.cfg.to_dict(), **identity, **extra}
     manifest["decoder_digest"] = decoder_digest(out)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def read_manifest(decoder_dir: str | Path) -> dict:
-    path = Path(decoder_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DecoderError(f"cannot read decoder manifest {path}: {e}") from e
-    if manifest.get("format") != FORMAT:
-        raise DecoderError(f"{path}: unknown format {manifest.get('format')!r}")
-    return manifest
 
 
 def load_decoder(

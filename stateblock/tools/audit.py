@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from readout_svc.engine import LaneRequest, LaneResult, ReadoutEngine
-from stateblock import tasks
-from stateblock.capture import capture
-from stateblock.serving import ServingModel
-from stateblock.vocab import NO_EOS, distinct_n
+from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
+from stateblock.model.capture import capture
+from stateblock.model.loading import ServingModel
+from stateblock.model.vocab import NO_EOS, distinct_n
+from stateblock.train import tasks
 
 NEAR_TIE = 0.05  # reference top-1 minus top-2 logit below this is a near-tie
 DEFAULT_DEPTHS = (256, 512, 1024, 2048, 4096, 8192)

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from stateblock import checkpoint as ckpt
-from stateblock.batching import budget_batches
-from stateblock.capture import capture, lm_head_weight
-from stateblock.readout import ReadoutConfig, ReadoutDecoder
-from stateblock.reference import fit_steps, load_base, lr_at
-from stateblock.teacher import greedy_answers, load_cache, save_cache
+from stateblock.model import checkpoint as ckpt
+from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.loading import load_base
+from stateblock.train.batching import budget_batches
+from stateblock.train.reference import fit_steps, lr_at
+from stateblock.train.teacher import greedy_answers, load_cache, save_cache
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from stateblock.vocab import NO_EOS, ReadoutOut, chunked_topk, first_eos, gumbel_select
+from stateblock.model.vocab import (
+    NO_EOS,
+    TOP_K_SAMPLE,
+    ReadoutOut,
+    chunked_topk,
+    first_eos,
+    gumbel_select,
+)
 
 __all__ = ["NO_EOS", "ReadoutConfig", "ReadoutDecoder", "ReadoutOut", "position_features"]
 
@@ -127,7 +134,7 @@ class Attention(nn.Module):
     score tensor); `sdpa` is scaled_dot_product_attention, which on the GPU never
     materialises the (queries x keys) scores: the K=8 x D=8192 memory wall of the seed;
     `fused` is `sdpa` except for the mixer's PrefixCausal attention, which runs the fp32
-    flash kernel of `stateblock.triton_attention` (CUDA + Triton, fp32 only: SDPA has no
+    flash kernel of `stateblock.model.kernels.attention` (CUDA + Triton, fp32 only: SDPA has no
     tensor-core kernel for fp32).
     """
 
@@ -150,7 +157,7 @@ class Attention(nn.Module):
         # (or, for sdpa, a PrefixCausal standing for it)
         q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
         if impl == "fused" and isinstance(mask, PrefixCausal):
-            from stateblock.triton_attention import prefix_causal_attention
+            from stateblock.model.kernels.attention import prefix_causal_attention
 
             kk, nq, d = xq.shape
             out = torch.empty(
@@ -262,11 +269,11 @@ class ReadoutDecoder(nn.Module):
         lm_head: Tensor,  # (V, d_base), the base model's resident output embedding
         eos_token_id: Tensor | int | None = None,
         temperature: Tensor | None = None,  # (K,) float; 0 = argmax
-        noise: Tensor | None = None,  # (K, D, 8) Gumbel noise for sampling
+        noise: Tensor | None = None,  # (K, D, TOP_K_SAMPLE) Gumbel noise for sampling
         impl: str = "sdpa",
     ) -> ReadoutOut:
         h = self.hidden(rows, prompt_lens, positions, impl).to(lm_head.dtype)
-        k_top = 2 if temperature is None else 8
+        k_top = 2 if temperature is None else TOP_K_SAMPLE
         top_v, top_i = chunked_topk(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
         margin = (top_v[..., 0] - top_v[..., 1]).float()
         tokens = top_i[..., 0]

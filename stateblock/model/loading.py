@@ -13,16 +13,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from stateblock.capture import capture, lm_head_weight
-from stateblock.checkpoint import (
-    DecoderError,
+from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.checkpoint import (
     DecoderMismatch,
     base_model_digest,
-    read_manifest,
     tensor_digest,
     tokenizer_digest,
 )
-from stateblock.envelope import ModelIdentity
+from stateblock.protocol.envelope import ModelIdentity
+from stateblock.protocol.manifest import decoder_manifest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,22 +30,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; one of {sorted(DTYPES)}")
     return DTYPES[name]
-
-
-def default_max_tokens(manifest: dict, answer_depth_max: int) -> int:
-    """The depth read when a request does not say: what the decoder was trained to serve."""
-    trained = manifest.get("training", {}).get("config", {}).get("max_answer")
-    return min(int(trained), answer_depth_max) if trained else answer_depth_max
-
-
-def decoder_manifest(decoder_dir: str | Path) -> dict:
-    """The manifest, with a start-up message that says what to do when it is missing."""
-    if not (Path(decoder_dir) / "manifest.json").exists():
-        raise DecoderError(
-            f"no readout decoder at {decoder_dir} (manifest.json missing): build one with "
-            "`stateblock build-reference` or `stateblock train`, or set STATEBLOCK_DECODER_DIR"
-        )
-    return read_manifest(decoder_dir)
 
 
 @dataclass(frozen=True)
@@ -81,6 +64,21 @@ class ServingModel:
         return capture(self.model, x.to(self.lm_head.device))[0, : len(ids)]
 
 
+def load_base(base_dir: str | Path, device: str = "cpu", dtype=torch.float32):
+    """(model, tokenizer) from a local directory; never reaches a hub."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(base_dir).is_dir():
+        raise FileNotFoundError(f"no base model directory {base_dir}")
+
+    tok = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base_dir), local_files_only=True, dtype=dtype
+    ).to(device)
+    model.eval().requires_grad_(False)
+    return model, tok
+
+
 def load_serving_model(
     name: str,
     base_dir: str | Path,
@@ -90,8 +88,6 @@ def load_serving_model(
     dtype: torch.dtype = torch.float32,
 ) -> ServingModel:
     """Base model + tokenizer from a local directory, checked against the decoder manifest."""
-    from stateblock.reference import load_base
-
     manifest = decoder_manifest(decoder_dir)
     model, tok = load_base(base_dir, device=device, dtype=dtype)
     lm_head = lm_head_weight(model)

@@ -36,12 +36,11 @@ import nats.js.errors as js_errors
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from readout_svc.engine import ReadoutEngine
-from readout_svc.worker import commit_record, lane_requests
+from readout_svc.worker import commit_record
 from registry import CommitTimeout, Registry, RegistryError
-from stateblock import envelope as env
-from stateblock import streams
-from stateblock.keys import TrustStore
+from stateblock.engines import ReadoutEngine, lane_requests
+from stateblock.protocol import envelope, streams
+from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import block_pb2 as block_pb
 from stateblock.v1 import commit_pb2 as pb
 
@@ -72,7 +71,7 @@ def reproducible(header: block_pb.StateBlockHeader) -> bool:
     return all(s.temperature == 0 or s.HasField("seed") for s in header.sampling)
 
 
-def rerun_commit(block: env.VerifiedBlock, engine: ReadoutEngine) -> pb.Commit:
+def rerun_commit(block: envelope.VerifiedBlock, engine: ReadoutEngine) -> pb.Commit:
     """Read the stored block again and build the commit a worker would have written.
 
     The forward-state digest is recomputed from the rows actually read, not copied from
@@ -80,7 +79,7 @@ def rerun_commit(block: env.VerifiedBlock, engine: ReadoutEngine) -> pb.Commit:
     """
     results = engine.readout(lane_requests(block))
     commit = commit_record(block.header, results, AUDIT_WORKER_ID)
-    commit.forward_state_digest = env.forward_state_digest(block.rows)
+    commit.forward_state_digest = envelope.forward_state_digest(block.data)
     return commit
 
 
@@ -163,8 +162,8 @@ class BlockTap:
 
     async def _on_block(self, msg: Msg) -> None:
         try:
-            block = env.parse_block(msg.data)
-        except env.BlockRejected:
+            block = envelope.parse_block(msg.data)
+        except envelope.BlockRejected:
             self.dropped += 1
             return
         block_id = block.header.block_id
@@ -189,14 +188,14 @@ class BlockTap:
         while any(r not in self.by_request for r in request_ids) and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
-    def verified(self, block_id: str, trust: TrustStore) -> env.VerifiedBlock:
+    def verified(self, block_id: str, trust: TrustStore) -> envelope.VerifiedBlock:
         """The stored block, verified as a worker would, except expiry: re-reading an
         expired block is what an audit does."""
         tapped = self.blocks[block_id]
         if tapped.error:
             raise LookupError(tapped.error)
         created = tapped.block.header.created_at.ToNanoseconds() / 1e9
-        return env.verify(tapped.block, trust, now=created, payload=tapped.payload)
+        return envelope.verify(tapped.block, trust, now=created, payload=tapped.payload)
 
 
 async def committed(registry: Registry, block_id: str, timeout_s: float) -> pb.Commit | str:
@@ -234,7 +233,7 @@ async def reread(
 
     try:
         block = tap.verified(block_id, trust)
-    except (LookupError, env.BlockRejected, ValueError) as e:
+    except (LookupError, envelope.BlockRejected, ValueError) as e:
         return not_checked("unavailable", f"stored block cannot be re-read: {e}")
     if not _same_pieces(block.header, engine):  # a worker would not have read it either
         return not_checked("unavailable", "captured for other model pieces than this engine's")
@@ -337,10 +336,10 @@ async def embedded_determinism(
 ) -> dict:
     """The embedded default with its own nats-server, driven with `prompts`; the rerun
     engine is loaded apart from the one the workers use."""
-    from readout_svc.engine import create_engine
-    from stateblock.embedded import UpConfig, running_stack
+    from stateblock.app.stack import UpConfig, running_stack
+    from stateblock.engines import create_engine
+    from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
-    from stateblock.serving import load_serving_model
 
     config = UpConfig(
         data_dir=data_dir,
@@ -389,9 +388,9 @@ async def external_determinism(
     model_name: str | None = None,
 ) -> dict:
     """A running deployment: tap its NATS, optionally drive its gateway, re-read locally."""
-    from readout_svc.engine import create_engine
+    from stateblock.engines import create_engine
+    from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
-    from stateblock.serving import load_serving_model
 
     name = model_name or DEFAULT_MODEL_NAME
     model = await asyncio.to_thread(load_serving_model, name, base_dir, decoder_dir, device=device)

@@ -1,4 +1,4 @@
-"""Generate the Python code for protos/stateblock/v1: `python -m stateblock.protogen`.
+"""Generate the Python code for protos/stateblock/v1: `python -m stateblock.tools.protogen`.
 
 The generated modules are checked in (stateblock/v1/*_pb2*.py*) so that a clone imports
 without grpcio-tools; tests/test_protos.py regenerates into a temp dir and fails when the
@@ -13,7 +13,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 PACKAGE_DIR = Path("stateblock") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")

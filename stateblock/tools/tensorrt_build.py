@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stateblock.onnx_export import OnnxGraphError, file_sha256, read_graph_manifest
+from stateblock.engines.onnx_graph import OnnxGraphError, file_sha256, read_graph_manifest
 
 NOT_INSTALLED = "TensorRT not installed (optional extra [tensorrt], unverified in CI)"
 

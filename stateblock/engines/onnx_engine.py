@@ -25,17 +25,17 @@ import numpy as np
 import structlog
 import torch
 
-from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
-from stateblock.capture import pad_lanes
-from stateblock.onnx_export import (
+from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.engines.onnx_graph import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     OnnxGraphError,
     default_graph_path,
     verify_graph,
 )
-from stateblock.serving import ServingModel
-from stateblock.vocab import gumbel_noise
+from stateblock.model.capture import pad_lanes
+from stateblock.model.loading import ServingModel
+from stateblock.model.vocab import gumbel_noise
 
 log = structlog.get_logger("readout_svc")
 

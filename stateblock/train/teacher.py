@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stateblock.batching import budget_batches
+from stateblock.train.batching import budget_batches
 
 
 @torch.no_grad()

@@ -1,9 +1,9 @@
 """The `torch` readout engine: the GPU fast path of DESIGN.md s.5.
 
 On CUDA: the decoder in fp32, its mixer attention as one fp32 flash kernel
-(`stateblock.triton_attention`: no D x D score tensor, TF32 tensor-core dots), the
+(`stateblock.model.kernels.attention`: no D x D score tensor, TF32 tensor-core dots), the
 vocabulary top-2 over the fused head lm_head @ out.weight (V x d_r, fp32, TF32 dots) in the
-Triton top-2 kernel (`stateblock.triton_top2`: logits never leave the chip; `head="lm_head"`
+Triton top-2 kernel (`stateblock.model.kernels.top2`: logits never leave the chip; `head="lm_head"`
 keeps the bf16 lm_head GEMM), and one CUDA graph per shape bucket. On the CPU the same code
 runs eagerly in fp32 with the chunked PyTorch top-2 and, by default, no buckets (exact
 shapes, as the reference), so CI imports and tests it against the reference engine.
@@ -43,15 +43,15 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from readout_svc.engine import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
-from stateblock.checkpoint import load_decoder
-from stateblock.envelope import ModelIdentity
-from stateblock.readout import ReadoutDecoder
-from stateblock.serving import ServingModel
-from stateblock.triton_attention import DOT_PRECISIONS, dot_precision
-from stateblock.triton_attention import available as attention_available
-from stateblock.triton_top2 import Top2Config, available, default_tiles, top2
-from stateblock.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
+from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.model.checkpoint import load_decoder
+from stateblock.model.decoder import ReadoutDecoder
+from stateblock.model.kernels.attention import DOT_PRECISIONS, dot_precision
+from stateblock.model.kernels.attention import available as attention_available
+from stateblock.model.kernels.top2 import Top2Config, available, default_tiles, top2
+from stateblock.model.loading import ServingModel
+from stateblock.model.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
+from stateblock.protocol.envelope import ModelIdentity
 
 K_MAX = 8  # lanes per enqueue (DESIGN.md: cohort K_max)
 LANE_BUCKETS = (1, 2, 4, 8)

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
-from stateblock import tasks
-from stateblock.batching import budget_batches
-from stateblock.capture import capture, lm_head_weight
-from stateblock.checkpoint import load_decoder
-from stateblock.reference import encode_examples, load_base
-from stateblock.teacher import greedy_answers
-from stateblock.vocab import NO_EOS, distinct_n
+from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.checkpoint import load_decoder
+from stateblock.model.loading import load_base
+from stateblock.model.vocab import NO_EOS, distinct_n
+from stateblock.train import tasks
+from stateblock.train.batching import budget_batches
+from stateblock.train.reference import encode_examples
+from stateblock.train.teacher import greedy_answers
 
 BUCKETS = [(1, 64), (65, 256), (257, 1024), (1025, 2048), (2049, 8192)]
 METRICS = (

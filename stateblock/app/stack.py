@@ -139,10 +139,10 @@ async def running_stack(
     from gateway.config import GatewayConfig
     from gateway.server import running_gateway
     from readout_svc.config import ReadoutServiceConfig
-    from readout_svc.engine import create_engine, require_engine
     from readout_svc.server import running_readout
-    from stateblock.keys import TrustStore, load_or_generate_signer
-    from stateblock.serving import load_serving_model
+    from stateblock.engines import create_engine, require_engine
+    from stateblock.model.loading import load_serving_model
+    from stateblock.protocol.keys import TrustStore, load_or_generate_signer
 
     require_engine(config.engine)
     metrics = CollectorRegistry() if metrics is None else metrics

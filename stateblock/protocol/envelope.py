@@ -11,7 +11,7 @@ digest; the first failure raises `BlockRejected(reason)`, whose reason names the
 At full scale a block carries 2.75 MB of rows, so the services keep them out of protobuf
 messages: `seal_block` hashes the rows where they lie and `SealedBlock.wire` frames them
 into the message bytes; `parse_wire` parses the header alone and leaves the rows a view of
-the received bytes (`stateblock.wire`). The bytes and the outcome are those of
+the received bytes (`stateblock.protocol.wire`). The bytes and the outcome are those of
 `serialize_block` and `parse_block`, which stay the definition.
 """
 
@@ -23,15 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-import torch
 from cryptography.exceptions import InvalidSignature
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
-from torch import Tensor
 
-from stateblock import wire
-from stateblock.ids import uuid7
-from stateblock.keys import Signer, TrustStore
+from stateblock.protocol import wire
+from stateblock.protocol.ids import uuid7
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
 
 DIGEST_BYTES = 32  # SHA-256
@@ -39,12 +37,14 @@ DIGEST_BYTES = 32  # SHA-256
 # anything else this key might sign.
 SIGNING_CONTEXT = b"stateblock.v1.StateBlockHeader\x00"
 
-_DTYPES: dict[int, torch.dtype] = {
-    pb.DTYPE_FLOAT32: torch.float32,
-    pb.DTYPE_FLOAT16: torch.float16,
-    pb.DTYPE_BFLOAT16: torch.bfloat16,
+# Element dtypes by wire code: (name, bytes per element). The tensors themselves are
+# stateblock.model.rows's business; the envelope signs and checks bytes.
+DTYPES: dict[int, tuple[str, int]] = {
+    pb.DTYPE_FLOAT32: ("float32", 4),
+    pb.DTYPE_FLOAT16: ("float16", 2),
+    pb.DTYPE_BFLOAT16: ("bfloat16", 2),
 }
-_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+_DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 
 
 class RejectReason(StrEnum):
@@ -69,16 +69,26 @@ class LayoutError(ValueError):
     """A layout that breaks its invariants (offsets, total_rows, lane identity, ...)."""
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    if dtype not in _DTYPE_CODES:
+def dtype_code(dtype: object) -> int:
+    """The wire code of a dtype given by name ("bfloat16") or by anything that prints as
+    one (torch.bfloat16 prints "torch.bfloat16")."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_CODES:
         raise LayoutError(f"unsupported capture dtype {dtype}")
-    return _DTYPE_CODES[dtype]
+    return _DTYPE_CODES[name]
 
 
-def torch_dtype(code: int) -> torch.dtype:
-    if code not in _DTYPES:
+def itemsize(code: int) -> int:
+    if code not in DTYPES:
         raise LayoutError(f"unknown dtype code {code}")
-    return _DTYPES[code]
+    return DTYPES[code][1]
+
+
+def check_payload_size(data: bytes | memoryview, layout: pb.Layout) -> None:
+    """Raise LayoutError unless data holds exactly the layout's rows."""
+    expected = layout.total_rows * layout.hidden_size * itemsize(layout.dtype)
+    if len(data) != expected:
+        raise LayoutError(f"payload has {len(data)} bytes, layout needs {expected}")
 
 
 def make_layout(
@@ -87,7 +97,7 @@ def make_layout(
     answer_depths: Sequence[int],
     *,
     hidden_size: int,
-    dtype: torch.dtype,
+    dtype: object,  # a name or a torch dtype, see dtype_code
     capture_mode: int = pb.CAPTURE_MODE_FINAL_HIDDEN,
 ) -> pb.Layout:
     """One lane per row count, offsets as the cumulative sum, in lane order."""
@@ -115,7 +125,7 @@ def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
         raise LayoutError("layout has no lanes")
     if layout.hidden_size <= 0:
         raise LayoutError("hidden_size must be positive")
-    torch_dtype(layout.dtype)
+    itemsize(layout.dtype)
     if layout.capture_mode == pb.CAPTURE_MODE_UNSPECIFIED:
         raise LayoutError("capture_mode is unspecified")
     offset = 0
@@ -137,38 +147,9 @@ def layout_digest(layout: pb.Layout) -> bytes:
     return hashlib.sha256(layout.SerializeToString(deterministic=True)).digest()
 
 
-def rows_to_bytes(rows: Tensor) -> bytes:
-    """Row-major element bytes; via uint8 because numpy has no bfloat16."""
-    return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def rows_view(rows: Tensor) -> memoryview:
-    """The bytes `rows_to_bytes` returns, as a read-only view of the CPU rows: no copy when
-    they are contiguous on the CPU already. The rows must not change while it is in use."""
-    flat = rows.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).toreadonly()
-
-
-def rows_from_bytes(data: bytes | memoryview, layout: pb.Layout) -> Tensor:
-    """The packed rows (total_rows, hidden_size) that rows_to_bytes wrote."""
-    dtype = torch_dtype(layout.dtype)
-    expected = layout.total_rows * layout.hidden_size * dtype.itemsize
-    if len(data) != expected:
-        raise LayoutError(f"payload has {len(data)} bytes, layout needs {expected}")
-    # bytearray: torch.frombuffer wants a writable buffer, and the tensor must own its copy.
-    flat = torch.frombuffer(bytearray(data), dtype=dtype)
-    return flat.view(layout.total_rows, layout.hidden_size)
-
-
-def forward_state_digest(data: bytes | Tensor) -> bytes:
+def forward_state_digest(data: bytes | memoryview) -> bytes:
     """SHA-256 over the captured rows' bytes in layout order."""
-    raw = rows_to_bytes(data) if isinstance(data, Tensor) else data
-    return hashlib.sha256(raw).digest()
-
-
-def lane_rows(rows: Tensor, layout: pb.Layout) -> list[Tensor]:
-    """Per-lane views [(row_count, hidden_size)] of packed rows."""
-    return [rows[lane.row_offset : lane.row_offset + lane.row_count] for lane in layout.lanes]
+    return hashlib.sha256(data).digest()
 
 
 @dataclass(frozen=True)
@@ -222,7 +203,7 @@ class SealedBlock:
         return wire.inline_size(self.header.ByteSize(), len(self.rows))
 
     def wire(self) -> bytes:
-        """The block with its rows inline, serialised (`stateblock.wire`: the rows are
+        """The block with its rows inline, serialised (`stateblock.protocol.wire`: the rows are
         copied once, into the message bytes)."""
         return wire.encode_inline(self.header.SerializeToString(deterministic=True), self.rows)
 
@@ -246,7 +227,7 @@ class SealedBlock:
 
 def seal_block(
     layout: pb.Layout,
-    rows: Tensor,  # (total_rows, hidden_size), lanes packed in layout order
+    rows: bytes | memoryview,  # (total_rows, hidden_size) elements packed in layout order
     *,
     request_id: str,
     identity: ModelIdentity,
@@ -258,16 +239,13 @@ def seal_block(
 ) -> SealedBlock:
     """Digest and sign the rows; they stay where they are (see `SealedBlock`)."""
     check_layout(layout, request_id)
-    if tuple(rows.shape) != (layout.total_rows, layout.hidden_size):
-        raise LayoutError(f"rows {tuple(rows.shape)} do not match layout")
-    if rows.dtype != torch_dtype(layout.dtype):
-        raise LayoutError(f"rows are {rows.dtype}, layout says {torch_dtype(layout.dtype)}")
+    data = memoryview(rows).cast("B")  # bytes, whatever view of them was handed in
+    check_payload_size(data, layout)
     if len(sampling) != len(layout.lanes):
         raise LayoutError(f"{len(sampling)} sampling params for {len(layout.lanes)} lanes")
     if ttl_s <= 0:
         raise ValueError("ttl_s must be positive")
     now = time.time() if now is None else now
-    data = rows_view(rows)
     header = pb.StateBlockHeader(
         request_id=request_id,
         block_id=block_id or uuid7(),
@@ -321,10 +299,7 @@ def parse_wire(data: bytes) -> tuple[pb.StateBlock, memoryview | None]:
 @dataclass(frozen=True)
 class VerifiedBlock:
     header: pb.StateBlockHeader
-    rows: Tensor  # (total_rows, hidden_size), CPU, dtype of the layout
-
-    def lane_rows(self) -> list[Tensor]:
-        return lane_rows(self.rows, self.header.layout)
+    data: bytes | memoryview  # the rows' bytes, of the layout's size (stateblock.model.rows)
 
 
 @dataclass(frozen=True)
@@ -338,16 +313,12 @@ class HeaderVerified:
     """
 
     header: pb.StateBlockHeader
-    rows: Tensor  # (total_rows, hidden_size), CPU, dtype of the layout
-    data: bytes | memoryview  # the payload bytes the digest covers
-
-    def lane_rows(self) -> list[Tensor]:
-        return lane_rows(self.rows, self.header.layout)
+    data: bytes | memoryview  # the payload bytes the digest covers, of the layout's size
 
     def confirm(self) -> VerifiedBlock:
         """The last check of `verify`: raise BlockRejected unless the rows match the digest."""
         _check_forward_state(self.header, self.data)
-        return VerifiedBlock(header=self.header, rows=self.rows)
+        return VerifiedBlock(header=self.header, data=self.data)
 
 
 def _check_forward_state(header: pb.StateBlockHeader, data: bytes | memoryview) -> None:
@@ -418,14 +389,14 @@ def verify_header(
         raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}")
     data = _payload_bytes(block, payload)
     try:
-        rows = rows_from_bytes(data, header.layout)
+        check_payload_size(data, header.layout)
     except LayoutError as e:
         # Rows of another size than the signed layout's: if they are not the signed rows
         # either, that is the reason (as when the digest came first); otherwise a trusted
         # signer described rows it did not send.
         _check_forward_state(header, data)
         raise BlockRejected(RejectReason.MALFORMED, str(e)) from e
-    return HeaderVerified(header=header, rows=rows, data=data)
+    return HeaderVerified(header=header, data=data)
 
 
 def _payload_bytes(block: pb.StateBlock, fetched: bytes | memoryview | None) -> bytes | memoryview:

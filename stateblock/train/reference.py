@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stateblock import tasks
-from stateblock.batching import budget_batches
-from stateblock.tokenizer import save_tokenizer
+from stateblock.train import tasks
+from stateblock.train.batching import budget_batches
+from stateblock.train.tokenizer import save_tokenizer
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,6 @@ def llama_config(vocab_size: int, tok) -> object:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-
-
-def load_base(base_dir: str | Path, device: str = "cpu", dtype=torch.float32):
-    """(model, tokenizer) from a local directory; never reaches a hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(base_dir), local_files_only=True, dtype=dtype
-    ).to(device)
-    model.eval().requires_grad_(False)
-    return model, tok
 
 
 def encode_examples(tok, examples: list[tasks.Example]) -> list[tuple[list[int], list[int]]]:
@@ -165,7 +153,7 @@ def ar_exact_by_family(model, tok, device, n_each: int = 50, seed: int = 99) -> 
     """The base model's own greedy AR exact match vs the ground truth on held-out prompts,
     per family. Exact by construction: the greedy answer equals the truth iff one
     teacher-forced forward predicts every truth token and then EOS."""
-    from stateblock.teacher import verify_candidates
+    from stateblock.train.teacher import verify_candidates
 
     examples = tasks.per_family(n_each, split="heldout", seed=seed)
     pairs = encode_examples(tok, examples)

@@ -5,7 +5,7 @@ vocabulary ids. On a CUDA device with Triton, one kernel streams lm_head tiles t
 shared memory, accumulates each (rows x vocab) logit tile in registers (fp32) and folds it
 into a per-row running top-2; the (N, V) logits are never written to device memory. Where
 Triton or a GPU is missing, the same signature runs the chunked PyTorch projection of
-`stateblock.vocab` (the CPU fallback; also the reference the kernel is tested against).
+`stateblock.model.vocab` (the CPU fallback; also the reference the kernel is tested against).
 
 Tie rule: on exactly equal logits the lowest vocabulary id wins. torch.topk does not
 promise any order among ties (on the CPU it returns [2, 4] for [1, 3, 3, 2, 3]), so the
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from stateblock.vocab import chunked_topk
+from stateblock.model.vocab import chunked_topk
 
 try:  # Triton is optional: CI and the CPU path never import it
     import triton
@@ -142,7 +142,7 @@ def _vocab_per_split(vocab: int, cfg: Top2Config) -> tuple[int, int]:
 
 # -- the PyTorch path ---------------------------------------------------------------------
 def top2_reference(h: Tensor, lm_head: Tensor, n_chunks: int = 8) -> tuple[Tensor, Tensor]:
-    """Chunked matmul + running top-2 (stateblock.vocab): h (N, d), lm_head (V, d) ->
+    """Chunked matmul + running top-2 (stateblock.model.vocab): h (N, d), lm_head (V, d) ->
     values (N, 2) float32, ids (N, 2) int64. Logits are in h's dtype, as in the decoder."""
     v, i = chunked_topk(h, lm_head, n_chunks, 2)
     return v.float(), i

@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import Tensor
 
-from stateblock import envelope as env
+from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
 
 _REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
@@ -151,12 +151,12 @@ class CaptureRegistry:
 
     # -- event-loop side ---------------------------------------------------------------
     def register(self, request_id: str, layout: pb.Layout) -> CapturePlan:
-        env.check_layout(layout, request_id)
+        envelope.check_layout(layout, request_id)
         plan = CapturePlan(
             request_id=request_id,
             token=secrets.token_hex(8),
             layout_bytes=layout.SerializeToString(deterministic=True),
-            layout_digest=env.layout_digest(layout),
+            layout_digest=envelope.layout_digest(layout),
             lane_lengths=tuple(lane.row_count for lane in layout.lanes),
             answer_depths=tuple(lane.answer_depth for lane in layout.lanes),
             total_rows=layout.total_rows,
@@ -277,7 +277,7 @@ class CaptureRegistry:
             self._fail(request_id, "row_count_mismatch", detail)
             return
         try:
-            seen = env.make_layout(
+            seen = envelope.make_layout(
                 request_id,
                 actual,
                 plan.answer_depths,
@@ -285,8 +285,8 @@ class CaptureRegistry:
                 dtype=packed.dtype,
                 capture_mode=mode,
             )
-            digest_ok = env.layout_digest(seen) == plan.layout_digest
-        except env.LayoutError:
+            digest_ok = envelope.layout_digest(seen) == plan.layout_digest
+        except envelope.LayoutError:
             digest_ok = False
         if not digest_ok:
             self._m.layout_digest_mismatch.inc()

@@ -10,7 +10,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-NO_EOS = 1 << 20  # EOS position reported when no position emitted EOS
+# re-exported: the decoder's outputs speak them
+from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE  # noqa: F401
 
 
 class ReadoutOut(NamedTuple):

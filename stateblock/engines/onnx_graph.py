@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from stateblock.checkpoint import decoder_digest, load_decoder
-from stateblock.readout import ReadoutDecoder
+from stateblock.model.checkpoint import decoder_digest, load_decoder
+from stateblock.model.decoder import ReadoutDecoder
+from stateblock.protocol.sampling import TOP_K_SAMPLE
 
 FORMAT = "stateblock-readout-onnx/1"
 OPSET = 17
 GRAPH_FILE = "readout.onnx"
-TOP_K_SAMPLE = 8  # noise width: the decoder's Gumbel top-k
 IDENTITY_FIELDS = ("decoder_digest", "base_model_digest", "lm_head_digest", "tokenizer_digest")
 
 INPUT_NAMES = (
@@ -248,8 +248,8 @@ def export_readout(decoder: ReadoutDecoder, out: str | Path, *, identity: dict[s
 
 def export_checkpoint(decoder_dir: str | Path, base_dir: str | Path, out: str | Path) -> dict:
     """Export a decoder checkpoint after checking it against its base model (lm_head included)."""
-    from stateblock.capture import lm_head_weight
-    from stateblock.reference import load_base
+    from stateblock.model.capture import lm_head_weight
+    from stateblock.model.loading import load_base
 
     model, _tok = load_base(base_dir)
     decoder, manifest = load_decoder(decoder_dir, base_dir=base_dir, lm_head=lm_head_weight(model))

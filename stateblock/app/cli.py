@@ -12,7 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from stateblock.runtime import REPO
+
 REFERENCE = REPO / "models" / "reference"
 BENCHES = {  # imported on use: gpu_smoke needs a GPU stack, e2e the service wheels
     "cpu-latency": "bench.latency_cpu",
@@ -32,9 +33,9 @@ def _device(name: str) -> str:
 
 
 def cmd_build_reference(a: argparse.Namespace) -> int:
-    from stateblock import tasks
-    from stateblock.distill import DistillConfig, train_decoder
-    from stateblock.reference import BaseTrainConfig, train_base
+    from stateblock.train import tasks
+    from stateblock.train.distill import DistillConfig, train_decoder
+    from stateblock.train.reference import BaseTrainConfig, train_base
 
     device = _device(a.device)
     out = Path(a.out)
@@ -77,7 +78,7 @@ def cmd_build_reference(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from stateblock.distill import DistillConfig, train_decoder
+    from stateblock.train.distill import DistillConfig, train_decoder
 
     cfg = DistillConfig(
         steps=a.steps,
@@ -95,7 +96,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from stateblock import evaluate
+    from stateblock.tools import evaluate
 
     t0 = time.perf_counter()
     report = evaluate.evaluate(
@@ -121,7 +122,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def cmd_up(a: argparse.Namespace) -> int:
 
-    from stateblock import embedded, runtime
+    from stateblock import runtime
+    from stateblock.app import stack as embedded
 
     runtime.configure_logging(a.log_level)
     try:  # the console shows the URLs, not a weight-loading progress bar
@@ -228,14 +230,14 @@ def cmd_ask(a: argparse.Namespace) -> int:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from stateblock.checkpoint import DecoderError
-    from stateblock.onnx_export import OnnxGraphError, default_graph_path, export_checkpoint
+    from stateblock.engines.onnx_graph import OnnxGraphError, default_graph_path, export_checkpoint
+    from stateblock.model.checkpoint import DecoderError
 
     out = Path(a.out) if a.out else default_graph_path(a.decoder)
     try:
         manifest = export_checkpoint(a.decoder, a.base, out)
         if a.tensorrt:
-            from stateblock.tensorrt_build import build_engine
+            from stateblock.tools.tensorrt_build import build_engine
 
             build_engine(out, Path(a.tensorrt))
     except (OnnxGraphError, DecoderError, OSError, RuntimeError, ValueError) as e:
@@ -247,7 +249,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_keys_generate(a: argparse.Namespace) -> int:
-    from stateblock.keys import generate_keypair
+    from stateblock.protocol.keys import generate_keypair
 
     files = generate_keypair(Path(a.out))
     print(json.dumps({"key_id": files.key_id, "private": str(files.private_path),
@@ -256,10 +258,12 @@ def cmd_keys_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from readout_svc.engine import UnknownEngine, create_engine, require_engine
-    from stateblock import audit, audit_determinism, tasks
+    from stateblock.app import determinism as audit_determinism
+    from stateblock.engines import UnknownEngine, create_engine, require_engine
+    from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
-    from stateblock.serving import load_serving_model
+    from stateblock.tools import audit
+    from stateblock.train import tasks
 
     device = _device(a.device)
     engine_name = a.engine or ("reference" if a.determinism else None)
@@ -299,7 +303,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
         runtime.configure_logging("warning")  # stdout carries the JSON report alone
         if a.export and engine_name == "onnx":  # asked for: the engine itself never exports
-            from stateblock.onnx_export import default_graph_path, export_checkpoint
+            from stateblock.engines.onnx_graph import default_graph_path, export_checkpoint
 
             graph = default_graph_path(a.decoder)
             export_checkpoint(a.decoder, a.base, graph)

@@ -1,0 +1,82 @@
+"""Readout engines: one protocol, selected by name at start-up; an unknown name fails closed.
+
+`reference` (eager PyTorch, the definition of correct), `torch` (the GPU fast path) and
+`onnx` (the opset-17 graph under ONNX Runtime). docs/ARCHITECTURE.md says who uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stateblock.engines.base import (
+    TOP_K_SAMPLE,
+    LaneRequest,
+    LaneResult,
+    ReadoutEngine,
+    UnknownEngine,
+    lane_requests,
+    lane_result,
+)
+from stateblock.engines.reference import ReferenceEngine
+from stateblock.model.loading import ServingModel
+
+__all__ = [
+    "ENGINES",
+    "TOP_K_SAMPLE",
+    "LaneRequest",
+    "LaneResult",
+    "ReadoutEngine",
+    "ReferenceEngine",
+    "UnknownEngine",
+    "create_engine",
+    "lane_requests",
+    "lane_result",
+    "require_engine",
+]
+
+
+def _load_onnx(model: ServingModel, device: str = "cpu") -> ReadoutEngine:
+    # imported here: onnxruntime loads only when this engine is selected
+    from stateblock.engines.onnx_engine import OnnxEngine
+
+    return OnnxEngine.load(model, device)
+
+
+def _load_torch(model: ServingModel, device: str = "cpu", **options) -> ReadoutEngine:
+    # imported here: Triton and the CUDA-graph machinery load only when selected
+    from stateblock.engines.torch_engine import TorchEngine
+
+    return TorchEngine.load(model, device, **options)
+
+
+ENGINES: dict[str, Callable[..., ReadoutEngine]] = {
+    "reference": ReferenceEngine.load,
+    "onnx": _load_onnx,
+    "torch": _load_torch,
+}
+
+
+def require_engine(name: str) -> Callable[..., ReadoutEngine]:
+    """Fail closed, before anything is loaded: an unknown engine never falls back."""
+    factory = ENGINES.get(name)
+    if factory is None:
+        raise UnknownEngine(
+            f"unknown readout engine {name!r} (STATEBLOCK_ENGINE); available: {sorted(ENGINES)}"
+        )
+    return factory
+
+
+# The settings each engine takes beyond the model and device (the readout service's
+# STATEBLOCK_MATMUL_PRECISION and STATEBLOCK_READOUT_HEAD); any other is refused.
+ENGINE_OPTIONS: dict[str, frozenset[str]] = {"torch": frozenset({"matmul_precision", "head"})}
+
+
+def create_engine(
+    name: str, model: ServingModel, device: str = "cpu", **options: object
+) -> ReadoutEngine:
+    """The named engine, loaded against `model`, with the settings it takes."""
+    factory = require_engine(name)
+    extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
+    if extra:
+        raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
+    return factory(model, device, **options)

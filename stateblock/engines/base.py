@@ -1,0 +1,85 @@
+"""What every readout engine takes and gives: lanes in, answers out.
+
+An engine turns the verified lanes of one block into answers in one decoder execution.
+It knows nothing about NATS, the registry or tokenisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from stateblock.model.rows import block_lanes
+from stateblock.protocol import envelope
+from stateblock.protocol.envelope import ModelIdentity
+from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE
+
+__all__ = [
+    "TOP_K_SAMPLE",
+    "LaneRequest",
+    "LaneResult",
+    "ReadoutEngine",
+    "UnknownEngine",
+    "lane_requests",
+    "lane_result",
+]
+
+
+class UnknownEngine(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LaneRequest:
+    rows: Tensor  # (P, d_base), one lane's captured rows
+    depth: int  # answer positions to read (max_tokens)
+    temperature: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False  # read all `depth` positions whatever EOS comes (vLLM's flag)
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    token_ids: tuple[int, ...]  # cut at the first EOS (excluded) or at depth
+    eos_pos: int  # first EOS position, or NO_EOS (also under ignore_eos)
+    margins: tuple[float, ...]  # top-1 minus top-2 logit per read position (EOS included)
+
+
+def lane_result(lane: LaneRequest, tokens: list[int], margins: list[float], eos: int) -> LaneResult:
+    """One lane's answer from its read positions, the same cut in every engine: at the first
+    EOS (excluded; its margin kept, it is part of the answer) or at the depth. Under
+    ignore_eos every position up to the depth is the answer and no EOS is reported."""
+    depth = lane.depth
+    if lane.ignore_eos or eos >= depth:
+        return LaneResult(tuple(tokens[:depth]), NO_EOS, tuple(margins[:depth]))
+    return LaneResult(tuple(tokens[:eos]), eos, tuple(margins[: eos + 1]))
+
+
+class ReadoutEngine(Protocol):
+    name: str
+    identity: ModelIdentity  # the pieces a block must have been captured for
+
+    def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]: ...
+
+    def warm_up(self) -> None: ...
+
+
+def lane_requests(block: envelope.VerifiedBlock | envelope.HeaderVerified) -> list[LaneRequest]:
+    """The engine input of a (header-)verified block, lane by lane (also what an audit
+    re-reads)."""
+    header = block.header
+    return [
+        LaneRequest(
+            rows=rows,
+            depth=lane.answer_depth,
+            temperature=s.temperature,
+            seed=s.seed if s.HasField("seed") else None,
+            ignore_eos=s.ignore_eos,
+        )
+        for rows, lane, s in zip(
+            block_lanes(block), header.layout.lanes, header.sampling, strict=True
+        )
+    ]

@@ -1,0 +1,87 @@
+"""The reference engine: eager PyTorch, the definition of a correct answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.model.capture import pad_lanes
+from stateblock.model.checkpoint import load_decoder
+from stateblock.model.decoder import ReadoutDecoder
+from stateblock.model.loading import ServingModel
+from stateblock.model.vocab import gumbel_noise
+from stateblock.protocol.envelope import ModelIdentity
+
+
+class ReferenceEngine:
+    name = "reference"
+
+    def __init__(
+        self,
+        decoder: ReadoutDecoder,
+        lm_head: Tensor,
+        identity: ModelIdentity,
+        *,
+        eos_token_id: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self._decoder = decoder
+        self._act = next(decoder.parameters()).dtype  # rows enter in the decoder's dtype
+        self._lm_head = lm_head  # resident, bound by reference
+        self.identity = identity
+        self._eos = eos_token_id
+        self._device = torch.device(device)
+
+    @classmethod
+    def load(cls, model: ServingModel, device: str = "cpu") -> ReferenceEngine:
+        decoder, manifest = load_decoder(
+            model.decoder_dir,
+            base_dir=model.base_dir,
+            lm_head=model.lm_head,
+            device=device,
+            dtype=model.lm_head.dtype,
+        )
+        eos = manifest["decoder_config"]["eos_token_id"]
+        return cls(
+            decoder, model.lm_head.to(device), model.identity, eos_token_id=eos, device=device
+        )
+
+    def warm_up(self) -> None:
+        """One throwaway readout at start-up, not on the first request."""
+        rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
+        self.readout([LaneRequest(rows=rows, depth=16)])
+
+    @torch.inference_mode()
+    def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
+        dev = self._device
+        rows, prompt_lens = pad_lanes([lane.rows.to(dev, self._act) for lane in lanes])
+        k = len(lanes)
+        d = max(lane.depth for lane in lanes)
+        positions = torch.arange(d, device=dev).expand(k, d)  # (K, D)
+        depths = torch.tensor([lane.depth for lane in lanes], device=dev)
+        temperature = noise = None
+        if any(lane.temperature > 0 for lane in lanes):
+            temperature = torch.tensor([lane.temperature for lane in lanes], device=dev)
+            noise = torch.stack(  # (K, D, 8): per-lane noise, so a seed fixes its lane alone
+                [gumbel_noise((d, TOP_K_SAMPLE), lane.seed) for lane in lanes]
+            ).to(dev)
+        out = self._decoder(
+            rows,
+            prompt_lens.to(dev),
+            positions,
+            depths,
+            self._lm_head,
+            eos_token_id=self._eos,
+            temperature=temperature,
+            noise=noise,
+        )
+        tokens = out.tokens.cpu().tolist()
+        margins = out.margin.float().cpu().tolist()
+        eos_pos = out.eos_pos.cpu().tolist()
+        return [
+            lane_result(lane, tokens[i], margins[i], int(eos_pos[i]))
+            for i, lane in enumerate(lanes)
+        ]
