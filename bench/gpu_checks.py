@@ -154,7 +154,7 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
             )
         first = first or a
     assert graphed.readout(cohorts[0]) == first  # a replay after other shapes: same answer
-    return {"shapes": [str(s) for s in graphed.captured_shapes]}
+    return {"shapes": [str(s) for s in graphed.recorded_shapes]}
 
 
 def check_random_decoder_parity(et) -> dict:

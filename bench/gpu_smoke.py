@@ -209,7 +209,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     weights = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     eng.warm_up()
-    rep.put("engine_warm_up", {"s": time.perf_counter() - t0, "shapes": len(eng.captured_shapes)})
+    rep.put("engine_warm_up", {"s": time.perf_counter() - t0, "shapes": len(eng.recorded_shapes)})
     for d in (256, 1024, 2048, 8192):
         rep.run(f"engine_K1_D{d}", lambda d=d, e=eng, w=weights: measure(e, 1, d, w))
     rep.run("engine_parts_K1_D8192", lambda: engine_parts(et, dec, lm_head, rows[0], tiles))

@@ -22,7 +22,7 @@ import structlog
 import torch
 from torch import nn
 
-from capture_svc.plans import CapturePlan, CaptureRegistry, CohortStamp, Slot
+from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
 from stateblock.model.capture import capture
 
 log = structlog.get_logger("capture_svc.batcher")
@@ -55,13 +55,13 @@ class Pending:
 
 
 class CohortForward:
-    """One forward over a cohort; the hook hands the rows to the registry, stamped."""
+    """One forward over a cohort; the hook hands the rows to the plan table, stamped."""
 
     def __init__(
-        self, model: nn.Module, registry: CaptureRegistry, *, pad_id: int, capture_mode: int
+        self, model: nn.Module, plans: PlanTable, *, pad_id: int, capture_mode: int
     ) -> None:
         self._model = model
-        self._registry = registry
+        self._plans = plans
         self._pad_id = pad_id
         self._mode = capture_mode
         self._device = next(model.parameters()).device
@@ -82,7 +82,7 @@ class CohortForward:
         ids = torch.full((len(lanes), width), self._pad_id, dtype=torch.long)  # (B, P)
         for row, lane in enumerate(lanes):
             ids[row, : len(lane)] = torch.tensor(lane, dtype=torch.long)
-        # The valid prefix of each batch row, as the ids were actually laid out: the registry
+        # The valid prefix of each batch row, as the ids were actually laid out: the plan table
         # checks it against each plan's lane lengths. No mask goes to the model (see the
         # module docstring): causality alone keeps pad columns out of the valid rows.
         lengths = [len(lane) for lane in lanes]
@@ -90,7 +90,7 @@ class CohortForward:
         capture(
             self._model,
             ids.to(self._device),
-            on_rows=lambda rows: self._registry.record(stamp, rows, lengths),
+            on_rows=lambda rows: self._plans.record(stamp, rows, lengths),
         )
 
 

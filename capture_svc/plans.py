@@ -1,8 +1,8 @@
-"""The in-process, request-scoped capture registry (DESIGN.md sections 3.2 and 6).
+"""The capture plan table: in-process, request-scoped (docs/ARCHITECTURE.md, "Capture").
 
 A request registers an immutable plan (its layout) before the forward. The forward hook
 records the cohort's rows through `record`, stamped with each slot's request identity;
-the registry checks identity, per-lane lengths (of the token rows the cohort's forward was
+the table checks identity, per-lane lengths (of the token rows the cohort's forward was
 built from), total rows, the layout digest and the capture mode, and holds the rows for
 that request only. `consume` hands them over exactly once, against the layout digest.
 
@@ -30,11 +30,11 @@ from stateblock.v1 import block_pb2 as pb
 _REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
 
 
-class CaptureRegistryError(Exception):
-    """Base of every capture-registry failure."""
+class PlanError(Exception):
+    """Base of every plan-table failure."""
 
 
-class CaptureIntegrityError(CaptureRegistryError):
+class CaptureIntegrityError(PlanError):
     """A recorded capture does not match its plan; `kind` names the failed check."""
 
     def __init__(self, kind: str, request_id: str, detail: str) -> None:
@@ -43,28 +43,28 @@ class CaptureIntegrityError(CaptureRegistryError):
         super().__init__(f"capture {kind} for request {request_id}: {detail}")
 
 
-class DuplicatePlan(CaptureRegistryError):
+class DuplicatePlan(PlanError):
     pass
 
 
-class PlanNotFound(CaptureRegistryError):
+class PlanNotFound(PlanError):
     pass
 
 
-class NotRecorded(CaptureRegistryError):
+class NotRecorded(PlanError):
     """The forward finished without recording rows for the request."""
 
 
-class DoubleConsume(CaptureRegistryError):
+class DoubleConsume(PlanError):
     pass
 
 
-class CaptureRegistryMetrics:
+class PlanTableMetrics:
     """The 13 series of DESIGN.md section 6, names fixed (Counter adds `_total`)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, metrics: CollectorRegistry) -> None:
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"stateblock_capture_{name}", doc, registry=registry)
+            return Counter(f"stateblock_capture_{name}", doc, registry=metrics)
 
         self.plans_registered = counter("plans_registered", "Capture plans registered.")
         self.records = counter("records", "Requests recorded by the forward hook.")
@@ -83,7 +83,7 @@ class CaptureRegistryMetrics:
         self.active_plans = Gauge(
             "stateblock_capture_active_plans",
             "Plans registered, not yet consumed.",
-            registry=registry,
+            registry=metrics,
         )
 
 
@@ -134,10 +134,10 @@ class _Entry:
     recorded: bool = field(default=False)
 
 
-class CaptureRegistry:
+class PlanTable:
     def __init__(
         self,
-        metrics: CaptureRegistryMetrics,
+        metrics: PlanTableMetrics,
         *,
         plan_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.config import CaptureConfig
-from capture_svc.plans import CaptureRegistry, CaptureRegistryMetrics
+from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
 from capture_svc.service import (
     CAPTURE_MODE,
@@ -96,7 +96,7 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
 class RunningCapture:
     port: int
     service: CaptureService
-    registry: CaptureRegistry
+    plans: PlanTable
 
 
 @asynccontextmanager
@@ -119,7 +119,7 @@ async def running_capture(
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
         )
-        registry = CaptureRegistry(CaptureRegistryMetrics(metrics), plan_ttl_s=config.block_ttl_s)
+        plans = PlanTable(PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s)
         capture_metrics = CaptureMetrics(metrics)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
@@ -128,7 +128,7 @@ async def running_capture(
             log.info("base forward compiled lazily per shape", backend=config.compile)
         forward = CohortForward(
             model.model,
-            registry,
+            plans,
             pad_id=model.tokenizer.pad_token_id or 0,
             capture_mode=CAPTURE_MODE,
         )
@@ -143,7 +143,7 @@ async def running_capture(
             )
         )
         service = CaptureService(
-            model, registry, batcher, publisher, signer, capture_metrics, config=config
+            model, plans, batcher, publisher, signer, capture_metrics, config=config
         )
         server = grpc.aio.server()
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
@@ -157,7 +157,7 @@ async def running_capture(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("capture service listening", port=port, model=model.name)
         try:
-            yield RunningCapture(port, service, registry)
+            yield RunningCapture(port, service, plans)
         finally:
             await health_servicer.enter_graceful_shutdown()
             await server.stop(config.grace_s)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from capture_svc.batcher import ForwardBatcher
 from capture_svc.config import CaptureConfig
-from capture_svc.plans import CaptureRegistry, CaptureRegistryError
+from capture_svc.plans import PlanError, PlanTable
 from capture_svc.publisher import BlockPublisher, PublishError
 from stateblock import runtime
 from stateblock.model.loading import ServingModel
@@ -70,12 +70,12 @@ class Captured:
 
 
 class CaptureMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, metrics: CollectorRegistry) -> None:
         self.capture_seconds = Histogram(
             "stateblock_capture_seconds",
             "Capture request latency: tokenise, forward, sign, publish.",
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=registry,
+            registry=metrics,
         )
         # where a capture's time goes: the wire-size block makes sign and publish matter
         self.stage_seconds = Histogram(
@@ -84,13 +84,13 @@ class CaptureMetrics:
             "sign (digest + signature), publish (JetStream ack).",
             ["stage"],
             buckets=runtime.STAGE_BUCKETS_S,
-            registry=registry,
+            registry=metrics,
         )
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",
             "Lanes per packed base forward.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
-            registry=registry,
+            registry=metrics,
         )
 
 
@@ -98,7 +98,7 @@ class CaptureService:
     def __init__(
         self,
         model: ServingModel,
-        registry: CaptureRegistry,
+        plans: PlanTable,
         batcher: ForwardBatcher,
         publisher: BlockPublisher,
         signer: Signer,
@@ -107,7 +107,7 @@ class CaptureService:
         config: CaptureConfig,
     ) -> None:
         self._model = model
-        self._registry = registry
+        self._plans = plans
         self._batcher = batcher
         self._publisher = publisher
         self._signer = signer
@@ -171,20 +171,20 @@ class CaptureService:
             capture_mode=CAPTURE_MODE,
         )
         try:
-            plan = self._registry.register(request_id, layout)
-        except CaptureRegistryError as e:
+            plan = self._plans.register(request_id, layout)
+        except PlanError as e:
             raise InvalidCapture(str(e), "request_id") from e
         stage = self._metrics.stage_seconds
         t1 = time.perf_counter()
         stage.labels("tokenize").observe(t1 - t0)
         try:
             await self._batcher.submit(plan, lane_ids)
-            rows = self._registry.consume(request_id, plan.layout_digest)
-        except CaptureRegistryError as e:
+            rows = self._plans.consume(request_id, plan.layout_digest)
+        except PlanError as e:
             log.error("capture integrity check failed", error=str(e))
             raise CaptureFailed(str(e)) from e
         finally:
-            self._registry.discard(request_id)  # no-op once consumed
+            self._plans.discard(request_id)  # no-op once consumed
         t2 = time.perf_counter()
         stage.labels("forward").observe(t2 - t1)
         sampling = [

@@ -93,19 +93,19 @@ class Piece:
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, metrics: CollectorRegistry) -> None:
         self.request_seconds = Histogram(
             "stateblock_request_seconds",
             "End-to-end latency: validate, capture, readout, commit, decode.",
             ["api"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=registry,
+            registry=metrics,
         )
         self.requests = Counter(
             "stateblock_requests",
             "Requests by API and outcome.",
             ["api", "outcome"],
-            registry=registry,
+            registry=metrics,
         )
 
 

@@ -53,12 +53,12 @@ class Rejected(Exception):
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, metrics: CollectorRegistry) -> None:
         self.readout_seconds = Histogram(
             "stateblock_readout_seconds",
             "Readout engine time per block.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=registry,
+            registry=metrics,
         )
         self.stage_seconds = Histogram(
             "stateblock_readout_stage_seconds",
@@ -67,32 +67,32 @@ class WorkerMetrics:
             "readout), digest_wait (what the commit waited for it), commit, ack.",
             ["stage"],
             buckets=runtime.STAGE_BUCKETS_S,
-            registry=registry,
+            registry=metrics,
         )
         self.rejected = Counter(
             "stateblock_blocks_rejected",
             "Blocks terminated by reason.",
             ["reason"],
-            registry=registry,
+            registry=metrics,
         )
         self.committed = Counter(
-            "stateblock_blocks_committed", "Blocks committed.", registry=registry
+            "stateblock_blocks_committed", "Blocks committed.", registry=metrics
         )
         self.claims_lost = Counter(
             "stateblock_claims_lost",
             "Commits refused: the claim was taken over.",
-            registry=registry,
+            registry=metrics,
         )
         self.duplicates_dropped = Counter(
             "stateblock_duplicate_deliveries_dropped",
             "Redelivered blocks already committed, acked and dropped.",
-            registry=registry,
+            registry=metrics,
         )
         self.retried = Counter(
             "stateblock_blocks_retried",
             "Blocks nak'ed for redelivery, by cause.",
             ["cause"],
-            registry=registry,
+            registry=metrics,
         )
 
 

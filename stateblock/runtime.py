@@ -198,13 +198,13 @@ def shutdown_event() -> asyncio.Event:
 
 @asynccontextmanager
 async def metrics_server(
-    registry: CollectorRegistry, port: int | None, host: str = "0.0.0.0"
+    metrics: CollectorRegistry, port: int | None, host: str = "0.0.0.0"
 ) -> AsyncIterator[int | None]:
     """Serve /metrics of `registry` on its own port (services without an HTTP app)."""
     if port is None:
         yield None
         return
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    server, thread = start_http_server(port, addr=host, registry=metrics)
     try:
         yield server.server_port
     finally:

@@ -81,7 +81,7 @@ def bucket(n: int, buckets: Sequence[int]) -> int | None:
 def matmul_precision(precision: str) -> Iterator[None]:
     """torch.set_float32_matmul_precision for the block, restored after; untouched when it
     already holds. The switch is process-wide (so "high" is an opt-in, see TorchEngine), and
-    a CUDA graph keeps the kernels chosen while it was captured, so holding it over capture
+    a CUDA graph keeps the kernels chosen while it was recorded, so holding it over recording
     and eager runs is enough."""
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
@@ -130,7 +130,7 @@ def readout_step(
     runs; see `matmul_precision`); `attention`: the decoder's attention ("sdpa" or "fused",
     see Attention); `kernel_precision`: the fused attention kernel's dots ("tf32"/"ieee").
     """
-    # cache_enabled=False: cached weight casts would outlive a CUDA-graph capture
+    # cache_enabled=False: cached weight casts would outlive a CUDA-graph recording
     on = autocast is not None
     amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
     with amp, matmul_precision(precision), dot_precision(kernel_precision):
@@ -281,7 +281,7 @@ class TorchEngine:
         return cls(decoder, model.lm_head, model.identity, eos_token_id=eos, device=dev, **options)
 
     @property
-    def captured_shapes(self) -> list[Shape]:
+    def recorded_shapes(self) -> list[Shape]:
         return list(self._graphs)
 
     # -- shapes and staging -------------------------------------------------------------
@@ -343,7 +343,7 @@ class TorchEngine:
         )
 
     # -- CUDA graphs --------------------------------------------------------------------
-    def _capture(self, shape: Shape) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
+    def _record(self, shape: Shape) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
         rows, lens, positions, depths = self._buffers(shape)
         rows.zero_()
         lens.fill_(1)
@@ -352,7 +352,7 @@ class TorchEngine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # one eager run on a side stream first: Triton compiles, cuBLAS and SDPA pick their
-        # kernels and workspaces outside the capture
+        # kernels and workspaces outside the recording
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
@@ -360,14 +360,14 @@ class TorchEngine:
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of other threads (the capture service's forward in the
-        # embedded stack) must not invalidate this capture
+        # embedded stack) must not invalidate this recording
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = step()
         self._graphs[shape] = (graph, out)
         return graph, out
 
     def _replay(self, shape: Shape, lanes: Sequence[LaneRequest]) -> tuple[Tensor, ...]:
-        graph, out = self._graphs.get(shape) or self._capture(shape)
+        graph, out = self._graphs.get(shape) or self._record(shape)
         rows, lens, _, depths = self._buffers(shape)
         self._stage(lanes, rows, lens, depths)
         graph.replay()
@@ -390,7 +390,7 @@ class TorchEngine:
             if self._use_graphs:
                 for shape in self._warm:
                     if shape not in self._graphs:
-                        self._capture(shape)
+                        self._record(shape)
                 torch.cuda.synchronize(self._device)
                 return
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)

@@ -16,10 +16,10 @@ from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_w
 from capture_svc.config import CaptureConfig
 from capture_svc.plans import (
     CaptureIntegrityError,
-    CaptureRegistry,
-    CaptureRegistryMetrics,
     CohortStamp,
     DoubleConsume,
+    PlanTable,
+    PlanTableMetrics,
     Slot,
 )
 from capture_svc.server import running_capture
@@ -59,8 +59,8 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def reg(metrics, clock) -> CaptureRegistry:
-    return CaptureRegistry(CaptureRegistryMetrics(metrics), plan_ttl_s=10, clock=clock)
+def reg(metrics, clock) -> PlanTable:
+    return PlanTable(PlanTableMetrics(metrics), plan_ttl_s=10, clock=clock)
 
 
 def count(metrics: CollectorRegistry, name: str) -> float:
@@ -68,7 +68,7 @@ def count(metrics: CollectorRegistry, name: str) -> float:
     return metrics.get_sample_value(f"stateblock_capture_{name}{suffix}") or 0.0
 
 
-def plan(reg: CaptureRegistry, rid: str, lengths=(3, 5)):
+def plan(reg: PlanTable, rid: str, lengths=(3, 5)):
     layout = envelope.make_layout(
         rid, lengths, [4] * len(lengths), hidden_size=D, dtype=torch.float32
     )
@@ -245,7 +245,7 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
         == (len(tok_ids := serving_model.tokenizer("copy: abc")["input_ids"]),) * 2
     )
     assert a.shape == (len(tok_ids), serving_model.hidden_size)
-    assert running.registry.active() == 0
+    assert running.plans.active() == 0
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ async def test_capture_rejects_bad_requests_before_planning(capture_service, mod
     with pytest.raises(InvalidCapture) as info:
         await running.service.capture(model, lanes)
     assert info.value.param == param
-    assert running.registry.active() == 0
+    assert running.plans.active() == 0
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
 
 
@@ -273,9 +273,9 @@ async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
     running, nc, _ = capture_service
 
     def stale_record(stamp, rows, lengths):  # a hook that lies about the lane lengths
-        CaptureRegistry.record(running.registry, stamp, rows, [n - 1 for n in lengths])
+        PlanTable.record(running.plans, stamp, rows, [n - 1 for n in lengths])
 
-    monkeypatch.setattr(running.registry, "record", stale_record)
+    monkeypatch.setattr(running.plans, "record", stale_record)
     with pytest.raises(CaptureFailed, match="lane_length_mismatch"):
         await running.service.capture(MODEL, [LaneInput(prompt="copy: a", max_tokens=4)])
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
