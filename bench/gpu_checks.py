@@ -110,6 +110,7 @@ def shipped_engines(served, device: str = "cuda", **options):
 
 def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
     from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
 
     eng, ref = shipped_engines(served, device)
     eng.warm_up()
@@ -117,7 +118,7 @@ def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") 
     lanes = [LaneRequest(rows=rows[i % len(rows)], depth=d) for i, d in enumerate(depths)]
     greedy = compare_near_ties(ref.readout(lanes), eng.readout(lanes))
     single = compare_near_ties(ref.readout(lanes[7:8]), eng.readout(lanes[7:8]))
-    sampled = [LaneRequest(rows=rows[0], depth=500, temperature=0.8, seed=3)]
+    sampled = [LaneRequest(rows=rows[0], depth=500, sampling=sampling_params(0.8, 3))]
     a, b = ref.readout(sampled)[0], eng.readout(sampled)[0]
     n = min(len(a.token_ids), len(b.token_ids))
     agree = sum(x == y for x, y in zip(a.token_ids[:n], b.token_ids[:n], strict=True)) / max(1, n)
@@ -127,6 +128,7 @@ def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") 
 def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
     from stateblock.engines import LaneRequest
     from stateblock.engines.torch_engine import TorchEngine
+    from stateblock.protocol.sampling import sampling_params
 
     graphed, _ = shipped_engines(served, device)
     eager = TorchEngine(
@@ -140,7 +142,7 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
     cohorts = [  # several buckets in turn: the shared pool and static buffers are reused
         [LaneRequest(rows=rows[0], depth=200)],
         [LaneRequest(rows=r, depth=d) for r, d in zip(rows[:3], [900, 17, 400], strict=True)],
-        [LaneRequest(rows=rows[1], depth=3000, temperature=0.7, seed=9)],
+        [LaneRequest(rows=rows[1], depth=3000, sampling=sampling_params(0.7, 9))],
         [LaneRequest(rows=rows[0], depth=200)],
     ]
     first = None

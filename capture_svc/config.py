@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime
+from stateblock.protocol.sampling import Limits
 from stateblock.runtime import Env
 
 
@@ -28,9 +29,7 @@ class CaptureConfig:
     # a compiled kernel may round differently per shape, so batched rows are no longer
     # guaranteed bit-identical to the same request alone.
     compile: str = "off"
-    max_lanes: int = 8  # K_max: lanes per cohort forward and per request
-    prompt_len_max: int = 4096
-    answer_depth_max: int = 8192
+    limits: Limits = Limits()  # lanes per request and per cohort forward, prompt length, depth
     block_ttl_s: float = 120.0
     duplicate_window_s: float = 120.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
@@ -44,8 +43,6 @@ class CaptureConfig:
         runtime.blocks_storage(self.blocks_storage)
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
-        if self.max_lanes < 1 or self.prompt_len_max < 1 or self.answer_depth_max < 1:
-            raise runtime.ConfigError("max_lanes, prompt_len_max, answer_depth_max must be >= 1")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CaptureConfig:
@@ -64,9 +61,7 @@ class CaptureConfig:
             dtype=e.str("CAPTURE_DTYPE", d.dtype),
             batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s, zero_ok=True),
             compile=e.str("CAPTURE_COMPILE", d.compile),
-            max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
-            prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
-            answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
+            limits=runtime.limits_from_env(e),
             block_ttl_s=e.float("BLOCK_TTL_S", d.block_ttl_s),
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
             blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),

@@ -26,7 +26,6 @@ from capture_svc.service import (
     CaptureService,
     CaptureUnavailable,
     InvalidCapture,
-    LaneInput,
 )
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
@@ -51,21 +50,6 @@ def status_of(error: CaptureError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def lane_input(lane: capture_pb2.CaptureLane) -> LaneInput:
-    which = lane.WhichOneof("input")
-    s = lane.sampling
-    common = {
-        "max_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "seed": s.seed if s.HasField("seed") else None,
-        "ignore_eos": s.ignore_eos,
-    }
-    if which == "chat":
-        messages = tuple((m.role, m.content) for m in lane.chat.messages)
-        return LaneInput(messages=messages, **common)
-    return LaneInput(prompt=lane.prompt if which == "prompt" else None, **common)
-
-
 class CaptureServicer(capture_pb2_grpc.CaptureServicer):
     def __init__(self, service: CaptureService) -> None:
         self._service = service
@@ -77,7 +61,7 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
             try:
                 captured = await self._service.capture(
                     request.model,
-                    [lane_input(lane) for lane in request.lanes],
+                    request.lanes,
                     request.request_id or None,
                 )
             except CaptureError as e:
@@ -138,7 +122,7 @@ async def running_capture(
                 forward,
                 executor,
                 window_s=config.batch_window_s,
-                max_lanes=config.max_lanes,
+                max_lanes=config.limits.max_lanes,
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )

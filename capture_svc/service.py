@@ -1,12 +1,12 @@
 """Capture logic: validate, tokenise, plan, one batched forward, consume, sign, publish.
 
-No transport here: the gRPC servicer converts wire messages to `LaneInput` and maps the
+No transport here: the gRPC servicer hands over the request's `CaptureLane` messages (the
+lane's input, depth and the one sampling type, stateblock.protocol.sampling) and maps the
 `CaptureError` tree to status codes.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,10 +22,12 @@ from stateblock import runtime
 from stateblock.model.loading import ServingModel
 from stateblock.model.prompts import PromptEncoder
 from stateblock.model.rows import check_rows, rows_view
-from stateblock.protocol import envelope
+from stateblock.protocol import envelope, sampling
 from stateblock.protocol.ids import uuid7
 from stateblock.protocol.keys import Signer
+from stateblock.protocol.sampling import InvalidSampling
 from stateblock.v1 import block_pb2 as pb
+from stateblock.v1 import capture_pb2
 
 log = structlog.get_logger("capture_svc")
 CAPTURE_MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
@@ -49,16 +51,6 @@ class CaptureUnavailable(CaptureError):
 
 class CaptureFailed(CaptureError):
     """The capture broke an integrity check (INTERNAL); the request gets no block."""
-
-
-@dataclass(frozen=True)
-class LaneInput:
-    prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) chat turns
-    max_tokens: int = 0
-    temperature: float = 0.0
-    seed: int | None = None
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,12 +107,14 @@ class CaptureService:
         self._config = config
         self._encode = PromptEncoder(model.tokenizer)
 
-    def tokenize(self, lane: LaneInput, index: int) -> list[int]:
+    def tokenize(self, lane: capture_pb2.CaptureLane, index: int) -> list[int]:
         tok = self._model.tokenizer
-        if lane.messages is not None:
-            if not lane.messages or not any(content for _, content in lane.messages):
+        is_chat = lane.WhichOneof("input") == "chat"
+        if is_chat:
+            messages = lane.chat.messages
+            if not any(m.content for m in messages):
                 raise InvalidCapture(f"lane {index}: the chat has no content", "messages")
-            chat = [{"role": role, "content": content} for role, content in lane.messages]
+            chat = [{"role": m.role, "content": m.content} for m in messages]
             out = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         else:
@@ -128,9 +122,9 @@ class CaptureService:
                 raise InvalidCapture(f"lane {index}: the prompt is empty", "prompt")
             ids = self._encode(lane.prompt)
         ids = list(ids)
-        limit = self._config.prompt_len_max
+        limit = self._config.limits.prompt_len_max
         if len(ids) > limit:
-            param = "messages" if lane.messages is not None else "prompt"
+            param = "messages" if is_chat else "prompt"
             raise InvalidCapture(
                 f"lane {index}: the prompt is {len(ids)} tokens, over the prompt_len maximum "
                 f"of {limit}",
@@ -138,25 +132,26 @@ class CaptureService:
             )
         return ids
 
-    def _check(self, model: str, lanes: Sequence[LaneInput]) -> None:
-        c = self._config
+    def _check(self, model: str, lanes: Sequence[capture_pb2.CaptureLane]) -> None:
+        """The gateway checked the same with the same limits; a capture called directly
+        (or by a gateway configured otherwise) is held to them too."""
+        limits = self._config.limits
         if model != self._model.name:
             raise InvalidCapture(f"model {model!r} is not served here", "model")
-        if not 1 <= len(lanes) <= c.max_lanes:
-            raise InvalidCapture(f"{len(lanes)} lanes; between 1 and {c.max_lanes} allowed", "n")
-        for i, lane in enumerate(lanes):
-            if (lane.prompt is None) == (lane.messages is None):
-                raise InvalidCapture(f"lane {i}: exactly one of prompt and chat", "prompt")
-            if not 1 <= lane.max_tokens <= c.answer_depth_max:
-                raise InvalidCapture(
-                    f"lane {i}: max_tokens {lane.max_tokens} is outside 1..{c.answer_depth_max}",
-                    "max_tokens",
-                )
-            if not (math.isfinite(lane.temperature) and lane.temperature >= 0):
-                raise InvalidCapture(f"lane {i}: temperature must be >= 0", "temperature")
+        try:
+            sampling.check_lane_count(len(lanes), limits)
+            for i, lane in enumerate(lanes):
+                if lane.WhichOneof("input") is None:
+                    raise InvalidCapture(f"lane {i}: exactly one of prompt and chat", "prompt")
+                sampling.check_lane(lane.sampling, lane.max_tokens, limits)
+        except InvalidSampling as e:
+            raise InvalidCapture(str(e), e.param) from e
 
     async def capture(
-        self, model: str, lanes: Sequence[LaneInput], request_id: str | None = None
+        self,
+        model: str,
+        lanes: Sequence[capture_pb2.CaptureLane],
+        request_id: str | None = None,
     ) -> Captured:
         t0 = time.perf_counter()
         request_id = request_id or uuid7()
@@ -187,22 +182,13 @@ class CaptureService:
             self._plans.discard(request_id)  # no-op once consumed
         t2 = time.perf_counter()
         stage.labels("forward").observe(t2 - t1)
-        sampling = [
-            pb.SamplingParams(
-                temperature=lane.temperature,
-                seed=lane.seed,
-                max_tokens=lane.max_tokens,
-                ignore_eos=lane.ignore_eos,
-            )
-            for lane in lanes
-        ]
         check_rows(rows, layout)
         block = envelope.seal_block(
             layout,
             rows_view(rows),
             request_id=request_id,
             identity=self._model.identity,
-            sampling=sampling,
+            sampling=[lane.sampling for lane in lanes],
             signer=self._signer,
             ttl_s=self._config.block_ttl_s,
         )

@@ -14,40 +14,15 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
-from stateblock.v1 import block_pb2, capture_pb2, capture_pb2_grpc
+from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
 PARAM_METADATA = "stateblock-param"  # set by the capture service on INVALID_ARGUMENT
-
-
-@dataclass(frozen=True)
-class LaneSpec:
-    prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None
-    max_tokens: int
-    temperature: float
-    seed: int | None
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
 class CaptureResult:
     block_id: str
     prompt_tokens: tuple[int, ...]
-
-
-def _lane(spec: LaneSpec) -> capture_pb2.CaptureLane:
-    sampling = block_pb2.SamplingParams(
-        temperature=spec.temperature,
-        seed=spec.seed,
-        max_tokens=spec.max_tokens,
-        ignore_eos=spec.ignore_eos,
-    )
-    if spec.messages is not None:
-        chat = capture_pb2.ChatMessages(
-            messages=[capture_pb2.ChatMessage(role=r, content=c) for r, c in spec.messages]
-        )
-        return capture_pb2.CaptureLane(chat=chat, sampling=sampling)
-    return capture_pb2.CaptureLane(prompt=spec.prompt or "", sampling=sampling)
 
 
 def translate(error: grpc.aio.AioRpcError) -> GatewayError:
@@ -67,11 +42,14 @@ class GrpcCaptureClient:
         self._stub = capture_pb2_grpc.CaptureStub(channel)
 
     async def capture(
-        self, request_id: str, model: str, lanes: Sequence[LaneSpec], *, timeout: float
+        self,
+        request_id: str,
+        model: str,
+        lanes: Sequence[capture_pb2.CaptureLane],
+        *,
+        timeout: float,
     ) -> CaptureResult:
-        request = capture_pb2.CaptureRequest(
-            request_id=request_id, model=model, lanes=[_lane(spec) for spec in lanes]
-        )
+        request = capture_pb2.CaptureRequest(request_id=request_id, model=model, lanes=lanes)
         try:
             response = await self._stub.Capture(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:

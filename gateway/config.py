@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime
+from stateblock.protocol.sampling import Limits
 from stateblock.runtime import Env
 
 
@@ -21,8 +22,7 @@ class GatewayConfig:
     base_dir: Path = runtime.REFERENCE_BASE  # the tokenizer, to decode answers
     decoder_dir: Path = runtime.REFERENCE_DECODER  # its manifest: the default max_tokens
     request_timeout_s: float = 60.0
-    max_lanes: int = 8  # K_max: prompts x n per request
-    answer_depth_max: int = 8192
+    limits: Limits = Limits()  # prompts x n, prompt length, answer envelope
     stream_chunk_tokens: int = 16
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
@@ -44,8 +44,7 @@ class GatewayConfig:
             base_dir=e.path("BASE_DIR", d.base_dir),
             decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
             request_timeout_s=e.float("REQUEST_TIMEOUT_S", d.request_timeout_s),
-            max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
-            answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
+            limits=runtime.limits_from_env(e),
             stream_chunk_tokens=e.int("STREAM_CHUNK_TOKENS", d.stream_chunk_tokens, minimum=1),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),

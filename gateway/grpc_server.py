@@ -16,7 +16,13 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
-from gateway.service import GatewayService, GenerateParams, Generation, PromptSpec
+from gateway.service import (
+    GatewayService,
+    GenerateParams,
+    Generation,
+    PromptSpec,
+    make_sampling,
+)
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -51,9 +57,11 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
         inputs=(spec,),
         n=req.n if req.HasField("n") else 1,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
-        temperature=req.temperature if req.HasField("temperature") else None,
-        seed=req.seed if req.HasField("seed") else None,
-        ignore_eos=req.ignore_eos,
+        sampling=make_sampling(
+            req.temperature if req.HasField("temperature") else None,
+            req.seed if req.HasField("seed") else None,
+            req.ignore_eos,
+        ),
     )
 
 

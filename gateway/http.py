@@ -23,7 +23,13 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
-from gateway.service import GatewayService, GenerateParams, Generation, PromptSpec
+from gateway.service import (
+    GatewayService,
+    GenerateParams,
+    Generation,
+    PromptSpec,
+    make_sampling,
+)
 
 log = structlog.get_logger("gateway.http")
 
@@ -116,9 +122,7 @@ def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: 
             inputs=tuple(PromptSpec(prompt=text) for text in prompts),
             n=1 if req.n is None else req.n,
             max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
+            sampling=make_sampling(req.temperature, req.seed, req.ignore_eos),
         )
         g = await service.generate(params, api="completions")
         rid = f"cmpl-{g.request_id}"
@@ -162,9 +166,7 @@ def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: 
             inputs=(PromptSpec(messages=messages),),
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
+            sampling=make_sampling(req.temperature, req.seed, req.ignore_eos),
         )
         try:
             g = await service.generate(params, api="chat")

@@ -60,7 +60,7 @@ async def running_gateway(
             tokenizer,
             GatewayMetrics(metrics),
             config=config,
-            default_max_tokens=default_max_tokens(manifest, config.answer_depth_max),
+            default_max_tokens=default_max_tokens(manifest, config.limits.answer_depth_max),
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
         grpc_port = await stack.enter_async_context(

@@ -8,31 +8,35 @@ here: HTTP and gRPC both call `generate` and render its `Generation`.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.capture_client import CaptureResult, LaneSpec
+from gateway.capture_client import CaptureResult
 from gateway.config import GatewayConfig
 from gateway.errors import DeadlineExceeded, GatewayError, InvalidRequest, Unavailable
 from registry import CommitTimeout, RegistryError
+from stateblock.protocol import sampling
 from stateblock.protocol.ids import uuid7
-from stateblock.protocol.sampling import NO_EOS
-from stateblock.v1 import commit_pb2
+from stateblock.protocol.sampling import NO_EOS, InvalidSampling
+from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 
 log = structlog.get_logger("gateway")
-MAX_TEMPERATURE = 2.0  # the OpenAI range
 MAX_STREAM_CHUNKS = 64  # bounds the prefix re-decoding a stream costs
 
 
 class CaptureClient(Protocol):
     async def capture(
-        self, request_id: str, model: str, lanes: Sequence[LaneSpec], *, timeout: float
+        self,
+        request_id: str,
+        model: str,
+        lanes: Sequence[capture_pb2.CaptureLane],
+        *,
+        timeout: float,
     ) -> CaptureResult: ...
 
 
@@ -50,13 +54,23 @@ class PromptSpec:
 
 @dataclass(frozen=True)
 class GenerateParams:
+    """One request as both APIs ask it; `sampling` is the one sampling type of the path."""
+
     model: str
     inputs: tuple[PromptSpec, ...]
     n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    seed: int | None = None
-    ignore_eos: bool = False  # vLLM's extension: every lane reads all max_tokens positions
+    max_tokens: int | None = None  # None: the decoder's trained depth
+    sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
+
+
+def make_sampling(
+    temperature: float | None, seed: int | None, ignore_eos: bool = False
+) -> block_pb2.SamplingParams:
+    """The HTTP and gRPC mappers' one way to the sampling type."""
+    try:
+        return sampling.sampling_params(temperature, seed, ignore_eos=ignore_eos)
+    except InvalidSampling as e:
+        raise InvalidRequest(str(e), e.param) from e
 
 
 @dataclass(frozen=True)
@@ -152,35 +166,30 @@ class GatewayService:
                 raise InvalidRequest("The prompt must not be empty.", "prompt")
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
-        if len(p.inputs) * p.n > c.max_lanes:
-            raise InvalidRequest(
-                f"{len(p.inputs)} prompt(s) x n={p.n} exceeds {c.max_lanes} answers per request.",
-                "n",
-            )
         max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
-        if not 1 <= max_tokens <= c.answer_depth_max:
-            raise InvalidRequest(
-                f"max_tokens must be between 1 and the answer envelope of {c.answer_depth_max}, "
-                f"got {max_tokens}.",
-                "max_tokens",
-            )
-        t = 0.0 if p.temperature is None else p.temperature
-        if not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
-            raise InvalidRequest(
-                f"temperature must be between 0 and {MAX_TEMPERATURE}.", "temperature"
-            )
-        if p.seed is not None and not 0 <= p.seed < 1 << 64:
-            raise InvalidRequest("seed must be a non-negative 64-bit integer.", "seed")
+        try:
+            sampling.check_lane_count(len(p.inputs) * p.n, c.limits)
+            sampling.check_lane(p.sampling, max_tokens, c.limits)
+        except InvalidSampling as e:
+            raise InvalidRequest(str(e), e.param) from e
         return max_tokens
 
-    def lanes(self, p: GenerateParams, max_tokens: int) -> list[LaneSpec]:
+    def lanes(self, p: GenerateParams, max_tokens: int) -> list[capture_pb2.CaptureLane]:
         """n lanes per input, inputs in order; choice index = input * n + copy."""
-        t = 0.0 if p.temperature is None else p.temperature
         out = []
         for spec in p.inputs:
             for copy in range(p.n):
-                seed = None if p.seed is None else (p.seed + copy) % (1 << 64)
-                out.append(LaneSpec(spec.prompt, spec.messages, max_tokens, t, seed, p.ignore_eos))
+                lane = capture_pb2.CaptureLane(
+                    sampling=sampling.with_seed_offset(p.sampling, copy), max_tokens=max_tokens
+                )
+                if spec.messages is not None:
+                    lane.chat.SetInParent()  # a chat, even an empty one, is the input
+                    lane.chat.messages.extend(
+                        capture_pb2.ChatMessage(role=r, content=c) for r, c in spec.messages
+                    )
+                else:
+                    lane.prompt = spec.prompt or ""
+                out.append(lane)
         return out
 
     async def generate(

@@ -25,6 +25,8 @@ try:
 except ImportError:  # not built for this platform (Windows): asyncio's own loop serves
     uvloop = None
 
+from stateblock.protocol.sampling import Limits
+
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_BASE = REPO / "models" / "reference" / "base"
 REFERENCE_DECODER = REPO / "models" / "reference" / "decoder"
@@ -85,6 +87,17 @@ class Env:
         if positive and not value > 0:
             raise ConfigError(f"STATEBLOCK_{name}={value} must be positive")
         return value
+
+
+def limits_from_env(e: Env) -> Limits:
+    """The request limits, the same variables in every service (the gateway refuses what the
+    capture would refuse, with the same message)."""
+    d = Limits()
+    return Limits(
+        max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
+        prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
+        answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
+    )
 
 
 def subject_token(name: str, what: str = "model name") -> str:

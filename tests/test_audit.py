@@ -257,7 +257,7 @@ def _block(model, prompt: str, signer: Signer, depth: int = 32) -> envelope.Veri
         rows_view(rows),
         request_id="req-1",
         identity=model.identity,
-        sampling=[block_pb2.SamplingParams(max_tokens=depth)],
+        sampling=[block_pb2.SamplingParams()],
         signer=signer,
         ttl_s=60,
     ).message()

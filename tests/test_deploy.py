@@ -165,10 +165,7 @@ def test_env_wires_services_together(default_docs):
     for component, config in (("capture", capture), ("readout", readout)):
         ports = {p["name"]: p["containerPort"] for p in container(default_docs, component)["ports"]}
         assert config.metrics_port == ports["metrics"]
-    assert (gateway.max_lanes, gateway.answer_depth_max) == (
-        capture.max_lanes,
-        capture.answer_depth_max,
-    )
+    assert gateway.limits == capture.limits
     assert capture.duplicate_window_s == readout.duplicate_window_s
     assert (capture.device, capture.dtype) == ("cuda", "bfloat16")
     assert (readout.engine, readout.device) == ("reference", "cpu")

@@ -28,6 +28,7 @@ from stateblock.model.kernels.top2 import (
 )
 from stateblock.model.loading import load_serving_model
 from stateblock.model.vocab import NO_EOS
+from stateblock.protocol.sampling import sampling_params
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 from stateblock.train import tasks
 
@@ -61,7 +62,7 @@ def lanes_of(rows, depths, temps=None, seeds=None) -> list[LaneRequest]:
     temps = temps or [0.0] * len(depths)
     seeds = seeds or [None] * len(depths)
     return [
-        LaneRequest(rows=rows[i % len(rows)], depth=d, temperature=t, seed=s)
+        LaneRequest(rows=rows[i % len(rows)], depth=d, sampling=sampling_params(t, s))
         for i, (d, t, s) in enumerate(zip(depths, temps, seeds, strict=True))
     ]
 

@@ -56,7 +56,7 @@ def seal(
         rows_view(torch.cat(lanes_of(dtype, counts))),
         request_id="req-1",
         identity=IDENTITY,
-        sampling=[pb.SamplingParams(temperature=0.0, max_tokens=d) for d in depths],
+        sampling=[pb.SamplingParams(temperature=0.0) for _ in depths],
         signer=signer,
         ttl_s=30,
         now=NOW,

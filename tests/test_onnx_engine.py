@@ -28,6 +28,7 @@ from stateblock.engines.onnx_graph import (
 )
 from stateblock.model.loading import load_serving_model
 from stateblock.model.vocab import NO_EOS
+from stateblock.protocol.sampling import sampling_params
 from stateblock.train.tasks import generate
 from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
 
@@ -106,13 +107,13 @@ def test_onnx_engine_answers_like_reference_greedy(engines, prompt_rows):
 def test_onnx_engine_samples_like_reference_with_seeds(engines, prompt_rows):
     reference, onnx_engine = engines
     lanes = [
-        LaneRequest(rows=prompt_rows[0], depth=96, temperature=1.5, seed=3),
+        LaneRequest(rows=prompt_rows[0], depth=96, sampling=sampling_params(1.5, 3)),
         LaneRequest(rows=prompt_rows[1], depth=64),
-        LaneRequest(rows=prompt_rows[2], depth=80, temperature=0.8, seed=9),
+        LaneRequest(rows=prompt_rows[2], depth=80, sampling=sampling_params(0.8, 9)),
     ]
     ref, got = reference.readout(lanes), onnx_engine.readout(lanes)
     assert_same_answers(ref, got)
-    greedy = onnx_engine.readout([replace(lanes[0], temperature=0.0)])
+    greedy = onnx_engine.readout([replace(lanes[0], sampling=sampling_params(0.0))])
     assert got[0].token_ids != greedy[0].token_ids  # the seeded lane really sampled
 
 

@@ -42,6 +42,25 @@ def test_buf_format(tmp_path):
     assert result.returncode == 0, "run `buf format -w`:\n" + result.stdout + result.stderr
 
 
+# The released API (tests/data/protos-v1-baseline.binpb, `buf build -o` of the protos before
+# this list began) and every break from it made on purpose; any other break fails.
+BASELINE = REPO / "tests" / "data" / "protos-v1-baseline.binpb"
+INTENDED_BREAKS = {
+    # max_tokens travels once: as the lane's answer_depth (field 3 reserved)
+    'block.proto: Previously present field "3" with name "max_tokens" on message '
+    '"SamplingParams" was deleted.',
+}
+
+
+def test_buf_breaking_reports_only_the_intended_changes(tmp_path):
+    result = run_buf("breaking", "--against", str(BASELINE), cache=tmp_path)
+    found = set()
+    for line in result.stdout.splitlines():
+        path, _, rest = line.partition(":")
+        found.add(f"{Path(path).name}: {rest.split(':', 2)[-1]}")
+    assert found == INTENDED_BREAKS, result.stdout + result.stderr
+
+
 def test_generated_code_is_current(tmp_path):
     fresh = protogen.generate(tmp_path)
     checked_in = protogen.generated_files(REPO)

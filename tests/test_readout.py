@@ -174,13 +174,17 @@ def test_ignore_eos_returns_every_position_eos_included():
     from stateblock.engines import LaneRequest, create_engine, lane_result
     from stateblock.model.loading import load_serving_model
     from stateblock.model.vocab import NO_EOS
+    from stateblock.protocol.sampling import sampling_params
     from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
 
     model = load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
     rows = model.prompt_rows("copy: hello")
     engine = create_engine("reference", model)
     plain, ignoring = engine.readout(
-        [LaneRequest(rows=rows, depth=24), LaneRequest(rows=rows, depth=24, ignore_eos=True)]
+        [
+            LaneRequest(rows=rows, depth=24),
+            LaneRequest(rows=rows, depth=24, sampling=sampling_params(ignore_eos=True)),
+        ]
     )
     eos = plain.eos_pos
     assert eos < 24, "the shipped decoder should end this answer with EOS"

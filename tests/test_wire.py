@@ -27,9 +27,7 @@ def seal(rows: torch.Tensor, counts: tuple[int, ...] | None = None) -> envelope.
     layout = envelope.make_layout(
         "req-1", counts, [8] * len(counts), hidden_size=rows.shape[1], dtype=rows.dtype
     )
-    sampling = [
-        pb.SamplingParams(temperature=0.5, seed=i, max_tokens=8) for i in range(len(counts))
-    ]
+    sampling = [pb.SamplingParams(temperature=0.5, seed=i) for i in range(len(counts))]
     return envelope.seal_block(
         layout,
         rows_view(rows),

@@ -7,7 +7,7 @@ It knows nothing about NATS, the registry or tokenisation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
@@ -15,7 +15,7 @@ from torch import Tensor
 from stateblock.model.rows import block_lanes
 from stateblock.protocol import envelope
 from stateblock.protocol.envelope import ModelIdentity
-from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE
+from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE, SamplingParams, seed_of
 
 __all__ = [
     "TOP_K_SAMPLE",
@@ -35,10 +35,17 @@ class UnknownEngine(ValueError):
 @dataclass(frozen=True)
 class LaneRequest:
     rows: Tensor  # (P, d_base), one lane's captured rows
-    depth: int  # answer positions to read (max_tokens)
-    temperature: float = 0.0
-    seed: int | None = None
-    ignore_eos: bool = False  # read all `depth` positions whatever EOS comes (vLLM's flag)
+    depth: int  # answer positions to read (the lane's answer_depth, the request's max_tokens)
+    # the one sampling type (stateblock.protocol.sampling), as the signed header carries it
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def seed(self) -> int | None:
+        return seed_of(self.sampling)
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ def lane_result(lane: LaneRequest, tokens: list[int], margins: list[float], eos:
     EOS (excluded; its margin kept, it is part of the answer) or at the depth. Under
     ignore_eos every position up to the depth is the answer and no EOS is reported."""
     depth = lane.depth
-    if lane.ignore_eos or eos >= depth:
+    if lane.sampling.ignore_eos or eos >= depth:
         return LaneResult(tuple(tokens[:depth]), NO_EOS, tuple(margins[:depth]))
     return LaneResult(tuple(tokens[:eos]), eos, tuple(margins[: eos + 1]))
 
@@ -72,13 +79,7 @@ def lane_requests(block: envelope.VerifiedBlock | envelope.HeaderVerified) -> li
     re-reads)."""
     header = block.header
     return [
-        LaneRequest(
-            rows=rows,
-            depth=lane.answer_depth,
-            temperature=s.temperature,
-            seed=s.seed if s.HasField("seed") else None,
-            ignore_eos=s.ignore_eos,
-        )
+        LaneRequest(rows=rows, depth=lane.answer_depth, sampling=s)
         for rows, lane, s in zip(
             block_lanes(block), header.layout.lanes, header.sampling, strict=True
         )

@@ -1,7 +1,87 @@
-"""The sampling contract every layer shares, without torch: the readout's fixed widths and
-the sentinel it reports when no position emitted EOS."""
+"""The sampling contract, one type end to end: the proto's `SamplingParams`.
+
+The gateway builds it from the HTTP or gRPC request, the capture copies it per lane into
+the signed block header, the readout engines read it from there. It is checked in one
+place (`check_lane`) against one set of limits (`Limits`, read once per service from the
+same STATEBLOCK_* variables by `stateblock.runtime.limits_from_env`). The answer depth
+(`max_tokens`) is not a sampling parameter: it travels as the lane's `max_tokens` in the
+capture request and as the layout's `answer_depth` in the block, once each.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+from stateblock.v1 import block_pb2 as pb
+
 NO_EOS = 1 << 20  # EOS position reported when no position emitted EOS
 TOP_K_SAMPLE = 8  # the decoder's Gumbel top-k width: sampling draws among the top 8
+MAX_TEMPERATURE = 2.0  # the OpenAI range
+SEED_LIMIT = 1 << 64
+
+SamplingParams = pb.SamplingParams
+
+
+class InvalidSampling(ValueError):
+    """A request the readout cannot serve as asked; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; every service reads the same variables."""
+
+    max_lanes: int = 8  # K_max: prompts x n per request, lanes per cohort
+    prompt_len_max: int = 4096  # tokens per prompt
+    answer_depth_max: int = 8192  # the answer envelope: max_tokens per lane
+
+
+def sampling_params(
+    temperature: float | None = None, seed: int | None = None, *, ignore_eos: bool = False
+) -> pb.SamplingParams:
+    """The params from an API's fields (None: unset); a seed the wire cannot carry is
+    refused here, everything else by `check_lane`."""
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise InvalidSampling("seed must be a non-negative 64-bit integer.", "seed")
+    t = 0.0 if temperature is None else temperature
+    return pb.SamplingParams(temperature=t, seed=seed, ignore_eos=ignore_eos)
+
+
+def seed_of(s: pb.SamplingParams) -> int | None:
+    return s.seed if s.HasField("seed") else None
+
+
+def with_seed_offset(s: pb.SamplingParams, offset: int) -> pb.SamplingParams:
+    """The params of the offset-th copy of a lane (n > 1): a seeded request stays
+    reproducible while its copies differ."""
+    out = pb.SamplingParams()
+    out.CopyFrom(s)
+    if s.HasField("seed"):
+        out.seed = (s.seed + offset) % SEED_LIMIT
+    return out
+
+
+def check_lane_count(n_lanes: int, limits: Limits) -> None:
+    if not 1 <= n_lanes <= limits.max_lanes:
+        raise InvalidSampling(
+            f"{n_lanes} answers per request; between 1 and {limits.max_lanes} allowed.", "n"
+        )
+
+
+def check_lane(s: pb.SamplingParams, max_tokens: int, limits: Limits) -> None:
+    """Raise InvalidSampling unless one lane's depth and sampling can be served."""
+    if not 1 <= max_tokens <= limits.answer_depth_max:
+        raise InvalidSampling(
+            f"max_tokens must be between 1 and the answer envelope of "
+            f"{limits.answer_depth_max}, got {max_tokens}.",
+            "max_tokens",
+        )
+    if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
+        raise InvalidSampling(
+            f"temperature must be between 0 and {MAX_TEMPERATURE}, got {s.temperature}.",
+            "temperature",
+        )

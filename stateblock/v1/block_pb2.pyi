@@ -57,16 +57,14 @@ class Layout(_message.Message):
     def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., total_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., capture_mode: _Optional[_Union[CaptureMode, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "seed", "max_tokens", "ignore_eos")
+    __slots__ = ("temperature", "seed", "ignore_eos")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     seed: int
-    max_tokens: int
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StateBlockHeader(_message.Message):
     __slots__ = ("request_id", "block_id", "model", "layout", "layout_digest", "forward_state_digest", "base_model_digest", "lm_head_digest", "decoder_digest", "sampling", "created_at", "expires_at", "key_id", "signature")

@@ -22,14 +22,16 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class CaptureLane(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling")
+    __slots__ = ("prompt", "chat", "sampling", "max_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     sampling: _block_pb2.SamplingParams
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_block_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_block_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CaptureRequest(_message.Message):
     __slots__ = ("request_id", "model", "lanes")

@@ -23,13 +23,15 @@ from capture_svc.plans import (
     Slot,
 )
 from capture_svc.server import running_capture
-from capture_svc.service import CaptureFailed, InvalidCapture, LaneInput
+from capture_svc.service import CaptureFailed, InvalidCapture
 from stateblock.model.rows import block_lanes
 from stateblock.protocol import envelope, streams
 from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.protocol.sampling import Limits, sampling_params
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
+from stateblock.v1 import capture_pb2
 
 D = 8
 MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
@@ -46,6 +48,26 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def lane(
+    prompt: str | None = None,
+    messages: tuple[tuple[str, str], ...] | None = None,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> capture_pb2.CaptureLane:
+    """One CaptureLane as the gateway sends it."""
+    out = capture_pb2.CaptureLane(
+        sampling=sampling_params(temperature, seed), max_tokens=max_tokens
+    )
+    if messages is not None:
+        out.chat.SetInParent()
+        out.chat.messages.extend(capture_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    else:
+        out.prompt = prompt or ""
+    return out
 
 
 @pytest.fixture
@@ -212,7 +234,7 @@ async def test_batcher_groups_concurrent_requests(serving_model, metrics, reg):
 @pytest.fixture
 async def capture_service(nats_url, serving_model, tmp_path):
     nc = await nats.connect(nats_url)
-    config = CaptureConfig(nats_url=nats_url, port=0, prompt_len_max=64, max_lanes=4)
+    config = CaptureConfig(nats_url=nats_url, port=0, limits=Limits(prompt_len_max=64, max_lanes=4))
     signer = Signer.generate()
     async with running_capture(
         config, nc=nc, model=serving_model, signer=signer, metrics=CollectorRegistry()
@@ -225,8 +247,8 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
     running, nc, signer = capture_service
     sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), durable="probe")
     lanes = [
-        LaneInput(prompt="copy: abc", max_tokens=12),
-        LaneInput(messages=(("user", "copy: abc"),), max_tokens=7, temperature=0.5, seed=3),
+        lane(prompt="copy: abc", max_tokens=12),
+        lane(messages=(("user", "copy: abc"),), max_tokens=7, temperature=0.5, seed=3),
     ]
     captured = await running.service.capture(MODEL, lanes, "req-1")
     (msg,) = await sub.fetch(1, timeout=5)
@@ -251,13 +273,13 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
 @pytest.mark.parametrize(
     ("model", "lanes", "param"),
     [
-        ("other", [LaneInput(prompt="hi", max_tokens=4)], "model"),
-        (MODEL, [LaneInput(prompt="", max_tokens=4)], "prompt"),
-        (MODEL, [LaneInput(prompt="x" * 100, max_tokens=4)], "prompt"),
-        (MODEL, [LaneInput(prompt="hi", max_tokens=0)], "max_tokens"),
-        (MODEL, [LaneInput(prompt="hi", max_tokens=9000)], "max_tokens"),
-        (MODEL, [LaneInput(prompt="hi", max_tokens=4)] * 5, "n"),
-        (MODEL, [LaneInput(messages=(), max_tokens=4)], "messages"),
+        ("other", [lane(prompt="hi", max_tokens=4)], "model"),
+        (MODEL, [lane(prompt="", max_tokens=4)], "prompt"),
+        (MODEL, [lane(prompt="x" * 100, max_tokens=4)], "prompt"),
+        (MODEL, [lane(prompt="hi", max_tokens=0)], "max_tokens"),
+        (MODEL, [lane(prompt="hi", max_tokens=9000)], "max_tokens"),
+        (MODEL, [lane(prompt="hi", max_tokens=4)] * 5, "n"),
+        (MODEL, [lane(messages=(), max_tokens=4)], "messages"),
     ],
 )
 async def test_capture_rejects_bad_requests_before_planning(capture_service, model, lanes, param):
@@ -277,7 +299,7 @@ async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
 
     monkeypatch.setattr(running.plans, "record", stale_record)
     with pytest.raises(CaptureFailed, match="lane_length_mismatch"):
-        await running.service.capture(MODEL, [LaneInput(prompt="copy: a", max_tokens=4)])
+        await running.service.capture(MODEL, [lane(prompt="copy: a", max_tokens=4)])
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
 
 
@@ -301,7 +323,7 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
             metrics=CollectorRegistry(),
         ) as running:  # fmt: skip
             sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
-            await running.service.capture(MODEL, [LaneInput(prompt="copy: abc", max_tokens=4)], "r")
+            await running.service.capture(MODEL, [lane(prompt="copy: abc", max_tokens=4)], "r")
             (msg,) = await sub.fetch(1, timeout=5)
     finally:
         await nc.close()

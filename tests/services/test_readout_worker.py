@@ -43,7 +43,7 @@ def make_sealed(
     layout = envelope.make_layout(
         request_id, rows_per_lane, [depth] * len(rows_per_lane), hidden_size=d, dtype=rows.dtype
     )
-    sampling = [pb.SamplingParams(max_tokens=depth) for _ in rows_per_lane]
+    sampling = [pb.SamplingParams() for _ in rows_per_lane]
     return envelope.seal_block(
         layout,
         rows_view(rows),
@@ -121,7 +121,7 @@ def _flip_payload(block: pb.StateBlock) -> None:
 
 
 def _change_header(block: pb.StateBlock) -> None:
-    block.header.sampling[0].max_tokens = 8192  # a signed field, changed after signing
+    block.header.sampling[0].temperature = 1.5  # a signed field, changed after signing
 
 
 def _unknown_key(block: pb.StateBlock) -> None:

@@ -44,9 +44,12 @@ def in_process_answer(
 ) -> list[int]:
     """The same prompt through capture + decoder in this process, padded like the service."""
     from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
 
     rows = serving_model.prompt_rows(prompt, pad_to=bucket_width)
-    (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens, ignore_eos=ignore_eos)])
+    (result,) = engine.readout(
+        [LaneRequest(rows=rows, depth=max_tokens, sampling=sampling_params(ignore_eos=ignore_eos))]
+    )
     return list(result.token_ids)
 
 
