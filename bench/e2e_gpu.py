@@ -275,7 +275,14 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     from prometheus_client import CollectorRegistry
 
     from bench.models import serving_model
-    from bench.stack import BenchStack, BenchStackConfig, CompletionsClient, KvProbe, TimedEngine
+    from bench.stack import (
+        CompletionsClient,
+        KvProbe,
+        TimedEngine,
+        bench_stack_config,
+        subscribe_probe,
+    )
+    from stateblock.app.stack import StackThread
     from stateblock.engines import create_engine
 
     setup = report.doc["setup"]
@@ -300,8 +307,9 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         blocks_storage=args.blocks_storage,
     )
     metrics, probe = CollectorRegistry(), KvProbe()
-    stack_cfg = BenchStackConfig(
-        data_dir=Path(setup["work_dir"]) / "stack",
+    stack_cfg = bench_stack_config(
+        Path(setup["work_dir"]) / "stack",
+        serving.name,
         workers=args.workers,
         batch_window_s=None if args.batch_window_ms is None else args.batch_window_ms / 1000.0,
         nats_max_payload=args.nats_max_payload,
@@ -309,16 +317,18 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         blocks_storage=args.blocks_storage,
     )
     t0 = time.perf_counter()
-    stack = BenchStack(stack_cfg, serving, engine, metrics, probe)
-    url = stack.start(timeout=max(60.0, left()))
+    stack = StackThread(stack_cfg, metrics=metrics, model=serving, engine=engine)
+    urls = stack.start(timeout=max(60.0, left()))
+    probe_nc = stack.call(subscribe_probe(urls.nats, probe))
     setup["stack_start_s"] = time.perf_counter() - t0  # engine + capture warm-ups included
     report.write()
-    client = CompletionsClient(url, timeout=120.0)
+    client = CompletionsClient(urls.http, timeout=120.0)
     try:
         report.set("e2e", run_e2e(args, scale, client, serving, engine, metrics, probe))
     finally:
         client.close()
-        stack.stop()
+        stack.call(probe_nc.drain())
+        stack.stop(timeout=60.0)
         from stateblock.model.capture import uncompile_backbone
 
         # the stack compiled this same model (graphs recorded on its forward thread); the

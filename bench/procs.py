@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stateblock.app.stack import free_port, nats_server_binary
+from stateblock.app.nats_server import free_port, nats_server_binary
 from stateblock.protocol.keys import load_or_generate_signer
 
 ENGINE_ENV = {"matmul_precision": "MATMUL_PRECISION", "head": "READOUT_HEAD"}  # readout_svc

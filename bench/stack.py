@@ -1,10 +1,8 @@
 """The whole request path in this process for the bench, on any device, with probes.
 
-The same services as `stateblock.app.stack.running_stack` (a nats-server, capture, readout
-workers, gateway; a NATS connection each), but handed a prebuilt `ServingModel` and engine:
-`running_stack` loads the base from disk onto the CPU (UpConfig has no device or dtype),
-and the bench serves the model it built on the GPU. Two probes see each request from
-outside the services, without changing them:
+The stack is the one composition root's (`stateblock.app.stack.StackThread`), handed the
+`ServingModel` and engine the bench built on the GPU, with a NATS connection per service.
+Two probes see each request from outside the services, without changing them:
 - `TimedEngine` wraps the readout engine (perf_counter around each readout call);
 - `KvProbe`, a NATS subscription on the registry bucket's subject, sees each claim and
   commit as it lands (a commit names its request id).
@@ -12,37 +10,19 @@ outside the services, without changing them:
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import nats
-from prometheus_client import CollectorRegistry
 
 from registry import parse_update, updates_subject
-from stateblock import runtime
+from stateblock.app.stack import UpConfig
 from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
-from stateblock.model.loading import ServingModel
 from stateblock.v1 import commit_pb2
-
-
-@dataclass(frozen=True)
-class BenchStackConfig:
-    data_dir: Path
-    workers: int = 2
-    batch_window_s: float | None = None  # None: the capture service's default
-    capture_compile: str = "off"  # torch.compile backend for the base forward
-    nats_max_payload: int | None = 8 << 20  # None: the server's 1 MiB default
-    request_timeout_s: float = 120.0
-    grace_s: float = 2.0
-    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
 
 
 class TimedEngine:
@@ -84,128 +64,38 @@ class KvProbe:
             self.block_of[entry.commit.request_id] = entry.block_id
 
 
-async def _serve(
-    config: BenchStackConfig,
-    model: ServingModel,
-    engine: ReadoutEngine,
-    metrics: CollectorRegistry,
-    probe: KvProbe,
-    ready,
-    stop: asyncio.Event,
-) -> None:
-    from capture_svc.config import CaptureConfig
-    from capture_svc.server import running_capture
-    from gateway.config import GatewayConfig
-    from gateway.server import running_gateway
-    from readout_svc.config import ReadoutServiceConfig
-    from readout_svc.server import running_readout
-    from stateblock.app.stack import nats_server
-    from stateblock.protocol.keys import TrustStore, load_or_generate_signer
-
-    data_dir = config.data_dir.resolve()
-    key_dir = data_dir / "keys"
-    signer = load_or_generate_signer(key_dir)
-    trust = TrustStore.from_dir(key_dir)
-    common = dict(model_name=model.name, base_dir=model.base_dir, decoder_dir=model.decoder_dir)
-    window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
-    async with AsyncExitStack() as stack:
-        proc = await stack.enter_async_context(
-            nats_server(data_dir, max_payload=config.nats_max_payload)
-        )
-        # one connection per service, as separate processes would have: on a shared one the
-        # capture's publish ack queues behind the 2.75 MB delivery of the same block to the
-        # worker, both read by one client loop
-        conns = {}
-        for name in ("capture", "readout", "gateway"):
-            conns[name] = await nats.connect(proc.url, name=f"bench-{name}")
-            stack.push_async_callback(conns[name].drain)
-        probe_nc = await nats.connect(proc.url, name="bench-probe")
-        stack.push_async_callback(probe_nc.drain)
-        await probe_nc.subscribe(updates_subject(), cb=probe.on_msg)
-        capture = await stack.enter_async_context(
-            running_capture(
-                CaptureConfig(
-                    nats_url=proc.url, host="127.0.0.1", port=0, key_dir=key_dir,
-                    grace_s=config.grace_s, compile=config.capture_compile, **window, **common,
-                    blocks_storage=config.blocks_storage,
-                ),
-                nc=conns["capture"], model=model, signer=signer, metrics=metrics,
-            )
-        )  # fmt: skip
-        await stack.enter_async_context(
-            running_readout(
-                ReadoutServiceConfig(
-                    nats_url=proc.url, engine=engine.name, trusted_keys_dir=key_dir,
-                    workers=config.workers, grace_s=config.grace_s, **common,
-                    blocks_storage=config.blocks_storage,  # must match capture's
-                ),
-                nc=conns["readout"], engine=engine, trust=trust, metrics=metrics,
-            )
-        )  # fmt: skip
-        gateway = await stack.enter_async_context(
-            running_gateway(
-                GatewayConfig(
-                    nats_url=proc.url, capture_target=f"127.0.0.1:{capture.port}",
-                    host="127.0.0.1", http_port=0, grpc_port=0,
-                    request_timeout_s=config.request_timeout_s, grace_s=config.grace_s, **common,
-                ),
-                nc=conns["gateway"], metrics=metrics, tokenizer=model.tokenizer,
-            )
-        )  # fmt: skip
-        ready(f"http://127.0.0.1:{gateway.http_port}")
-        await stop.wait()
+async def subscribe_probe(nats_url: str, probe: KvProbe) -> nats.NATS:
+    """A connection of the probe's own on the registry bucket's subject; drain it to stop."""
+    nc = await nats.connect(nats_url, name="bench-probe")
+    await nc.subscribe(updates_subject(), cb=probe.on_msg)
+    return nc
 
 
-class BenchStack:
-    """The services on a background event loop; `start()` returns the gateway's HTTP URL."""
-
-    def __init__(
-        self,
-        config: BenchStackConfig,
-        model: ServingModel,
-        engine: ReadoutEngine,
-        metrics: CollectorRegistry,
-        probe: KvProbe,
-    ) -> None:
-        self._args = (config, model, engine, metrics, probe)
-        self._ready = threading.Event()
-        self._url: str | None = None
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="bench-stack", daemon=True)
-
-    def _on_ready(self, url: str) -> None:
-        self._url = url
-        self._ready.set()
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            await _serve(*self._args, self._on_ready, self._stop)
-
-        try:
-            runtime.run(main())
-        except BaseException as e:  # surfaced by start()
-            self._error = e
-            self._ready.set()
-
-    def start(self, timeout: float) -> str:
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the stack did not start within {timeout:g} s")
-        if self._error is not None:
-            raise RuntimeError("the stack failed to start") from self._error
-        assert self._url is not None
-        return self._url
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise RuntimeError(f"the stack did not stop within {timeout:g} s")
+def bench_stack_config(
+    data_dir: Path,
+    model_name: str,
+    *,
+    workers: int = 2,
+    batch_window_s: float | None = None,
+    capture_compile: str = "off",
+    nats_max_payload: int | None = 8 << 20,  # None: the server's 1 MiB default
+    blocks_storage: str = "file",
+) -> UpConfig:
+    """The embedded stack as the benches run it: free ports, a connection per service."""
+    return UpConfig(
+        data_dir=data_dir,
+        http_port=0,
+        grpc_port=0,
+        workers=workers,
+        model_name=model_name,
+        batch_window_s=batch_window_s,
+        capture_compile=capture_compile,
+        nats_max_payload=nats_max_payload,
+        blocks_storage=blocks_storage,
+        request_timeout_s=120.0,
+        grace_s=2.0,
+        connection_per_service=True,
+    )
 
 
 class CompletionsClient:

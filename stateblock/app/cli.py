@@ -15,7 +15,7 @@ from pathlib import Path
 from stateblock.runtime import REPO
 
 REFERENCE = REPO / "models" / "reference"
-BENCHES = {  # imported on use: gpu_smoke needs a GPU stack, e2e the service wheels
+BENCHES = {  # each runs as its own module from the checkout (`python -m bench.NAME`)
     "cpu-latency": "bench.latency_cpu",
     "engines-cpu": "bench.engines_cpu",
     "throughput-cpu": "bench.throughput_cpu",
@@ -163,16 +163,7 @@ def cmd_up(a: argparse.Namespace) -> int:
             # BrokenPipeError here, and without the stop the stack would run on, unattended
             try:
                 print(f"ask: {a.ask}", flush=True)
-                asked = argparse.Namespace(
-                    prompt=a.ask,
-                    url=urls.http,
-                    model=None,
-                    max_tokens=None,
-                    temperature=None,
-                    timeout=120.0,
-                    verbose=True,
-                )
-                results.append(cmd_ask(asked))
+                results.append(ask(urls.http, a.ask, timeout=120.0, verbose=True))
             except Exception:  # noqa: BLE001 - the exit status says the ask failed
                 results.append(1)
             finally:
@@ -192,26 +183,48 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_ask(a: argparse.Namespace) -> int:
+    return ask(
+        a.url,
+        a.prompt,
+        model=a.model,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        timeout=a.timeout,
+        verbose=a.verbose,
+    )
+
+
+def ask(
+    url: str,
+    prompt: str,
+    *,
+    model: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    timeout: float = 120.0,
+    verbose: bool = False,
+) -> int:
+    """One chat completion from a running gateway, printed; the exit status."""
     import urllib.error
     import urllib.request
 
-    base = a.url.rstrip("/")
+    base = url.rstrip("/")
 
     def call(path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             base + path, data=data, headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(req, timeout=a.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
     try:
-        model = a.model or call("/v1/models")["data"][0]["id"]
-        body: dict = {"model": model, "messages": [{"role": "user", "content": a.prompt}]}
-        if a.max_tokens is not None:
-            body["max_tokens"] = a.max_tokens
-        if a.temperature is not None:
-            body["temperature"] = a.temperature
+        model = model or call("/v1/models")["data"][0]["id"]
+        body: dict = {"model": model, "messages": [{"role": "user", "content": prompt}]}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if temperature is not None:
+            body["temperature"] = temperature
         reply = call("/v1/chat/completions", body)
     except urllib.error.HTTPError as e:
         try:
@@ -224,7 +237,7 @@ def cmd_ask(a: argparse.Namespace) -> int:
         print(f"cannot reach a gateway at {base}: {e}", file=sys.stderr)
         return 1
     print(reply["choices"][0]["message"]["content"])
-    if a.verbose:
+    if verbose:
         print(json.dumps({"finish_reason": reply["choices"][0]["finish_reason"], **reply["usage"]}))
     return 0
 
@@ -334,24 +347,15 @@ def cmd_audit(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import importlib
+    import subprocess
 
-    # bench/ is a repo folder, not an installed package: import it from this checkout
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    try:
-        module = importlib.import_module(BENCHES[a.bench])
-    except ModuleNotFoundError as e:
-        if e.name != BENCHES[a.bench]:
-            raise
-        print(f"stateblock bench: {e.name} is not in this checkout", file=sys.stderr)
+    # bench/ is a folder of this checkout, not part of the installed product: each bench
+    # runs as its own module from the checkout, in a process of its own
+    module = BENCHES[a.bench]
+    if not (REPO / (module.replace(".", "/") + ".py")).is_file():
+        print(f"stateblock bench: {module} is not in this checkout", file=sys.stderr)
         return 1
-    saved = sys.argv
-    sys.argv = [f"stateblock bench {a.bench}", *a.args]  # each bench parses sys.argv itself
-    try:
-        return module.main() or 0
-    finally:
-        sys.argv = saved
+    return subprocess.call([sys.executable, "-m", module, *a.args], cwd=REPO)
 
 
 def build_parser() -> argparse.ArgumentParser:

