@@ -19,7 +19,7 @@ from readout_svc.worker import ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
-from stateblock.model.loading import load_serving_model
+from stateblock.model.loading import load_readout_model
 from stateblock.protocol import streams
 from stateblock.protocol.keys import TrustStore
 
@@ -113,7 +113,7 @@ async def main() -> None:
     metrics = CollectorRegistry()
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     model = await asyncio.to_thread(
-        load_serving_model,
+        load_readout_model,
         config.model_name,
         config.base_dir,
         config.decoder_dir,

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
 from stateblock.model.capture import pad_lanes
-from stateblock.model.checkpoint import load_decoder
+from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
 from stateblock.model.loading import ServingModel
 from stateblock.model.vocab import gumbel_noise
@@ -37,13 +37,10 @@ class ReferenceEngine:
 
     @classmethod
     def load(cls, model: ServingModel, device: str = "cpu") -> ReferenceEngine:
-        decoder, manifest = load_decoder(
-            model.decoder_dir,
-            base_dir=model.base_dir,
-            lm_head=model.lm_head,
-            device=device,
-            dtype=model.lm_head.dtype,
+        decoder = build_decoder(
+            model.decoder_dir, model.manifest, device=device, dtype=model.lm_head.dtype
         )
+        manifest = model.manifest
         eos = manifest["decoder_config"]["eos_token_id"]
         return cls(
             decoder, model.lm_head.to(device), model.identity, eos_token_id=eos, device=device

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
-from stateblock.model.checkpoint import load_decoder
+from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
 from stateblock.model.kernels.attention import DOT_PRECISIONS, dot_precision
 from stateblock.model.kernels.attention import available as attention_available
@@ -270,13 +270,13 @@ class TorchEngine:
     def load(cls, model: ServingModel, device: str = "cpu", **options) -> TorchEngine:
         """The shipped decoder against `model`; options go to the constructor (buckets...)."""
         dev = require_device(device)  # before loading anything: fail fast and clearly
-        decoder, manifest = load_decoder(
+        decoder = build_decoder(
             model.decoder_dir,
-            base_dir=model.base_dir,
-            lm_head=model.lm_head,
+            model.manifest,
             device=dev,
             dtype=options.get("decoder_dtype", torch.float32),
         )
+        manifest = model.manifest
         eos = manifest["decoder_config"]["eos_token_id"]
         return cls(decoder, model.lm_head, model.identity, eos_token_id=eos, device=dev, **options)
 

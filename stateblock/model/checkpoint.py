@@ -64,6 +64,13 @@ def load_decoder(
 ) -> tuple[ReadoutDecoder, dict]:
     """The decoder, after checking its manifest against the base model it will serve."""
     manifest = read_manifest(decoder_dir)
+    check_identity(manifest, base_dir, lm_head)
+    return build_decoder(decoder_dir, manifest, device=device, dtype=dtype), manifest
+
+
+def check_identity(manifest: dict, base_dir: str | Path, lm_head: torch.Tensor) -> dict[str, str]:
+    """Raise DecoderMismatch unless the manifest names this base model, tokenizer and
+    lm_head; returns their digests (hex)."""
     actual = {
         "base_model_digest": base_model_digest(base_dir),
         "tokenizer_digest": tokenizer_digest(base_dir),
@@ -72,8 +79,20 @@ def load_decoder(
     for field, value in actual.items():
         if manifest.get(field) != value:
             raise DecoderMismatch(field, str(manifest.get(field)), value)
+    return actual
+
+
+def build_decoder(
+    decoder_dir: str | Path,
+    manifest: dict,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ReadoutDecoder:
+    """The decoder of a manifest whose identity was checked (`check_identity`); its weights
+    must match the manifest's digest."""
     if decoder_digest(decoder_dir) != manifest.get("decoder_digest"):
         raise DecoderError(f"{decoder_dir}: {WEIGHTS} does not match its manifest digest")
     decoder = ReadoutDecoder(ReadoutConfig.from_dict(manifest["decoder_config"]))
     decoder.load_state_dict(load_file(str(Path(decoder_dir) / WEIGHTS)))
-    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False), manifest
+    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -6,6 +6,7 @@ other, so both sides derive it the same way, from the files on disk.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from stateblock.model.capture import capture, lm_head_weight
-from stateblock.model.checkpoint import (
-    DecoderMismatch,
-    base_model_digest,
-    tensor_digest,
-    tokenizer_digest,
-)
+from stateblock.model.checkpoint import DecoderError, check_identity
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.manifest import decoder_manifest
 
@@ -35,8 +31,8 @@ def parse_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class ServingModel:
     name: str
-    model: nn.Module
-    tokenizer: object
+    model: nn.Module | None  # None in a readout worker: it needs the lm_head alone
+    tokenizer: object | None
     lm_head: Tensor  # (V, d_base), the resident output embedding
     identity: ModelIdentity
     manifest: dict
@@ -87,24 +83,62 @@ def load_serving_model(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ServingModel:
-    """Base model + tokenizer from a local directory, checked against the decoder manifest."""
+    """Base model + tokenizer from a local directory, checked against the decoder manifest
+    (the capture's load, and the embedded stack's, which shares it with the readout)."""
     manifest = decoder_manifest(decoder_dir)
     model, tok = load_base(base_dir, device=device, dtype=dtype)
     lm_head = lm_head_weight(model)
-    actual = {
-        "base_model_digest": base_model_digest(base_dir),
-        "tokenizer_digest": tokenizer_digest(base_dir),
-        "lm_head_digest": tensor_digest(lm_head),
-    }
-    for field, value in actual.items():
-        if manifest.get(field) != value:
-            raise DecoderMismatch(field, str(manifest.get(field)), value)
-    identity = ModelIdentity(
+    identity = _identity(name, manifest, base_dir, lm_head)
+    return ServingModel(
+        name, model, tok, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
+    )
+
+
+def load_readout_model(
+    name: str,
+    base_dir: str | Path,
+    decoder_dir: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ServingModel:
+    """What a readout worker needs of the base model: its lm_head alone, read as one slice
+    of the safetensors files (no backbone, no tokenizer), and the identity, checked once."""
+    manifest = decoder_manifest(decoder_dir)
+    lm_head = load_lm_head(base_dir, device=device, dtype=dtype)
+    identity = _identity(name, manifest, base_dir, lm_head)
+    return ServingModel(
+        name, None, None, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
+    )
+
+
+def _identity(name: str, manifest: dict, base_dir: str | Path, lm_head: Tensor) -> ModelIdentity:
+    actual = check_identity(manifest, base_dir, lm_head)
+    return ModelIdentity(
         model=name,
         base_model_digest=bytes.fromhex(actual["base_model_digest"]),
         lm_head_digest=bytes.fromhex(actual["lm_head_digest"]),
         decoder_digest=bytes.fromhex(manifest["decoder_digest"]),
     )
-    return ServingModel(
-        name, model, tok, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
-    )
+
+
+def load_lm_head(base_dir: str | Path, *, device: str = "cpu", dtype=torch.float32) -> Tensor:
+    """The output embedding (V, d_base) from the base model's safetensors, nothing else read:
+    `lm_head.weight`, or the input embedding when the config ties the two."""
+    from safetensors import safe_open
+
+    d = Path(base_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"no base model directory {base_dir}")
+    config = json.loads((d / "config.json").read_text())
+    names = ["lm_head.weight"]
+    if config.get("tie_word_embeddings", True):  # transformers' default when unset
+        names.append("model.embed_tokens.weight")
+    files = sorted(d.glob("*.safetensors"))
+    for name in names:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if name in f.keys():
+                    weight = f.get_tensor(name)
+                    return weight.to(device=device, dtype=dtype).requires_grad_(False)
+    raise DecoderError(f"no {' or '.join(names)} in the safetensors files of {d}")
