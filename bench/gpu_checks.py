@@ -1,5 +1,5 @@
 """GPU correctness checks of the `torch` engine's kernels and graphs, shared by
-`bench/gpu_smoke.py` and the GPU tests of tests/test_engine_torch.py. Each raises
+`bench/gpu_smoke.py` and the GPU tests of tests/unit/engines/test_torch_engine.py (CPU) and tests/gpu/test_torch_engine_gpu.py. Each raises
 AssertionError on a failure and returns what it compared."""
 
 from __future__ import annotations

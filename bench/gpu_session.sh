@@ -48,11 +48,11 @@ elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
   timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1
   echo "smoke rc=$?"
-  timeout 150 python3 -m pytest -q -rs tests/test_engine_torch.py > "$OUT/pytest-gpu.log" 2>&1
+  timeout 150 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"; grep -A60 '^summary' "$OUT/smoke.log"
 elif [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"
-  timeout 120 python3 -m pytest -q -rs tests/test_engine_torch.py 2>&1 | tee "$OUT/pytest-gpu.log"
+  timeout 120 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py 2>&1 | tee "$OUT/pytest-gpu.log"
   timeout 180 python3 -m stateblock.app.cli audit --engine torch --device cuda \
     --json "$OUT/parity-torch.json" --markdown "$OUT/parity-torch.md" > "$OUT/audit-torch.log" 2>&1
   echo "audit torch rc=$?"; tail -c 400 "$OUT/parity-torch.md" 2>/dev/null

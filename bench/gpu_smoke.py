@@ -2,7 +2,7 @@
 
 `python -m bench.gpu_smoke --out DIR` on one CUDA GPU (made for an H200, ~2-4 minutes).
 0. the machine (bench/machine.py): copy bandwidth, and the host CPU's costs on one block;
-1. checks (shared with the GPU tests of tests/test_engine_torch.py; --skip-checks): the
+1. checks (shared with the GPU tests of tests/unit/engines/test_torch_engine.py (CPU) and tests/gpu/test_torch_engine_gpu.py; --skip-checks): the
    Triton top-2 vs torch.topk at V=131072, d=2688 and on exact ties; the engine (bf16,
    CUDA graphs) vs the reference engine on the shipped model modulo near-ties; graph
    replay vs eager;

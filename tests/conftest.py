@@ -10,6 +10,9 @@ import structlog
 from stateblock.app.nats_server import NatsProcess, stop_nats_server
 from stateblock.app.nats_server import start_nats_server as start_nats_server_process
 
+# the torch engine's fixtures (served, reference, engine, captured): its CPU and GPU tests
+pytest_plugins = ["tests.engine_fixtures"]
+
 
 @pytest.fixture
 def start_nats_server(tmp_path_factory) -> Iterator[Callable[..., NatsProcess]]:

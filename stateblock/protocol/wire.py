@@ -4,7 +4,7 @@ A block on the wire is `serialize_block(block)`: the header field, then the payl
 holding the inline rows (2.75 MB at full scale). Through protobuf the rows are copied into
 the message and out again on each side; here the header alone goes through protobuf and
 the rows are framed by hand, so they are copied once when sending and not at all when
-reading. The bytes are the protobuf encoding's own (tests/test_envelope.py compares them),
+reading. The bytes are the protobuf encoding's own (tests/unit/protocol/test_envelope.py compares them),
 and anything not in exactly this shape is left to the protobuf parser.
 """
 

@@ -1,7 +1,7 @@
 """Generate the Python code for protos/stateblock/v1: `python -m stateblock.tools.protogen`.
 
 The generated modules are checked in (stateblock/v1/*_pb2*.py*) so that a clone imports
-without grpcio-tools; tests/test_protos.py regenerates into a temp dir and fails when the
+without grpcio-tools; tests/unit/protocol/test_protos.py regenerates into a temp dir and fails when the
 checked-in files are stale. The output depends on the grpcio-tools version (its bundled
 protoc and the GRPC_GENERATED_VERSION stamp), so regenerate after upgrading it.
 """

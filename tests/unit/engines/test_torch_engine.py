@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateblock.engines import LaneRequest, ReferenceEngine, create_engine
+from stateblock.engines import LaneRequest, create_engine
 from stateblock.engines.torch_engine import (
     EngineUnavailable,
     Shape,
@@ -26,60 +26,10 @@ from stateblock.model.kernels.top2 import (
     top2,
     top2_reference,
 )
-from stateblock.model.loading import load_serving_model
 from stateblock.model.vocab import NO_EOS
-from stateblock.protocol.sampling import sampling_params
-from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-from stateblock.train import tasks
+from tests.engine_fixtures import assert_same, lanes_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def served():
-    return load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
-
-
-@pytest.fixture(scope="module")
-def reference(served):
-    return ReferenceEngine.load(served)
-
-
-@pytest.fixture(scope="module")
-def engine(served):
-    return TorchEngine.load(served)
-
-
-@pytest.fixture(scope="module")
-def captured(served) -> list[torch.Tensor]:
-    """Captured rows of held-out task prompts: real states, so answers end in EOS."""
-    return [
-        served.prompt_rows(ex.prompt) for ex in tasks.per_family(1, split="heldout", seed=7)[:5]
-    ]
-
-
-def lanes_of(rows, depths, temps=None, seeds=None) -> list[LaneRequest]:
-    temps = temps or [0.0] * len(depths)
-    seeds = seeds or [None] * len(depths)
-    return [
-        LaneRequest(rows=rows[i % len(rows)], depth=d, sampling=sampling_params(t, s))
-        for i, (d, t, s) in enumerate(zip(depths, temps, seeds, strict=True))
-    ]
-
-
-def assert_same(a, b, atol=1e-4) -> float:
-    """Same tokens and EOS per lane; margins within atol. Returns the max margin difference."""
-    worst = 0.0
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids
-        assert x.eos_pos == y.eos_pos
-        assert len(x.margins) == len(y.margins)
-        if x.margins:
-            diff = max(abs(p - q) for p, q in zip(x.margins, y.margins, strict=True))
-            worst = max(worst, diff)
-    assert worst <= atol, worst
-    return worst
 
 
 # -- the engine on the CPU ----------------------------------------------------------------
@@ -285,74 +235,3 @@ def test_default_config_fills_the_gpu():
         assert 131072 // cfg.n_split >= 4 * cfg.block_v  # >= 4 lm_head tiles per program
     assert default_config(8, 64, 132).n_split == 1  # a tiny vocabulary is not split
     assert 2688 % Top2Config().block_k == 0  # d_base 2688 takes the unmasked d loop
-
-
-# -- on a GPU -----------------------------------------------------------------------------
-@needs_cuda
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        None,
-        Top2Config(tma=False),
-        Top2Config(persistent=True),
-        Top2Config(tma=True, persistent=True),
-        Top2Config(group_rows=2, n_split=3),
-        Top2Config(persistent=True, group_rows=3, n_split=2),
-    ],
-    ids=["default", "pointer-loads", "persistent", "tma-persistent", "grouped", "grouped-pers"],
-)
-def test_gpu_triton_top2_equals_topk(cfg):
-    from bench.gpu_checks import check_top2_kernel
-
-    if cfg is not None and cfg.tma and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs Hopper or later")
-    for n in (256, 1024):
-        check_top2_kernel(n, vocab=131072, dim=2688, seed=n, cfg=cfg)
-    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, cfg=cfg)
-    check_top2_kernel(16, vocab=70000, dim=64, seed=2, ties=True, cfg=cfg)  # splits, tails
-
-
-@needs_cuda
-@pytest.mark.parametrize("precision", ["tf32", "ieee"])
-def test_gpu_triton_top2_fp32(precision):
-    """fp32 inputs, the fused head's dtype: TF32 or exact dots, ties still lowest-id."""
-    from bench.gpu_checks import check_top2_kernel
-
-    cfg = Top2Config(precision=precision)
-    f32 = dict(cfg=cfg, dtype=torch.float32)
-    check_top2_kernel(8192, vocab=131072, dim=256, seed=3, **f32)  # d_r 256: the fused head
-    check_top2_kernel(1000, vocab=20000, dim=256, seed=4, **f32)
-    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, **f32)
-
-
-@needs_cuda
-def test_gpu_fused_attention_equals_sdpa():
-    from bench.gpu_checks import check_fused_attention
-
-    check_fused_attention()
-
-
-@needs_cuda
-def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
-    from stateblock.model.kernels.attention import available as attention_available
-
-    eng = TorchEngine.load(served, device="cuda")
-    # TF32 in the kernels' own dots; torch's process-wide switch left alone
-    assert eng._kernel_precision == "tf32" and eng._precision == "highest"
-    assert eng.head == "fused"
-    assert eng._head.shape == (served.lm_head.shape[0], eng._decoder.cfg.d_r)
-    assert eng.attention == ("fused" if attention_available("cuda") else "sdpa")
-
-
-@needs_cuda
-def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
-    from bench.gpu_checks import check_engine_parity
-
-    check_engine_parity(served, captured)
-
-
-@needs_cuda
-def test_gpu_graph_replay_equals_eager(served, captured):
-    from bench.gpu_checks import check_graph_vs_eager
-
-    check_graph_vs_eager(served, captured)

@@ -20,7 +20,7 @@ from stateblock.app.nats_server import free_port
 from stateblock.protocol.keys import generate_keypair
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, REPO
-from tests.services.test_request_path import in_process_answer
+from tests.integration.test_request_path import in_process_answer
 
 READY_TIMEOUT_S = 60.0
 GRACE_S = 5.0

@@ -1,4 +1,4 @@
-"""Rendering and reading back the Helm chart for tests/test_deploy.py: helm-python-sdk
+"""Rendering and reading back the Helm chart for tests/unit/deploy/test_chart.py: helm-python-sdk
 (Helm's Go SDK in a shared library, offline) and kubernetes-validate (bundled schemas)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import yaml
 from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "stateblock"
 KUBE_VERSION = "1.27.0"  # Chart.yaml kubeVersion's floor (native gRPC probes are GA there)
 RELEASE, NAMESPACE = "sb", "ml"

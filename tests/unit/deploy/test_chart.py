@@ -20,7 +20,7 @@ from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
-from tests.deploy_chart import (
+from tests.unit.deploy.chart import (
     CHART,
     CONFIGS,
     KUBE_VERSION,

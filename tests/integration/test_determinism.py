@@ -22,7 +22,7 @@ from stateblock.protocol.keys import TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE
 from stateblock.train import tasks
-from tests.test_audit import perturbed_engine
+from tests.unit.tools.test_audit import perturbed_engine
 
 PROMPTS = [e.prompt for e in tasks.generate(3, split="heldout", seed=5)]
 DEPTH = 24

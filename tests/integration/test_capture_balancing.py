@@ -14,7 +14,7 @@ from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
-from tests.services.test_gateway_errors import gateway_config
+from tests.integration.test_gateway_errors import gateway_config
 
 PLANS = "stateblock_capture_plans_registered_total"
 

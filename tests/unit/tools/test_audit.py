@@ -1,6 +1,6 @@
 """`stateblock audit`: the parity rules on hand-built results, planted divergences and EOS
 failures through real engines on the shipped model, and the determinism rule on real
-blocks and commits (no NATS here; the service path is in tests/services)."""
+blocks and commits (no NATS here; the service path is in tests/integration)."""
 
 from __future__ import annotations
 

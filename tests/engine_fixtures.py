@@ -1,0 +1,61 @@
+"""The torch engine's fixtures and checks, shared by its CPU tests (tests/unit/engines) and
+its GPU tests (tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stateblock.engines import LaneRequest, ReferenceEngine
+from stateblock.engines.torch_engine import TorchEngine
+from stateblock.model.loading import load_serving_model
+from stateblock.protocol.sampling import sampling_params
+from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
+from stateblock.train import tasks
+
+
+@pytest.fixture(scope="module")
+def served():
+    return load_serving_model(DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER)
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    return ReferenceEngine.load(served)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return TorchEngine.load(served)
+
+
+@pytest.fixture(scope="module")
+def captured(served) -> list[torch.Tensor]:
+    """Captured rows of held-out task prompts: real states, so answers end in EOS."""
+    return [
+        served.prompt_rows(ex.prompt) for ex in tasks.per_family(1, split="heldout", seed=7)[:5]
+    ]
+
+
+def lanes_of(rows, depths, temps=None, seeds=None) -> list[LaneRequest]:
+    temps = temps or [0.0] * len(depths)
+    seeds = seeds or [None] * len(depths)
+    return [
+        LaneRequest(rows=rows[i % len(rows)], depth=d, sampling=sampling_params(t, s))
+        for i, (d, t, s) in enumerate(zip(depths, temps, seeds, strict=True))
+    ]
+
+
+def assert_same(a, b, atol=1e-4) -> float:
+    """Same tokens and EOS per lane; margins within atol. Returns the max margin difference."""
+    worst = 0.0
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.eos_pos == y.eos_pos
+        assert len(x.margins) == len(y.margins)
+        if x.margins:
+            diff = max(abs(p - q) for p, q in zip(x.margins, y.margins, strict=True))
+            worst = max(worst, diff)
+    assert worst <= atol, worst
+    return worst

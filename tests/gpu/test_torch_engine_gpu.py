@@ -1,0 +1,84 @@
+"""The torch engine on a CUDA GPU: the Triton kernels, TF32, the fused attention, CUDA
+graphs; each check is shared with bench/gpu_smoke.py. Skipped cleanly without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stateblock.engines.torch_engine import TorchEngine
+from stateblock.model.kernels.top2 import Top2Config
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu]
+
+
+# -- on a GPU -----------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,
+        Top2Config(tma=False),
+        Top2Config(persistent=True),
+        Top2Config(tma=True, persistent=True),
+        Top2Config(group_rows=2, n_split=3),
+        Top2Config(persistent=True, group_rows=3, n_split=2),
+    ],
+    ids=["default", "pointer-loads", "persistent", "tma-persistent", "grouped", "grouped-pers"],
+)
+def test_gpu_triton_top2_equals_topk(cfg):
+    from bench.gpu_checks import check_top2_kernel
+
+    if cfg is not None and cfg.tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    for n in (256, 1024):
+        check_top2_kernel(n, vocab=131072, dim=2688, seed=n, cfg=cfg)
+    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, cfg=cfg)
+    check_top2_kernel(16, vocab=70000, dim=64, seed=2, ties=True, cfg=cfg)  # splits, tails
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_gpu_triton_top2_fp32(precision):
+    """fp32 inputs, the fused head's dtype: TF32 or exact dots, ties still lowest-id."""
+    from bench.gpu_checks import check_top2_kernel
+
+    cfg = Top2Config(precision=precision)
+    f32 = dict(cfg=cfg, dtype=torch.float32)
+    check_top2_kernel(8192, vocab=131072, dim=256, seed=3, **f32)  # d_r 256: the fused head
+    check_top2_kernel(1000, vocab=20000, dim=256, seed=4, **f32)
+    check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, **f32)
+
+
+@needs_cuda
+def test_gpu_fused_attention_equals_sdpa():
+    from bench.gpu_checks import check_fused_attention
+
+    check_fused_attention()
+
+
+@needs_cuda
+def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
+    from stateblock.model.kernels.attention import available as attention_available
+
+    eng = TorchEngine.load(served, device="cuda")
+    # TF32 in the kernels' own dots; torch's process-wide switch left alone
+    assert eng._kernel_precision == "tf32" and eng._precision == "highest"
+    assert eng.head == "fused"
+    assert eng._head.shape == (served.lm_head.shape[0], eng._decoder.cfg.d_r)
+    assert eng.attention == ("fused" if attention_available("cuda") else "sdpa")
+
+
+@needs_cuda
+def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
+    from bench.gpu_checks import check_engine_parity
+
+    check_engine_parity(served, captured)
+
+
+@needs_cuda
+def test_gpu_graph_replay_equals_eager(served, captured):
+    from bench.gpu_checks import check_graph_vs_eager
+
+    check_graph_vs_eager(served, captured)
