@@ -83,6 +83,8 @@ class ProcStack:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         key_dir = cfg.data_dir / "keys"
         load_or_generate_signer(key_dir)  # before the workers read the trust store
+        readout_key_dir = cfg.data_dir / "readout-keys"
+        load_or_generate_signer(readout_key_dir)  # before the gateway reads its trust store
         nats_port = free_port()
         conf = cfg.data_dir / "nats.conf"
         conf.write_text(f"max_payload: {cfg.nats_max_payload}\n")
@@ -102,6 +104,8 @@ class ProcStack:
             "STATEBLOCK_BASE_DIR": str(cfg.base_dir),
             "STATEBLOCK_DECODER_DIR": str(cfg.decoder_dir),
             "STATEBLOCK_KEY_DIR": str(key_dir),
+            "STATEBLOCK_READOUT_KEY_DIR": str(readout_key_dir),
+            "STATEBLOCK_READOUT_TRUSTED_KEYS_DIR": str(readout_key_dir),
             "STATEBLOCK_DEVICE": cfg.device,
             "STATEBLOCK_BLOCKS_STORAGE": cfg.blocks_storage,
             "STATEBLOCK_LOG_LEVEL": "warning",

@@ -1,8 +1,9 @@
-"""Waiting for a block's answer: its registry commit, or its rejection, whichever comes first.
+"""Waiting for a block's outcome: the commit or the rejection the registry stored for it.
 
-A rejected block is never committed, so without listening to `stateblock.rejected.>` the
-request would wait out its whole deadline. Rejections seen before anyone waits are kept
-briefly: a worker can reject a block before the gateway has the capture reply in hand.
+The gateway believes only what JetStream stored in the registry bucket (an ordered consumer
+on the bucket's stream: a write JetStream refused is never seen) and what a trusted readout
+key signed (stateblock.protocol.outcomes). An unsigned or forged record is ignored and
+counted; it can neither answer a request nor fail it.
 """
 
 from __future__ import annotations
@@ -12,69 +13,84 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import nats
-from nats.aio.msg import Msg
+import structlog
+from prometheus_client import CollectorRegistry, Counter
 
 from gateway.errors import ReadoutFailed
-from registry import CommitTimeout, Registry, RegistryError, parse_update
-from stateblock.protocol import streams
+from registry import CommitTimeout, Registry
+from stateblock.protocol import outcomes
+from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import commit_pb2
 
+log = structlog.get_logger("gateway")
 _REMEMBERED = 4096
+Outcome = commit_pb2.Commit | commit_pb2.Rejection
 
 
 class CommitWatcher:
-    """One subscription to the registry's write subject for the whole gateway: commits and
+    """One watch on the registry bucket for the whole gateway: signed commits and
     rejections resolve per-block futures. No consumer is created per request (that cost a
-    JetStream API round trip to create and another to delete). Core NATS delivers at most
-    once, so a waiter also re-reads the registry now and then: a commit missed across a
-    reconnect costs latency, never the answer."""
+    JetStream API round trip to create and another to delete). A waiter also re-reads the
+    registry now and then: an outcome missed across a reconnect costs latency, never the
+    answer."""
 
-    def __init__(self, registry: Registry, *, recheck_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        trust: TrustStore,
+        *,
+        metrics: CollectorRegistry | None = None,
+        recheck_s: float = 1.0,
+    ) -> None:
         self._registry = registry
+        self._trust = trust
         self._recheck_s = recheck_s
-        self._waiting: dict[str, asyncio.Future[commit_pb2.Commit | str]] = {}
-        self._recent: OrderedDict[str, commit_pb2.Commit | str] = OrderedDict()
+        self._waiting: dict[str, asyncio.Future[Outcome]] = {}
+        self._recent: OrderedDict[str, Outcome] = OrderedDict()
+        self.untrusted = Counter(
+            "stateblock_untrusted_outcomes",
+            "Registry records ignored because no trusted readout key signed them.",
+            registry=metrics if metrics is not None else CollectorRegistry(),
+        )
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, nc: nats.NATS, registry: Registry) -> AsyncIterator[CommitWatcher]:
-        watcher = cls(registry)
-        subs = [
-            await nc.subscribe(streams.rejected_subject(">"), cb=watcher._on_rejected),
-            await nc.subscribe(registry.updates_subject, cb=watcher._on_update),
-        ]
-        await nc.flush()  # the server has our interest before the first request is served
+    async def open(
+        cls,
+        registry: Registry,
+        trust: TrustStore,
+        *,
+        metrics: CollectorRegistry | None = None,
+    ) -> AsyncIterator[CommitWatcher]:
+        watcher = cls(registry, trust, metrics=metrics)
+        stop = await registry.watch_stored(watcher._on_stored)
         try:
             yield watcher
         finally:
-            for sub in subs:
-                await sub.unsubscribe()
+            await stop()
 
-    def _settle(self, block_id: str, outcome: commit_pb2.Commit | str) -> None:
-        """A commit, or the reason a block was rejected. Kept briefly too: a block can
-        finish before the gateway has the capture reply (and the block id) in hand."""
+    def _trusted(self, block_id: str, entry: commit_pb2.RegistryEntry) -> Outcome | None:
+        try:
+            return outcomes.outcome_of(entry, self._trust, block_id)
+        except outcomes.UntrustedOutcome as e:
+            self.untrusted.inc()
+            log.warning("untrusted registry record ignored", block_id=block_id, why=str(e))
+            return None
+
+    async def _on_stored(self, block_id: str, entry: commit_pb2.RegistryEntry | None) -> None:
+        outcome = None if entry is None else self._trusted(block_id, entry)
+        if outcome is not None:
+            self._settle(block_id, outcome)
+
+    def _settle(self, block_id: str, outcome: Outcome) -> None:
+        """Kept briefly too: a block can finish before the gateway has the capture reply
+        (and the block id) in hand."""
         waiter = self._waiting.get(block_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
         self._recent[block_id] = outcome
         while len(self._recent) > _REMEMBERED:
             self._recent.popitem(last=False)
-
-    async def _on_rejected(self, msg: Msg) -> None:
-        headers = msg.headers or {}
-        block_id = headers.get(streams.BLOCK_ID_HEADER, "")
-        reason = headers.get(streams.REASON_HEADER) or msg.subject.rsplit(".", 1)[-1]
-        if block_id:
-            self._settle(block_id, reason)
-
-    async def _on_update(self, msg: Msg) -> None:
-        try:
-            block_id, entry = parse_update(msg.subject, msg.data, msg.headers)
-        except RegistryError:
-            return  # not ours to judge here; the worker that wrote it reports it
-        if entry is not None and entry.state == commit_pb2.CLAIM_STATE_COMMITTED:
-            self._settle(block_id, entry.commit)
 
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit:
         """The commit; ReadoutFailed if the block was rejected; CommitTimeout after timeout."""
@@ -91,12 +107,11 @@ class CommitWatcher:
                         )
                     except TimeoutError:
                         entry = await self._registry.get(block_id)
-                        if entry is not None and entry.state == commit_pb2.CLAIM_STATE_COMMITTED:
-                            outcome = entry.commit
+                        outcome = None if entry is None else self._trusted(block_id, entry)
             finally:
                 del self._waiting[block_id]
         if outcome is None:
             raise CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
-        if isinstance(outcome, str):
-            raise ReadoutFailed(f"block {block_id} was rejected: {outcome}")
+        if isinstance(outcome, commit_pb2.Rejection):
+            raise ReadoutFailed(f"block {block_id} was rejected: {outcome.reason}")
         return outcome

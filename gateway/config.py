@@ -21,6 +21,8 @@ class GatewayConfig:
     model_name: str = runtime.DEFAULT_MODEL_NAME
     base_dir: Path = runtime.REFERENCE_BASE  # the tokenizer, to decode answers
     decoder_dir: Path = runtime.REFERENCE_DECODER  # its manifest: the default max_tokens
+    # every *.pub in here is a readout key whose commits and rejections are believed
+    readout_trusted_keys_dir: Path = Path("readout-keys")
     request_timeout_s: float = 60.0
     limits: Limits = Limits()  # prompts x n, prompt length, answer envelope
     stream_chunk_tokens: int = 16
@@ -43,6 +45,7 @@ class GatewayConfig:
             model_name=e.str("MODEL_NAME", d.model_name),
             base_dir=e.path("BASE_DIR", d.base_dir),
             decoder_dir=e.path("DECODER_DIR", d.decoder_dir),
+            readout_trusted_keys_dir=e.path("READOUT_TRUSTED_KEYS_DIR", d.readout_trusted_keys_dir),
             request_timeout_s=e.float("REQUEST_TIMEOUT_S", d.request_timeout_s),
             limits=runtime.limits_from_env(e),
             stream_chunk_tokens=e.int("STREAM_CHUNK_TOKENS", d.stream_chunk_tokens, minimum=1),

@@ -22,6 +22,7 @@ from gateway.http import create_app, serve_http
 from gateway.service import GatewayMetrics, GatewayService
 from registry import Registry
 from stateblock import runtime
+from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
 log = structlog.get_logger("gateway")
@@ -41,13 +42,23 @@ async def running_gateway(
     nc: nats.NATS,
     metrics: CollectorRegistry,
     tokenizer=None,
+    readout_trust: TrustStore | None = None,
 ) -> AsyncIterator[RunningGateway]:
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     manifest = decoder_manifest(config.decoder_dir)
     tokenizer = tokenizer if tokenizer is not None else Detokenizer.load(config.base_dir)
+    if readout_trust is None:
+        readout_trust = TrustStore.from_dir(config.readout_trusted_keys_dir)
+    if len(readout_trust) == 0:
+        raise runtime.ConfigError(
+            f"no readout key in {config.readout_trusted_keys_dir} "
+            "(STATEBLOCK_READOUT_TRUSTED_KEYS_DIR): no answer could ever be believed"
+        )
     registry = await Registry.open(nc.jetstream())
     async with AsyncExitStack() as stack:
-        commits = await stack.enter_async_context(CommitWatcher.open(nc, registry))
+        commits = await stack.enter_async_context(
+            CommitWatcher.open(registry, readout_trust, metrics=metrics)
+        )
         # round_robin over every address the target resolves to: behind a headless Service
         # (the Helm chart's) each capture replica gets its share, not the first one only
         channel = grpc.aio.insecure_channel(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime
+from stateblock.protocol.sampling import Limits
 from stateblock.runtime import Env
 
 
@@ -21,12 +22,20 @@ class ReadoutServiceConfig:
     # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
     matmul_precision: str = "highest"
     readout_head: str = ""  # torch engine only: "fused" or "lm_head"; "": the engine's default
-    trusted_keys_dir: Path = Path("keys")  # every *.pub in here is trusted
+    trusted_keys_dir: Path = Path("keys")  # every *.pub in here is a trusted capture key
+    # this service's own signing key for commits and rejections; generated on first run
+    signing_key_dir: Path = Path("readout-keys")
+    # every readout key whose registry outcomes stand (the gateway's set); a final entry no
+    # key here signed is a forger's and is claimed over. Default: signing_key_dir.
+    readout_trusted_keys_dir: Path | None = None
+    limits: Limits = Limits()  # what a signed block may ask this worker to read
     device: str = "cpu"
     workers: int = 2  # concurrent pull loops in this process
     worker_id: str = ""  # default: host-pid-based, set at start-up
-    lease_s: float = 60.0
-    ack_wait_s: float = 90.0  # > lease: JetStream redelivers only after the claim could expire
+    # A live worker renews both every lease_s / 3 (in_progress), so these bound only how long
+    # a dead worker holds a block: well inside a request's deadline (60 s by default).
+    lease_s: float = 10.0
+    ack_wait_s: float = 15.0  # > lease: JetStream redelivers only after the claim could expire
     max_deliver: int = 8
     fetch_timeout_s: float = 0.5  # how long an idle worker waits per pull (and to notice stop)
     retry_delay_s: float = 1.0  # nak delay for a block another worker holds a live claim on
@@ -76,6 +85,9 @@ class ReadoutServiceConfig:
             matmul_precision=e.str("MATMUL_PRECISION", d.matmul_precision),
             readout_head=e.str("READOUT_HEAD", d.readout_head),
             trusted_keys_dir=e.path("TRUSTED_KEYS_DIR", e.path("KEY_DIR", d.trusted_keys_dir)),
+            signing_key_dir=e.path("READOUT_KEY_DIR", d.signing_key_dir),
+            readout_trusted_keys_dir=e.optional_path("READOUT_TRUSTED_KEYS_DIR"),
+            limits=runtime.limits_from_env(e),
             device=e.str("DEVICE", d.device),
             workers=e.int("WORKERS", d.workers, minimum=1),
             worker_id=e.str("WORKER_ID", d.worker_id),

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats
 import structlog
@@ -21,7 +22,7 @@ from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
 from stateblock.protocol import streams
-from stateblock.protocol.keys import TrustStore
+from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
 log = structlog.get_logger("readout_svc")
 
@@ -43,6 +44,7 @@ async def running_readout(
     nc: nats.NATS,
     engine: ReadoutEngine,
     trust: TrustStore,
+    signer: Signer,
     metrics: CollectorRegistry,
 ) -> AsyncIterator[RunningReadout]:
     """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
@@ -56,7 +58,12 @@ async def running_readout(
     durable = await streams.ensure_readout_consumer(
         js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
     )
-    registry = await Registry.open(js)
+    # outcomes signed by our readout keys stand; a final entry none of them signed is a
+    # forger's, claimed over like an expired lease
+    peers = config.readout_trusted_keys_dir or config.signing_key_dir
+    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
+    outcome_trust.add(signer.public_key)
+    registry = await Registry.open(js, outcome_trust=outcome_trust)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -76,6 +83,7 @@ async def running_readout(
                 engine,
                 registry,
                 trust,
+                signer,
                 nc=nc,
                 objects=objects,
                 executor=executor,
@@ -84,6 +92,8 @@ async def running_readout(
                 worker_id=f"{base_id}-w{i}",
                 lease_s=config.lease_s,
                 retry_delay_s=config.retry_delay_s,
+                limits=config.limits,
+                max_deliver=config.max_deliver,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -112,6 +122,7 @@ async def main() -> None:
     shutdown = runtime.shutdown_event()
     metrics = CollectorRegistry()
     trust = TrustStore.from_dir(config.trusted_keys_dir)
+    signer = load_or_generate_signer(config.signing_key_dir)
     model = await asyncio.to_thread(
         load_readout_model,
         config.model_name,
@@ -125,7 +136,9 @@ async def main() -> None:
         stack.push_async_callback(nc.drain)
         await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
         await stack.enter_async_context(
-            running_readout(config, nc=nc, engine=engine, trust=trust, metrics=metrics)
+            running_readout(
+                config, nc=nc, engine=engine, trust=trust, signer=signer, metrics=metrics
+            )
         )
         await shutdown.wait()
         log.info("shutting down", grace_s=config.grace_s)

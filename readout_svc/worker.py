@@ -6,7 +6,7 @@ whose registry entry is committed is acked and dropped. Anything transient (NATS
 claim elsewhere, a failed readout) naks the message so JetStream redelivers it.
 
 The header checks (signature, expiry, layout, model) come before the claim. The rows'
-SHA-256 (about 2 ms for a 2.75 MB block) runs in a thread of its own while the worker claims
+SHA-256 (milliseconds at full scale: docs/BENCHMARKS.md) runs in a thread of its own while the worker claims
 and reads out, and the commit waits for it: a block whose rows do not match its signed
 digest releases its claim before it is rejected, and its answer is dropped.
 """
@@ -36,19 +36,28 @@ from registry import (
 )
 from stateblock import runtime
 from stateblock.engines import LaneResult, ReadoutEngine, lane_requests
-from stateblock.protocol import envelope, streams
-from stateblock.protocol.keys import TrustStore
+from stateblock.protocol import envelope, outcomes, streams
+from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.protocol.sampling import Limits
 from stateblock.v1 import block_pb2 as block_pb
 from stateblock.v1 import commit_pb2 as pb
 
 log = structlog.get_logger("readout_svc")
-MODEL_MISMATCH = "model_mismatch"  # not an envelope reason: the block is valid, not for us
-OBJECT_MISSING = "object_missing"
+# Reasons beyond the envelope's, for blocks whose signed header verified:
+MODEL_MISMATCH = "model_mismatch"  # valid, but for another model's pieces
+OBJECT_MISSING = "object_missing"  # its rows' object is gone from the store
+LIMITS = "limits"  # asks for more than this worker reads (lanes, depth, rows)
+READOUT_FAILED = "readout_failed"  # the engine failed on every delivery
 
 
 class Rejected(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
+    """A block this worker will not read. `authentic` as in envelope.BlockRejected: only a
+    failure of the signed block itself may end the request it names."""
+
+    def __init__(self, reason: str, detail: str, *, authentic: bool = True) -> None:
         self.reason = reason
+        self.detail = detail
+        self.authentic = authentic
         super().__init__(f"{reason}: {detail}")
 
 
@@ -145,6 +154,7 @@ class ReadoutWorker:
         engine: ReadoutEngine,
         registry: Registry,
         trust: TrustStore,
+        signer: Signer,
         *,
         nc: nats.NATS,
         objects: ObjectStore,
@@ -154,10 +164,15 @@ class ReadoutWorker:
         worker_id: str,
         lease_s: float,
         retry_delay_s: float,
+        limits: Limits,
+        max_deliver: int = 0,  # 0: unbounded (nothing to end on the last delivery)
     ) -> None:
         self._engine = engine
         self._registry = registry
         self._trust = trust
+        self._signer = signer  # signs this worker's commits and rejections
+        self._limits = limits
+        self._max_deliver = max_deliver
         self._nc = nc
         self._objects = objects
         self._executor = executor
@@ -175,22 +190,16 @@ class ReadoutWorker:
             block, inline_rows = envelope.parse_wire(msg.data)
             block_id = block.header.block_id if block.HasField("header") else ""
         except envelope.BlockRejected as e:
-            return await self._reject(msg, "", str(e.reason), str(e))
+            return await self._drop_unverified(msg, str(e.reason), e.detail)
         with structlog.contextvars.bound_contextvars(
             block_id=block_id, request_id=block.header.request_id
         ):
             try:
                 checked = await self._verify(block, inline_rows)
             except (Rejected, envelope.BlockRejected) as e:
-                reason = str(e.reason)
-                # A redelivery after the commit: its payload object is gone (deleted on
-                # commit) or it has expired since. Drop it as the duplicate it is.
-                if reason in (
-                    OBJECT_MISSING,
-                    envelope.RejectReason.EXPIRED,
-                ) and await self._committed(block_id):
-                    return await self._drop_duplicate(msg)
-                return await self._reject(msg, block_id, reason, str(e))
+                if e.authentic:  # a redelivery after the outcome is dropped by the claim
+                    return await self._reject(msg, block.header, str(e.reason), e.detail)
+                return await self._drop_unverified(msg, str(e.reason), e.detail)
             digest = asyncio.get_running_loop().run_in_executor(
                 self._digest_executor, _timed_confirm, checked
             )
@@ -219,7 +228,20 @@ class ReadoutWorker:
             or header.decoder_digest != want.decoder_digest
         ):
             raise Rejected(MODEL_MISMATCH, f"block for {header.model!r} / other model pieces")
+        self._check_limits(header)
         return checked
+
+    def _check_limits(self, header: block_pb.StateBlockHeader) -> None:
+        """Signed sizes are still requests: refuse what this worker would not serve before
+        allocating anything for it."""
+        lim, lanes = self._limits, header.layout.lanes
+        if len(lanes) > lim.max_lanes:
+            raise Rejected(LIMITS, f"{len(lanes)} lanes, over {lim.max_lanes}")
+        for lane in lanes:
+            if lane.answer_depth > lim.answer_depth_max:
+                raise Rejected(LIMITS, f"depth {lane.answer_depth} over {lim.answer_depth_max}")
+            if lane.row_count > lim.prompt_len_max:
+                raise Rejected(LIMITS, f"{lane.row_count} rows over {lim.prompt_len_max}")
 
     async def _fetch(self, block: block_pb.StateBlock) -> bytes:
         ref = block.payload.object_ref
@@ -228,7 +250,9 @@ class ReadoutWorker:
         try:
             result = await self._objects.get(ref.name)
         except js_errors.DigestMismatchError as e:
-            raise Rejected(str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks") from e
+            raise Rejected(
+                str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks", authentic=False
+            ) from e
         except js_errors.NotFoundError as e:
             raise Rejected(OBJECT_MISSING, f"object {ref.name!r} not found") from e
         return bytes(result.data or b"")
@@ -251,15 +275,15 @@ class ReadoutWorker:
             try:
                 await digest
             except envelope.BlockRejected as bad:
-                return await self._reject(msg, header.block_id, str(bad.reason), str(bad))
+                return await self._drop_unverified(msg, str(bad.reason), bad.detail)
             if isinstance(e, AlreadyCommitted):
                 return await self._drop_duplicate(msg)
             if isinstance(e, AlreadyClaimed):
                 await self._nak("claimed_elsewhere", msg)
                 log.info("block claimed elsewhere, redelivering later", holder=e.holder)
                 return "claimed_elsewhere"
-            # a block id that cannot be a registry key
-            return await self._reject(msg, header.block_id, "malformed", str(e))
+            # a block id that cannot be a registry key: no entry can say anything of it
+            return await self._drop_unverified(msg, "malformed", str(e))
         lanes = lane_requests(checked)
         t0 = time.perf_counter()
         stage = self._m.stage_seconds
@@ -281,15 +305,21 @@ class ReadoutWorker:
             _, digest_s = await digest
         except envelope.BlockRejected as e:  # signed header, other rows: nothing of it commits
             await self._release(claim)
-            return await self._reject(msg, header.block_id, str(e.reason), str(e))
+            return await self._drop_unverified(msg, str(e.reason), e.detail)
         t_digest = time.perf_counter()
         if results is None:
+            if self._last_delivery(msg):  # no redelivery will come: end it visibly
+                return await self._reject(
+                    msg, header, READOUT_FAILED, "the readout failed on every delivery", claim
+                )
             await self._release(claim)
-            await self._nak("readout_failed", msg)
-            return "readout_failed"
+            await self._nak(READOUT_FAILED, msg)
+            return READOUT_FAILED
         self._m.readout_seconds.observe(t1 - t0)
+        record = commit_record(header, results, self.worker_id)
+        outcomes.sign(record, self._signer)
         try:
-            await self._registry.commit(claim, commit_record(header, results, self.worker_id))
+            await self._registry.commit(claim, record)
         except ClaimLost:
             # Taken over after our lease ran out: the new holder commits. Redeliver rather
             # than ack, in case it dies too; the next delivery finds the commit and drops.
@@ -333,9 +363,8 @@ class ReadoutWorker:
             except (RegistryError, TimeoutError, nats.errors.Error) as e:
                 log.warning("lease renewal failed", error=repr(e))
 
-    async def _committed(self, block_id: str) -> bool:
-        entry = await self._registry.get(block_id) if block_id else None
-        return entry is not None and entry.state == pb.CLAIM_STATE_COMMITTED
+    def _last_delivery(self, msg: Msg) -> bool:
+        return bool(self._max_deliver) and msg.metadata.num_delivered >= self._max_deliver
 
     async def _drop_duplicate(self, msg: Msg) -> str:
         await msg.ack_sync()
@@ -355,11 +384,61 @@ class ReadoutWorker:
         self._m.retried.labels(cause).inc()
         await msg.nak(delay=self._retry)
 
-    async def _reject(self, msg: Msg, block_id: str, reason: str, detail: str) -> str:
-        log.warning("block rejected", reason=reason, detail=detail)
+    async def _reject(
+        self,
+        msg: Msg,
+        header: block_pb.StateBlockHeader,
+        reason: str,
+        detail: str,
+        claim: Claim | None = None,
+    ) -> str:
+        """End a block whose signed header verified: its signed rejection in the registry,
+        where the gateway reads it, under a claim like a commit (so never over a commit)."""
+        if claim is None:
+            try:
+                claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
+            except AlreadyCommitted:
+                return await self._drop_duplicate(msg)
+            except AlreadyClaimed as e:  # its holder decides; ask again later
+                await self._nak("claimed_elsewhere", msg)
+                log.info("block claimed elsewhere, redelivering later", holder=e.holder)
+                return "claimed_elsewhere"
+            except ValueError as e:
+                return await self._drop_unverified(msg, "malformed", str(e))
+        now = Timestamp()
+        now.GetCurrentTime()
+        rejection = pb.Rejection(
+            block_id=header.block_id,
+            request_id=header.request_id,
+            reason=reason,
+            detail=detail[:500],
+            worker_id=self.worker_id,
+            rejected_at=now,
+        )
+        outcomes.sign(rejection, self._signer)
+        try:
+            await self._registry.reject(claim, rejection)
+        except ClaimLost:
+            self._m.claims_lost.inc()
+            await self._nak("claim_lost", msg)
+            return "claim_lost"
+        log.warning("block rejected", reason=reason, detail=detail[:200])
+        return await self._dead_letter(msg, reason, header.block_id, verified=True)
+
+    async def _drop_unverified(self, msg: Msg, reason: str, detail: str) -> str:
+        """End a delivery nobody can vouch for (a header or rows that do not verify): it
+        names a request, but a forger may have named it, so no request hears of it."""
+        log.warning("unverified block dropped", reason=reason, detail=detail[:200])
+        return await self._dead_letter(msg, reason, "", verified=False)
+
+    async def _dead_letter(self, msg: Msg, reason: str, block_id: str, *, verified: bool) -> str:
+        """Terminate the delivery and keep a copy on the rejected stream for operators
+        (no request waits on it: the gateway reads outcomes from the registry alone)."""
         self._m.rejected.labels(reason).inc()
         await msg.term()
-        headers = {streams.REASON_HEADER: reason, streams.BLOCK_ID_HEADER: block_id}
+        headers = {streams.REASON_HEADER: reason, streams.VERIFIED_HEADER: str(verified).lower()}
+        if block_id:
+            headers[streams.BLOCK_ID_HEADER] = block_id
         await self._nc.publish(streams.rejected_subject(reason), msg.data, headers=headers)
         return f"rejected:{reason}"
 

@@ -9,10 +9,18 @@ from registry.errors import (
     RegistryUnavailable,
     RevisionConflict,
 )
-from registry.registry import DEFAULT_BUCKET, Claim, Registry, parse_update, updates_subject
+from registry.registry import (
+    DEFAULT_BUCKET,
+    FINAL_STATES,
+    Claim,
+    Registry,
+    parse_update,
+    updates_subject,
+)
 
 __all__ = [
     "DEFAULT_BUCKET",
+    "FINAL_STATES",
     "AlreadyClaimed",
     "AlreadyCommitted",
     "Claim",

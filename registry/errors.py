@@ -26,7 +26,7 @@ class AlreadyClaimed(RegistryError):
 
 
 class AlreadyCommitted(RegistryError):
-    """The block has its commit: a redelivery to ack and drop."""
+    """The block has its outcome (committed, or rejected): a redelivery to ack and drop."""
 
     def __init__(self, block_id: str) -> None:
         self.block_id = block_id

@@ -3,8 +3,8 @@
 Every write is a compare-and-swap on the key's revision, so the server, not the workers'
 clocks, decides who wins: `claim` is `create` (only one worker can create the key); a
 claim whose lease has expired is taken over with `update(last=rev)` (only one worker can
-move that revision on); `commit` is `update(last=claim_rev)`, so a worker whose claim was
-taken over cannot commit. Leases only decide *when* a takeover may be attempted; clock
+move that revision on); `commit` (or `reject`) is `update(last=claim_rev)`, so a worker
+whose claim was taken over cannot write the block's outcome. Leases only decide *when* a takeover may be attempted; clock
 skew between workers makes a takeover early or late, never a double commit.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,7 +22,7 @@ import nats.js.errors as js_errors
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from registry.errors import (
@@ -34,9 +34,13 @@ from registry.errors import (
     RegistryUnavailable,
     RevisionConflict,
 )
+from stateblock.protocol import outcomes
+from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import commit_pb2 as pb
 
 DEFAULT_BUCKET = "STATEBLOCK_REGISTRY"
+# An entry in one of these states is the block's outcome and never changes again.
+FINAL_STATES = (pb.CLAIM_STATE_COMMITTED, pb.CLAIM_STATE_REJECTED)
 # A race is lost only to another writer that made progress, so a few rounds suffice.
 _MAX_RACES = 8
 # JetStream's "wrong last sequence" codes: the revision we compared against moved on.
@@ -114,9 +118,19 @@ def parse_update(
 
 class Registry:
     def __init__(
-        self, kv: KeyValue, bucket: str, *, clock: Callable[[], float] = time.time
+        self,
+        kv: KeyValue,
+        bucket: str,
+        *,
+        js: JetStreamContext | None = None,
+        clock: Callable[[], float] = time.time,
+        outcome_trust: TrustStore | None = None,
     ) -> None:
         self._kv = kv
+        self._js = js
+        # The readout keys whose outcomes stand: a final entry no trusted key signed (a
+        # forger's) is claimed over like an expired lease. None: every final entry stands.
+        self._outcome_trust = outcome_trust
         self._bucket = bucket
         self._clock = clock  # injectable so tests expire leases without sleeping
 
@@ -132,6 +146,7 @@ class Registry:
         *,
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        outcome_trust: TrustStore | None = None,
     ) -> Registry:
         """Bind to the bucket, creating it (file storage, history 1) if it does not exist.
 
@@ -147,7 +162,7 @@ class Registry:
                     bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE
                 )
                 kv = await js.create_key_value(config)
-        return cls(kv, bucket, clock=clock)
+        return cls(kv, bucket, js=js, clock=clock, outcome_trust=outcome_trust)
 
     async def claim(self, block_id: str, worker_id: str, lease_s: float) -> Claim:
         """Claim the block for lease_s seconds, taking over an expired lease.
@@ -172,9 +187,12 @@ class Registry:
                 except js_errors.KeyNotFoundError:
                     continue  # released between our create and get: race again
                 entry = _decode(block_id, current.value)
-                if entry.state == pb.CLAIM_STATE_COMMITTED:
+                if entry.state in FINAL_STATES and self._stands(block_id, entry):
                     raise AlreadyCommitted(block_id)
-                if entry.lease_expires_at.ToNanoseconds() > now * 1e9:
+                if (
+                    entry.state == pb.CLAIM_STATE_CLAIMED
+                    and entry.lease_expires_at.ToNanoseconds() > now * 1e9
+                ):
                     raise AlreadyClaimed(block_id, entry.worker_id)
                 attempt = entry.attempt + 1
                 takeover = self._claimed(block_id, worker_id, now + lease_s, attempt)
@@ -186,6 +204,15 @@ class Registry:
                 except js_errors.KeyWrongLastSequenceError:
                     continue  # another worker moved first; re-read what it wrote
         raise RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
+
+    def _stands(self, block_id: str, entry: pb.RegistryEntry) -> bool:
+        if self._outcome_trust is None:
+            return True
+        try:
+            outcomes.outcome_of(entry, self._outcome_trust, block_id)
+        except outcomes.UntrustedOutcome:
+            return False
+        return True
 
     async def renew(self, claim: Claim, lease_s: float) -> Claim:
         """Extend a live claim's lease (for readouts longer than the lease)."""
@@ -210,6 +237,47 @@ class Registry:
             commit=record,
         )
         return await self._swap(claim, entry, f"commit {claim.block_id}")
+
+    async def reject(self, claim: Claim, rejection: pb.Rejection) -> int:
+        """Write the block's signed rejection iff the claim still holds (as `commit`)."""
+        if rejection.block_id != claim.block_id:
+            raise ValueError(
+                f"rejection of {rejection.block_id!r} under a claim on {claim.block_id!r}"
+            )
+        entry = pb.RegistryEntry(
+            state=pb.CLAIM_STATE_REJECTED,
+            block_id=claim.block_id,
+            worker_id=claim.worker_id,
+            attempt=claim.attempt,
+            rejection=rejection,
+        )
+        return await self._swap(claim, entry, f"reject {claim.block_id}")
+
+    async def watch_stored(
+        self, cb: Callable[[str, pb.RegistryEntry | None], Awaitable[None]]
+    ) -> Callable[[], Awaitable[None]]:
+        """Call cb(block_id, entry) for every write the bucket *stores* from now on (entry
+        None: a delete). An ordered consumer on the bucket's stream: a publish JetStream
+        refused (a compare-and-swap that lost, a forger's write with a stale revision) is
+        never seen, unlike on the bucket's plain subject. Returns the stop function."""
+
+        async def on_msg(msg) -> None:
+            try:
+                block_id, entry = parse_update(msg.subject, msg.data, msg.headers)
+            except (RegistryError, IndexError):
+                return  # undecodable: nobody's outcome; the gateway never trusts it
+            await cb(block_id, entry)
+
+        if self._js is None:
+            raise RuntimeError("watch_stored needs a Registry made by Registry.open")
+        with _nats_errors(f"watch bucket {self._bucket}"):
+            sub = await self._js.subscribe(
+                updates_subject(self._bucket),
+                cb=on_msg,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.NEW,
+            )
+        return sub.unsubscribe
 
     async def release(self, claim: Claim) -> None:
         """Give a claim back early (a readout that failed) so a redelivery can claim at once."""

@@ -35,7 +35,7 @@ DEFAULT_MODEL_NAME = "stateblock-reference"
 # Matches the Helm chart's terminationGracePeriodSeconds minus headroom for nc.drain().
 DEFAULT_GRACE_S = 10.0
 # The capture's and the worker's stage histograms share buckets, so one request's stages
-# read side by side (sub-millisecond: the block's digest, claim and ack are 0.5-5 ms).
+# read side by side (from sub-millisecond: a block's digest, claim and ack are that short).
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
@@ -59,6 +59,10 @@ class Env:
 
     def optional_str(self, name: str) -> str | None:
         return self._raw(name)
+
+    def optional_path(self, name: str) -> Path | None:
+        raw = self._raw(name)
+        return None if raw is None else Path(raw)
 
     def path(self, name: str, default: Path) -> Path:
         raw = self._raw(name)
@@ -130,8 +134,8 @@ def keep_freed_buffers() -> bool:
     Every request copies its state block, 2.75 MB at the full scale, a few times (rows to
     bytes, protobuf, the NATS command, the parse on the worker). By default glibc maps each
     such buffer fresh and unmaps it when freed, so every copy pays a page fault per 4 KiB
-    page: nats-py's publish command build alone took 2.7 ms of a 4.2 ms core publish that
-    way, and 0.3 ms with the freed buffers kept (docs/BENCHMARKS.md, the CPU wire section)."""
+    page: that was most of nats-py's publish command build (docs/BENCHMARKS.md, the CPU
+    wire section)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
@@ -185,9 +189,8 @@ def run(main: Coroutine[Any, Any, T], env: Mapping[str, str] | None = None) -> T
     """`asyncio.run(main)` on the event loop `event_loop_choice` names.
 
     uvloop (libuv; what vLLM's and uvicorn's servers run on) moves a 2.75 MB state block
-    through a socket with fewer copies and loop turns than asyncio's selector loop: the
-    publish-to-worker hop of the wire-scale bench fell from 8.2-9.3 to 6.3-6.8 ms on the
-    2-core CPU machine (docs/BENCHMARKS.md). grpc.aio, nats-py and uvicorn all run on it.
+    through a socket with fewer copies and loop turns than asyncio's selector loop (the
+    publish-to-worker hop: docs/BENCHMARKS.md). grpc.aio, nats-py and uvicorn all run on it.
     """
     try:
         choice = event_loop_choice(env)

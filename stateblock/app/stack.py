@@ -92,9 +92,12 @@ async def running_stack(
     metrics = CollectorRegistry() if metrics is None else metrics
     data_dir = config.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    key_dir = data_dir / "keys"
+    key_dir = data_dir / "keys"  # the capture's block-signing key
     signer = load_or_generate_signer(key_dir)  # generated on first run
     trust = TrustStore.from_dir(key_dir)
+    readout_key_dir = data_dir / "readout-keys"  # the readout's commit-signing key
+    readout_signer = load_or_generate_signer(readout_key_dir)
+    readout_trust = TrustStore.from_dir(readout_key_dir)
     if model is None:
         model = await asyncio.to_thread(
             load_serving_model, config.model_name, config.base_dir, config.decoder_dir
@@ -149,6 +152,7 @@ async def running_stack(
             decoder_dir=config.decoder_dir,
             engine=engine.name,
             trusted_keys_dir=key_dir,
+            signing_key_dir=readout_key_dir,
             workers=config.workers,
             grace_s=config.grace_s,
             blocks_storage=config.blocks_storage,
@@ -159,6 +163,7 @@ async def running_stack(
                 nc=await connection("readout"),
                 engine=engine,
                 trust=trust,
+                signer=readout_signer,
                 metrics=metrics,
             )
         )
@@ -171,6 +176,7 @@ async def running_stack(
             model_name=config.model_name,
             base_dir=config.base_dir,
             decoder_dir=config.decoder_dir,
+            readout_trusted_keys_dir=readout_key_dir,
             request_timeout_s=config.request_timeout_s,
             grace_s=config.grace_s,
         )
@@ -180,6 +186,7 @@ async def running_stack(
                 nc=await connection("gateway"),
                 metrics=metrics,
                 tokenizer=model.tokenizer,
+                readout_trust=readout_trust,
             )
         )
         yield StackUrls(

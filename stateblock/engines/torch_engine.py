@@ -99,7 +99,7 @@ def matmul_precision(precision: str) -> Iterator[None]:
 def fused_head(lm_head: Tensor, out_weight: Tensor, dtype: torch.dtype, chunk: int = 16384):
     """lm_head @ out.weight: (V, d_base) @ (d_base, d_r) -> (V, d_r), accumulated in fp64
     (exact whatever torch's TF32 switch says, and no switch flipped), then `dtype`. Chunked
-    over V so the fp64 temporary stays ~350 MB at d_base 2688 (~3 ms on an H200)."""
+    over V so the fp64 temporary stays a few hundred MB at the full scale (start-up only)."""
     w = out_weight.double()
     return torch.cat([(c.double() @ w).to(dtype) for c in lm_head.split(chunk)])
 
@@ -210,7 +210,7 @@ class TorchEngine:
         if self._kernel_precision not in DOT_PRECISIONS:
             raise ValueError(f"kernel_precision must be one of {DOT_PRECISIONS}")
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
-        # path has no tensor cores: ~4.5 of the 6.2 ms fp32 decoder at D=8192), else SDPA.
+        # path has no tensor cores and was most of the decoder's time), else SDPA.
         fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32
         self.attention = attention or ("fused" if fused_ok and autocast is None else "sdpa")
         if self.attention not in ("sdpa", "fused"):

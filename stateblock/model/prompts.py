@@ -9,8 +9,8 @@ class PromptEncoder:
     For a plain fast tokenizer, `tok(prompt)` sets the backend to no truncation, no padding
     and the tokenizer's `split_special_tokens`, then runs `encode_batch([prompt])`, which
     also computes character offsets the capture never reads. `encode_batch_fast` is that
-    call without the offsets: the same ids (special tokens included), in half the time
-    (0.4 -> 0.2 ms for a 512-word prompt). A tokenizer class that overrides the encoding,
+    call without the offsets: the same ids (special tokens included), in about half the
+    time (docs/BENCHMARKS.md). A tokenizer class that overrides the encoding,
     or a backend left in another state, goes through `tok(prompt)` as before.
     """
 

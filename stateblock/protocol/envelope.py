@@ -57,11 +57,17 @@ class RejectReason(StrEnum):
 
 
 class BlockRejected(Exception):
-    """A block that must be terminated, never retried: retrying cannot make it valid."""
+    """A block that must be terminated, never retried: retrying cannot make it valid.
 
-    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+    `authentic`: the header's signature verified and the failure is the signed block's own
+    (expired, a layout its signer got wrong), so the request it names may be told. False
+    wherever a forger could be the cause (a header or rows that do not verify): such a
+    failure must not end the genuine request the block claims to belong to."""
+
+    def __init__(self, reason: RejectReason, detail: str = "", *, authentic: bool = False) -> None:
         self.reason = RejectReason(reason)
         self.detail = detail
+        self.authentic = authentic
         super().__init__(f"{self.reason}: {detail}" if detail else str(self.reason))
 
 
@@ -307,8 +313,8 @@ class HeaderVerified:
     """A block whose signed header passed every check (`verify_header`) and whose rows have
     the layout's size, but whose rows are not yet matched against `forward_state_digest`.
 
-    It exists so a worker can hash the rows (SHA-256 of 2.75 MB at full scale, about 2 ms,
-    in a thread: hashlib releases the GIL) while it claims and runs the readout, and commit
+    It exists so a worker can hash the rows (SHA-256 over megabytes at full scale, in a
+    thread: hashlib releases the GIL) while it claims and runs the readout, and commit
     only after `confirm()`. Nothing built from it may leave the worker before that.
     """
 
@@ -384,9 +390,10 @@ def verify_header(
     # Only signed fields are trusted from here on.
     now = time.time() if now is None else now
     if now * 1e9 >= header.expires_at.ToNanoseconds():
-        raise BlockRejected(RejectReason.EXPIRED, f"expired at {header.expires_at.ToJsonString()}")
+        expired = f"expired at {header.expires_at.ToJsonString()}"
+        raise BlockRejected(RejectReason.EXPIRED, expired, authentic=True)
     if layout_digest(header.layout) != header.layout_digest:
-        raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}")
+        raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}", authentic=True)
     data = _payload_bytes(block, payload)
     try:
         check_payload_size(data, header.layout)
@@ -395,7 +402,7 @@ def verify_header(
         # either, that is the reason (as when the digest came first); otherwise a trusted
         # signer described rows it did not send.
         _check_forward_state(header, data)
-        raise BlockRejected(RejectReason.MALFORMED, str(e)) from e
+        raise BlockRejected(RejectReason.MALFORMED, str(e), authentic=True) from e
     return HeaderVerified(header=header, data=data)
 
 

@@ -27,13 +27,15 @@ REJECTED_STREAM = "STATEBLOCK_REJECTED"
 PAYLOAD_BUCKET = "STATEBLOCK_PAYLOADS"
 BLOCK_ID_HEADER = "Stateblock-Block-Id"
 REASON_HEADER = "Stateblock-Reason"
+# "true" when the rejected block's signed header verified (its block id is genuine)
+VERIFIED_HEADER = "Stateblock-Verified"
 # An object store chunk travels as one message, so it must fit under max_payload with its
 # headers; the JetStream default chunk is 128 KiB.
 MAX_CHUNK = 128 * 1024
 CHUNK_HEADROOM = 1024
 # STATEBLOCK_BLOCKS_STORAGE: the blocks work queue on disk (survives a nats-server restart)
-# or in memory (a publish with ack measured ~4 ms instead of ~10 ms for a 2.75 MB block;
-# blocks in flight are lost with the server, and their requests time out).
+# or in memory (a faster publish with ack, docs/BENCHMARKS.md; blocks in flight are lost
+# with the server, and their requests time out).
 BLOCKS_STORAGE = {"file": StorageType.FILE, "memory": StorageType.MEMORY}
 
 

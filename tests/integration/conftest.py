@@ -24,9 +24,15 @@ from stateblock.model.checkpoint import (
 )
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE
 
 TEST_MAX_ANSWER = 4096
+
+# The readout key of the tests that assemble services by hand: workers sign with it, the
+# gateway trusts it (the embedded stack makes its own under its data dir).
+READOUT_SIGNER = Signer.generate()
+READOUT_TRUST = TrustStore([READOUT_SIGNER.public_key])
 
 
 def build_test_decoder(out_dir: Path, base_dir: Path = REFERENCE_BASE, seed: int = 0) -> Path:

@@ -14,6 +14,7 @@ from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 from tests.integration.test_gateway_errors import gateway_config
 
 PLANS = "stateblock_capture_plans_registered_total"
@@ -37,12 +38,12 @@ async def test_gateway_spreads_requests_over_capture_replicas(
                 nc=nc, model=serving_model, signer=signer, metrics=metrics[1],
             ) as second,
             running_readout(
-                readout_config, nc=nc, engine=engine, trust=TrustStore([signer.public_key]),
+                readout_config, nc=nc, engine=engine, trust=TrustStore([signer.public_key]), signer=READOUT_SIGNER,
                 metrics=CollectorRegistry(),
             ),
             running_gateway(
                 gateway_config(decoder_dir, f"ipv4:127.0.0.1:{first.port},127.0.0.1:{second.port}"),
-                nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer,
+                nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer, readout_trust=READOUT_TRUST,
             ) as gw,
         ):  # fmt: skip
             body = {"model": MODEL, "prompt": "copy: ab", "max_tokens": 4}

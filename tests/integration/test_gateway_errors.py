@@ -18,9 +18,12 @@ from gateway.server import running_gateway
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from stateblock.app.nats_server import free_port
+from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.protocol.sampling import Limits
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "copy: a"}], "max_tokens": 4}
 
@@ -63,7 +66,11 @@ async def expect(
 async def test_unreachable_capture_is_503_unavailable(nc, decoder_dir, serving_model):
     config = gateway_config(decoder_dir, f"127.0.0.1:{free_port()}")
     async with running_gateway(
-        config, nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer
+        config,
+        nc=nc,
+        metrics=CollectorRegistry(),
+        tokenizer=serving_model.tokenizer,
+        readout_trust=READOUT_TRUST,
     ) as gw:
         await expect(gw, 503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)
 
@@ -79,7 +86,11 @@ async def test_no_readout_worker_is_504_deadline_exceeded(nc, decoder_dir, servi
     ) as capture:
         config = gateway_config(decoder_dir, f"127.0.0.1:{capture.port}", timeout_s=0.5)
         async with running_gateway(
-            config, nc=nc, metrics=CollectorRegistry(), tokenizer=serving_model.tokenizer
+            config,
+            nc=nc,
+            metrics=CollectorRegistry(),
+            tokenizer=serving_model.tokenizer,
+            readout_trust=READOUT_TRUST,
         ) as gw:
             await expect(gw, 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -87,11 +98,47 @@ async def test_no_readout_worker_is_504_deadline_exceeded(nc, decoder_dir, servi
 async def test_rejected_block_fails_fast_not_at_the_deadline(
     nc, decoder_dir, serving_model, engine
 ):
-    """Capture signs with a key the workers do not trust: the block is rejected, the
-    request fails at once with the reason (500), not after the 30 s deadline."""
+    """A genuine block the workers will not read (deeper than their limit): its signed
+    rejection fails the request at once with the reason (500), not after the deadline."""
+    capture_config = CaptureConfig(port=0, host="127.0.0.1")
+    signer = Signer.generate()
+    readout_config = ReadoutServiceConfig(
+        nats_url="unused", workers=1, fetch_timeout_s=0.2, limits=Limits(answer_depth_max=2)
+    )
+    async with (
+        running_capture(
+            capture_config, nc=nc, model=serving_model, signer=signer, metrics=CollectorRegistry()
+        ) as capture,
+        running_readout(
+            readout_config,
+            nc=nc,
+            engine=engine,
+            trust=TrustStore([signer.public_key]),
+            signer=READOUT_SIGNER,
+            metrics=CollectorRegistry(),
+        ),
+        running_gateway(
+            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}"),
+            nc=nc,
+            metrics=CollectorRegistry(),
+            tokenizer=serving_model.tokenizer,
+            readout_trust=READOUT_TRUST,
+        ) as gw,
+    ):
+        t0 = time.monotonic()
+        await expect(gw, 500, "server_error", grpc.StatusCode.INTERNAL, "limits")
+        assert time.monotonic() - t0 < 10
+
+
+async def test_a_block_that_does_not_verify_fails_no_request(
+    nc, decoder_dir, serving_model, engine
+):
+    """Capture signs with a key the workers do not trust: to the workers that block is
+    indistinguishable from a forgery naming this request, so it must not end the request
+    (it times out; the block goes to the rejected stream, marked unverified)."""
     capture_config = CaptureConfig(port=0, host="127.0.0.1")
     readout_config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
-    trusted_elsewhere = TrustStore([Signer.generate().public_key])
+    js = nc.jetstream()
     async with (
         running_capture(
             capture_config,
@@ -104,16 +151,24 @@ async def test_rejected_block_fails_fast_not_at_the_deadline(
             readout_config,
             nc=nc,
             engine=engine,
-            trust=trusted_elsewhere,
+            trust=TrustStore([Signer.generate().public_key]),
+            signer=READOUT_SIGNER,
             metrics=CollectorRegistry(),
         ),
         running_gateway(
-            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}"),
+            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}", timeout_s=3.0),
             nc=nc,
             metrics=CollectorRegistry(),
             tokenizer=serving_model.tokenizer,
+            readout_trust=READOUT_TRUST,
         ) as gw,
     ):
-        t0 = time.monotonic()
-        await expect(gw, 500, "server_error", grpc.StatusCode.INTERNAL, "unknown_key")
-        assert time.monotonic() - t0 < 10
+        sub = await js.subscribe(streams.rejected_subject(">"), ordered_consumer=True)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
+            r = await http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "copy: a"}, timeout=30
+            )
+        assert r.status_code == 504, r.text
+        msg = await sub.next_msg(timeout=5)
+        assert msg.headers[streams.REASON_HEADER] == "unknown_key"
+        assert msg.headers[streams.VERIFIED_HEADER] == "false"

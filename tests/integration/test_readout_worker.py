@@ -18,12 +18,13 @@ from readout_svc.server import running_readout
 from registry import Registry
 from stateblock.engines import LaneRequest, UnknownEngine, create_engine
 from stateblock.model.rows import block_lanes, rows_view
-from stateblock.protocol import envelope, streams, wire
+from stateblock.protocol import envelope, outcomes, streams, wire
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import commit_pb2
+from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 
 SIGNER = Signer.generate()
 STRANGER = Signer.generate()
@@ -70,7 +71,12 @@ async def readout(nc, engine):
         nats_url="unused", workers=2, fetch_timeout_s=0.2, retry_delay_s=0.2
     )
     async with running_readout(
-        config, nc=nc, engine=engine, trust=TrustStore([SIGNER.public_key]), metrics=metrics
+        config,
+        nc=nc,
+        engine=engine,
+        trust=TrustStore([SIGNER.public_key]),
+        signer=READOUT_SIGNER,
+        metrics=metrics,
     ) as running:
         yield running, metrics
 
@@ -128,39 +134,66 @@ def _unknown_key(block: pb.StateBlock) -> None:
     envelope.sign_header(block.header, STRANGER)
 
 
-TAMPERS = [
-    ("forward_state_digest", _flip_payload, {}),
-    ("bad_signature", _change_header, {}),
-    ("unknown_key", _unknown_key, {}),
-    ("expired", None, {"ttl_s": 1.0, "now": 1_000_000_000.0}),
+UNVERIFIED = [
+    ("forward_state_digest", _flip_payload),
+    ("bad_signature", _change_header),
+    ("unknown_key", _unknown_key),
 ]
 
 
-@pytest.mark.parametrize(("reason", "tamper", "kw"), TAMPERS, ids=[t[0] for t in TAMPERS])
-async def test_tampered_block_rejected_nothing_committed(
-    nc, readout, serving_model, reason, tamper, kw
+@pytest.mark.parametrize(("reason", "tamper"), UNVERIFIED, ids=[t[0] for t in UNVERIFIED])
+async def test_a_block_that_does_not_verify_ends_no_request(
+    nc, readout, serving_model, reason, tamper
 ):
     """A header that fails is never claimed; rows that fail their digest (checked beside the
-    claim and the readout) release the claim before the rejection: either way the registry
-    holds nothing for the block once it is rejected, and nothing later."""
+    claim and the readout) release the claim. Either could be a forger's copy naming a
+    genuine block, so the registry holds nothing for the block, then or later: the dead
+    letter on the rejected stream is marked unverified and names no block."""
     _, metrics = readout
     rejected = await nc.subscribe("stateblock.rejected.>")
-    block = make_block(serving_model, **kw)
-    if tamper is not None:
-        tamper(block)
+    block = make_block(serving_model)
+    tamper(block)
     await publish(nc, block)
     msg = await rejected.next_msg(timeout=20)
     assert msg.subject == f"stateblock.rejected.{reason}"
     assert msg.headers[streams.REASON_HEADER] == reason
-    assert msg.headers[streams.BLOCK_ID_HEADER] == block.header.block_id
+    assert msg.headers[streams.VERIFIED_HEADER] == "false"
+    assert streams.BLOCK_ID_HEADER not in msg.headers
     assert await settled(metrics, "stateblock_blocks_rejected_total", 1, reason=reason) == 1
     registry = await Registry.open(nc.jetstream())
-    assert await registry.get(block.header.block_id) is None  # never claimed
+    assert await registry.get(block.header.block_id) is None  # never claimed, or released
     await asyncio.sleep(0.5)  # terminated, not redelivered: still nothing, still one rejection
     assert await registry.get(block.header.block_id) is None
     assert value(metrics, "stateblock_blocks_rejected_total", reason=reason) == 1
     info = await nc.jetstream().consumer_info(streams.BLOCKS_STREAM, streams.readout_durable(MODEL))
     assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+AUTHENTIC = [
+    ("expired", {"ttl_s": 1.0, "now": 1_000_000_000.0}),
+    ("limits", {"depth": 9000}),  # over the worker's answer envelope of 8192
+]
+
+
+@pytest.mark.parametrize(("reason", "kw"), AUTHENTIC, ids=[t[0] for t in AUTHENTIC])
+async def test_a_genuine_block_that_cannot_be_read_ends_signed_rejected(
+    nc, readout, serving_model, reason, kw
+):
+    """A verified header the worker will not serve ends as a rejection in the registry,
+    signed by the worker's readout key, where the gateway reads it; never retried."""
+    _, metrics = readout
+    block = make_block(serving_model, **kw)
+    await publish(nc, block)
+    assert await settled(metrics, "stateblock_blocks_rejected_total", 1, reason=reason) == 1
+    registry = await Registry.open(nc.jetstream())
+    entry = await registry.get(block.header.block_id)
+    assert entry.state == commit_pb2.CLAIM_STATE_REJECTED
+    rejection = outcomes.outcome_of(entry, READOUT_TRUST, block.header.block_id)
+    assert rejection.reason == reason and rejection.request_id == block.header.request_id
+    assert value(metrics, "stateblock_blocks_committed_total") == 0
+    # published again past the duplicate window: the outcome stands, the copy is dropped
+    await publish(nc, block, msg_id=f"{block.header.block_id}-again")
+    assert await settled(metrics, "stateblock_duplicate_deliveries_dropped_total", 1) == 1
 
 
 async def test_block_published_twice_is_committed_once(nc, readout, serving_model):
@@ -244,7 +277,12 @@ async def test_block_over_max_payload_goes_through_the_object_store(
         config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
         trust = TrustStore([SIGNER.public_key])
         async with running_readout(
-            config, nc=nc, engine=engine, trust=trust, metrics=CollectorRegistry()
+            config,
+            nc=nc,
+            engine=engine,
+            trust=trust,
+            signer=READOUT_SIGNER,
+            metrics=CollectorRegistry(),
         ):
             registry = await Registry.open(nc.jetstream())
             commit = await registry.watch_commit(block.header.block_id, timeout=20)
@@ -286,7 +324,12 @@ async def test_a_readout_longer_than_the_lease_keeps_its_claim(nc, engine, servi
     )
     trust = TrustStore([SIGNER.public_key])
     async with running_readout(
-        config, nc=nc, engine=SlowEngine(engine, 1.5), trust=trust, metrics=metrics
+        config,
+        nc=nc,
+        engine=SlowEngine(engine, 1.5),
+        trust=trust,
+        signer=READOUT_SIGNER,
+        metrics=metrics,
     ):
         block = make_block(serving_model, seed=6)
         await publish(nc, block)
@@ -333,7 +376,12 @@ async def test_readout_on_a_memory_blocks_stream_commits(nc, engine, serving_mod
     config = ReadoutServiceConfig(nats_url="unused", workers=1, blocks_storage="memory")
     trust = TrustStore([SIGNER.public_key])
     async with running_readout(
-        config, nc=nc, engine=engine, trust=trust, metrics=CollectorRegistry()
+        config,
+        nc=nc,
+        engine=engine,
+        trust=trust,
+        signer=READOUT_SIGNER,
+        metrics=CollectorRegistry(),
     ):
         info = await nc.jetstream().stream_info(streams.BLOCKS_STREAM)
         assert info.config.storage == "memory"

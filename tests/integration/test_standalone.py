@@ -90,6 +90,7 @@ def standalone_env(start_nats_server, decoder_dir, tmp_path) -> dict[str, str]:
     trusted = tmp_path / "trusted"
     trusted.mkdir()
     (trusted / keys.public_path.name).write_bytes(keys.public_path.read_bytes())
+    readout_keys = generate_keypair(tmp_path / "readout-keys")  # the gateway must know it
     env = {k: v for k, v in os.environ.items() if not k.startswith("STATEBLOCK_")}
     env.update(
         OMP_NUM_THREADS="1",  # the services share a small, busy CPU
@@ -100,6 +101,8 @@ def standalone_env(start_nats_server, decoder_dir, tmp_path) -> dict[str, str]:
         STATEBLOCK_DEVICE="cpu",
         STATEBLOCK_KEY_DIR=str(keys.private_path.parent),
         STATEBLOCK_TRUSTED_KEYS_DIR=str(trusted),
+        STATEBLOCK_READOUT_KEY_DIR=str(readout_keys.private_path.parent),
+        STATEBLOCK_READOUT_TRUSTED_KEYS_DIR=str(readout_keys.private_path.parent),
         STATEBLOCK_CAPTURE_HOST="127.0.0.1",
         STATEBLOCK_CAPTURE_PORT=str(free_port()),
         STATEBLOCK_GATEWAY_HOST="127.0.0.1",

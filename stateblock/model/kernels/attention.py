@@ -2,7 +2,7 @@
 
 The readout mixer runs in fp32 (docs/PARITY.md: bf16 or fp16 anywhere in the decoder
 flips tokens), and fp32 is where PyTorch's SDPA has no tensor-core kernel: it takes the
-memory-efficient SIMT path, about 4.5 ms of the 6.2 ms fp32 decoder at D=8192 on an H200.
+memory-efficient SIMT path, most of the fp32 decoder's time at D=8192 (docs/BENCHMARKS.md).
 This kernel is flash attention (online softmax, scores never leave the chip) over fp32
 tiles whose two products run as TF32 tensor-core dots ("tf32") or exact fp32 ("ieee"). The
 precision is the caller's: an argument, or `dot_precision` around the call (a context

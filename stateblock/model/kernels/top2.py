@@ -92,7 +92,7 @@ class Top2Config:
 WAVE_FILL = 0.95  # accept the fewest splits whose last wave of programs is this full
 # From 16 row blocks up: groups of 16 row blocks x 8 vocabulary ranges, 128 items, about
 # one wave on an H200 whose in-flight h tiles (11 MB) and lm_head tiles (11 MB) share L2.
-# H200, TMA tiles: D=8192 9.39 -> 8.89 ms, K*D=65536 81.0 -> 73.8 ms (docs/BENCHMARKS.md).
+# Measured faster than ungrouped launches at D=8192 and K*D=65536 (docs/BENCHMARKS.md).
 GROUP_ROWS, GROUP_SPLIT = 16, 8
 
 
@@ -128,8 +128,8 @@ def default_config(
 
 def default_tiles(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Top2Config:
     """128x256 tiles, 128 bytes of d per step (64 bf16, 32 fp32: the widest row a swizzled
-    TMA box takes); fetched by TMA on Hopper and later (H200: 9.49 ms against 11.02 ms with
-    pointer loads at D=8192, a 7.61 ms GEMM floor; docs/BENCHMARKS.md)."""
+    TMA box takes); fetched by TMA on Hopper and later (faster than pointer loads at D=8192
+    on the H200: docs/BENCHMARKS.md)."""
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return Top2Config(block_k=128 // dtype.itemsize, tma=hopper)
 

@@ -192,7 +192,7 @@ def test_env_passthrough_and_choices():
 # --- keys ---------------------------------------------------------------------------------
 
 
-def test_signing_key_is_mounted_only_into_capture(default_docs):
+def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
     capture_env = env_of(default_docs, "capture")
     key_mount = volumes_by_mount(default_docs, "capture")[capture_env["STATEBLOCK_KEY_DIR"]]
     assert key_mount["readOnly"] is True
@@ -202,8 +202,25 @@ def test_signing_key_is_mounted_only_into_capture(default_docs):
     ]
     assert trusted["secret"]["secretName"] == "stateblock-trusted-keys"
     assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key"}
-    assert secrets_referenced(default_docs, "readout") == {"stateblock-trusted-keys"}
-    assert secrets_referenced(default_docs, "gateway") == set()
+    assert secrets_referenced(default_docs, "readout") == {
+        "stateblock-trusted-keys",
+        "stateblock-readout-signing-key",
+        "stateblock-readout-trusted-keys",
+    }
+    assert secrets_referenced(default_docs, "gateway") == {"stateblock-readout-trusted-keys"}
+    # the readout signs outcomes with its key; the gateway believes the same key set
+    readout_env, gateway_env = env_of(default_docs, "readout"), env_of(default_docs, "gateway")
+    readout_mounts = volumes_by_mount(default_docs, "readout")
+    own = readout_mounts[readout_env["STATEBLOCK_READOUT_KEY_DIR"]]
+    assert own["secret"]["secretName"] == "stateblock-readout-signing-key"
+    believed = volumes_by_mount(default_docs, "gateway")[
+        gateway_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"]
+    ]
+    assert believed["secret"]["secretName"] == "stateblock-readout-trusted-keys"
+    assert (
+        readout_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"]
+        == (gateway_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"])
+    )
 
 
 def materialize(secret: dict, directory: Path) -> Path:
@@ -217,6 +234,7 @@ def materialize(secret: dict, directory: Path) -> Path:
 def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     key_id, private_pem, public_pem = keypair
     old = generate_keypair(tmp_path / "old")
+    readout = generate_keypair(tmp_path / "readout")
     docs = render_valid(
         {
             "keys": {
@@ -225,7 +243,13 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
                 "privateKey": private_pem,
                 "publicKey": public_pem,
                 "extraTrustedPublicKeys": {old.key_id: old.public_path.read_text()},
-            }
+            },
+            "readoutKeys": {
+                "create": True,
+                "keyId": readout.key_id,
+                "privateKey": readout.private_path.read_text(),
+                "publicKey": readout.public_path.read_text(),
+            },
         }
     )
     secrets = of_kind(docs, "Secret")
@@ -234,13 +258,22 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     assert set(signing["data"]) == {f"{key_id}.key"}
     assert set(trusted["data"]) == {f"{key_id}.pub", f"{old.key_id}.pub"}
     assert not any(b"PRIVATE" in base64.b64decode(v) for v in trusted["data"].values())
+    readout_signing = secrets[f"{RELEASE}-stateblock-readout-signing-key"]
+    readout_trusted = secrets[f"{RELEASE}-stateblock-readout-trusted-keys"]
+    assert set(readout_signing["data"]) == {f"{readout.key_id}.key"}
     assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"]}
-    assert secrets_referenced(docs, "readout") == {trusted["metadata"]["name"]}
-    assert secrets_referenced(docs, "gateway") == set()
+    assert secrets_referenced(docs, "readout") == {
+        trusted["metadata"]["name"],
+        readout_signing["metadata"]["name"],
+        readout_trusted["metadata"]["name"],
+    }
+    assert secrets_referenced(docs, "gateway") == {readout_trusted["metadata"]["name"]}
     # Pods roll when their keys change.
     for component, key in (
         ("capture", "checksum/signing-key"),
         ("readout", "checksum/trusted-keys"),
+        ("readout", "checksum/signing-key"),
+        ("gateway", "checksum/trusted-keys"),
     ):
         assert deployment(docs, component)["spec"]["template"]["metadata"]["annotations"][key]
 
@@ -251,6 +284,9 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
         key_id,
         old.key_id,
     }
+    readout_signer = load_or_generate_signer(materialize(readout_signing, tmp_path / "rs"))
+    believed = TrustStore.from_dir(materialize(readout_trusted, tmp_path / "rt"))
+    assert readout_signer.key_id == readout.key_id and set(believed) == {readout.key_id}
 
 
 # --- GPUs ---------------------------------------------------------------------------------
@@ -409,6 +445,8 @@ def test_model_from_host_path_or_image():
         ({"gateway": {"env": {"HOME": "/tmp"}}}, "does not match pattern '^STATEBLOCK_"),
         ({"nats": {"url": ""}}, "/nats/url"),
         ({"keys": {"create": True}}, 'keys.keyId "" must be the 16-hex-digit id'),
+        ({"readoutKeys": {"create": True}}, 'readoutKeys.keyId "" must be the 16-hex-digit id'),
+        ({"readoutKeys": {"signingSecret": ""}}, "readoutKeys.signingSecret and"),
         ({"readout": {"workers": 0}}, "/readout/workers"),
         ({"capture": {"dtype": "int8"}}, "/capture/dtype"),
     ],

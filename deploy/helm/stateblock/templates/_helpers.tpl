@@ -77,13 +77,28 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "stateblock.signingKeyDir" -}}/var/run/stateblock/signing-key{{- end }}
 {{- define "stateblock.trustedKeysDir" -}}/var/run/stateblock/trusted-keys{{- end }}
+{{- define "stateblock.readoutSigningKeyDir" -}}/var/run/stateblock/readout-signing-key{{- end }}
+{{- define "stateblock.readoutTrustedKeysDir" -}}/var/run/stateblock/readout-trusted-keys{{- end }}
+
+{{/* The two key sets: the capture's (block headers) and the readout's (outcomes). */}}
+{{- define "stateblock.keySets" -}}
+keys: {prefix: "", signedBy: capture, trustedBy: readout}
+readoutKeys: {prefix: "readout-", signedBy: readout, trustedBy: gateway}
+{{- end }}
+
+{{/* A key set's Secret name; dict: ctx, set ("keys" | "readoutKeys"), kind ("signing" | "trusted"). */}}
+{{- define "stateblock.keySecretName" -}}
+{{- $set := index .ctx.Values .set }}
+{{- $prefix := (index (include "stateblock.keySets" .ctx | fromYaml) .set).prefix }}
+{{- if $set.create }}{{ include "stateblock.componentName" (dict "ctx" .ctx "component" (printf "%s%s-key%s" $prefix .kind (ternary "s" "" (eq .kind "trusted")))) }}{{ else }}{{ index $set (printf "%sSecret" .kind) }}{{ end }}
+{{- end }}
 
 {{- define "stateblock.signingSecretName" -}}
-{{- if .Values.keys.create }}{{ include "stateblock.componentName" (dict "ctx" . "component" "signing-key") }}{{ else }}{{ .Values.keys.signingSecret }}{{ end }}
+{{ include "stateblock.keySecretName" (dict "ctx" . "set" "keys" "kind" "signing") }}
 {{- end }}
 
 {{- define "stateblock.trustedSecretName" -}}
-{{- if .Values.keys.create }}{{ include "stateblock.componentName" (dict "ctx" . "component" "trusted-keys") }}{{ else }}{{ .Values.keys.trustedSecret }}{{ end }}
+{{ include "stateblock.keySecretName" (dict "ctx" . "set" "keys" "kind" "trusted") }}
 {{- end }}
 
 {{/* The readout GPU count: explicit, or 1 for the torch engine (its GPU fast path). */}}
@@ -227,24 +242,27 @@ affinity:
 {{- if and (eq $v.capture.device "cuda") (lt ($v.capture.gpu.count | int) 1) }}
 {{- fail "capture.device is cuda but capture.gpu.count is 0: give capture a GPU or set capture.device=cpu" }}
 {{- end }}
-{{- if $v.keys.create }}
-{{- if not (regexMatch "^[0-9a-f]{16}$" $v.keys.keyId) }}
-{{- fail (printf "keys.keyId %q must be the 16-hex-digit id `stateblock keys generate` printed (the file stem)" $v.keys.keyId) }}
+{{- range $name := list "keys" "readoutKeys" }}
+{{- $k := index $v $name }}
+{{- if $k.create }}
+{{- if not (regexMatch "^[0-9a-f]{16}$" $k.keyId) }}
+{{- fail (printf "%s.keyId %q must be the 16-hex-digit id `stateblock keys generate` printed (the file stem)" $name $k.keyId) }}
 {{- end }}
-{{- if not (contains "BEGIN PRIVATE KEY" $v.keys.privateKey) }}
-{{- fail "keys.create needs keys.privateKey: --set-file keys.privateKey=keys/<key_id>.key" }}
+{{- if not (contains "BEGIN PRIVATE KEY" $k.privateKey) }}
+{{- fail (printf "%s.create needs %s.privateKey: --set-file %s.privateKey=keys/<key_id>.key" $name $name $name) }}
 {{- end }}
-{{- if not (contains "BEGIN PUBLIC KEY" $v.keys.publicKey) }}
-{{- fail "keys.create needs keys.publicKey: --set-file keys.publicKey=keys/<key_id>.pub" }}
+{{- if not (contains "BEGIN PUBLIC KEY" $k.publicKey) }}
+{{- fail (printf "%s.create needs %s.publicKey: --set-file %s.publicKey=keys/<key_id>.pub" $name $name $name) }}
 {{- end }}
 {{- else }}
-{{- if or (not $v.keys.signingSecret) (not $v.keys.trustedSecret) }}
-{{- fail "keys.signingSecret and keys.trustedSecret name existing Secrets (or set keys.create=true)" }}
+{{- if or (not $k.signingSecret) (not $k.trustedSecret) }}
+{{- fail (printf "%s.signingSecret and %s.trustedSecret name existing Secrets (or set %s.create=true)" $name $name $name) }}
 {{- end }}
 {{- end }}
-{{- range $id, $pem := $v.keys.extraTrustedPublicKeys }}
+{{- range $id, $pem := $k.extraTrustedPublicKeys }}
 {{- if not (regexMatch "^[0-9a-f]{16}$" $id) }}
-{{- fail (printf "keys.extraTrustedPublicKeys: %q is not a 16-hex-digit key id" $id) }}
+{{- fail (printf "%s.extraTrustedPublicKeys: %q is not a 16-hex-digit key id" $name $id) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and $v.readout.autoscaling.enabled (gt ($v.readout.autoscaling.minReplicas | int) ($v.readout.autoscaling.maxReplicas | int)) }}

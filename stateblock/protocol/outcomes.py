@@ -1,0 +1,68 @@
+"""A block's outcome as the registry stores it: a commit or a rejection, signed by the
+readout worker that wrote it, and checked by the gateway before any client sees it.
+
+The registry is a JetStream KV bucket any NATS client with write access could publish to,
+so the gateway believes only what a trusted readout key signed (docs/ARCHITECTURE.md,
+"Outcomes"). Each kind of record has its own signing domain: a signature over one can
+never be replayed as a signature over another, or over a block header.
+"""
+
+from __future__ import annotations
+
+from cryptography.exceptions import InvalidSignature
+from google.protobuf.message import Message
+
+from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.v1 import commit_pb2 as pb
+
+COMMIT_CONTEXT = b"stateblock.v1.Commit\x00"
+REJECTION_CONTEXT = b"stateblock.v1.Rejection\x00"
+
+
+class UntrustedOutcome(Exception):
+    """A registry record that no trusted readout key signed (or that names another block)."""
+
+
+def _signing_bytes(record: Message, context: bytes) -> bytes:
+    unsigned = type(record)()
+    unsigned.CopyFrom(record)
+    unsigned.ClearField("signature")
+    return context + unsigned.SerializeToString(deterministic=True)
+
+
+def _context(record: pb.Commit | pb.Rejection) -> bytes:
+    return COMMIT_CONTEXT if isinstance(record, pb.Commit) else REJECTION_CONTEXT
+
+
+def sign(record: pb.Commit | pb.Rejection, signer: Signer) -> None:
+    """Set key_id and signature in place."""
+    record.key_id = signer.key_id
+    record.signature = signer.sign(_signing_bytes(record, _context(record)))
+
+
+def verify(record: pb.Commit | pb.Rejection, trust: TrustStore, block_id: str) -> None:
+    """Raise UntrustedOutcome unless a trusted key signed this record for block_id."""
+    kind = type(record).__name__.lower()
+    if record.block_id != block_id:
+        raise UntrustedOutcome(f"{kind} for {record.block_id!r} stored under {block_id!r}")
+    public_key = trust.get(record.key_id)
+    if public_key is None:
+        raise UntrustedOutcome(f"{kind} of block {block_id}: key {record.key_id!r} not trusted")
+    try:
+        public_key.verify(record.signature, _signing_bytes(record, _context(record)))
+    except InvalidSignature as e:
+        raise UntrustedOutcome(f"{kind} of block {block_id}: bad signature") from e
+
+
+def outcome_of(
+    entry: pb.RegistryEntry, trust: TrustStore, block_id: str
+) -> pb.Commit | pb.Rejection | None:
+    """The block's signed, trusted outcome from its registry entry; None while it has none
+    (claimed, released). Raises UntrustedOutcome for a record no trusted key signed."""
+    if entry.state == pb.CLAIM_STATE_COMMITTED:
+        verify(entry.commit, trust, block_id)
+        return entry.commit
+    if entry.state == pb.CLAIM_STATE_REJECTED:
+        verify(entry.rejection, trust, block_id)
+        return entry.rejection
+    return None
