@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-NEAR_TIE = 0.05  # DESIGN.md: reference top-1 minus top-2 margin under which a flip is allowed
+NEAR_TIE = (
+    0.05  # docs/ARCHITECTURE.md: reference top-1 minus top-2 margin under which a flip is allowed
+)
 V, D_BASE = 131072, 2688
 
 

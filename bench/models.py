@@ -46,7 +46,7 @@ class Scale:
 
 
 SCALES: dict[str, Scale] = {
-    # the DESIGN.md s.9 target shape
+    # the target shape of docs/BENCHMARKS.md
     "full": Scale(
         llama=dict(hidden_size=2688, num_hidden_layers=28, num_attention_heads=21,
                    num_key_value_heads=3, intermediate_size=7680),

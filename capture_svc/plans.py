@@ -60,7 +60,7 @@ class DoubleConsume(PlanError):
 
 
 class PlanTableMetrics:
-    """The 13 series of DESIGN.md section 6, names fixed (Counter adds `_total`)."""
+    """The plan table's 13 series, names fixed (Counter adds `_total`): dashboards read them."""
 
     def __init__(self, metrics: CollectorRegistry) -> None:
         def counter(name: str, doc: str) -> Counter:

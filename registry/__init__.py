@@ -1,4 +1,4 @@
-"""The compare-and-swap block registry on a JetStream KV bucket (DESIGN.md section 3.5)."""
+"""The compare-and-swap block registry on a JetStream KV bucket (docs/ARCHITECTURE.md, "The request path")."""
 
 from registry.errors import (
     AlreadyClaimed,

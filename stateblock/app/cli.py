@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
     au.set_defaults(fn=cmd_audit)
 
-    bn = sub.add_parser("bench", help="benchmarks (DESIGN.md s.9); BENCH --help for each")
+    bn = sub.add_parser("bench", help="benchmarks (docs/BENCHMARKS.md); BENCH --help for each")
     bn.add_argument("bench", choices=sorted(BENCHES))
     bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bn.set_defaults(fn=cmd_bench)

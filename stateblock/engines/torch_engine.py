@@ -1,4 +1,4 @@
-"""The `torch` readout engine: the GPU fast path of DESIGN.md s.5.
+"""The `torch` readout engine: the GPU fast path (docs/ARCHITECTURE.md, "Engines").
 
 On CUDA: the decoder in fp32, its mixer attention as one fp32 flash kernel
 (`stateblock.model.kernels.attention`: no D x D score tensor, TF32 tensor-core dots), the
@@ -53,7 +53,7 @@ from stateblock.model.loading import ServingModel
 from stateblock.model.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
 from stateblock.protocol.envelope import ModelIdentity
 
-K_MAX = 8  # lanes per enqueue (DESIGN.md: cohort K_max)
+K_MAX = 8  # lanes per enqueue (a cohort's K_max)
 LANE_BUCKETS = (1, 2, 4, 8)
 PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)

@@ -3,7 +3,7 @@
 One execution, no loop over answer positions: captured rows are pooled into M latent
 slots, repaired twice, and every answer position (a functional sinusoid of its index)
 attends over [latents ; earlier answer positions] before a chunked projection against
-the base model's resident lm_head picks the top-2 tokens. The shape of DESIGN.md s.4.
+the base model's resident lm_head picks the top-2 tokens. docs/ARCHITECTURE.md places it among the engines.
 """
 
 from __future__ import annotations
