@@ -227,31 +227,26 @@ class Registry:
         A lease that expired without a takeover still commits: the revision, not the
         clock, is what proves nobody else claimed the block.
         """
-        if record.block_id != claim.block_id:
-            raise ValueError(f"commit for {record.block_id!r} under a claim on {claim.block_id!r}")
-        entry = pb.RegistryEntry(
-            state=pb.CLAIM_STATE_COMMITTED,
-            block_id=claim.block_id,
-            worker_id=claim.worker_id,
-            attempt=claim.attempt,
-            commit=record,
-        )
-        return await self._swap(claim, entry, f"commit {claim.block_id}")
+        return await self._finish(claim, pb.CLAIM_STATE_COMMITTED, commit=record)
 
     async def reject(self, claim: Claim, rejection: pb.Rejection) -> int:
         """Write the block's signed rejection iff the claim still holds (as `commit`)."""
-        if rejection.block_id != claim.block_id:
-            raise ValueError(
-                f"rejection of {rejection.block_id!r} under a claim on {claim.block_id!r}"
-            )
+        return await self._finish(claim, pb.CLAIM_STATE_REJECTED, rejection=rejection)
+
+    async def _finish(
+        self, claim: Claim, state: pb.ClaimState, **outcome: pb.Commit | pb.Rejection
+    ) -> int:
+        ((kind, record),) = outcome.items()
+        if record.block_id != claim.block_id:
+            raise ValueError(f"{kind} for {record.block_id!r} under a claim on {claim.block_id!r}")
         entry = pb.RegistryEntry(
-            state=pb.CLAIM_STATE_REJECTED,
+            state=state,
             block_id=claim.block_id,
             worker_id=claim.worker_id,
             attempt=claim.attempt,
-            rejection=rejection,
+            **outcome,
         )
-        return await self._swap(claim, entry, f"reject {claim.block_id}")
+        return await self._swap(claim, entry, f"{kind} {claim.block_id}")
 
     async def watch_stored(
         self, cb: Callable[[str, pb.RegistryEntry | None], Awaitable[None]]

@@ -82,12 +82,18 @@ def load_serving_model(
     *,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    lm_head_only: bool = False,
 ) -> ServingModel:
-    """Base model + tokenizer from a local directory, checked against the decoder manifest
-    (the capture's load, and the embedded stack's, which shares it with the readout)."""
+    """Base model + tokenizer from a local directory, checked once against the decoder
+    manifest (the capture's load, and the embedded stack's, which shares it with the
+    readout). `lm_head_only`: what a readout worker needs, the lm_head read as one slice of
+    the safetensors files, no backbone, no tokenizer."""
     manifest = decoder_manifest(decoder_dir)
-    model, tok = load_base(base_dir, device=device, dtype=dtype)
-    lm_head = lm_head_weight(model)
+    if lm_head_only:
+        model, tok, lm_head = None, None, load_lm_head(base_dir, device=device, dtype=dtype)
+    else:
+        model, tok = load_base(base_dir, device=device, dtype=dtype)
+        lm_head = lm_head_weight(model)
     identity = _identity(name, manifest, base_dir, lm_head)
     return ServingModel(
         name, model, tok, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
@@ -95,21 +101,10 @@ def load_serving_model(
 
 
 def load_readout_model(
-    name: str,
-    base_dir: str | Path,
-    decoder_dir: str | Path,
-    *,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    name: str, base_dir: str | Path, decoder_dir: str | Path, **kw
 ) -> ServingModel:
-    """What a readout worker needs of the base model: its lm_head alone, read as one slice
-    of the safetensors files (no backbone, no tokenizer), and the identity, checked once."""
-    manifest = decoder_manifest(decoder_dir)
-    lm_head = load_lm_head(base_dir, device=device, dtype=dtype)
-    identity = _identity(name, manifest, base_dir, lm_head)
-    return ServingModel(
-        name, None, None, lm_head, identity, manifest, Path(base_dir), Path(decoder_dir)
-    )
+    """The readout worker's load: `load_serving_model(..., lm_head_only=True)`."""
+    return load_serving_model(name, base_dir, decoder_dir, lm_head_only=True, **kw)
 
 
 def _identity(name: str, manifest: dict, base_dir: str | Path, lm_head: Tensor) -> ModelIdentity:

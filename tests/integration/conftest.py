@@ -10,6 +10,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 import structlog
 import torch
@@ -101,3 +102,11 @@ def stack(decoder_dir, tmp_path_factory) -> Iterator[StackThread]:
     runner.start()
     yield runner
     runner.stop()
+
+
+@pytest.fixture
+async def nc(nats_url):
+    """A client of the test's own nats-server (test_determinism uses the stack's)."""
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()

@@ -22,13 +22,6 @@ TRUST = TrustStore([WORKER.public_key])
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 async def registry(nc) -> Registry:
     return await Registry.open(nc.jetstream(), outcome_trust=TRUST)
 

@@ -7,7 +7,6 @@ import time
 
 import grpc
 import httpx
-import nats
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -26,13 +25,6 @@ from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "copy: a"}], "max_tokens": 4}
-
-
-@pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 def gateway_config(decoder_dir, capture_target: str, timeout_s: float = 30.0) -> GatewayConfig:

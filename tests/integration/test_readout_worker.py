@@ -58,13 +58,6 @@ def make_sealed(
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 async def readout(nc, engine):
     metrics = CollectorRegistry()
     config = ReadoutServiceConfig(

@@ -35,13 +35,6 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-async def nc(nats_url):
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
 async def registry(nc, clock) -> Registry:
     return await Registry.open(nc.jetstream(), clock=clock)
 
