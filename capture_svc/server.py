@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import nats
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
@@ -30,6 +30,7 @@ from capture_svc.service import (
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.nats_client import NatsOptions, NatsState, connect, follow_in_health
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
@@ -91,6 +92,7 @@ async def running_capture(
     model: ServingModel,
     signer: Signer,
     metrics: CollectorRegistry,
+    nats_state: NatsState | None = None,
 ) -> AsyncIterator[RunningCapture]:
     """The Capture gRPC service, serving until the context exits (grace, then stop)."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
@@ -137,8 +139,7 @@ async def running_capture(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         await server.start()
-        for name in ("", CAPTURE_SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), nats_state)
         log.info("capture service listening", port=port, model=model.name)
         try:
             yield RunningCapture(port, service, plans)
@@ -163,11 +164,14 @@ async def main() -> None:
     signer = load_or_generate_signer(config.key_dir)
     log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
     async with AsyncExitStack() as stack:
-        nc = await nats.connect(config.nats_url, name="capture_svc")
+        state = NatsState.with_metrics("capture_svc", metrics)
+        nc = await connect(NatsOptions.of(config.nats_url), "capture_svc", state)
         stack.push_async_callback(nc.drain)  # runs after the server has stopped
         await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
         await stack.enter_async_context(
-            running_capture(config, nc=nc, model=model, signer=signer, metrics=metrics)
+            running_capture(
+                config, nc=nc, model=model, signer=signer, metrics=metrics, nats_state=state
+            )
         )
         await shutdown.wait()
         log.info("shutting down", grace_s=config.grace_s)

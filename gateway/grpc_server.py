@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.errors import (
@@ -23,6 +23,7 @@ from gateway.service import (
     PromptSpec,
     make_sampling,
 )
+from stateblock.nats_client import NatsState, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -127,7 +128,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 @asynccontextmanager
 async def serve_grpc(
-    service: GatewayService, host: str, port: int, grace_s: float
+    service: GatewayService,
+    host: str,
+    port: int,
+    grace_s: float,
+    nats_state: NatsState | None = None,
 ) -> AsyncIterator[int]:
     """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
     on shutdown so load balancers stop routing before in-flight requests drain."""
@@ -140,8 +145,7 @@ async def serve_grpc(
     )
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await follow_in_health(health_servicer, ("", SERVICE), nats_state)
     try:
         yield bound
     finally:

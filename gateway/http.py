@@ -30,6 +30,7 @@ from gateway.service import (
     PromptSpec,
     make_sampling,
 )
+from stateblock.nats_client import NatsState
 
 log = structlog.get_logger("gateway.http")
 
@@ -88,7 +89,13 @@ def _log_ignored(req: p._Request) -> None:
         log.info("request fields ignored", fields=ignored)
 
 
-def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: int) -> FastAPI:
+def create_app(
+    service: GatewayService,
+    *,
+    metrics: CollectorRegistry,
+    created: int,
+    nats_state: NatsState | None = None,
+) -> FastAPI:
     app = FastAPI(title="stateblock gateway", version="1")
 
     @app.exception_handler(GatewayError)
@@ -102,8 +109,11 @@ def create_app(service: GatewayService, *, metrics: CollectorRegistry, created: 
         return _json(status, body)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": service.model_name}
+    async def health() -> JSONResponse:
+        # 503 while NATS is unreachable: no request could be answered, route elsewhere
+        if nats_state is not None and not nats_state.connected:
+            return JSONResponse({"status": "nats disconnected"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": service.model_name})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -22,6 +22,7 @@ from gateway.http import create_app, serve_http
 from gateway.service import GatewayMetrics, GatewayService
 from registry import Registry
 from stateblock import runtime
+from stateblock.nats_client import NatsOptions, NatsState, connect
 from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
@@ -43,6 +44,7 @@ async def running_gateway(
     metrics: CollectorRegistry,
     tokenizer=None,
     readout_trust: TrustStore | None = None,
+    nats_state: NatsState | None = None,
 ) -> AsyncIterator[RunningGateway]:
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     manifest = decoder_manifest(config.decoder_dir)
@@ -75,9 +77,9 @@ async def running_gateway(
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
         grpc_port = await stack.enter_async_context(
-            serve_grpc(service, config.host, config.grpc_port, config.grace_s)
+            serve_grpc(service, config.host, config.grpc_port, config.grace_s, nats_state)
         )
-        app = create_app(service, metrics=metrics, created=int(time.time()))
+        app = create_app(service, metrics=metrics, created=int(time.time()), nats_state=nats_state)
         http_port = await stack.enter_async_context(
             serve_http(app, config.host, config.http_port, config.grace_s)
         )
@@ -92,10 +94,11 @@ async def main() -> None:
     metrics = CollectorRegistry()
     tokenizer = await asyncio.to_thread(Detokenizer.load, config.base_dir)
     async with AsyncExitStack() as stack:
-        nc = await nats.connect(config.nats_url, name="gateway")
+        state = NatsState.with_metrics("gateway", metrics)
+        nc = await connect(NatsOptions.of(config.nats_url), "gateway", state)
         stack.push_async_callback(nc.drain)
         await stack.enter_async_context(
-            running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer)
+            running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer, nats_state=state)
         )
         await shutdown.wait()
         log.info("shutting down", grace_s=config.grace_s)

@@ -21,6 +21,7 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
+from stateblock.nats_client import NatsOptions, NatsState, connect
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -132,7 +133,8 @@ async def main() -> None:
     )
     engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
-        nc = await nats.connect(config.nats_url, name="readout_svc")
+        state = NatsState.with_metrics("readout_svc", metrics)
+        nc = await connect(NatsOptions.of(config.nats_url), "readout_svc", state)
         stack.push_async_callback(nc.drain)
         await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
         await stack.enter_async_context(

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from stateblock import runtime
 from stateblock.app.nats_server import nats_server
+from stateblock.nats_client import NatsOptions, NatsState, connect
 
 if TYPE_CHECKING:
     from stateblock.engines import ReadoutEngine
@@ -111,16 +112,20 @@ async def running_stack(
                 nats_server(data_dir, max_payload=config.nats_max_payload)
             )
             nats_url = proc.url
-        shared: nats.NATS | None = None
+        nats_options = NatsOptions.of(nats_url)
+        conns: list[tuple[nats.NATS, NatsState]] = []
 
-        async def connection(service: str) -> nats.NATS:
-            nonlocal shared
-            if shared is not None and not config.connection_per_service:
-                return shared
-            nc = await nats.connect(nats_url, name=f"stateblock-{service}")
+        async def connection(service: str) -> tuple[nats.NATS, NatsState]:
+            if conns and not config.connection_per_service:
+                return conns[0]
+            # the first connection's state is the stack's metric; health follows each one
+            state = (
+                NatsState.with_metrics("stateblock", metrics) if not conns else NatsState(service)
+            )
+            nc = await connect(nats_options, f"stateblock-{service}", state)
             stack.push_async_callback(nc.drain)
-            shared = nc
-            return nc
+            conns.append((nc, state))
+            return conns[-1]
 
         window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
         capture_cfg = CaptureConfig(
@@ -136,13 +141,10 @@ async def running_stack(
             compile=config.capture_compile,
             **window,
         )
+        nc, state = await connection("capture")
         capture = await stack.enter_async_context(
             running_capture(
-                capture_cfg,
-                nc=await connection("capture"),
-                model=model,
-                signer=signer,
-                metrics=metrics,
+                capture_cfg, nc=nc, model=model, signer=signer, metrics=metrics, nats_state=state
             )
         )
         readout_cfg = ReadoutServiceConfig(
@@ -160,7 +162,7 @@ async def running_stack(
         await stack.enter_async_context(
             running_readout(
                 readout_cfg,
-                nc=await connection("readout"),
+                nc=(await connection("readout"))[0],
                 engine=engine,
                 trust=trust,
                 signer=readout_signer,
@@ -180,10 +182,12 @@ async def running_stack(
             request_timeout_s=config.request_timeout_s,
             grace_s=config.grace_s,
         )
+        nc, state = await connection("gateway")
         gateway = await stack.enter_async_context(
             running_gateway(
                 gateway_cfg,
-                nc=await connection("gateway"),
+                nc=nc,
+                nats_state=state,
                 metrics=metrics,
                 tokenizer=model.tokenizer,
                 readout_trust=readout_trust,

@@ -55,6 +55,8 @@ def layer_of(module: str) -> str | None:
     sub = parts[1]
     if sub == "v1":
         return "protocol"
+    if sub == "nats_client":  # the services' NATS connection: runtime plumbing
+        return "runtime"
     return sub if sub in CORE_BELOW else "root"
 
 

@@ -1,0 +1,148 @@
+"""Every service's NATS connection: a list of servers, reconnecting for as long as the
+service runs, and a connection state the health endpoints and metrics follow.
+
+nats-py stops reconnecting after 60 attempts by default (about two minutes), after which a
+service stays up but dead. Here the first connection is bounded (a start-up that cannot
+reach NATS fails with one clear line), and once connected the client reconnects forever,
+moving to any live server of the cluster; while it is disconnected health says NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = structlog.get_logger("stateblock.nats")
+
+
+class NatsUnreachable(ConnectionError):
+    """No server of the list answered at start-up."""
+
+
+def parse_servers(value: str) -> tuple[str, ...]:
+    """STATEBLOCK_NATS_URL: one URL or a comma-separated list (a cluster's nodes)."""
+    servers = tuple(s.strip() for s in value.split(",") if s.strip())
+    if not servers:
+        raise ValueError("no NATS server URL")
+    for s in servers:
+        if "://" not in s:
+            raise ValueError(f"NATS server {s!r} is not a URL (nats://host:port)")
+    return servers
+
+
+@dataclass(frozen=True)
+class NatsOptions:
+    servers: tuple[str, ...]
+    connect_timeout_s: float = 2.0
+    start_attempts: int = 3  # per server, at start-up only; then reconnect forever
+    reconnect_wait_s: float = 1.0
+    creds_file: Path | None = None  # a NATS .creds file (JWT + NKey seed)
+    tls_ca_file: Path | None = None  # verify the servers' TLS certificates against this CA
+
+    @classmethod
+    def of(cls, url: str, **kw) -> NatsOptions:
+        return cls(servers=parse_servers(url), **kw)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if self.tls_ca_file is None:
+            return None
+        return ssl.create_default_context(cafile=str(self.tls_ca_file))
+
+
+@dataclass
+class NatsState:
+    """Whether the connection is up, for health checks; listeners hear every change."""
+
+    name: str
+    connected: bool = False
+    listeners: list[Callable[[bool], Awaitable[None]]] = field(default_factory=list)
+    _gauge: Gauge | None = None
+    _disconnects: Counter | None = None
+
+    @classmethod
+    def with_metrics(cls, name: str, metrics: CollectorRegistry) -> NatsState:
+        state = cls(name)
+        state._gauge = Gauge(
+            "stateblock_nats_connected", "1 while the NATS connection is up.", registry=metrics
+        )
+        state._disconnects = Counter(
+            "stateblock_nats_disconnects", "NATS disconnections seen.", registry=metrics
+        )
+        return state
+
+    async def set(self, connected: bool) -> None:
+        if connected == self.connected:
+            return
+        self.connected = connected
+        if self._gauge is not None:
+            self._gauge.set(1 if connected else 0)
+        if not connected and self._disconnects is not None:
+            self._disconnects.inc()
+        for listener in self.listeners:
+            await listener(connected)
+
+
+async def follow_in_health(servicer, names: tuple[str, ...], state: NatsState | None) -> None:
+    """A gRPC health servicer says SERVING only while the NATS connection is up (always,
+    without a state: an in-process test's connection)."""
+    from grpc_health.v1 import health_pb2
+
+    async def follow(connected: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if connected
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        for name in names:
+            await servicer.set(name, status)
+
+    if state is not None:
+        state.listeners.append(follow)
+    await follow(state is None or state.connected)
+
+
+async def connect(options: NatsOptions, name: str, state: NatsState | None = None) -> nats.NATS:
+    """A connection that reconnects forever once made; NatsUnreachable if none can be made."""
+    state = state or NatsState(name)
+
+    async def on_error(e: Exception) -> None:
+        # one line per error, no traceback: an outage is expected, not a bug
+        log.warning("nats error", client=name, error=f"{type(e).__name__}: {e}")
+
+    async def on_disconnected() -> None:
+        log.warning("nats disconnected", client=name)
+        await state.set(False)
+
+    async def on_reconnected() -> None:
+        log.info("nats reconnected", client=name, server=nc.connected_url.netloc)
+        await state.set(True)
+
+    nc = nats.NATS()
+    try:
+        await nc.connect(
+            servers=list(options.servers),
+            name=name,
+            connect_timeout=options.connect_timeout_s,
+            reconnect_time_wait=options.reconnect_wait_s,
+            max_reconnect_attempts=options.start_attempts,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            user_credentials=str(options.creds_file) if options.creds_file else None,
+            tls=options.tls_context(),
+        )
+    except (TimeoutError, nats.errors.NoServersError, OSError) as e:
+        raise NatsUnreachable(
+            f"no NATS server reachable at {', '.join(options.servers)} "
+            f"({type(e).__name__}; STATEBLOCK_NATS_URL)"
+        ) from e
+    # From here on, never give up: a service outliving a long NATS outage must come back.
+    nc.options["max_reconnect_attempts"] = -1
+    await state.set(True)
+    return nc

@@ -1,0 +1,77 @@
+"""The services' NATS connection against real nats-servers: bounded at start-up, forever
+once connected (nats-py's default gives up after 60 attempts, about two minutes), and a
+state that health checks and metrics follow."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry
+
+from stateblock.app.nats_server import free_port, start_nats_server, stop_nats_server
+from stateblock.nats_client import (
+    NatsOptions,
+    NatsState,
+    NatsUnreachable,
+    connect,
+    follow_in_health,
+    parse_servers,
+)
+
+
+def test_servers_are_a_comma_separated_list():
+    assert parse_servers("nats://a:1, nats://b:2,") == ("nats://a:1", "nats://b:2")
+    with pytest.raises(ValueError):
+        parse_servers("a:1")
+    with pytest.raises(ValueError):
+        parse_servers(" , ")
+
+
+async def test_an_unreachable_server_fails_start_up_with_one_clear_error():
+    url = f"nats://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(NatsUnreachable, match="STATEBLOCK_NATS_URL"):
+        await connect(NatsOptions.of(url, start_attempts=2, reconnect_wait_s=0.05), "t")
+    assert time.monotonic() - t0 < 10
+
+
+async def test_reconnects_after_more_attempts_than_start_up_allows(tmp_path):
+    """Down for many times the start-up attempts: the connection comes back, health and the
+    metrics follow it, and a message published after the outage arrives."""
+    server = start_nats_server(tmp_path / "n")
+    metrics = CollectorRegistry()
+    state = NatsState.with_metrics("t", metrics)
+    servicer = health.aio.HealthServicer()
+    await follow_in_health(servicer, ("",), state)
+    options = NatsOptions.of(server.url, start_attempts=1, reconnect_wait_s=0.05)
+    nc = await connect(options, "t", state)
+    try:
+        assert nc.options["max_reconnect_attempts"] == -1
+        stop_nats_server(server)
+        for _ in range(200):
+            if not state.connected:
+                break
+            await asyncio.sleep(0.02)
+        assert not state.connected
+        status = await servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await asyncio.sleep(1.5)  # about 30 attempts at 0.05 s: far past start_attempts
+        server = start_nats_server(tmp_path / "n", port=server.port)
+        for _ in range(300):
+            if state.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert state.connected and nc.is_connected
+        status = await servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert metrics.get_sample_value("stateblock_nats_connected") == 1
+        assert metrics.get_sample_value("stateblock_nats_disconnects_total") == 1
+        sub = await nc.subscribe("after.outage")
+        await nc.publish("after.outage", b"x")
+        assert (await sub.next_msg(timeout=5)).data == b"x"
+    finally:
+        await nc.close()
+        stop_nats_server(server)
