@@ -13,7 +13,9 @@ from stateblock.runtime import Env
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    nats_url: str = runtime.DEFAULT_NATS_URL
+    nats_url: str = runtime.DEFAULT_NATS_URL  # one URL, or a cluster's, comma-separated
+    # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
+    nats_replicas: int = 1
     host: str = "0.0.0.0"
     port: int = 50061  # gRPC Capture; 0 picks a free port
     model_name: str = runtime.DEFAULT_MODEL_NAME
@@ -33,7 +35,9 @@ class CaptureConfig:
     block_ttl_s: float = 120.0
     duplicate_window_s: float = 120.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
-    publish_timeout_s: float = 5.0
+    # a publish is retried within this (a leader election takes seconds); well inside the
+    # request deadline
+    publish_timeout_s: float = 20.0
     metrics_port: int | None = None
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
@@ -51,6 +55,7 @@ class CaptureConfig:
         metrics = e.int("CAPTURE_METRICS_PORT", -1)
         return cls(
             nats_url=e.str("NATS_URL", d.nats_url),
+            nats_replicas=e.int("NATS_REPLICAS", d.nats_replicas, minimum=1),
             host=e.str("CAPTURE_HOST", d.host),
             port=e.int("CAPTURE_PORT", d.port, minimum=0),
             model_name=e.str("MODEL_NAME", d.model_name),

@@ -8,10 +8,13 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import ObjectStore
 
+from stateblock.nats_client import retry_transient
 from stateblock.protocol import envelope, streams
 
 # Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
 HEADER_HEADROOM = 512
+# One publish attempt's wait for its ack; a leader election may need several attempts.
+ATTEMPT_TIMEOUT_S = 2.0
 
 
 class PublishError(Exception):
@@ -45,7 +48,8 @@ class BlockPublisher:
         """Publish with Nats-Msg-Id = block_id; True if the rows went via the object store."""
         block_id = block.header.block_id
         via_object = block.wire_size() + HEADER_HEADROOM > self._max_payload
-        try:
+
+        async def once() -> None:
             if via_object:
                 meta = ObjectMeta(
                     name=block_id, options=ObjectMetaOptions(max_chunk_size=self._chunk)
@@ -57,10 +61,15 @@ class BlockPublisher:
             await self._js.publish(
                 self._subject,
                 data,
-                timeout=self._timeout,
+                timeout=min(self._timeout, ATTEMPT_TIMEOUT_S),
                 stream=streams.BLOCKS_STREAM,
                 headers={"Nats-Msg-Id": block_id},
             )
+
+        try:
+            # Repeating is safe: JetStream keeps one message per Nats-Msg-Id (its duplicate
+            # window), and the object of a block is the same bytes under the same name.
+            await retry_transient(once, within_s=self._timeout, what="publish block")
         except (TimeoutError, nats.errors.Error) as e:
             raise PublishError(f"publish block {block_id}: {e!r}") from e
         return via_object

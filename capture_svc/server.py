@@ -101,6 +101,7 @@ async def running_capture(
             nc.jetstream(),
             duplicate_window_s=config.duplicate_window_s,
             blocks_storage=config.blocks_storage,
+            replicas=config.nats_replicas,
         )
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s

@@ -17,7 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.errors import ReadoutFailed
-from registry import CommitTimeout, Registry
+from registry import CommitTimeout, Registry, RegistryError
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import commit_pb2
@@ -92,6 +92,14 @@ class CommitWatcher:
         while len(self._recent) > _REMEMBERED:
             self._recent.popitem(last=False)
 
+    async def _reread(self, block_id: str) -> Outcome | None:
+        try:
+            entry = await self._registry.get(block_id)
+        except RegistryError as e:  # a leader election or an outage: wait, read again later
+            log.info("registry re-read failed", block_id=block_id, error=str(e))
+            return None
+        return None if entry is None else self._trusted(block_id, entry)
+
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit:
         """The commit; ReadoutFailed if the block was rejected; CommitTimeout after timeout."""
         loop = asyncio.get_running_loop()
@@ -106,8 +114,7 @@ class CommitWatcher:
                             asyncio.shield(waiter), min(remaining, self._recheck_s)
                         )
                     except TimeoutError:
-                        entry = await self._registry.get(block_id)
-                        outcome = None if entry is None else self._trusted(block_id, entry)
+                        outcome = await self._reread(block_id)
             finally:
                 del self._waiting[block_id]
         if outcome is None:

@@ -13,7 +13,9 @@ from stateblock.runtime import Env
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    nats_url: str = runtime.DEFAULT_NATS_URL
+    nats_url: str = runtime.DEFAULT_NATS_URL  # one URL, or a cluster's, comma-separated
+    # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
+    nats_replicas: int = 1
     capture_target: str = "127.0.0.1:50061"  # the Capture service's gRPC address
     host: str = "0.0.0.0"
     http_port: int = 8000  # 0 picks a free port
@@ -38,6 +40,7 @@ class GatewayConfig:
         d = cls()
         return cls(
             nats_url=e.str("NATS_URL", d.nats_url),
+            nats_replicas=e.int("NATS_REPLICAS", d.nats_replicas, minimum=1),
             capture_target=e.str("CAPTURE_TARGET", d.capture_target),
             host=e.str("GATEWAY_HOST", d.host),
             http_port=e.int("HTTP_PORT", d.http_port, minimum=0),

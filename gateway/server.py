@@ -56,7 +56,7 @@ async def running_gateway(
             f"no readout key in {config.readout_trusted_keys_dir} "
             "(STATEBLOCK_READOUT_TRUSTED_KEYS_DIR): no answer could ever be believed"
         )
-    registry = await Registry.open(nc.jetstream())
+    registry = await Registry.open(nc.jetstream(), replicas=config.nats_replicas)
     async with AsyncExitStack() as stack:
         commits = await stack.enter_async_context(
             CommitWatcher.open(registry, readout_trust, metrics=metrics)

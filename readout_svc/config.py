@@ -13,7 +13,9 @@ from stateblock.runtime import Env
 
 @dataclass(frozen=True)
 class ReadoutServiceConfig:
-    nats_url: str = runtime.DEFAULT_NATS_URL
+    nats_url: str = runtime.DEFAULT_NATS_URL  # one URL, or a cluster's, comma-separated
+    # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
+    nats_replicas: int = 1
     model_name: str = runtime.DEFAULT_MODEL_NAME
     base_dir: Path = runtime.REFERENCE_BASE
     decoder_dir: Path = runtime.REFERENCE_DECODER
@@ -78,6 +80,7 @@ class ReadoutServiceConfig:
         metrics = e.int("READOUT_METRICS_PORT", -1)
         return cls(
             nats_url=e.str("NATS_URL", d.nats_url),
+            nats_replicas=e.int("NATS_REPLICAS", d.nats_replicas, minimum=1),
             model_name=e.str("MODEL_NAME", d.model_name),
             base_dir=e.path("BASE_DIR", d.base_dir),
             decoder_dir=e.path("DECODER_DIR", d.decoder_dir),

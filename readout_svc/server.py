@@ -54,7 +54,10 @@ async def running_readout(
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
     await streams.ensure_streams(
-        js, duplicate_window_s=config.duplicate_window_s, blocks_storage=config.blocks_storage
+        js,
+        duplicate_window_s=config.duplicate_window_s,
+        blocks_storage=config.blocks_storage,
+        replicas=config.nats_replicas,
     )
     durable = await streams.ensure_readout_consumer(
         js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
@@ -64,7 +67,7 @@ async def running_readout(
     peers = config.readout_trusted_keys_dir or config.signing_key_dir
     outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
     outcome_trust.add(signer.public_key)
-    registry = await Registry.open(js, outcome_trust=outcome_trust)
+    registry = await Registry.open(js, outcome_trust=outcome_trust, replicas=config.nats_replicas)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()

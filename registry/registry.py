@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors as js_errors
@@ -34,10 +36,13 @@ from registry.errors import (
     RegistryUnavailable,
     RevisionConflict,
 )
+from stateblock.nats_client import retry_transient
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
+from stateblock.protocol.streams import check_replicas
 from stateblock.v1 import commit_pb2 as pb
 
+T = TypeVar("T")
 DEFAULT_BUCKET = "STATEBLOCK_REGISTRY"
 # An entry in one of these states is the block's outcome and never changes again.
 FINAL_STATES = (pb.CLAIM_STATE_COMMITTED, pb.CLAIM_STATE_REJECTED)
@@ -125,8 +130,10 @@ class Registry:
         js: JetStreamContext | None = None,
         clock: Callable[[], float] = time.time,
         outcome_trust: TrustStore | None = None,
+        retry_s: float = 5.0,
     ) -> None:
         self._kv = kv
+        self._retry_s = retry_s  # how long one KV request is retried through an election
         self._js = js
         # The readout keys whose outcomes stand: a final entry no trusted key signed (a
         # forger's) is claimed over like an expired lease. None: every final entry stands.
@@ -147,8 +154,11 @@ class Registry:
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
         outcome_trust: TrustStore | None = None,
+        replicas: int | None = None,
     ) -> Registry:
-        """Bind to the bucket, creating it (file storage, history 1) if it does not exist.
+        """Bind to the bucket, creating it (file storage, history 1, `replicas` copies on a
+        JetStream cluster) if it does not exist; an existing bucket with another replica
+        count is a StreamConflict when `replicas` is given.
 
         ttl_s ages entries out; it must exceed block expiry plus the longest lease, or an
         aged-out block could be claimed and committed a second time on redelivery.
@@ -159,9 +169,16 @@ class Registry:
             except js_errors.BucketNotFoundError:
                 # Creating with an identical config is idempotent, so racing services agree.
                 config = KeyValueConfig(
-                    bucket=bucket, history=1, ttl=ttl_s, storage=StorageType.FILE
+                    bucket=bucket,
+                    history=1,
+                    ttl=ttl_s,
+                    storage=StorageType.FILE,
+                    replicas=replicas or 1,
                 )
                 kv = await js.create_key_value(config)
+            if replicas is not None:
+                info = await js.stream_info(f"KV_{bucket}")
+                check_replicas(info.config.name, info.config.num_replicas, replicas)
         return cls(kv, bucket, js=js, clock=clock, outcome_trust=outcome_trust)
 
     async def claim(self, block_id: str, worker_id: str, lease_s: float) -> Claim:
@@ -178,12 +195,14 @@ class Registry:
                 now = self._clock()
                 fresh = self._claimed(block_id, worker_id, now + lease_s, attempt=1)
                 try:
-                    rev = await self._kv.create(key, fresh.SerializeToString())
+                    rev = await self._kv_call(
+                        partial(self._kv.create, key, fresh.SerializeToString())
+                    )
                     return Claim(block_id, worker_id, rev, now + lease_s, 1)
                 except js_errors.KeyWrongLastSequenceError:
                     pass  # the key exists: committed, live, or an expired lease
                 try:
-                    current = await self._kv.get(key)
+                    current = await self._kv_call(lambda: self._kv.get(key))
                 except js_errors.KeyNotFoundError:
                     continue  # released between our create and get: race again
                 entry = _decode(block_id, current.value)
@@ -197,13 +216,25 @@ class Registry:
                 attempt = entry.attempt + 1
                 takeover = self._claimed(block_id, worker_id, now + lease_s, attempt)
                 try:
-                    rev = await self._kv.update(
-                        key, takeover.SerializeToString(), last=current.revision
+                    rev = await self._kv_call(
+                        partial(
+                            self._kv.update,
+                            key,
+                            takeover.SerializeToString(),
+                            last=current.revision,
+                        )
                     )
                     return Claim(block_id, worker_id, rev, now + lease_s, attempt)
                 except js_errors.KeyWrongLastSequenceError:
                     continue  # another worker moved first; re-read what it wrote
         raise RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
+
+    async def _kv_call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """One KV request, repeated while JetStream elects the bucket's leader or the client
+        moves to another node. Repeating is safe: a create or compare-and-swap that landed
+        before its reply was lost makes the repeat fail its comparison, which each caller
+        reads as the race it lost; a repeated read or delete changes nothing."""
+        return await retry_transient(call, within_s=self._retry_s, what="registry")
 
     def _stands(self, block_id: str, entry: pb.RegistryEntry) -> bool:
         if self._outcome_trust is None:
@@ -279,7 +310,7 @@ class Registry:
         key = _key(claim.block_id)
         with _nats_errors(f"release {claim.block_id}"):
             try:
-                await self._kv.delete(key, last=claim.revision)
+                await self._kv_call(lambda: self._kv.delete(key, last=claim.revision))
             except js_errors.APIError as e:
                 if _wrong_last(e):
                     raise ClaimLost(claim.block_id, claim.worker_id) from e
@@ -290,7 +321,7 @@ class Registry:
         key = _key(block_id)
         with _nats_errors(f"get {block_id}"):
             try:
-                current = await self._kv.get(key)
+                current = await self._kv_call(lambda: self._kv.get(key))
             except js_errors.KeyNotFoundError:
                 return None
         return _decode(block_id, current.value)
@@ -326,7 +357,9 @@ class Registry:
         key = _key(claim.block_id)
         with _nats_errors(what):
             try:
-                return await self._kv.update(key, entry.SerializeToString(), last=claim.revision)
+                return await self._kv_call(
+                    lambda: self._kv.update(key, entry.SerializeToString(), last=claim.revision)
+                )
             except js_errors.KeyWrongLastSequenceError as e:
                 raise ClaimLost(claim.block_id, claim.worker_id) from e
 

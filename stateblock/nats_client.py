@@ -9,12 +9,16 @@ moving to any live server of the cluster; while it is disconnected health says N
 
 from __future__ import annotations
 
+import asyncio
+import random
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import nats
+import nats.js.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -86,6 +90,41 @@ class NatsState:
             self._disconnects.inc()
         for listener in self.listeners:
             await listener(connected)
+
+
+# What a JetStream call may answer while a stream's leader is being elected, or the
+# connection is moving to another node: the same call may succeed a moment later.
+TRANSIENT = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+
+T = TypeVar("T")
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]], *, within_s: float, what: str, pause_s: float = 0.2
+) -> T:
+    """`call()` again after a transient JetStream failure until `within_s` has passed; the
+    last failure is raised. Only for calls that are safe to repeat (a publish with a
+    Nats-Msg-Id, a read, a compare-and-swap whose loser learns it lost)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as e:
+            attempt += 1
+            if loop.time() + pause_s >= deadline:
+                raise
+            log.info("jetstream call retried", what=what, attempt=attempt, error=type(e).__name__)
+            await asyncio.sleep(pause_s * (0.5 + random.random()))
 
 
 async def follow_in_health(servicer, names: tuple[str, ...], state: NatsState | None) -> None:

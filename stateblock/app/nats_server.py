@@ -148,6 +148,70 @@ def stop_nats_server(server: NatsProcess, timeout_s: float = 10.0) -> None:
         server.proc.wait()
 
 
+def start_nats_cluster(
+    data_dir: Path, size: int = 3, name: str = "stateblock"
+) -> list[NatsProcess]:
+    """`size` JetStream nodes on loopback, routed to each other, each with its own store
+    (data_dir/n0, n1, ...). Every node greets once started; a JetStream meta leader follows
+    within seconds (wait for it with `wait_for_jetstream`)."""
+    client_ports = [free_port() for _ in range(size)]
+    route_ports = [free_port() for _ in range(size)]
+    nodes = []
+    try:
+        for i in range(size):
+            routes = ClusterRoutes(name, route_ports[i], route_ports)
+            nodes.append(
+                start_nats_server(
+                    data_dir / f"n{i}", port=client_ports[i], server_name=f"n{i}", cluster=routes
+                )
+            )
+    except BaseException:
+        for node in nodes:
+            stop_nats_server(node)
+        raise
+    return nodes
+
+
+def restart_nats_server(server: NatsProcess) -> NatsProcess:
+    """The same node again: its port, store, name and routes (its config file)."""
+    stop_nats_server(server)
+    with server.log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(server.log_path.parent / "nats.conf")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    if not _wait_ready(proc, server.port):
+        raise RuntimeError(
+            f"nats-server {server.server_name} did not restart; see {server.log_path}"
+        )
+    return NatsProcess(
+        server.url, server.port, server.store_dir, server.log_path, server.server_name, proc
+    )
+
+
+async def wait_for_jetstream(urls: Sequence[str], timeout_s: float = 30.0) -> None:
+    """Until JetStream answers API requests (a cluster has elected its meta leader)."""
+    import nats
+
+    deadline = time.monotonic() + timeout_s
+    nc = await nats.connect(list(urls), max_reconnect_attempts=-1)
+    try:
+        while True:
+            try:
+                await nc.jetstream(timeout=1.0).account_info()
+                return
+            except Exception:  # noqa: BLE001 - not ready yet, whatever it says
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"JetStream not ready at {urls} in {timeout_s:g} s"
+                    ) from None
+                await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
 @asynccontextmanager
 async def nats_server(
     data_dir: Path, *, port: int | None = None, max_payload: int | None = None

@@ -45,7 +45,8 @@ class UpConfig:
     base_dir: Path = runtime.REFERENCE_BASE
     decoder_dir: Path = runtime.REFERENCE_DECODER
     engine: str = "reference"
-    nats_url: str | None = None  # None: start our own nats-server in data_dir
+    nats_url: str | None = None  # None: start our own nats-server in data_dir; or a list
+    nats_replicas: int = 1  # copies of every stream and bucket (3 on a 3-node cluster)
     nats_max_payload: int | None = None
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
@@ -130,6 +131,7 @@ async def running_stack(
         window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
         capture_cfg = CaptureConfig(
             nats_url=nats_url,
+            nats_replicas=config.nats_replicas,
             host=config.host,
             port=config.capture_port,
             model_name=config.model_name,
@@ -149,6 +151,7 @@ async def running_stack(
         )
         readout_cfg = ReadoutServiceConfig(
             nats_url=nats_url,
+            nats_replicas=config.nats_replicas,
             model_name=config.model_name,
             base_dir=config.base_dir,
             decoder_dir=config.decoder_dir,
@@ -171,6 +174,7 @@ async def running_stack(
         )
         gateway_cfg = GatewayConfig(
             nats_url=nats_url,
+            nats_replicas=config.nats_replicas,
             capture_target=f"127.0.0.1:{capture.port}",
             host=config.host,
             http_port=config.http_port,

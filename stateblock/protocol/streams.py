@@ -72,6 +72,18 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             f"stream {config.name} exists with storage {have!r}, the config asks for {want!r}; "
             f"JetStream cannot change a stream's storage: delete the stream or ask for {have!r}"
         )
+    check_replicas(config.name, info.config.num_replicas, config.num_replicas)
+
+
+def check_replicas(stream: str, have: int | None, want: int | None) -> None:
+    """An existing stream (a KV or object bucket is one too) with another replica count is
+    a start-up error that says what differs, not a silent single point of failure."""
+    have, want = have or 1, want or 1
+    if have != want:
+        raise StreamConflict(
+            f"stream {stream} has {have} replica(s), STATEBLOCK_NATS_REPLICAS asks for {want}: "
+            f"change it with `nats stream edit {stream} --replicas {want}` (or ask for {have})"
+        )
 
 
 async def ensure_streams(
@@ -80,11 +92,13 @@ async def ensure_streams(
     duplicate_window_s: float = 120.0,
     payload_ttl_s: float = 3600.0,
     blocks_storage: str = "file",
+    replicas: int = 1,
 ) -> None:
-    """The blocks work queue, the rejected-block log and the payload object bucket.
+    """The blocks work queue, the rejected-block log and the payload object bucket, each
+    with `replicas` copies on a JetStream cluster.
 
     `blocks_storage` ("file" | "memory") is the work queue's storage; raises StreamConflict
-    if the queue already exists with the other one.
+    if the queue already exists with the other one, or any of them with other replicas.
     """
     if blocks_storage not in BLOCKS_STORAGE:
         raise ValueError(
@@ -98,6 +112,7 @@ async def ensure_streams(
             retention=RetentionPolicy.WORK_QUEUE,
             storage=BLOCKS_STORAGE[blocks_storage],
             duplicate_window=duplicate_window_s,
+            num_replicas=replicas,
         ),
     )
     await _ensure_stream(
@@ -108,20 +123,31 @@ async def ensure_streams(
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=7 * 24 * 3600.0,
+            num_replicas=replicas,
         ),
     )
-    await payload_store(js, ttl_s=payload_ttl_s)
+    await payload_store(js, ttl_s=payload_ttl_s, replicas=replicas)
 
 
-async def payload_store(js: JetStreamContext, *, ttl_s: float = 3600.0) -> ObjectStore:
+async def payload_store(
+    js: JetStreamContext, *, ttl_s: float = 3600.0, replicas: int | None = None
+) -> ObjectStore:
+    """The payload bucket; `replicas` given: created with that many, and an existing one
+    checked against it (None: bind to it as it is)."""
     try:
-        return await js.object_store(PAYLOAD_BUCKET)
+        store = await js.object_store(PAYLOAD_BUCKET)
     except js_errors.BucketNotFoundError:
-        config = ObjectStoreConfig(bucket=PAYLOAD_BUCKET, ttl=ttl_s, storage=StorageType.FILE)
+        config = ObjectStoreConfig(
+            bucket=PAYLOAD_BUCKET, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas or 1
+        )
         try:
             return await js.create_object_store(PAYLOAD_BUCKET, config=config)
         except js_errors.BadRequestError:
-            return await js.object_store(PAYLOAD_BUCKET)
+            store = await js.object_store(PAYLOAD_BUCKET)
+    if replicas is not None:
+        info = await js.stream_info(f"OBJ_{PAYLOAD_BUCKET}")
+        check_replicas(info.config.name, info.config.num_replicas, replicas)
+    return store
 
 
 async def ensure_readout_consumer(

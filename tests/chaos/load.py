@@ -1,0 +1,121 @@
+"""Load and faults for the chaos suite: client threads sending requests through the real
+stack, every outcome recorded with its times, and the figures docs/RELIABILITY.md reports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from stateblock.app.nats_server import NatsProcess, restart_nats_server
+
+
+@dataclass(frozen=True)
+class Outcome:
+    index: int
+    prompt: str
+    sent: float  # monotonic
+    done: float
+    status: int  # HTTP status, 0 when the request never got an answer (a transport error)
+    text: str | None
+    error: str | None = None
+
+
+@dataclass
+class Load:
+    """`threads` clients, each sending `prompts` round-robin until stopped or `limit` sent."""
+
+    url: str
+    model: str
+    prompts: Sequence[str]
+    max_tokens: int = 8
+    threads: int = 2
+    limit: int | None = None
+    timeout_s: float = 60.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _sent: int = 0
+
+    def _next(self) -> int | None:
+        with self._lock:
+            if self._stop.is_set() or (self.limit is not None and self._sent >= self.limit):
+                return None
+            self._sent += 1
+            return self._sent - 1
+
+    def _client(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=self.timeout_s) as http:
+            while (i := self._next()) is not None:
+                prompt = self.prompts[i % len(self.prompts)]
+                body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
+                t0 = time.monotonic()
+                try:
+                    r = http.post("/v1/completions", json=body)
+                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+                    out = Outcome(i, prompt, t0, time.monotonic(), r.status_code, text,
+                                  None if r.status_code == 200 else r.text[:200])  # fmt: skip
+                except httpx.HTTPError as e:
+                    out = Outcome(i, prompt, t0, time.monotonic(), 0, None, repr(e))
+                with self._lock:
+                    self.outcomes.append(out)
+
+    def start(self) -> Load:
+        self._pool = ThreadPoolExecutor(self.threads)
+        self._futures = [self._pool.submit(self._client) for _ in range(self.threads)]
+        return self
+
+    def stop(self) -> list[Outcome]:
+        self._stop.set()
+        return self.join()
+
+    def join(self) -> list[Outcome]:
+        for f in self._futures:
+            f.result()
+        self._pool.shutdown()
+        return sorted(self.outcomes, key=lambda o: o.index)
+
+    def wait_for(self, n: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.outcomes)} of {n} requests answered")
+            time.sleep(0.05)
+
+
+def kill(node: NatsProcess) -> float:
+    """SIGKILL a nats-server (no goodbye to its peers); returns when."""
+    os.kill(node.proc.pid, signal.SIGKILL)
+    node.proc.wait()
+    return time.monotonic()
+
+
+def summary(outcomes: Sequence[Outcome], expected: Callable[[str], str]) -> dict:
+    """The figures: requests, errors, wrong answers, latency and the longest stall (the
+    longest time between two successive answers)."""
+    ok = [o for o in outcomes if o.status == 200]
+    wrong = [o for o in ok if o.text != expected(o.prompt)]
+    done = sorted(o.done for o in ok)
+    gaps = [b - a for a, b in zip(done, done[1:], strict=False)]
+    latencies = sorted(o.done - o.sent for o in ok)
+    return {
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "errors": len(outcomes) - len(ok),
+        "error_statuses": sorted({o.status for o in outcomes if o.status != 200}),
+        "error_samples": sorted({o.error for o in outcomes if o.error})[:3],
+        "wrong": len(wrong),
+        "p50_s": round(statistics.median(latencies), 4) if latencies else None,
+        "max_latency_s": round(latencies[-1], 3) if latencies else None,
+        "longest_stall_s": round(max(gaps), 3) if gaps else None,
+    }
+
+
+__all__ = ["Load", "Outcome", "kill", "restart_nats_server", "summary"]
