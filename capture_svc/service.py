@@ -110,6 +110,13 @@ class CaptureService:
     def tokenize(self, lane: capture_pb2.CaptureLane, index: int) -> list[int]:
         tok = self._model.tokenizer
         is_chat = lane.WhichOneof("input") == "chat"
+        text = "".join(m.content for m in lane.chat.messages) if is_chat else lane.prompt
+        try:  # before tokenising: an oversized text costs nothing
+            sampling.check_prompt_text(
+                text, self._config.limits, "messages" if is_chat else "prompt"
+            )
+        except InvalidSampling as e:
+            raise InvalidCapture(f"lane {index}: {e}", e.param) from e
         if is_chat:
             messages = lane.chat.messages
             if not any(m.content for m in messages):

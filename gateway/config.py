@@ -28,6 +28,7 @@ class GatewayConfig:
     request_timeout_s: float = 60.0
     limits: Limits = Limits()  # prompts x n, prompt length, answer envelope
     stream_chunk_tokens: int = 16
+    max_body_bytes: int = 4 << 20  # an HTTP request body over this is a 413, unread
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
 
@@ -52,6 +53,7 @@ class GatewayConfig:
             request_timeout_s=e.float("REQUEST_TIMEOUT_S", d.request_timeout_s),
             limits=runtime.limits_from_env(e),
             stream_chunk_tokens=e.int("STREAM_CHUNK_TOKENS", d.stream_chunk_tokens, minimum=1),
+            max_body_bytes=e.int("MAX_BODY_BYTES", d.max_body_bytes, minimum=1024),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

@@ -89,14 +89,66 @@ def _log_ignored(req: p._Request) -> None:
         log.info("request fields ignored", fields=ignored)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 in OpenAI's error
+    shape without being read further (by its Content-Length, or as it streams in). The body
+    is read here, then handed to the app: JSON request bodies are small."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # a disconnect, later
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        detail = p.ErrorDetail(
+            message=f"The request body is over the {self.limit} bytes this server accepts.",
+            type="invalid_request_error",
+            code="request_too_large",
+        )
+        response = JSONResponse(p.ErrorResponse(error=detail).model_dump(), status_code=413)
+        await response(scope, receive, send)
+
+
 def create_app(
     service: GatewayService,
     *,
     metrics: CollectorRegistry,
     created: int,
     nats_state: NatsState | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     app = FastAPI(title="stateblock gateway", version="1")
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:

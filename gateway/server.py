@@ -79,7 +79,13 @@ async def running_gateway(
         grpc_port = await stack.enter_async_context(
             serve_grpc(service, config.host, config.grpc_port, config.grace_s, nats_state)
         )
-        app = create_app(service, metrics=metrics, created=int(time.time()), nats_state=nats_state)
+        app = create_app(
+            service,
+            metrics=metrics,
+            created=int(time.time()),
+            nats_state=nats_state,
+            max_body_bytes=config.max_body_bytes,
+        )
         http_port = await stack.enter_async_context(
             serve_http(app, config.host, config.http_port, config.grace_s)
         )

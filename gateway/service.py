@@ -162,8 +162,16 @@ class GatewayService:
                     raise InvalidRequest("`messages` must not be empty.", "messages")
                 if not any(content for _, content in spec.messages):
                     raise InvalidRequest("The messages have no content.", "messages")
+                texts = [content for _, content in spec.messages]
+                param = "messages"
             elif not spec.prompt:
                 raise InvalidRequest("The prompt must not be empty.", "prompt")
+            else:
+                texts, param = [spec.prompt], "prompt"
+            try:
+                sampling.check_prompt_text("".join(texts), c.limits, param)
+            except InvalidSampling as e:
+                raise InvalidRequest(str(e), e.param) from e
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
         max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens

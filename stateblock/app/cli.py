@@ -142,6 +142,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         decoder_dir=Path(a.decoder),
         engine=a.engine,
         nats_url=a.nats_url,
+        nats_replicas=a.nats_replicas,
         model_name=a.model_name,
     )
 
@@ -421,7 +422,17 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--decoder", default=str(REFERENCE / "decoder"))
     u.add_argument("--engine", default="reference")
     u.add_argument("--model-name", default="stateblock-reference")
-    u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    u.add_argument(
+        "--nats-url",
+        default=None,
+        help="use this NATS server or cluster (URLs, comma-separated) instead of starting one",
+    )
+    u.add_argument(
+        "--nats-replicas",
+        type=int,
+        default=1,
+        help="copies of every stream and bucket on that cluster (default: 1)",
+    )
     u.add_argument("--log-level", default="warning")
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)

@@ -19,6 +19,7 @@ NO_EOS = 1 << 20  # EOS position reported when no position emitted EOS
 TOP_K_SAMPLE = 8  # the decoder's Gumbel top-k width: sampling draws among the top 8
 MAX_TEMPERATURE = 2.0  # the OpenAI range
 SEED_LIMIT = 1 << 64
+MAX_CHARS_PER_TOKEN = 16
 
 SamplingParams = pb.SamplingParams
 
@@ -38,6 +39,13 @@ class Limits:
     max_lanes: int = 8  # K_max: prompts x n per request, lanes per cohort
     prompt_len_max: int = 4096  # tokens per prompt
     answer_depth_max: int = 8192  # the answer envelope: max_tokens per lane
+
+    @property
+    def prompt_chars_max(self) -> int:
+        """A bound on a prompt's characters checked before tokenising: no tokenizer in use
+        packs more than MAX_CHARS_PER_TOKEN characters a token, so a longer text is over
+        prompt_len_max whatever it tokenises to, and is refused without the cost."""
+        return self.prompt_len_max * MAX_CHARS_PER_TOKEN
 
 
 def sampling_params(
@@ -63,6 +71,23 @@ def with_seed_offset(s: pb.SamplingParams, offset: int) -> pb.SamplingParams:
     if s.HasField("seed"):
         out.seed = (s.seed + offset) % SEED_LIMIT
     return out
+
+
+def check_prompt_text(text: str, limits: Limits, param: str) -> None:
+    """Raise InvalidSampling for a text no prompt may be: one that cannot be UTF-8 (a lone
+    surrogate from a JSON escape), or longer than any prompt_len_max-token prompt."""
+    if len(text) > limits.prompt_chars_max:
+        raise InvalidSampling(
+            f"the prompt is {len(text)} characters, over the {limits.prompt_chars_max} that "
+            f"can fit in the prompt_len maximum of {limits.prompt_len_max} tokens.",
+            param,
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidSampling(
+            f"the prompt is not valid Unicode (position {e.start}: a lone surrogate).", param
+        ) from e
 
 
 def check_lane_count(n_lanes: int, limits: Limits) -> None:

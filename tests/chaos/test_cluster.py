@@ -101,16 +101,26 @@ def _expected(serving_model, engine):
     return texts.get
 
 
-def _committed(urls: list[str]) -> int:
+def _committed(urls: list[str], timeout_s: float = 30.0) -> int:
     """Blocks the registry holds a commit for: one per answered request, or a request ran
-    twice (or its answer came from nowhere)."""
+    twice (or its answer came from nowhere). Read once the cluster answers again (a node
+    restarted last may still be catching up: its replica is not asked)."""
 
     async def count() -> int:
         nc = await nats.connect(urls)
         try:
             registry = await Registry.open(nc.jetstream())
             kv = await nc.jetstream().key_value(DEFAULT_BUCKET)
-            entries = [await registry.get(key) for key in await kv.keys()]
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    keys = await kv.keys()
+                    break
+                except nats.js.errors.NoKeysError:  # an empty listing while electing
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            entries = [await registry.get(key) for key in keys]
             return sum(
                 e is not None and e.state == commit_pb2.CLAIM_STATE_COMMITTED for e in entries
             )

@@ -19,6 +19,7 @@ import yaml
 from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
+from stateblock.nats_client import parse_servers
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
 from tests.unit.deploy.chart import (
     CHART,
@@ -398,6 +399,33 @@ def test_nats_dependency_is_optional_and_jetstream_enabled(chart_with_nats_stub)
     assert f"{RELEASE}-nats" in of_kind(bundled, "Service")
     urls = {env_of(bundled, c)["STATEBLOCK_NATS_URL"] for c in CONFIGS}
     assert urls == {f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"}
+
+
+@pytest.mark.parametrize(
+    ("values", "replicas"),
+    [
+        ({}, 1),  # an external server of unknown size: one copy unless told
+        ({"nats": {"url": "nats://a:4222,nats://b:4222,nats://c:4222", "replicas": 3}}, 3),
+        ({"nats": {"enabled": True}}, 3),  # the bundled chart's 3-node cluster
+        ({"nats": {"enabled": True, "config": {"cluster": {"enabled": False}}}}, 1),
+        ({"nats": {"enabled": True, "replicas": 5}}, 5),
+    ],
+)
+def test_every_service_replicates_streams_as_the_nats_cluster_allows(
+    chart_with_nats_stub, values, replicas
+):
+    docs = render_valid(values, chart_with_nats_stub)
+    for component, read in CONFIGS.items():
+        env = env_of(docs, component)
+        assert env["STATEBLOCK_NATS_REPLICAS"] == str(replicas)
+        assert read.from_env(env).nats_replicas == replicas
+    if "url" in values.get("nats", {}):
+        urls = parse_servers(env_of(docs, "gateway")["STATEBLOCK_NATS_URL"])
+        assert urls == ("nats://a:4222", "nats://b:4222", "nats://c:4222")
+
+
+def test_a_nats_url_list_must_be_urls(chart_with_nats_stub):
+    assert "/nats/url" in render_error({"nats": {"url": "nats://a:4222,b:4222"}})
 
 
 def test_helm_lint_is_clean(chart_with_nats_stub):

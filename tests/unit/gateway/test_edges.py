@@ -165,3 +165,60 @@ async def test_capture_outage_is_503_in_openai_shape(http, fakes):
     capture.error = Unavailable("capture service unavailable")
     r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+
+
+@pytest.fixture
+async def small_http(service):
+    app = create_app(service, metrics=CollectorRegistry(), created=1, max_body_bytes=4096)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        yield client
+
+
+async def test_a_body_over_the_limit_is_413_unread(small_http, fakes):
+    capture, _ = fakes
+    body = {"model": MODEL, "prompt": "a" * 5000}
+    r = await small_http.post("/v1/completions", json=body)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    async def chunks():  # no Content-Length: counted as it streams in
+        yield b'{"model": "test-model", "prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}'
+
+    r = await small_http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413
+    assert capture.calls == []
+
+
+async def test_a_lone_surrogate_is_400_not_500(http, fakes):
+    capture, _ = fakes
+    raw = b'{"model": "test-model", "prompt": "copy: \\ud800"}'
+    r = await http.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt" and "Unicode" in r.json()["error"]["message"]
+    chat = b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}'
+    r = await http.post(
+        "/v1/chat/completions", content=chat, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert capture.calls == []
+
+
+async def test_a_prompt_longer_than_any_allowed_is_refused_before_tokenising(service, fakes):
+    capture, _ = fakes
+    too_long = "a" * (service._config.limits.prompt_chars_max + 1)
+    with pytest.raises(InvalidRequest, match="characters"):
+        await service.generate(params_of_prompt(too_long), api="test")
+    assert capture.calls == []
+
+
+def params_of_prompt(prompt: str):
+    from gateway.service import GenerateParams, PromptSpec
+
+    return GenerateParams(model=MODEL, inputs=(PromptSpec(prompt=prompt),))

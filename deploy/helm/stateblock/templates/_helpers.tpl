@@ -50,6 +50,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
+{{/* Copies of every stream and bucket: nats.replicas, else the bundled cluster's size. */}}
+{{- define "stateblock.natsReplicas" -}}
+{{- $n := .Values.nats }}
+{{- if gt ($n.replicas | int) 0 }}{{ $n.replicas | int }}
+{{- else if and $n.enabled (dig "config" "cluster" "enabled" false $n) }}{{ dig "config" "cluster" "replicas" 3 $n | int }}
+{{- else }}1{{ end }}
+{{- end }}
+
 {{/* NATS: the bundled chart's client Service (named as that chart names it), or nats.url. */}}
 {{- define "stateblock.natsUrl" -}}
 {{- if .Values.nats.enabled }}
@@ -125,6 +133,7 @@ A passthrough name must be STATEBLOCK_* and must not override one the chart sets
 {{- $ctx := .ctx }}
 {{- $vars := merge (dict
     "STATEBLOCK_NATS_URL" (include "stateblock.natsUrl" $ctx)
+    "STATEBLOCK_NATS_REPLICAS" (include "stateblock.natsReplicas" $ctx | int)
     "STATEBLOCK_MODEL_NAME" $ctx.Values.model.name
     "STATEBLOCK_BASE_DIR" (include "stateblock.modelPath" (dict "ctx" $ctx "dir" $ctx.Values.model.baseDir))
     "STATEBLOCK_DECODER_DIR" (include "stateblock.modelPath" (dict "ctx" $ctx "dir" $ctx.Values.model.decoderDir))
