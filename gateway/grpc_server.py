@@ -61,7 +61,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
         sampling=make_sampling(
             req.temperature if req.HasField("temperature") else None,
             req.seed if req.HasField("seed") else None,
-            req.ignore_eos,
+            ignore_eos=req.ignore_eos,
         ),
     )
 

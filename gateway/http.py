@@ -184,7 +184,7 @@ def create_app(
             inputs=tuple(PromptSpec(prompt=text) for text in prompts),
             n=1 if req.n is None else req.n,
             max_tokens=req.max_tokens,
-            sampling=make_sampling(req.temperature, req.seed, req.ignore_eos),
+            sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
         )
         g = await service.generate(params, api="completions")
         rid = f"cmpl-{g.request_id}"
@@ -228,7 +228,7 @@ def create_app(
             inputs=(PromptSpec(messages=messages),),
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
-            sampling=make_sampling(req.temperature, req.seed, req.ignore_eos),
+            sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
         )
         try:
             g = await service.generate(params, api="chat")

@@ -63,12 +63,11 @@ class GenerateParams:
     sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
 
 
-def make_sampling(
-    temperature: float | None, seed: int | None, ignore_eos: bool = False
-) -> block_pb2.SamplingParams:
-    """The HTTP and gRPC mappers' one way to the sampling type."""
+def make_sampling(*args, **fields) -> block_pb2.SamplingParams:
+    """The HTTP and gRPC mappers' one way to the sampling type: `sampling_params`'s
+    arguments, its InvalidSampling as the gateway's InvalidRequest."""
     try:
-        return sampling.sampling_params(temperature, seed, ignore_eos=ignore_eos)
+        return sampling.sampling_params(*args, **fields)
     except InvalidSampling as e:
         raise InvalidRequest(str(e), e.param) from e
 
