@@ -132,13 +132,13 @@ async def running_capture(
         service = CaptureService(
             model, plans, batcher, publisher, signer, capture_metrics, config=config
         )
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
         # the standard health service: Kubernetes' native gRPC probes and load balancers ask
         # it; NOT_SERVING first on shutdown, so routing stops before in-flight work drains
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = runtime.grpc_bind(server, config.host, config.port, "capture gRPC")
         await server.start()
         await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), nats_state)
         log.info("capture service listening", port=port, model=model.name)

@@ -23,6 +23,7 @@ from gateway.service import (
     PromptSpec,
     make_sampling,
 )
+from stateblock import runtime
 from stateblock.nats_client import NatsState, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -136,14 +137,14 @@ async def serve_grpc(
 ) -> AsyncIterator[int]:
     """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
     on shutdown so load balancers stop routing before in-flight requests drain."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = runtime.grpc_bind(server, host, port, "gateway gRPC")
     await server.start()
     await follow_in_health(health_servicer, ("", SERVICE), nats_state)
     try:

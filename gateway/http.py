@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, nullcontext
 
@@ -288,12 +289,22 @@ class _Server(uvicorn.Server):
 @asynccontextmanager
 async def serve_http(app: FastAPI, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
     """Serve until the context exits; yields the bound port (port 0 picks a free one)."""
+    # Bound here, not by uvicorn: a port in use is an OSError the caller can report in one
+    # line (uvicorn logs it and calls sys.exit).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"gateway HTTP: cannot listen on {host}:{port}: {e.strerror}") from e
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
         timeout_graceful_shutdown=int(grace_s),
     )  # fmt: skip
     server = _Server(config)
-    task = asyncio.create_task(server.serve(), name="gateway-http")
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-http")
     while not server.started:
         if task.done():
             task.result()  # raises the bind error

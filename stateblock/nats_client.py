@@ -155,6 +155,8 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
         log.warning("nats error", client=name, error=f"{type(e).__name__}: {e}")
 
     async def on_disconnected() -> None:
+        if nc.is_closed or nc.is_draining:  # our own shutdown, not an outage
+            return
         log.warning("nats disconnected", client=name)
         await state.set(False)
 

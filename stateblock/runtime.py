@@ -93,6 +93,22 @@ class Env:
         return value
 
 
+# gRPC servers bind their port alone: with SO_REUSEPORT (grpc's default) a second instance
+# on the same port would silently take a share of the calls instead of failing to start.
+GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def grpc_bind(server, host: str, port: int, what: str) -> int:
+    """add_insecure_port, with a port in use as one clear error (grpc says 0 or raises)."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise OSError(f"{what}: cannot listen on {host}:{port} (in use?)") from e
+    if bound == 0:
+        raise OSError(f"{what}: cannot listen on {host}:{port} (in use?)")
+    return bound
+
+
 def limits_from_env(e: Env) -> Limits:
     """The request limits, the same variables in every service (the gateway refuses what the
     capture would refuse, with the same message)."""

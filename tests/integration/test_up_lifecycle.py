@@ -1,0 +1,118 @@
+"""`stateblock up` as a user runs it, in a subprocess: Ctrl-C (SIGINT to the whole process
+group, as a terminal sends it) and SIGTERM stop it cleanly with exit 0; every start-up
+failure is one clear line, a non-zero exit, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stateblock.app.nats_server import free_port
+from tests.helpers import REPO
+
+READY_S = 120.0
+
+
+def nats_servers_of(data_dir: Path) -> list[int]:
+    """Pids of nats-servers whose config lies under data_dir (none may outlive `up`)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "nats-server" in cmdline and str(data_dir) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def up(data_dir: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stateblock.app.cli", "up", "--data-dir", str(data_dir), *args],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True, **popen,
+    )  # fmt: skip
+
+
+def wait_ready(proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + READY_S
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"up exited: {proc.wait()} {proc.stderr.read()[-2000:]}")
+        if b"(Ctrl-C stops)" in line:
+            return
+    raise TimeoutError("stateblock up not ready")
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [lambda p: os.killpg(p.pid, signal.SIGINT), lambda p: p.send_signal(signal.SIGTERM)],
+    ids=["ctrl_c_to_the_process_group", "sigterm"],
+)
+def test_up_stops_cleanly_and_leaves_nothing_running(tmp_path, stop):
+    data = tmp_path / "up"
+    proc = up(data, "--http-port", "0", "--grpc-port", "0")
+    try:
+        wait_ready(proc)
+        assert len(nats_servers_of(data)) == 1
+        stop(proc)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert rc == 0, err[-2000:]
+    assert "stateblock stopped" in out and "Traceback" not in err, err[-2000:]
+    assert nats_servers_of(data) == []
+
+
+def _busy_port() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("which", ["--http-port", "--grpc-port"])
+def test_a_port_in_use_is_one_line_and_nothing_left(tmp_path, which):
+    data = tmp_path / "up"
+    with _busy_port() as busy:
+        port = str(busy.getsockname()[1])
+        other = "--grpc-port" if which == "--http-port" else "--http-port"
+        proc = up(data, which, port, other, str(free_port()))
+        rc = proc.wait(timeout=READY_S)
+    err = proc.stderr.read().decode()
+    assert rc != 0
+    (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
+    assert "cannot listen" in line and port in line
+    assert "Traceback" not in err
+    assert nats_servers_of(data) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--nats-url", "nats://127.0.0.1:1"], "no NATS server reachable"),
+        (["--base", "/nonexistent/base"], "/nonexistent/base"),
+    ],
+)
+def test_a_bad_setting_is_one_line_and_nothing_left(tmp_path, args, says):
+    data = tmp_path / "up"
+    proc = up(data, "--http-port", "0", "--grpc-port", "0", *args)
+    rc = proc.wait(timeout=READY_S)
+    err = proc.stderr.read().decode()
+    assert rc != 0 and "Traceback" not in err, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
+    assert says in line
+    assert nats_servers_of(data) == []
