@@ -39,6 +39,8 @@ class CaptureConfig:
     # request deadline
     publish_timeout_s: float = 20.0
     metrics_port: int | None = None
+    # where /metrics listens: loopback unless told (the Helm chart says 0.0.0.0)
+    metrics_host: str = "127.0.0.1"
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
 
@@ -72,6 +74,7 @@ class CaptureConfig:
             blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
             publish_timeout_s=e.float("PUBLISH_TIMEOUT_S", d.publish_timeout_s),
             metrics_port=None if metrics < 0 else metrics,
+            metrics_host=e.str("METRICS_HOST", d.metrics_host),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

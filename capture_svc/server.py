@@ -168,7 +168,9 @@ async def main() -> None:
         state = NatsState.with_metrics("capture_svc", metrics)
         nc = await connect(NatsOptions.of(config.nats_url), "capture_svc", state)
         stack.push_async_callback(nc.drain)  # runs after the server has stopped
-        await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
+        await stack.enter_async_context(
+            runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
+        )
         await stack.enter_async_context(
             running_capture(
                 config, nc=nc, model=model, signer=signer, metrics=metrics, nats_state=state

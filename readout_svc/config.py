@@ -44,6 +44,8 @@ class ReadoutServiceConfig:
     duplicate_window_s: float = 120.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
     metrics_port: int | None = None
+    # where /metrics listens: loopback unless told (the Helm chart says 0.0.0.0)
+    metrics_host: str = "127.0.0.1"
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
 
@@ -102,6 +104,7 @@ class ReadoutServiceConfig:
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
             blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
             metrics_port=None if metrics < 0 else metrics,
+            metrics_host=e.str("METRICS_HOST", d.metrics_host),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

@@ -139,7 +139,9 @@ async def main() -> None:
         state = NatsState.with_metrics("readout_svc", metrics)
         nc = await connect(NatsOptions.of(config.nats_url), "readout_svc", state)
         stack.push_async_callback(nc.drain)
-        await stack.enter_async_context(runtime.metrics_server(metrics, config.metrics_port))
+        await stack.enter_async_context(
+            runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
+        )
         await stack.enter_async_context(
             running_readout(
                 config, nc=nc, engine=engine, trust=trust, signer=signer, metrics=metrics

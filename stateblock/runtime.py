@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
+import structlog.tracebacks
 from prometheus_client import CollectorRegistry, start_http_server
 
 try:
@@ -170,7 +171,11 @@ def configure_logging(level: str = "info") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.dict_tracebacks,
+            # tracebacks as data, without their frames' locals: those hold block headers,
+            # signatures and rows, which no log line may carry
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
@@ -230,7 +235,7 @@ def shutdown_event() -> asyncio.Event:
 
 @asynccontextmanager
 async def metrics_server(
-    metrics: CollectorRegistry, port: int | None, host: str = "0.0.0.0"
+    metrics: CollectorRegistry, port: int | None, host: str = "127.0.0.1"
 ) -> AsyncIterator[int | None]:
     """Serve /metrics of `registry` on its own port (services without an HTTP app)."""
     if port is None:

@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import pytest
+import structlog
 
 from stateblock import runtime
 
@@ -47,3 +48,21 @@ def test_uvloop_asked_for_but_missing_is_a_config_error(monkeypatch):
     assert runtime.event_loop_choice({}) == "asyncio"  # auto falls back
     with pytest.raises(runtime.ConfigError, match="not installed"):
         runtime.event_loop_choice({"STATEBLOCK_EVENT_LOOP": "uvloop"})
+
+
+def test_logged_exceptions_never_carry_their_frames_locals(capsys):
+    """A failed readout's traceback must not dump the block header, signature or rows its
+    frames hold (structlog's dict tracebacks show locals by default)."""
+    runtime.configure_logging("info")
+    log = structlog.get_logger("t")
+
+    def readout(header_signature: bytes) -> None:
+        raise ValueError("readout failed")
+
+    try:
+        readout(b"SECRET-SIGNATURE-BYTES")
+    except ValueError:
+        log.exception("readout failed")
+    line = capsys.readouterr().err
+    assert "readout failed" in line and "ValueError" in line
+    assert "SECRET-SIGNATURE-BYTES" not in line and "header_signature" not in line
