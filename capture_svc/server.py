@@ -38,6 +38,7 @@ from stateblock.v1 import capture_pb2, capture_pb2_grpc
 log = structlog.get_logger("capture_svc")
 CAPTURE_SERVICE = capture_pb2.DESCRIPTOR.services_by_name["Capture"].full_name
 PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field was invalid
+ORIGIN_METADATA = "stateblock-origin"  # trailing metadata: the capture service answered
 
 
 def status_of(error: CaptureError) -> grpc.StatusCode:
@@ -66,9 +67,13 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
                     request.request_id or None,
                 )
             except CaptureError as e:
+                # ORIGIN_METADATA says the capture itself answered: an UNAVAILABLE without
+                # it never reached a capture (and is safe for the gateway to send again)
+                trailing = [(ORIGIN_METADATA, "capture")]
                 param = getattr(e, "param", None)
                 if param:
-                    context.set_trailing_metadata(((PARAM_METADATA, param),))
+                    trailing.append((PARAM_METADATA, param))
+                context.set_trailing_metadata(tuple(trailing))
                 await context.abort(status_of(e), str(e))
         return capture_pb2.CaptureResponse(
             request_id=captured.request_id,

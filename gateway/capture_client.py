@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,23 @@ from gateway.errors import (
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
 PARAM_METADATA = "stateblock-param"  # set by the capture service on INVALID_ARGUMENT
+ORIGIN_METADATA = "stateblock-origin"  # set by the capture service on every error it returns
+# Reconnecting to a restarted capture: fast, so the first call after it is ready gets through
+CHANNEL_OPTIONS = (
+    ("grpc.lb_policy_name", "round_robin"),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+RETRY_PAUSE_S = 0.2
+
+
+def never_reached_capture(error: grpc.aio.AioRpcError) -> bool:
+    """An UNAVAILABLE the channel made up (no capture answered): nothing ran, so sending
+    the request again cannot run it twice."""
+    if error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    return ORIGIN_METADATA not in dict(error.trailing_metadata() or ())
 
 
 @dataclass(frozen=True)
@@ -50,8 +68,16 @@ class GrpcCaptureClient:
         timeout: float,
     ) -> CaptureResult:
         request = capture_pb2.CaptureRequest(request_id=request_id, model=model, lanes=lanes)
-        try:
-            response = await self._stub.Capture(request, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise translate(e) from e
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                response = await self._stub.Capture(request, timeout=deadline - loop.time())
+                break
+            except grpc.aio.AioRpcError as e:
+                # a capture restarting, or none reachable yet: again while the deadline
+                # allows (503 at the end: not executed, safe for the client to retry)
+                if not never_reached_capture(e) or deadline - loop.time() < 2 * RETRY_PAUSE_S:
+                    raise translate(e) from e
+                await asyncio.sleep(RETRY_PAUSE_S)
         return CaptureResult(response.block_id, tuple(response.prompt_tokens))

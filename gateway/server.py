@@ -13,7 +13,7 @@ import nats
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gateway.capture_client import GrpcCaptureClient
+from gateway.capture_client import CHANNEL_OPTIONS, GrpcCaptureClient
 from gateway.commits import CommitWatcher
 from gateway.config import GatewayConfig
 from gateway.detokenizer import Detokenizer
@@ -63,9 +63,7 @@ async def running_gateway(
         )
         # round_robin over every address the target resolves to: behind a headless Service
         # (the Helm chart's) each capture replica gets its share, not the first one only
-        channel = grpc.aio.insecure_channel(
-            config.capture_target, options=[("grpc.lb_policy_name", "round_robin")]
-        )
+        channel = grpc.aio.insecure_channel(config.capture_target, options=CHANNEL_OPTIONS)
         stack.push_async_callback(channel.close)
         service = GatewayService(
             GrpcCaptureClient(channel),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -56,7 +57,8 @@ async def expect(
 
 
 async def test_unreachable_capture_is_503_unavailable(nc, decoder_dir, serving_model):
-    config = gateway_config(decoder_dir, f"127.0.0.1:{free_port()}")
+    """Retried until the deadline (a capture may be restarting), then 503: not executed."""
+    config = gateway_config(decoder_dir, f"127.0.0.1:{free_port()}", timeout_s=1.5)
     async with running_gateway(
         config,
         nc=nc,
@@ -164,3 +166,41 @@ async def test_a_block_that_does_not_verify_fails_no_request(
         msg = await sub.next_msg(timeout=5)
         assert msg.headers[streams.REASON_HEADER] == "unknown_key"
         assert msg.headers[streams.VERIFIED_HEADER] == "false"
+
+
+async def test_a_request_sent_while_capture_restarts_is_answered(
+    nc, decoder_dir, serving_model, engine
+):
+    """Issue 16.5: the capture is down when the request arrives and comes up a moment later;
+    the gateway sends the request again (nothing ran) and the client gets its answer."""
+    port = free_port()
+    signer = Signer.generate()
+    readout_config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
+    async with (
+        running_readout(
+            readout_config,
+            nc=nc,
+            engine=engine,
+            trust=TrustStore([signer.public_key]),
+            signer=READOUT_SIGNER,
+            metrics=CollectorRegistry(),
+        ),
+        running_gateway(
+            gateway_config(decoder_dir, f"127.0.0.1:{port}", timeout_s=30.0),
+            nc=nc,
+            metrics=CollectorRegistry(),
+            tokenizer=serving_model.tokenizer,
+            readout_trust=READOUT_TRUST,
+        ) as gw,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http,
+    ):
+        body = {"model": MODEL, "prompt": "copy: ab", "max_tokens": 4}
+        request = asyncio.create_task(http.post("/v1/completions", json=body, timeout=30))
+        await asyncio.sleep(1.0)
+        assert not request.done()
+        capture_config = CaptureConfig(port=port, host="127.0.0.1")
+        async with running_capture(
+            capture_config, nc=nc, model=serving_model, signer=signer, metrics=CollectorRegistry()
+        ):
+            r = await asyncio.wait_for(request, 20)
+        assert r.status_code == 200, r.text
