@@ -1,5 +1,6 @@
-"""Answer ids to text in the gateway, with the `tokenizers` library alone (no transformers,
-no torch): every Hugging Face fast tokenizer directory has the tokenizer.json it reads."""
+"""Answer ids to text (and /tokenize's text to ids) in the gateway, with the `tokenizers`
+library alone (no transformers, no torch): every Hugging Face fast tokenizer directory has
+the tokenizer.json it reads."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ _CLEANUPS = (
 
 
 class Detokenizer:
-    """`decode(ids, skip_special_tokens=True)` as transformers' fast tokenizer does it."""
+    """`decode(ids, skip_special_tokens=True)` and `encode(text)` as transformers' fast
+    tokenizer does them."""
 
     def __init__(self, tokenizer: Tokenizer, *, clean_up_spaces: bool = False) -> None:
         self._tok = tokenizer
@@ -40,6 +42,9 @@ class Detokenizer:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         clean = bool(config.get("clean_up_tokenization_spaces", False))
         return cls(Tokenizer.from_file(str(d / "tokenizer.json")), clean_up_spaces=clean)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

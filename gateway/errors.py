@@ -18,6 +18,13 @@ class InvalidRequest(GatewayError):
         super().__init__(message)
 
 
+class ModelNotFound(InvalidRequest):
+    """404 / NOT_FOUND: the request names a model this server does not serve."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "model", "model_not_found")
+
+
 class DeadlineExceeded(GatewayError):
     """504 / DEADLINE_EXCEEDED: no committed answer before the request's deadline."""
 

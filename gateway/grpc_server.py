@@ -13,6 +13,7 @@ from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     ReadoutFailed,
     Unavailable,
 )
@@ -36,6 +37,8 @@ _FINISH = {
 
 def status_of(error: GatewayError) -> grpc.StatusCode:
     """The one translation of the gateway error tree to a gRPC status code."""
+    if isinstance(error, ModelNotFound):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(error, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, DeadlineExceeded):

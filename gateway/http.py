@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -15,12 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import protocol as p
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
+    ModelNotFound,
     ReadoutFailed,
     Unavailable,
 )
@@ -31,9 +34,14 @@ from gateway.service import (
     PromptSpec,
     make_sampling,
 )
+from gateway.stops import StopSpec
 from stateblock.nats_client import NatsState
 
 log = structlog.get_logger("gateway.http")
+try:
+    VERSION = importlib.metadata.version("stateblock")
+except importlib.metadata.PackageNotFoundError:  # a checkout run without installing
+    VERSION = "0.0.0+unknown"
 
 
 def openai_error(error: GatewayError) -> tuple[int, p.ErrorResponse]:
@@ -42,7 +50,7 @@ def openai_error(error: GatewayError) -> tuple[int, p.ErrorResponse]:
         detail = p.ErrorDetail(
             message=error.message, type="invalid_request_error", param=error.param, code=error.code
         )
-        return 400, p.ErrorResponse(error=detail)
+        return (404 if isinstance(error, ModelNotFound) else 400), p.ErrorResponse(error=detail)
     if isinstance(error, DeadlineExceeded):
         status, kind, code = 504, "timeout_error", "deadline_exceeded"
     elif isinstance(error, Unavailable):
@@ -60,6 +68,10 @@ def _json(status: int, body: BaseModel) -> JSONResponse:
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequest:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return InvalidRequest(
+            f"The body is not valid JSON: {first.get('msg')}.", None, "invalid_json"
+        )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     # pydantic reports a union member's type in the path (prompt.str); the field is enough
     param = loc[0] if loc else None
@@ -84,10 +96,18 @@ def _sse(chunks: Iterator[BaseModel]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def _log_ignored(req: p._Request) -> None:
-    ignored = req.ignored_fields()
-    if ignored:
-        log.info("request fields ignored", fields=ignored)
+def _screen(req: p._Request) -> StopSpec:
+    """Refuse what a block readout cannot honour (400 naming the field and why), log the
+    fields this server does not know (as vLLM does), and read the stops."""
+    refused = req.refusals()
+    if refused:
+        name, why = refused[0]
+        raise InvalidRequest(f"`{name}` is not supported: {why}.", name, "unsupported_parameter")
+    unknown = req.unknown_fields()
+    if unknown:
+        log.warning("unknown request fields ignored", fields=unknown)
+    strings, token_ids, include = req.stop_spec()
+    return StopSpec(strings, token_ids, include)
 
 
 class BodyLimit:
@@ -161,6 +181,39 @@ def create_app(
         status, body = openai_error(_validation_error(exc))
         return _json(status, body)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # unknown routes (404), wrong methods (405): the OpenAI shape, not FastAPI's {"detail"}
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        detail = p.ErrorDetail(message=str(exc.detail), type=kind, code=str(exc.status_code))
+        return JSONResponse(
+            p.ErrorResponse(error=detail).model_dump(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(req: p.TokenizeRequest) -> p.TokenizeResponse:
+        if req.model is not None and req.model != service.model_name:
+            raise ModelNotFound(f"The model `{req.model}` does not exist.")
+        tokens = service.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        limits = service.limits
+        return p.TokenizeResponse(
+            count=len(tokens),
+            max_model_len=limits.prompt_len_max + limits.answer_depth_max,
+            tokens=tokens,
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        if req.model is not None and req.model != service.model_name:
+            raise ModelNotFound(f"The model `{req.model}` does not exist.")
+        return p.DetokenizeResponse(prompt=service.decode(req.tokens))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         # 503 while NATS is unreachable: no request could be answered, route elsewhere
@@ -174,11 +227,20 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=service.model_name, created=created)])
+        limits = service.limits
+        card = p.ModelCard(
+            id=service.model_name,
+            created=created,
+            root=service.model_name,
+            max_model_len=limits.prompt_len_max + limits.answer_depth_max,
+            max_answer_tokens=limits.answer_depth_max,
+            max_choices=limits.max_lanes,
+        )
+        return p.ModelList(data=[card])
 
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest):
-        _log_ignored(req)
+        stop = _screen(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         params = GenerateParams(
             model=req.model,
@@ -186,26 +248,47 @@ def create_app(
             n=1 if req.n is None else req.n,
             max_tokens=req.max_tokens,
             sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
+            stop=stop,
         )
         g = await service.generate(params, api="completions")
         rid = f"cmpl-{g.request_id}"
         if not req.stream:
             choices = [
-                p.CompletionChoice(text=c.text, index=c.index, finish_reason=c.finish_reason)
+                p.CompletionChoice(
+                    text=c.text,
+                    index=c.index,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
                 for c in g.choices
             ]
             return p.CompletionResponse(
-                id=rid, created=g.created, model=g.model, choices=choices, usage=_usage(g)
+                id=rid,
+                created=g.created,
+                model=g.model,
+                system_fingerprint=service.fingerprint,
+                choices=choices,
+                usage=_usage(g),
             )
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        stop_reasons = {c.index: c.stop_reason for c in g.choices}
+
         def chunks() -> Iterator[BaseModel]:
             for piece in service.pieces(g):
+                last = piece.finish_reason is not None
                 choice = p.CompletionChoice(
-                    text=piece.text, index=piece.index, finish_reason=piece.finish_reason
+                    text=piece.text,
+                    index=piece.index,
+                    finish_reason=piece.finish_reason,
+                    stop_reason=stop_reasons[piece.index] if last else None,
                 )
                 yield p.CompletionResponse(
-                    id=rid, created=g.created, model=g.model, choices=[choice]
+                    id=rid,
+                    created=g.created,
+                    model=g.model,
+                    system_fingerprint=service.fingerprint,
+                    choices=[choice],
                 )
             if with_usage:
                 yield p.CompletionResponse(
@@ -216,7 +299,12 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest):
-        _log_ignored(req)
+        stop = _screen(req)
+        for m in req.messages:
+            if m.role not in p.ROLES:
+                raise InvalidRequest(
+                    f"Unknown message role {m.role!r}: one of {', '.join(p.ROLES)}.", "messages"
+                )
         messages = tuple((m.role, m.text()) for m in req.messages)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -230,6 +318,7 @@ def create_app(
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
             sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
+            stop=stop,
         )
         try:
             g = await service.generate(params, api="chat")
@@ -244,18 +333,31 @@ def create_app(
                     index=c.index,
                     message=p.AssistantMessage(content=c.text),
                     finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
                 )
                 for c in g.choices
             ]
             return p.ChatCompletionResponse(
-                id=rid, created=g.created, model=g.model, choices=choices, usage=_usage(g)
+                id=rid,
+                created=g.created,
+                model=g.model,
+                system_fingerprint=service.fingerprint,
+                choices=choices,
+                usage=_usage(g),
             )
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> BaseModel:
             return p.ChatCompletionChunk(
-                id=rid, created=g.created, model=g.model, choices=choices, usage=usage
+                id=rid,
+                created=g.created,
+                model=g.model,
+                system_fingerprint=service.fingerprint,
+                choices=choices,
+                usage=usage,
             )
+
+        stop_reasons = {c.index: c.stop_reason for c in g.choices}
 
         def chunks() -> Iterator[BaseModel]:
             for c in g.choices:
@@ -268,7 +370,10 @@ def create_app(
                     yield chunk([p.ChatChunkChoice(index=piece.index, delta=delta)])
                 if piece.finish_reason is not None:
                     done = p.ChatChunkChoice(
-                        index=piece.index, delta=p.Delta(), finish_reason=piece.finish_reason
+                        index=piece.index,
+                        delta=p.Delta(),
+                        finish_reason=piece.finish_reason,
+                        stop_reason=stop_reasons[piece.index],
                     )
                     yield chunk([done])
             if with_usage:

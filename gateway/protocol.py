@@ -1,11 +1,14 @@
-"""OpenAI-compatible wire types (pydantic), in the OpenAI reference's field order.
+"""OpenAI-compatible wire types (pydantic), in the OpenAI reference's field order, then
+vLLM's extensions.
 
-Types are strict: a string where a number belongs is a 400, not a silent coercion. Fields
-this server does not implement are accepted and logged as ignored (`ignored_fields`).
+Types are strict: a string where a number belongs is a 400, not a silent coercion. A known
+field the readout cannot honour with a non-default value is refused (`refusals`: a 400
+naming it and why); unknown extra fields are accepted and logged at WARNING, as vLLM does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -14,18 +17,64 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 Number = Annotated[float, Field(strict=True)]
 
 
+_PENALTY = (
+    "a one-pass readout reads every position at once: there are no earlier tokens to penalise"
+)
+_NOT_YET = "not applied by the readout yet"
+# field -> (is it at its default, why a one-pass readout refuses any other value)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "frequency_penalty": (lambda v: v in (None, 0), _PENALTY),
+    "presence_penalty": (lambda v: v in (None, 0), _PENALTY),
+    "repetition_penalty": (lambda v: v in (None, 1), _PENALTY),
+    "logit_bias": (
+        lambda v: not v,
+        "the vocabulary pass keeps the top candidates, not biased logits",
+    ),
+    "logprobs": (lambda v: v in (None, False, 0), f"log-probabilities are {_NOT_YET}"),
+    "top_logprobs": (lambda v: v in (None, 0), f"log-probabilities are {_NOT_YET}"),
+    "top_p": (lambda v: v in (None, 1), f"nucleus sampling is {_NOT_YET}"),
+    "top_k": (
+        lambda v: v in (None, 0, -1),
+        f"top-k below the readout's 8 candidates is {_NOT_YET}",
+    ),
+    "min_p": (lambda v: v in (None, 0), f"min-p sampling is {_NOT_YET}"),
+    "min_tokens": (lambda v: v in (None, 0), f"suppressing EOS before min_tokens is {_NOT_YET}"),
+    "echo": (lambda v: not v, f"echoing the prompt is {_NOT_YET}"),
+    "suffix": (
+        lambda v: v is None,
+        "a readout reads forward from the prompt: nothing can follow a suffix",
+    ),
+    "response_format": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") in (None, "text")),
+        "a one-pass readout has no constrained decoding",
+    ),
+    "tools": (lambda v: not v, "this server has no tool-call parser"),
+    "tool_choice": (lambda v: v in (None, "none"), "this server has no tool-call parser"),
+}
+ROLES = ("system", "developer", "user", "assistant")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    def ignored_fields(self) -> list[str]:
-        """Extra fields, and known OpenAI fields set to something this server cannot honour."""
-        ignored = sorted((self.model_extra or {}).keys())
-        return ignored + [
-            name for name in self._unsupported() if getattr(self, name, None) is not None
-        ]
+    def unknown_fields(self) -> list[str]:
+        """Fields this server does not know (accepted, and logged)."""
+        return sorted((self.model_extra or {}).keys())
 
-    def _unsupported(self) -> tuple[str, ...]:
-        return ()
+    def refusals(self) -> list[tuple[str, str]]:
+        """(field, why) for each known field set to a value a block readout cannot honour."""
+        out = []
+        for name, (is_default, why) in REFUSED.items():
+            if name in type(self).model_fields and not is_default(getattr(self, name)):
+                out.append((name, why))
+        if getattr(self, "best_of", None) not in (None, getattr(self, "n", None) or 1):
+            out.append(("best_of", "best_of must equal n: choices carry no score to rank them"))
+        return out
+
+    def stop_spec(self) -> tuple[tuple[str, ...], tuple[int, ...], bool]:
+        stop = self.stop
+        strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return strings, tuple(self.stop_token_ids or ()), bool(self.include_stop_str_in_output)
 
 
 class StreamOptions(BaseModel):
@@ -71,11 +120,15 @@ class CompletionRequest(_Request):
     temperature: Number | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
-    ignore_eos: StrictBool = False  # vLLM's extension: read all max_tokens positions
-
-    def _unsupported(self) -> tuple[str, ...]:
-        return ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
-                "presence_penalty", "stop", "suffix", "top_p")  # fmt: skip
+    # vLLM's extensions
+    ignore_eos: StrictBool = False  # read all max_tokens positions
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    min_tokens: StrictInt | None = None
+    repetition_penalty: Number | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -93,12 +146,20 @@ class ChatCompletionRequest(_Request):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     temperature: Number | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    tools: list[Any] | None = None
+    top_logprobs: StrictInt | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
-    ignore_eos: StrictBool = False  # vLLM's extension: read all max_tokens positions
-
-    def _unsupported(self) -> tuple[str, ...]:
-        return ("frequency_penalty", "logit_bias", "logprobs", "presence_penalty", "stop", "top_p")
+    # vLLM's extensions
+    ignore_eos: StrictBool = False  # read all max_tokens positions
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    min_tokens: StrictInt | None = None
+    repetition_penalty: Number | None = None
 
 
 class Usage(BaseModel):
@@ -112,6 +173,7 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: None = None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that matched
 
 
 class CompletionResponse(BaseModel):
@@ -119,6 +181,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -133,6 +196,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: Literal["stop", "length"]
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -140,6 +204,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -154,6 +219,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -161,6 +227,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -170,11 +237,37 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "stateblock"
+    root: str | None = None
+    max_model_len: int | None = None  # prompt + answer tokens, as vLLM reports it
+    # stateblock's: the answer envelope (max_tokens per choice) and choices per request
+    max_answer_tokens: int | None = None
+    max_choices: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):  # vLLM's /tokenize, prompt form
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

@@ -19,7 +19,8 @@ from gateway.config import GatewayConfig
 from gateway.detokenizer import Detokenizer
 from gateway.grpc_server import serve_grpc
 from gateway.http import create_app, serve_http
-from gateway.service import GatewayMetrics, GatewayService
+from gateway.metrics import GatewayMetrics
+from gateway.service import GatewayService
 from registry import Registry
 from stateblock import runtime
 from stateblock.nats_client import NatsOptions, NatsState, connect
@@ -69,9 +70,10 @@ async def running_gateway(
             GrpcCaptureClient(channel),
             commits,
             tokenizer,
-            GatewayMetrics(metrics),
+            GatewayMetrics(metrics, config.model_name),
             config=config,
             default_max_tokens=default_max_tokens(manifest, config.limits.answer_depth_max),
+            fingerprint=f"fp_{manifest.get('decoder_digest', '')[:16]}",
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
         grpc_port = await stack.enter_async_context(

@@ -10,19 +10,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.capture_client import CaptureResult
 from gateway.config import GatewayConfig
-from gateway.errors import DeadlineExceeded, GatewayError, InvalidRequest, Unavailable
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    Unavailable,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.stops import MAX_STOP_STRINGS, StopSpec, apply_stops
 from registry import CommitTimeout, RegistryError
 from stateblock.protocol import sampling
 from stateblock.protocol.ids import uuid7
-from stateblock.protocol.sampling import NO_EOS, InvalidSampling
+from stateblock.protocol.sampling import NO_EOS, InvalidSampling, Limits
 from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 
 log = structlog.get_logger("gateway")
@@ -61,6 +69,7 @@ class GenerateParams:
     n: int = 1
     max_tokens: int | None = None  # None: the decoder's trained depth
     sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
+    stop: StopSpec = StopSpec()  # applied to the read-out block here (gateway/stops.py)
 
 
 def make_sampling(*args, **fields) -> block_pb2.SamplingParams:
@@ -77,8 +86,9 @@ class ChoiceResult:
     index: int
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS or a stop) or "length" (max_tokens)
     eos_pos: int
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass(frozen=True)
@@ -105,21 +115,14 @@ class Piece:
     finish_reason: str | None
 
 
-class GatewayMetrics:
-    def __init__(self, metrics: CollectorRegistry) -> None:
-        self.request_seconds = Histogram(
-            "stateblock_request_seconds",
-            "End-to-end latency: validate, capture, readout, commit, decode.",
-            ["api"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=metrics,
-        )
-        self.requests = Counter(
-            "stateblock_requests",
-            "Requests by API and outcome.",
-            ["api", "outcome"],
-            registry=metrics,
-        )
+@contextmanager
+def _in(gauge) -> Iterator[None]:
+    """Count a request in the gauge while the block runs."""
+    gauge.inc()
+    try:
+        yield
+    finally:
+        gauge.dec()
 
 
 class GatewayService:
@@ -132,7 +135,9 @@ class GatewayService:
         *,
         config: GatewayConfig,
         default_max_tokens: int,
+        fingerprint: str = "",
     ) -> None:
+        self._fingerprint = fingerprint
         self._capture = capture
         self._commits = commits
         self._tok = tokenizer
@@ -144,14 +149,21 @@ class GatewayService:
     def model_name(self) -> str:
         return self._config.model_name
 
+    @property
+    def limits(self) -> Limits:
+        return self._config.limits
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: the decoder's digest, which fixes what a seed reads."""
+        return self._fingerprint
+
     def validate(self, p: GenerateParams) -> int:
         """Raise InvalidRequest for anything the pipeline cannot serve; returns max_tokens."""
         c = self._config
         if p.model != c.model_name:
-            raise InvalidRequest(
-                f"The model `{p.model}` does not exist; this server serves `{c.model_name}`.",
-                "model",
-                "model_not_found",
+            raise ModelNotFound(
+                f"The model `{p.model}` does not exist; this server serves `{c.model_name}`."
             )
         if not p.inputs:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
@@ -173,6 +185,8 @@ class GatewayService:
                 raise InvalidRequest(str(e), e.param) from e
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
+        if len(p.stop.strings) > MAX_STOP_STRINGS or not all(p.stop.strings):
+            raise InvalidRequest(f"`stop` takes 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
         max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
         try:
             sampling.check_lane_count(len(p.inputs) * p.n, c.limits)
@@ -204,15 +218,24 @@ class GatewayService:
     ) -> Generation:
         t0 = time.perf_counter()
         request_id = uuid7()
+        m, model = self._m, self._m.model_name
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
                 generation = await self._generate(p, request_id, timeout)
             except GatewayError as e:
-                self._m.requests.labels(api, type(e).__name__).inc()
-                log.info("request failed", error=type(e).__name__, detail=str(e))
+                outcome = type(e).__name__
+                m.requests.labels(api, outcome).inc()
+                m.e2e.labels(model, outcome).observe(time.perf_counter() - t0)
+                log.info("request failed", error=outcome, detail=str(e))
                 raise
-            self._m.requests.labels(api, "ok").inc()
-            self._m.request_seconds.labels(api).observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            m.requests.labels(api, "ok").inc()
+            m.e2e.labels(model, "ok").observe(seconds)
+            m.ttft.labels(model).observe(seconds)  # the whole block arrives at once
+            m.prompt_tokens.labels(model).inc(generation.prompt_tokens)
+            m.generation_tokens.labels(model).inc(generation.completion_tokens)
+            for choice in generation.choices:
+                m.success.labels(model, choice.finish_reason).inc()
             return generation
 
     async def _generate(
@@ -227,7 +250,21 @@ class GatewayService:
         )
         deadline = loop.time() + budget
         lanes = self.lanes(p, max_tokens)
-        captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
+        model = self._m.model_name
+        with _in(self._m.waiting.labels(model)):
+            captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
+        with _in(self._m.running.labels(model)):
+            return await self._answer(p, request_id, captured, deadline, budget)
+
+    async def _answer(
+        self,
+        p: GenerateParams,
+        request_id: str,
+        captured: CaptureResult,
+        deadline: float,
+        budget: float,
+    ) -> Generation:
+        loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()
         if remaining <= 0:
             raise DeadlineExceeded(f"request {request_id}: no time left after capture")
@@ -240,7 +277,7 @@ class GatewayService:
         except RegistryError as e:
             raise Unavailable(f"request {request_id}: registry unavailable: {e}") from e
         choices = tuple(
-            self._choice(lane) for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
+            self._choice(lane, p.stop) for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
         )
         prompt_tokens = sum(captured.prompt_tokens[i * p.n] for i in range(len(p.inputs)))
         return Generation(
@@ -252,18 +289,27 @@ class GatewayService:
             completion_tokens=sum(len(c.token_ids) for c in choices),
         )
 
-    def _choice(self, lane: commit_pb2.LaneAnswer) -> ChoiceResult:
-        ids = tuple(lane.token_ids)
+    def _choice(self, lane: commit_pb2.LaneAnswer, stop: StopSpec) -> ChoiceResult:
+        cut = apply_stops(lane.token_ids, self.decode, stop)
+        stopped = cut.stop_reason is not None or lane.eos_pos != NO_EOS
         return ChoiceResult(
             index=lane.lane_index,
-            token_ids=ids,
-            text=self.decode(ids),
-            finish_reason="stop" if lane.eos_pos != NO_EOS else "length",
+            token_ids=cut.token_ids,
+            text=cut.text,
+            finish_reason="stop" if stopped else "length",
             eos_pos=lane.eos_pos,
+            stop_reason=cut.stop_reason,
         )
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        try:
+            sampling.check_prompt_text(text, self.limits, "prompt")
+        except InvalidSampling as e:
+            raise InvalidRequest(str(e), e.param) from e
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def pieces(self, generation: Generation) -> Iterator[Piece]:
         """Stream chunks whose texts concatenate to each choice's text exactly."""

@@ -65,7 +65,8 @@ def test_models_health_metrics(client, http_url):
     ):  # fmt: skip
         assert f"stateblock_capture_{name}" in text
     assert "stateblock_capture_active_plans" in text
-    assert "stateblock_request_seconds" in text and "stateblock_readout_seconds" in text
+    assert "stateblock_readout_seconds" in text
+    assert "# TYPE stateblock:e2e_request_latency_seconds histogram" in text
 
 
 def test_completion_matches_the_in_process_decoder(client, serving_model, engine):
@@ -206,7 +207,6 @@ BAD_HTTP = [
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8193}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": 123}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
@@ -248,7 +248,6 @@ def test_bad_inputs_get_clear_errors_and_leave_nothing_behind(stack, http_url):
         for req in (
             gateway_pb2.GenerateRequest(model=MODEL, prompt=""),
             gateway_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=9000),
-            gateway_pb2.GenerateRequest(model="nope", prompt="hi"),
             gateway_pb2.GenerateRequest(model=MODEL, prompt="x" * 5000),
             gateway_pb2.GenerateRequest(
                 model=MODEL,
@@ -265,13 +264,42 @@ def test_bad_inputs_get_clear_errors_and_leave_nothing_behind(stack, http_url):
     assert "stateblock_capture_active_plans 0.0" in metrics
 
 
-def test_openai_client_raises_bad_request(client):
+def test_openai_client_raises_bad_request(client, stack):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
     assert info.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["code"] == "model_not_found"
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        with pytest.raises(grpc.RpcError) as rpc:
+            gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateRequest(model="nope", prompt="hi"), timeout=30
+            )
+    assert rpc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_openai_client_stops_and_refusals(client):
+    """Through the official client: a stop string cuts the answer (sync and streaming),
+    an unsupported parameter is a BadRequestError naming it."""
+    full = client.completions.create(model=MODEL, prompt="copy: hello", max_tokens=8).choices[0]
+    if len(full.text) >= 3:
+        stop = full.text[1:3]
+        cut = client.completions.create(model=MODEL, prompt="copy: hello", max_tokens=8, stop=stop)
+        assert cut.choices[0].text == full.text[: full.text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        stream = client.completions.create(
+            model=MODEL, prompt="copy: hello", max_tokens=8, stop=[stop], stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == cut.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", top_p=0.5)
+    assert info.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], frequency_penalty=1.0
+        )
+    assert info.value.body["param"] == "frequency_penalty"
 
 
 def test_cli_ask_and_keys_generate(stack, client, capsys, tmp_path):

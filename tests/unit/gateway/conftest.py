@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from gateway.capture_client import CaptureResult
 from gateway.config import GatewayConfig
 from gateway.detokenizer import Detokenizer
-from gateway.service import GatewayMetrics, GatewayService
+from gateway.metrics import GatewayMetrics
+from gateway.service import GatewayService
 from registry import CommitTimeout
 from stateblock.protocol.sampling import NO_EOS, Limits
 from stateblock.v1 import capture_pb2, commit_pb2
@@ -80,7 +81,12 @@ def fakes() -> tuple[FakeCapture, FakeCommits]:
 
 
 @pytest.fixture
-def service(fakes, detokenizer) -> GatewayService:
+def metrics() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def service(fakes, detokenizer, metrics) -> GatewayService:
     capture, commits = fakes
     config = GatewayConfig(
         model_name=MODEL, limits=Limits(max_lanes=4, answer_depth_max=64), request_timeout_s=2.0
@@ -89,7 +95,8 @@ def service(fakes, detokenizer) -> GatewayService:
         capture,
         commits,
         detokenizer,
-        GatewayMetrics(CollectorRegistry()),
+        GatewayMetrics(metrics, MODEL),
         config=config,
         default_max_tokens=DEFAULT_MAX_TOKENS,
+        fingerprint="fp_test",
     )

@@ -148,7 +148,6 @@ async def test_a_streamed_completion_ends_with_done(http):
         ({"model": MODEL, "prompt": "a", "max_tokens": "5"}, "max_tokens"),
         ({"model": MODEL, "prompt": "a", "seed": -1}, "seed"),
         ({"model": MODEL, "prompt": "a", "temperature": 3}, "temperature"),
-        ({"model": "nope", "prompt": "a"}, "model"),
     ],
 )
 async def test_bad_http_requests_get_openai_error_bodies(http, fakes, body, param):

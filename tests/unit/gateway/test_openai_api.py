@@ -1,0 +1,193 @@
+"""What a vLLM user expects of the OpenAI API, through the HTTP app in process over a fake
+capture and commit source: refusals out loud, stops, roles, conformance, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.http import create_app
+from tests.unit.gateway.conftest import MODEL
+
+
+@pytest.fixture
+async def http(service, metrics):
+    app = create_app(service, metrics=metrics, created=1)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        yield client
+
+
+REFUSED = [
+    ("frequency_penalty", 0.5),
+    ("presence_penalty", -1),
+    ("repetition_penalty", 1.2),
+    ("logit_bias", {"5": 10}),
+    ("logprobs", 1),
+    ("top_p", 0.5),
+    ("top_k", 3),
+    ("min_p", 0.1),
+    ("min_tokens", 2),
+    ("echo", True),
+    ("suffix", "x"),
+    ("best_of", 3),
+    ("response_format", {"type": "json_object"}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED, ids=[f for f, _ in REFUSED])
+async def test_what_a_readout_cannot_honour_is_refused_by_name(http, fakes, field, value):
+    capture, _ = fakes
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == "unsupported_parameter"
+    assert field in error["message"] and "not supported: " in error["message"]
+    assert capture.calls == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_p", 1), ("frequency_penalty", 0), ("best_of", 1), ("logprobs", None), ("echo", False)],
+)
+async def test_default_values_of_those_fields_are_served(http, field, value):
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", field: value})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+     ("top_logprobs", 1), ("logprobs", True)],
+)  # fmt: skip
+async def test_chat_refuses_tools_and_logprobs(http, field, value):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("role", ["wizard", "tool", "function"])
+async def test_an_unknown_chat_role_is_400(http, role):
+    body = {"model": MODEL, "messages": [{"role": role, "content": "hi"}]}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert role in r.json()["error"]["message"]
+
+
+async def test_unknown_fields_are_accepted(http):
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "foo": 1})
+    assert r.status_code == 200
+
+
+async def test_stop_strings_cut_the_answer_and_name_the_match(http, fakes, detokenizer):
+    _, commits = fakes
+    commits.answers = [list(range(5, 25))]
+    full = detokenizer.decode(list(range(5, 25)))
+    stop = full[6:8]
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "stop": [stop]})
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == full[: full.find(stop)]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    body = {"model": MODEL, "prompt": "a", "stop": stop, "include_stop_str_in_output": True}
+    r = await http.post("/v1/completions", json=body)
+    assert r.json()["choices"][0]["text"] == full[: full.find(stop) + len(stop)]
+
+
+async def test_a_stream_never_emits_text_past_a_stop(http, fakes, detokenizer):
+    _, commits = fakes
+    commits.answers = [list(range(5, 45))]
+    full = detokenizer.decode(list(range(5, 45)))
+    stop = full[20:22]
+    body = {"model": MODEL, "prompt": "a", "stop": stop, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == full[: full.find(stop)]
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
+async def test_stop_token_ids_end_the_answer_before_the_token(http, fakes):
+    _, commits = fakes
+    commits.answers = [[20, 21, 22, 23]]
+    body = {"model": MODEL, "prompt": "a", "stop_token_ids": [22]}
+    (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    assert choice["stop_reason"] == 22 and choice["finish_reason"] == "stop"
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "stop": [""]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+async def test_chat_stop_and_fingerprint(http, fakes, detokenizer):
+    _, commits = fakes
+    commits.answers = [[20, 21, 22, 23]]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+        "stop_token_ids": [23],
+    }
+    r = (await http.post("/v1/chat/completions", json=body)).json()
+    assert r["system_fingerprint"] == "fp_test"
+    assert r["choices"][0]["message"]["content"] == detokenizer.decode([20, 21, 22])
+    assert r["choices"][0]["stop_reason"] == 23
+
+
+async def test_an_unknown_model_is_404_model_not_found(http):
+    r = await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405)],
+)
+async def test_every_error_body_has_the_openai_shape(http, method, path, status):
+    r = await http.request(method, path)
+    assert r.status_code == status
+    assert set(r.json()) == {"error"} and r.json()["error"]["message"]
+
+
+async def test_malformed_json_is_400_in_the_openai_shape(http):
+    r = await http.post(
+        "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+async def test_models_version_tokenize_detokenize(http, service, detokenizer):
+    (card,) = (await http.get("/v1/models")).json()["data"]
+    limits = service.limits
+    assert card["max_model_len"] == limits.prompt_len_max + limits.answer_depth_max
+    assert card["max_answer_tokens"] == limits.answer_depth_max
+    assert (await http.get("/version")).json()["version"]
+    t = (await http.post("/tokenize", json={"model": MODEL, "prompt": "copy: ab"})).json()
+    assert t["tokens"] == detokenizer.encode("copy: ab") and t["count"] == len(t["tokens"])
+    d = (await http.post("/detokenize", json={"tokens": t["tokens"]})).json()
+    assert d["prompt"] == detokenizer.decode(t["tokens"])
+    r = await http.post("/tokenize", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404
+
+
+async def test_metrics_in_vllm_names_parse_and_count_failures(http, metrics):
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 10_000})
+    text = (await http.get("/metrics")).text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name, **labels):
+        return samples.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))))
+
+    assert value("stateblock:e2e_request_latency_seconds_count", outcome="ok") == 1
+    assert value("stateblock:e2e_request_latency_seconds_count", outcome="InvalidRequest") == 1
+    assert value("stateblock:prompt_tokens_total") == 3
+    assert value("stateblock:generation_tokens_total") == 3
+    assert value("stateblock:request_success_total", finished_reason="stop") == 1
+    assert value("stateblock:num_requests_running") == 0
+    assert value("stateblock:time_to_first_token_seconds_count") == 1
+    assert any(name.startswith("process_") for name, _ in samples)
