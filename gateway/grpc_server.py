@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import bearer_ok
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -130,6 +131,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """The Gateway service's calls need `authorization: Bearer <key>` metadata (health and
+    reflection stay open, as the HTTP probes do); otherwise UNAUTHENTICATED."""
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+            yield  # pragma: no cover - abort raises
+
+        self._deny = {
+            False: grpc.unary_unary_rpc_method_handler(deny),
+            True: grpc.unary_stream_rpc_method_handler(deny_stream),
+        }
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(f"/{SERVICE}/"):
+            header = dict(handler_call_details.invocation_metadata or ()).get("authorization")
+            if not bearer_ok(header, self._api_key):
+                return self._deny[handler_call_details.method.endswith("Stream")]
+        return await continuation(handler_call_details)
+
+
 @asynccontextmanager
 async def serve_grpc(
     service: GatewayService,
@@ -137,10 +165,12 @@ async def serve_grpc(
     port: int,
     grace_s: float,
     nats_state: NatsState | None = None,
+    api_key: str | None = None,
 ) -> AsyncIterator[int]:
     """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
     on shutdown so load balancers stop routing before in-flight requests drain."""
-    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(interceptors=interceptors, options=runtime.GRPC_SERVER_OPTIONS)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import protocol as p
+from gateway.auth import bearer_ok
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -159,6 +160,36 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class ApiKey:
+    """ASGI middleware: the API routes answer 401 in OpenAI's shape without the key (as
+    vLLM's --api-key: /health, /metrics and /version stay open for probes and scrapers)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            header = dict(scope.get("headers", ())).get(b"authorization")
+            if not bearer_ok(header, self.api_key):
+                detail = p.ErrorDetail(
+                    message="Missing or invalid API key (Authorization: Bearer ...).",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                response = JSONResponse(
+                    p.ErrorResponse(error=detail).model_dump(),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     service: GatewayService,
     *,
@@ -166,10 +197,13 @@ def create_app(
     created: int,
     nats_state: NatsState | None = None,
     max_body_bytes: int | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="stateblock gateway", version="1")
     if max_body_bytes is not None:
         app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:  # added last, so it runs first: an unauthenticated body is never read
+        app.add_middleware(ApiKey, api_key=api_key)
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:

@@ -77,7 +77,14 @@ async def running_gateway(
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
         grpc_port = await stack.enter_async_context(
-            serve_grpc(service, config.host, config.grpc_port, config.grace_s, nats_state)
+            serve_grpc(
+                service,
+                config.host,
+                config.grpc_port,
+                config.grace_s,
+                nats_state,
+                api_key=config.api_key,
+            )
         )
         app = create_app(
             service,
@@ -85,6 +92,7 @@ async def running_gateway(
             created=int(time.time()),
             nats_state=nats_state,
             max_body_bytes=config.max_body_bytes,
+            api_key=config.api_key,
         )
         http_port = await stack.enter_async_context(
             serve_http(app, config.host, config.http_port, config.grace_s)

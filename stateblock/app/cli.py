@@ -144,6 +144,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         nats_url=a.nats_url,
         nats_replicas=a.nats_replicas,
         model_name=a.model_name,
+        api_key=a.api_key,
     )
 
     def ready(urls: embedded.StackUrls) -> None:
@@ -164,7 +165,9 @@ def cmd_up(a: argparse.Namespace) -> int:
             # BrokenPipeError here, and without the stop the stack would run on, unattended
             try:
                 print(f"ask: {a.ask}", flush=True)
-                results.append(ask(urls.http, a.ask, timeout=120.0, verbose=True))
+                results.append(
+                    ask(urls.http, a.ask, timeout=120.0, verbose=True, api_key=a.api_key)
+                )
             except Exception:  # noqa: BLE001 - the exit status says the ask failed
                 results.append(1)
             finally:
@@ -192,6 +195,7 @@ def cmd_ask(a: argparse.Namespace) -> int:
         temperature=a.temperature,
         timeout=a.timeout,
         verbose=a.verbose,
+        api_key=a.api_key,
     )
 
 
@@ -204,6 +208,7 @@ def ask(
     temperature: float | None = None,
     timeout: float = 120.0,
     verbose: bool = False,
+    api_key: str | None = None,
 ) -> int:
     """One chat completion from a running gateway, printed; the exit status."""
     import urllib.error
@@ -213,9 +218,10 @@ def ask(
 
     def call(path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            base + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        req = urllib.request.Request(base + path, data=data, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
@@ -423,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--engine", default="reference")
     u.add_argument("--model-name", default="stateblock-reference")
     u.add_argument(
+        "--api-key",
+        default=os.environ.get("STATEBLOCK_API_KEY"),
+        help="require this key on the API (default: $STATEBLOCK_API_KEY; none: open)",
+    )
+    u.add_argument(
         "--nats-url",
         default=None,
         help="use this NATS server or cluster (URLs, comma-separated) instead of starting one",
@@ -445,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--temperature", type=float, default=None)
     q.add_argument("--timeout", type=float, default=120.0)
     q.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage")
+    q.add_argument(
+        "--api-key",
+        default=os.environ.get("STATEBLOCK_API_KEY"),
+        help="sent as Authorization: Bearer (default: $STATEBLOCK_API_KEY)",
+    )
     q.set_defaults(fn=cmd_ask)
 
     x = sub.add_parser("export", help="export the readout decoder to ONNX (opset 17)")

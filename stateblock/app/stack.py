@@ -13,7 +13,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,6 +47,7 @@ class UpConfig:
     engine: str = "reference"
     nats_url: str | None = None  # None: start our own nats-server in data_dir; or a list
     nats_replicas: int = 1  # copies of every stream and bucket (3 on a 3-node cluster)
+    api_key: str | None = field(default=None, repr=False)  # required on the API when set
     nats_max_payload: int | None = None
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
@@ -184,6 +185,7 @@ async def running_stack(
             decoder_dir=config.decoder_dir,
             readout_trusted_keys_dir=readout_key_dir,
             request_timeout_s=config.request_timeout_s,
+            api_key=config.api_key,
             grace_s=config.grace_s,
         )
         nc, state = await connection("gateway")
