@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stateblock-bench"
 CAPTURE = "stateblock_capture_seconds_sum"
 READOUT = "stateblock_readout_seconds_sum"
-REQUEST = "stateblock_request_seconds_sum"
+REQUEST = "stateblock:e2e_request_latency_seconds_sum"
 # Distributions whose versions go into the report: on the GPU machine the service ones come
 # from the carried wheels (bench/gpu_env.sh), the rest from its image.
 VERSIONS = ("torch", "transformers", "triton", "protobuf", "grpcio", "nats-py", "fastapi",
@@ -83,7 +83,11 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
         return metrics.get_sample_value(name, labels) or 0.0
 
     def sums() -> tuple[float, float, float]:
-        return hist(CAPTURE), hist(READOUT), hist(REQUEST, {"api": "completions"})
+        return (
+            hist(CAPTURE),
+            hist(READOUT),
+            hist(REQUEST, {"model_name": serving.name, "outcome": "ok"}),
+        )
 
     def stage_sums() -> dict[str, float]:
         """The services' own stage histograms (sum per stage), as `capture.forward`, ..."""
