@@ -44,7 +44,11 @@ class ReadoutServiceConfig:
     duplicate_window_s: float = 120.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
     metrics_port: int | None = None
-    # where /metrics listens: loopback unless told (the Helm chart says 0.0.0.0)
+    # the standard gRPC health service, on this process's event loop: SERVING while NATS is
+    # connected and the engine answers (the chart's probes); None: not served
+    health_port: int | None = None
+    # where /metrics (and the readout health check) listen: loopback unless told (the Helm
+    # chart says 0.0.0.0)
     metrics_host: str = "127.0.0.1"
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
@@ -80,6 +84,7 @@ class ReadoutServiceConfig:
         e = Env(environ)
         d = cls()
         metrics = e.int("READOUT_METRICS_PORT", -1)
+        health = e.int("READOUT_HEALTH_PORT", -1)
         return cls(
             nats_url=e.str("NATS_URL", d.nats_url),
             nats_replicas=e.int("NATS_REPLICAS", d.nats_replicas, minimum=1),
@@ -104,6 +109,7 @@ class ReadoutServiceConfig:
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
             blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
             metrics_port=None if metrics < 0 else metrics,
+            health_port=None if health < 0 else health,
             metrics_host=e.str("METRICS_HOST", d.metrics_host),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),

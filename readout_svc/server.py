@@ -11,12 +11,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import nats
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from readout_svc.config import ReadoutServiceConfig
-from readout_svc.worker import ReadoutWorker, WorkerMetrics, run_worker
+from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
@@ -47,6 +49,7 @@ async def running_readout(
     trust: TrustStore,
     signer: Signer,
     metrics: CollectorRegistry,
+    engine_health: EngineHealth | None = None,
 ) -> AsyncIterator[RunningReadout]:
     """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
@@ -98,6 +101,7 @@ async def running_readout(
                 retry_delay_s=config.retry_delay_s,
                 limits=config.limits,
                 max_deliver=config.max_deliver,
+                engine_health=engine_health,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -117,6 +121,47 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+LIVENESS = "liveness"
+
+
+@asynccontextmanager
+async def serve_health(
+    host: str, port: int | None, nats_state: NatsState, engine: EngineHealth
+) -> AsyncIterator[int | None]:
+    """grpc.health.v1 on this event loop (a wedged loop fails the probe, unlike a metrics
+    thread): SERVING while NATS is connected and the engine answers; yields the port."""
+    if port is None:
+        yield None
+        return
+    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = runtime.grpc_bind(server, host, port, "readout health")
+    await server.start()
+
+    async def update(_: bool = True) -> None:
+        ok = nats_state.connected and engine.ok
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        await servicer.set("", status)
+
+    # "liveness": SERVING for as long as this loop answers at all (a NATS outage is a reason
+    # to take the pod out of service, not to restart it); "": ready for blocks
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    loop = asyncio.get_running_loop()
+    nats_state.listeners.append(update)
+    engine.listeners.append(lambda _ok: loop.create_task(update()))
+    await update()
+    try:
+        yield bound
+    finally:
+        await servicer.enter_graceful_shutdown()
+        await server.stop(1.0)
 
 
 async def main() -> None:
@@ -142,9 +187,19 @@ async def main() -> None:
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )
+        engine_health = EngineHealth()
+        await stack.enter_async_context(
+            serve_health(config.metrics_host, config.health_port, state, engine_health)
+        )
         await stack.enter_async_context(
             running_readout(
-                config, nc=nc, engine=engine, trust=trust, signer=signer, metrics=metrics
+                config,
+                nc=nc,
+                engine=engine,
+                trust=trust,
+                signer=signer,
+                metrics=metrics,
+                engine_health=engine_health,
             )
         )
         await shutdown.wait()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import nats.errors
@@ -59,6 +60,28 @@ class Rejected(Exception):
         self.detail = detail
         self.authentic = authentic
         super().__init__(f"{reason}: {detail}")
+
+
+class EngineHealth:
+    """Whether the engine answers: LIMIT failed readouts in a row, with none between, say it
+    does not (the readout health check turns NOT_SERVING until one succeeds)."""
+
+    LIMIT = 3
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.listeners: list[Callable[[bool], None]] = []
+
+    @property
+    def ok(self) -> bool:
+        return self.failures < self.LIMIT
+
+    def record(self, succeeded: bool) -> None:
+        before = self.ok
+        self.failures = 0 if succeeded else self.failures + 1
+        if self.ok != before:
+            for listener in self.listeners:
+                listener(self.ok)
 
 
 class WorkerMetrics:
@@ -166,7 +189,9 @@ class ReadoutWorker:
         retry_delay_s: float,
         limits: Limits,
         max_deliver: int = 0,  # 0: unbounded (nothing to end on the last delivery)
+        engine_health: EngineHealth | None = None,
     ) -> None:
+        self._engine_health = engine_health or EngineHealth()
         self._engine = engine
         self._registry = registry
         self._trust = trust
@@ -294,7 +319,9 @@ class ReadoutWorker:
         results: list[LaneResult] | None = None
         try:
             results = await loop.run_in_executor(self._executor, self._engine.readout, lanes)
+            self._engine_health.record(True)
         except Exception:
+            self._engine_health.record(False)
             log.exception("readout failed")
         finally:
             keepalive.cancel()

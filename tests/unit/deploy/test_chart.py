@@ -496,3 +496,14 @@ def test_capture_service_is_headless_so_gateways_balance_over_its_pods(default_d
     assert len(capture) == 1 and capture[0]["spec"]["clusterIP"] == "None"
     target = env_of(default_docs, "gateway")["STATEBLOCK_CAPTURE_TARGET"]
     assert target.split(":")[0] == capture[0]["metadata"]["name"]  # resolves to every pod
+
+
+def test_readout_probes_ask_the_workers_own_health_check(default_docs):
+    env = env_of(default_docs, "readout")
+    port = int(env["STATEBLOCK_READOUT_HEALTH_PORT"])
+    assert ReadoutServiceConfig.from_env(env).health_port == port
+    (container,) = deployment(default_docs, "readout")["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == port, probe
+    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+    assert "service" not in container["readinessProbe"]["grpc"]
