@@ -23,7 +23,7 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import NatsOptions, NatsState, connect
+from stateblock.nats_client import LIVENESS, NatsOptions, NatsState, connect
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -121,9 +121,6 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-LIVENESS = "liveness"
 
 
 @asynccontextmanager

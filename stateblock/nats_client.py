@@ -127,10 +127,17 @@ async def retry_transient(
             await asyncio.sleep(pause_s * (0.5 + random.random()))
 
 
+LIVENESS = "liveness"  # the health service name liveness probes ask
+
+
 async def follow_in_health(servicer, names: tuple[str, ...], state: NatsState | None) -> None:
     """A gRPC health servicer says SERVING only while the NATS connection is up (always,
-    without a state: an in-process test's connection)."""
+    without a state: an in-process test's connection). Its LIVENESS service says SERVING
+    while the process answers at all: an outage takes a pod out of service, it does not
+    restart it."""
     from grpc_health.v1 import health_pb2
+
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
     async def follow(connected: bool) -> None:
         status = (

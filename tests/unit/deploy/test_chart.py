@@ -102,7 +102,7 @@ def test_selectors_ports_and_probes_are_consistent(default_docs):
             handler = spec.get("httpGet") or spec.get("tcpSocket") or spec.get("grpc")
             assert handler["port"] in ports or handler["port"] in ports.values(), (component, probe)
     gateway = container(default_docs, "gateway")
-    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["startupProbe"]["httpGet"]["path"] == "/health"
     assert gateway["readinessProbe"]["grpc"]["port"] == 50051
 
 
@@ -507,3 +507,11 @@ def test_readout_probes_ask_the_workers_own_health_check(default_docs):
         assert container[probe]["grpc"]["port"] == port, probe
     assert container["livenessProbe"]["grpc"]["service"] == "liveness"
     assert "service" not in container["readinessProbe"]["grpc"]
+
+
+@pytest.mark.parametrize("component", ["gateway", "capture", "readout"])
+def test_liveness_never_restarts_a_pod_for_a_nats_outage(default_docs, component):
+    """Readiness follows NATS; liveness asks the 'liveness' health service, SERVING while
+    the process answers, so an outage takes pods out of service without restarting them."""
+    (container,) = deployment(default_docs, component)["spec"]["template"]["spec"]["containers"]
+    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
