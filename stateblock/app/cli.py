@@ -506,11 +506,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# modules of the optional extras (pyproject.toml): a command that needs one says which
+EXTRA_OF = {"tqdm": "train", "matplotlib": "train", "onnx": "export", "tensorrt": "tensorrt"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except ModuleNotFoundError as e:
+        extra = EXTRA_OF.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"stateblock {args.cmd}: needs the {extra!r} extra: pip install 'stateblock[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ flip an exact near-tie (tested equal to `generate` on the reference model).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def greedy_continue(
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+    past, nxt = _cache_of(res), res.logits[:, -1].argmax(-1)
+    cache_arg = _cache_argument(model)
     new: list[list[int]] = [[] for _ in prefixes]
     done = [False] * len(prefixes)  # host-side: one device sync a step, not one a lane
     last = pos[:, -1]
@@ -85,11 +87,22 @@ def greedy_continue(
             input_ids=nxt[:, None],
             attention_mask=mask,
             position_ids=last[:, None],
-            past_key_values=past,
             use_cache=True,
+            **{cache_arg: past},
         )
-        past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1)
+        past, nxt = _cache_of(res), res.logits[:, -1].argmax(-1)
     return new
+
+
+def _cache_argument(model) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x; the old name warns of its
+    removal); the GPU image's release may still have the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def greedy_answers(
