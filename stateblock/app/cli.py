@@ -15,6 +15,7 @@ from pathlib import Path
 from stateblock.runtime import REPO
 
 REFERENCE = REPO / "models" / "reference"
+DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
 BENCHES = {  # each runs as its own module from the checkout (`python -m bench.NAME`)
     "cpu-latency": "bench.latency_cpu",
     "engines-cpu": "bench.engines_cpu",
@@ -366,21 +367,35 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stateblock", description=__doc__)
+    p = argparse.ArgumentParser(prog="stateblock", description=__doc__, formatter_class=DEFAULTS)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("build-reference", help="rebuild the shipped reference model and decoder")
-    b.add_argument("--out", default=str(REFERENCE))
-    b.add_argument("--data-dir", default="data")
-    b.add_argument("--device", default="auto")
-    b.add_argument("--stage", choices=["all", "base", "decoder"], default="all")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--base-steps", type=int, default=9000)
-    b.add_argument("--base-examples", type=int, default=200_000)
-    b.add_argument("--base-budget", type=int, default=65536)
-    b.add_argument("--decoder-steps", type=int, default=10000)
-    b.add_argument("--decoder-examples", type=int, default=60_000)
-    b.add_argument("--decoder-budget", type=int, default=49152)
+    b = sub.add_parser(
+        "build-reference",
+        formatter_class=DEFAULTS,
+        help="rebuild the shipped reference model and decoder",
+    )
+    b.add_argument("--out", default=str(REFERENCE), help="where the rebuilt base/ and decoder/ go")
+    b.add_argument("--data-dir", default="data", help="teacher caches and training data")
+    b.add_argument("--device", default="auto", help="cuda, cpu, or auto (a GPU when there is one)")
+    b.add_argument(
+        "--stage", choices=["all", "base", "decoder"], default="all", help="which stage to build"
+    )
+    b.add_argument("--seed", type=int, default=0, help="random seed of the whole build")
+    b.add_argument("--base-steps", type=int, default=9000, help="optimizer steps of the base model")
+    b.add_argument(
+        "--base-examples", type=int, default=200_000, help="training examples of the base model"
+    )
+    b.add_argument("--base-budget", type=int, default=65536, help="padded tokens a base step")
+    b.add_argument(
+        "--decoder-steps", type=int, default=10000, help="optimizer steps of the decoder"
+    )
+    b.add_argument(
+        "--decoder-examples", type=int, default=60_000, help="training prompts of the decoder"
+    )
+    b.add_argument(
+        "--decoder-budget", type=int, default=49152, help="answer positions a decoder step"
+    )
     b.add_argument("--base-minutes", type=float, default=0.0, help=">0: fit steps to this")
     b.add_argument("--decoder-minutes", type=float, default=0.0, help=">0: fit steps to this")
     b.add_argument("--decode-limit", type=int, default=4096, help="teacher decode cap")
@@ -391,43 +406,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(fn=cmd_build_reference)
 
-    t = sub.add_parser("train", help="distil a readout decoder from a base model")
+    t = sub.add_parser(
+        "train", formatter_class=DEFAULTS, help="distil a readout decoder from a base model"
+    )
     t.add_argument("--base", required=True, help="local Hugging Face model directory")
     t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' per line")
-    t.add_argument("--out", required=True)
-    t.add_argument("--data-dir", default="data")
-    t.add_argument("--device", default="auto")
-    t.add_argument("--steps", type=int, default=6000)
-    t.add_argument("--token-budget", type=int, default=49152)
-    t.add_argument("--max-answer", type=int, default=4096)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="the decoder directory to write")
+    t.add_argument("--data-dir", default="data", help="the teacher cache")
+    t.add_argument("--device", default="auto", help="cuda, cpu, or auto")
+    t.add_argument("--steps", type=int, default=6000, help="optimizer steps")
+    t.add_argument("--token-budget", type=int, default=49152, help="answer positions a step")
+    t.add_argument(
+        "--max-answer", type=int, default=4096, help="longest supervised answer (tokens)"
+    )
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument("--seed", type=int, default=0, help="random seed")
     t.add_argument("--decoder-config", default="{}", help="JSON ReadoutConfig overrides")
     t.set_defaults(fn=cmd_train)
 
-    e = sub.add_parser("eval", help="quality report on held-out prompts")
-    e.add_argument("--base", default=str(REFERENCE / "base"))
-    e.add_argument("--decoder", default=str(REFERENCE / "decoder"))
+    e = sub.add_parser("eval", formatter_class=DEFAULTS, help="quality report on held-out prompts")
+    e.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
+    e.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
     e.add_argument("--n-each", type=int, default=40, help="held-out prompts per family")
-    e.add_argument("--seed", type=int, default=1234)
+    e.add_argument("--seed", type=int, default=1234, help="seed of the held-out prompts")
     e.add_argument("--families", default="", help="comma-separated subset")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--device", default="auto", help="cuda, cpu, or auto")
     e.add_argument("--max-answer", type=int, default=None, help="teacher envelope override")
     e.add_argument("--json", help="write the JSON report here")
     e.add_argument("--plot", help="write the PNG plot here")
     e.add_argument("--markdown", help="write the markdown tables here")
     e.set_defaults(fn=cmd_eval)
 
-    u = sub.add_parser("up", help="run the embedded default: nats-server and every service")
+    u = sub.add_parser(
+        "up",
+        formatter_class=DEFAULTS,
+        help="run the embedded default: nats-server and every service",
+    )
     u.add_argument("--data-dir", default=".stateblock", help="NATS store, keys, logs")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--http-port", type=int, default=8000)
-    u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    u.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)"
+    )
+    u.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
     u.add_argument("--workers", type=int, default=2, help="readout workers")
-    u.add_argument("--base", default=str(REFERENCE / "base"))
-    u.add_argument("--decoder", default=str(REFERENCE / "decoder"))
-    u.add_argument("--engine", default="reference")
-    u.add_argument("--model-name", default="stateblock-reference")
+    u.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
+    u.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
+    u.add_argument("--engine", default="reference", help="readout engine: reference, onnx or torch")
+    u.add_argument(
+        "--model-name", default="stateblock-reference", help="the model name clients ask for"
+    )
     u.add_argument(
         "--api-key",
         default=os.environ.get("STATEBLOCK_API_KEY"),
@@ -444,17 +471,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="copies of every stream and bucket on that cluster (default: 1)",
     )
-    u.add_argument("--log-level", default="warning")
+    u.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
 
-    q = sub.add_parser("ask", help="ask a running gateway (chat completion)")
-    q.add_argument("prompt")
-    q.add_argument("--url", default="http://127.0.0.1:8000")
+    q = sub.add_parser(
+        "ask", formatter_class=DEFAULTS, help="ask a running gateway (chat completion)"
+    )
+    q.add_argument("prompt", help="the user message")
+    q.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
     q.add_argument("--model", default=None, help="default: the gateway's first model")
-    q.add_argument("--max-tokens", type=int, default=None)
-    q.add_argument("--temperature", type=float, default=None)
-    q.add_argument("--timeout", type=float, default=120.0)
+    q.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="answer tokens (default: the decoder's trained depth)",
+    )
+    q.add_argument("--temperature", type=float, default=None, help="0 for greedy (the default)")
+    q.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     q.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage")
     q.add_argument(
         "--api-key",
@@ -463,23 +497,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.set_defaults(fn=cmd_ask)
 
-    x = sub.add_parser("export", help="export the readout decoder to ONNX (opset 17)")
+    x = sub.add_parser(
+        "export", formatter_class=DEFAULTS, help="export the readout decoder to ONNX (opset 17)"
+    )
     x.add_argument("--out", default=None, help="FILE.onnx (default: DECODER/readout.onnx)")
-    x.add_argument("--decoder", default=str(REFERENCE / "decoder"))
-    x.add_argument("--base", default=str(REFERENCE / "base"))
+    x.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
+    x.add_argument(
+        "--base",
+        default=str(REFERENCE / "base"),
+        help="base model directory (its lm_head is checked)",
+    )
     x.add_argument("--tensorrt", default=None, help="also build a TensorRT engine here")
     x.set_defaults(fn=cmd_export)
 
-    au = sub.add_parser("audit", help="engine parity audit and release gate; --determinism")
+    au = sub.add_parser(
+        "audit",
+        formatter_class=DEFAULTS,
+        help="engine parity audit and release gate; --determinism",
+    )
     au.add_argument("--engine", default=None, help="engine audited against reference")
     au.add_argument("--determinism", action="store_true", help="the determinism gate instead")
     au.add_argument("--export", action="store_true", help="onnx: run `stateblock export` first")
-    au.add_argument("--base", default=str(REFERENCE / "base"))
-    au.add_argument("--decoder", default=str(REFERENCE / "decoder"))
-    au.add_argument("--device", default="auto")
+    au.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
+    au.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
+    au.add_argument("--device", default="auto", help="cuda, cpu, or auto")
     au.add_argument("--depths", default="256,512,1024,2048,4096,8192", help="parity depths")
     au.add_argument("--n-prompts", type=int, default=None, help="held-out prompts (32; 8)")
-    au.add_argument("--seed", type=int, default=4321)
+    au.add_argument("--seed", type=int, default=4321, help="seed of the audited prompts")
     au.add_argument("--lanes", type=int, default=8, help="lanes per packed enqueue")
     au.add_argument("--json", help="write the JSON report here")
     au.add_argument("--plot", help="write the PNG plot here (parity)")
@@ -493,14 +537,20 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
     au.set_defaults(fn=cmd_audit)
 
-    bn = sub.add_parser("bench", help="benchmarks (docs/BENCHMARKS.md); BENCH --help for each")
-    bn.add_argument("bench", choices=sorted(BENCHES))
+    bn = sub.add_parser(
+        "bench",
+        formatter_class=DEFAULTS,
+        help="benchmarks (docs/BENCHMARKS.md); BENCH --help for each",
+    )
+    bn.add_argument("bench", choices=sorted(BENCHES), help="which benchmark")
     bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bn.set_defaults(fn=cmd_bench)
 
-    k = sub.add_parser("keys", help="signing keys")
+    k = sub.add_parser("keys", formatter_class=DEFAULTS, help="signing keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True)
-    kg = ksub.add_parser("generate", help="a new Ed25519 key pair and its key id")
+    kg = ksub.add_parser(
+        "generate", formatter_class=DEFAULTS, help="a new Ed25519 key pair and its key id"
+    )
     kg.add_argument("--out", required=True, help="directory for <key_id>.key and <key_id>.pub")
     kg.set_defaults(fn=cmd_keys_generate)
     return p

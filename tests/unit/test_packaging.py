@@ -101,3 +101,23 @@ def test_a_command_that_needs_an_extra_says_which(monkeypatch, capsys):
 def _with_fn(parser, command, fn):
     parser._subparsers._group_actions[0].choices[command].set_defaults(fn=fn)
     return parser
+
+
+def test_every_cli_flag_has_help_and_shows_its_default():
+    import argparse
+
+    from stateblock.app.cli import build_parser
+
+    def parsers(p):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter, parser.prog
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            assert action.help, f"{parser.prog} {action.dest} has no help"
