@@ -1,8 +1,27 @@
-"""The synthetic task suite: seeded prompts with exact answers, 1 to ~3,000 tokens long.
+"""The synthetic task suite (fidelity rework): seeded prompts with exact answers, 1-3,072 tokens.
 
 Every family is a pure function of its prompt, so the ground truth is exact and the base
 model's own greedy answer can be checked against it. The train / held-out split is a
 hash of the prompt text: a prompt can never be in both.
+
+Answer-length coverage. The families that can be long draw a length *class* (a range of
+answer lengths in tokens, one char = one token). On the held-out split `generate` cycles
+the classes by the family's example index (slot), so `--n-each 30` puts a fixed number of
+prompts in every evaluation bucket (1-64, 65-256, 257-1024, 1025-2048, 2049-3072):
+at n_each=30, 126 / 35 / 35 / 40 / 40. On the train split the class is drawn at random
+from a wider mixture that also has short answers.
+
+Families (answer lengths):
+  copy      copy: <s>            s, 1-1024 chars (held-out: 65-256 and 257-1024)
+  reverse   reverse: <s>         s reversed, 1-32
+  sort      sort: <s>            s sorted, 1-32
+  add       add: AAAAA+BBBBB     the 6-digit zero-padded sum written least-significant digit
+                                 first (LSB-first makes every output digit a local function)
+  recall    recall: k=v;... ?k   v, 1-3 digits, 2-10 keys
+  count     count: 017 342       017 018 ... 342 (three-digit columns), 3-3,071
+  countdown countdown: 342 017   342 341 ... 017
+  repeat    repeat: abc 017      abc001 abc002 ... abc017 (numbered: the model can stop)
+  alpha     alpha: bdy cfa       bdy bdz bea ... cfa (three-letter base-26 counting)
 """
 
 from __future__ import annotations
@@ -11,11 +30,19 @@ import hashlib
 import math
 import random
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 LETTERS = string.ascii_lowercase
 MAX_ANSWER = 3072  # longest supervised answer, in tokens (one char = one token)
+
+# length classes, in answer tokens
+C_SHORT, C_MID, C_LONG, C_XL, C_XXL = (1, 64), (65, 256), (257, 1024), (1025, 2048), (2049, 3072)
+# held-out cycles (slot -> class); train mixtures (random class)
+LONG_EVAL = (C_MID, C_LONG, C_XL, C_XXL, C_XL, C_XXL)
+LONG_TRAIN = (C_SHORT, C_MID, C_LONG, C_XL, C_XXL, C_XL, C_XXL)
+COPY_EVAL = (C_MID, C_LONG)
+COPY_TRAIN = (C_SHORT, C_MID, C_LONG)
 
 
 @dataclass(frozen=True)
@@ -33,54 +60,88 @@ def _word(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
 
 
-def copy(rng: random.Random) -> Example:
-    s = _word(rng, 1, 32)
+def _cls(rng: random.Random, slot: int | None, eval_cycle, train_mix) -> tuple[int, int]:
+    if slot is None:
+        return rng.choice(train_mix)
+    return eval_cycle[slot % len(eval_cycle)]
+
+
+def _items_in(rng: random.Random, cls: tuple[int, int], item: int, cap: int) -> int:
+    """A count n of items of `item` tokens joined by one separator (length n*(item+1)-1)
+    whose answer length falls in cls, n <= cap."""
+    lo = max(1, -(-(cls[0] + 1) // (item + 1)))
+    hi = min(cap, (cls[1] + 1) // (item + 1))
+    return rng.randint(lo, max(lo, hi))
+
+
+def copy(rng: random.Random, slot: int | None = None) -> Example:
+    lo, hi = _cls(rng, slot, COPY_EVAL, COPY_TRAIN)
+    s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
     return Example("copy", f"copy: {s}", s)
 
 
-def reverse(rng: random.Random) -> Example:
+def reverse(rng: random.Random, slot: int | None = None) -> Example:
     s = _word(rng, 1, 32)
     return Example("reverse", f"reverse: {s}", s[::-1])
 
 
-def sort(rng: random.Random) -> Example:
+def sort(rng: random.Random, slot: int | None = None) -> Example:
     s = _word(rng, 1, 32)
     return Example("sort", f"sort: {s}", "".join(sorted(s)))
 
 
-def add(rng: random.Random) -> Example:
+def add(rng: random.Random, slot: int | None = None) -> Example:
     a = rng.randint(0, 10 ** rng.randint(1, 5) - 1)
     b = rng.randint(0, 10 ** rng.randint(1, 5) - 1)
-    return Example("add", f"add: {a}+{b}", str(a + b))
+    return Example("add", f"add: {a:05d}+{b:05d}", f"{a + b:06d}"[::-1])
 
 
-def recall(rng: random.Random) -> Example:
-    keys = rng.sample(LETTERS, rng.randint(2, 8))
+def recall(rng: random.Random, slot: int | None = None) -> Example:
+    keys = rng.sample(LETTERS, rng.randint(2, 10))
     vals = [str(rng.randint(0, 999)) for _ in keys]
     q = rng.randrange(len(keys))
     pairs = ";".join(f"{k}={v}" for k, v in zip(keys, vals, strict=True))
     return Example("recall", f"recall: {pairs} ?{keys[q]}", vals[q])
 
 
-def count(rng: random.Random) -> Example:
+def count(rng: random.Random, slot: int | None = None) -> Example:
     # zero-padded three-digit columns: "017 018 ... 342", 4 tokens a number
-    n = _loguniform(rng, 1, (MAX_ANSWER + 1) // 4)
+    n = _items_in(rng, _cls(rng, slot, LONG_EVAL, LONG_TRAIN), 3, 1000)
     a = rng.randint(0, 1000 - n)
     nums = " ".join(f"{i:03d}" for i in range(a, a + n))
     return Example("count", f"count: {a:03d} {a + n - 1:03d}", nums)
 
 
-def repeat(rng: random.Random) -> Example:
+def countdown(rng: random.Random, slot: int | None = None) -> Example:
+    n = _items_in(rng, _cls(rng, slot, LONG_EVAL, LONG_TRAIN), 3, 1000)
+    a = rng.randint(0, 1000 - n)
+    nums = " ".join(f"{i:03d}" for i in range(a + n - 1, a - 1, -1))
+    return Example("countdown", f"countdown: {a + n - 1:03d} {a:03d}", nums)
+
+
+def repeat(rng: random.Random, slot: int | None = None) -> Example:
     pat = _word(rng, 1, 6)
-    total = _loguniform(rng, len(pat), MAX_ANSWER)
-    n = max(1, total // len(pat))
-    return Example("repeat", f"repeat: {pat} {n}", pat * n)
+    n = _items_in(rng, _cls(rng, slot, LONG_EVAL, LONG_TRAIN), len(pat) + 3, 999)
+    return Example(
+        "repeat", f"repeat: {pat} {n:03d}", " ".join(f"{pat}{i:03d}" for i in range(1, n + 1))
+    )
 
 
-FAMILIES: dict[str, Callable[[random.Random], Example]] = {
-    f.__name__: f for f in (copy, reverse, sort, add, recall, count, repeat)
+def _alpha(i: int) -> str:
+    return LETTERS[i // 676] + LETTERS[i // 26 % 26] + LETTERS[i % 26]
+
+
+def alpha(rng: random.Random, slot: int | None = None) -> Example:
+    n = _items_in(rng, _cls(rng, slot, LONG_EVAL, LONG_TRAIN), 3, 17576)
+    a = rng.randint(0, 17576 - n)
+    words = " ".join(_alpha(i) for i in range(a, a + n))
+    return Example("alpha", f"alpha: {_alpha(a)} {_alpha(a + n - 1)}", words)
+
+
+FAMILIES: dict[str, Callable[..., Example]] = {
+    f.__name__: f for f in (copy, reverse, sort, add, recall, count, countdown, repeat, alpha)
 }
-LONG_FAMILIES = ("count", "repeat")
+LONG_FAMILIES = ("count", "countdown", "repeat", "alpha")
 
 
 def is_heldout(prompt: str, fraction: int = 10) -> bool:
@@ -96,7 +157,10 @@ def generate(
     families: tuple[str, ...] | None = None,
     weights: dict[str, float] | None = None,
 ) -> list[Example]:
-    """n distinct examples of one split ("train" or "heldout"), reproducible from seed."""
+    """n distinct examples of one split ("train" or "heldout"), reproducible from seed.
+
+    Held-out: a family's k-th example uses length slot k (stratified buckets); a prompt
+    that is a duplicate or falls in the other split is redrawn for the same slot."""
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown split {split!r}")
     names = list(families or FAMILIES)
@@ -104,19 +168,19 @@ def generate(
     rng = random.Random(f"{seed}:{split}")
     seen: set[str] = set()
     out: list[Example] = []
-    for ex in _stream(rng, names, w):
-        if ex.prompt in seen or is_heldout(ex.prompt) != (split == "heldout"):
-            continue
+    made = dict.fromkeys(names, 0)
+    want_heldout = split == "heldout"
+    while len(out) < n:
+        name = rng.choices(names, w)[0]
+        slot = made[name] if want_heldout else None
+        while True:
+            ex = FAMILIES[name](rng, slot)
+            if ex.prompt not in seen and is_heldout(ex.prompt) == want_heldout:
+                break
         seen.add(ex.prompt)
+        made[name] += 1
         out.append(ex)
-        if len(out) == n:
-            return out
-    raise AssertionError("unreachable")
-
-
-def _stream(rng: random.Random, names: list[str], w: list[float]) -> Iterator[Example]:
-    while True:
-        yield FAMILIES[rng.choices(names, w)[0]](rng)
+    return out
 
 
 def per_family(n_each: int, *, split: str, seed: int) -> list[Example]:

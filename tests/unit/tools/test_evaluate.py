@@ -18,7 +18,10 @@ def test_score_definitions():
     s = score([5, 6, 6, 6], ([5, 6, 6, 6], NO_EOS), [5, 6], EOS)  # teacher never stopped
     assert s["exact"] and not s["t_truth"]
     assert (
-        bucket_of(1) == "1-64" and bucket_of(2048) == "1025-2048" and bucket_of(9000) == "2049-8192"
+        bucket_of(1) == "1-64"
+        and bucket_of(2048) == "1025-2048"
+        and bucket_of(3072) == "2049-3072"
+        and bucket_of(9000) == "2049-3072"
     )
 
 

@@ -16,7 +16,8 @@ def test_at_least_six_families_with_exact_answers():
         assert ex.answer == "".join(sorted(ex.prompt.split(": ")[1]))
         ex = tasks.add(rng)
         a, b = ex.prompt.split(": ")[1].split("+")
-        assert int(ex.answer) == int(a) + int(b)
+        assert len(a) == len(b) == 5  # zero-padded operands, the sum least-significant first
+        assert len(ex.answer) == 6 and int(ex.answer[::-1]) == int(a) + int(b)
         ex = tasks.reverse(rng)
         assert ex.answer == ex.prompt.split(": ")[1][::-1]
         ex = tasks.recall(rng)
@@ -25,6 +26,16 @@ def test_at_least_six_families_with_exact_answers():
         ex = tasks.count(rng)
         lo, hi = map(int, ex.prompt.split(": ")[1].split())
         assert [int(x) for x in ex.answer.split()] == list(range(lo, hi + 1))
+        ex = tasks.countdown(rng)
+        hi, lo = map(int, ex.prompt.split(": ")[1].split())
+        assert [int(x) for x in ex.answer.split()] == list(range(hi, lo - 1, -1))
+        ex = tasks.repeat(rng)
+        pat, n = ex.prompt.split(": ")[1].split()
+        assert ex.answer.split() == [f"{pat}{i:03d}" for i in range(1, int(n) + 1)]
+        ex = tasks.alpha(rng)
+        first, last = ex.prompt.split(": ")[1].split()
+        words = ex.answer.split()
+        assert (words[0], words[-1]) == (first, last) and words == sorted(words)
 
 
 def test_answer_lengths_span_one_to_over_2048():
@@ -33,6 +44,18 @@ def test_answer_lengths_span_one_to_over_2048():
     assert min(lengths) == 1
     assert max(lengths) >= 2048
     assert {e.family for e in exs} == set(tasks.FAMILIES)
+
+
+def test_held_out_prompts_fill_every_length_bucket():
+    """--n-each 30 puts at least 30 held-out prompts in every answer-length bucket."""
+    from stateblock.tools.evaluate import bucket_of
+
+    exs = tasks.per_family(30, split="heldout", seed=1234)
+    counts = {}
+    for e in exs:
+        counts[bucket_of(len(e.answer))] = counts.get(bucket_of(len(e.answer)), 0) + 1
+    assert len(counts) == 5 and min(counts.values()) >= 30, counts
+    assert max(len(e.answer) for e in exs) <= tasks.MAX_ANSWER
 
 
 def test_generation_is_seeded():
