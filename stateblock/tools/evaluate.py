@@ -21,7 +21,7 @@ from stateblock.train.batching import budget_batches
 from stateblock.train.reference import encode_examples
 from stateblock.train.teacher import greedy_answers
 
-BUCKETS = [(1, 64), (65, 256), (257, 1024), (1025, 2048), (2049, 3072)]  # longer: the last
+BUCKETS, bucket_of = tasks.BUCKETS, tasks.bucket_of  # one definition, the suite's
 METRICS = (
     "exact_match_vs_teacher",
     "token_agreement_vs_teacher",
@@ -31,13 +31,6 @@ METRICS = (
     "distinct4_teacher",
     "distinct4_readout",
 )
-
-
-def bucket_of(n: int) -> str:
-    for lo, hi in BUCKETS:
-        if n <= hi:
-            return f"{lo}-{hi}"
-    return f"{BUCKETS[-1][0]}-{BUCKETS[-1][1]}"
 
 
 @torch.no_grad()

@@ -138,6 +138,17 @@ def alpha(rng: random.Random, slot: int | None = None) -> Example:
     return Example("alpha", f"alpha: {_alpha(a)} {_alpha(a + n - 1)}", words)
 
 
+# The answer-length buckets reports use (in tokens); longer answers count in the last.
+BUCKETS = [C_SHORT, C_MID, C_LONG, C_XL, C_XXL]
+
+
+def bucket_of(n: int) -> str:
+    for lo, hi in BUCKETS:
+        if n <= hi:
+            return f"{lo}-{hi}"
+    return f"{BUCKETS[-1][0]}-{BUCKETS[-1][1]}"
+
+
 FAMILIES: dict[str, Callable[..., Example]] = {
     f.__name__: f for f in (copy, reverse, sort, add, recall, count, countdown, repeat, alpha)
 }

@@ -89,3 +89,28 @@ def test_tokenizer_loads_with_autotokenizer_and_round_trips(tmp_path):
         [{"role": "user", "content": "copy: abc"}], add_generation_prompt=True, tokenize=False
     )
     assert chat == "<bos>copy: abc<ans>"
+
+
+def test_the_base_trainer_runs_and_writes_a_loadable_model(tmp_path):
+    """`python -m stateblock.train.base_ddp` on the CPU at toy scale: it trains, saves a base
+    that loads with from_pretrained, its resumable fp32 parts, and the held-out report."""
+    import json
+    import subprocess
+    import sys
+
+    from stateblock.model.loading import load_base
+    from tests.helpers import REPO
+
+    args = [
+        sys.executable, "-m", "stateblock.train.base_ddp", "--out", str(tmp_path), "--device",
+        "cpu", "--dim", "32", "--mlp-dim", "64", "--n-layers", "1", "--n-heads", "2",
+        "--max-steps", "3", "--minutes", "1", "--workers", "0", "--pool", "40",
+        "--budget", "8192", "--max-batch", "8", "--eval-each", "1", "--final-eval-each", "0",
+    ]  # fmt: skip
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = json.loads((tmp_path / "base_stats.json").read_text())
+    assert stats["steps"] == 3 and set(stats["heldout99"]["family"]) == set(tasks.FAMILIES)
+    assert list(tmp_path.glob("fp32.part*.safetensors"))
+    model, tok = load_base(tmp_path / "base")
+    assert model.config.hidden_size == 32 and tok("copy: a")["input_ids"][0] == tok.bos_token_id

@@ -1,0 +1,371 @@
+"""The reference base model's trainer: fresh task-suite prompts every step (loader worker
+processes), bf16 autocast on the GPU, DistributedDataParallel under torchrun on every GPU of
+a machine (or one GPU, or the CPU), a wall-clock budget with a cosine schedule planned from
+the measured pace, resumable from its state file, and per-family held-out exact vs truth at
+the end (teacher-forced: the greedy answer equals the truth iff argmax predicts every truth
+token and then EOS).
+
+    torchrun --standalone --nproc_per_node=2 -m stateblock.train.base_ddp --out DIR --minutes 6
+
+docs/QUALITY.md ("The rebuild") has the four runs that built models/next/base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stateblock.train import tasks
+from stateblock.train.batching import budget_batches
+from stateblock.train.tokenizer import save_tokenizer
+
+
+class FastEnc:
+    """One-char-per-token encoding straight from the tokenizer's vocab (checked equal to the
+    tokenizer at start-up): prompt -> [<bos>, keyword, chars..., <ans>], answer -> chars."""
+
+    def __init__(self, tok_dir: str | Path) -> None:
+        vocab = json.loads((Path(tok_dir) / "tokenizer.json").read_text())["model"]["vocab"]
+        self.vocab = vocab
+        self.bos, self.eos = vocab["<bos>"], vocab["<eos>"]
+        self.pad, self.ans = vocab["<pad>"], vocab["<ans>"]
+        self.char = {c: i for c, i in vocab.items() if len(c) == 1}
+
+    def prompt(self, p: str) -> list[int]:
+        kw, rest = p.split(":", 1)
+        return [self.bos, self.vocab[kw + ":"]] + [self.char[c] for c in rest] + [self.ans]
+
+    def answer(self, a: str) -> list[int]:
+        return [self.char[c] for c in a]
+
+
+def log(*a):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*a, flush=True)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, tok_dir, seed, budget, max_batch, pool, weights):
+        self.tok_dir, self.seed, self.budget, self.max_batch, self.pool = (
+            tok_dir,
+            seed,
+            budget,
+            max_batch,
+            pool,
+        )
+        self.weights = weights
+
+    def __iter__(self):
+        enc = FastEnc(self.tok_dir)
+        wi = torch.utils.data.get_worker_info()
+        wid = wi.id if wi else 0
+        it = 0
+        while True:
+            s = f"{self.seed}-{wid}-{it}"
+            it += 1
+            exs = tasks.generate(self.pool, split="train", seed=s, weights=self.weights)
+            seqs, plens = [], []
+            for e in exs:
+                p = enc.prompt(e.prompt)
+                seqs.append(p + enc.answer(e.answer) + [enc.eos])
+                plens.append(len(p))
+            for b in budget_batches(
+                [len(x) for x in seqs], self.budget, max_batch=self.max_batch, seed=hash(s) & 0xFFFF
+            ):
+                w = max(len(seqs[i]) for i in b)
+                ids = torch.full((len(b), w), enc.pad, dtype=torch.long)
+                lab = torch.full((len(b), w), -100, dtype=torch.long)
+                for r, i in enumerate(b):
+                    x = torch.tensor(seqs[i])
+                    ids[r, : len(x)] = x
+                    lab[r, plens[i] - 1 : len(x) - 1] = x[
+                        plens[i] :
+                    ]  # shifted: position t predicts t+1
+                yield ids, lab
+
+
+def build_model(tok, a):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=a.dim,
+        intermediate_size=a.mlp_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_heads,
+        max_position_embeddings=8192 + 512,
+        rope_theta=a.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step, total, base, warmup):
+    if step < warmup:
+        return base * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+@torch.no_grad()
+def exact_by_family(model, enc, device, n_each=50, seed=99, budget=65536):
+    """Teacher-forced check: greedy answer == truth (+EOS) iff argmax predicts every truth
+    token and then EOS. Returns per-family exact, per-bucket exact, and failure details."""
+    from collections import defaultdict
+
+    exs = tasks.per_family(n_each, split="heldout", seed=seed)
+    seqs = [(enc.prompt(e.prompt), enc.answer(e.answer) + [enc.eos]) for e in exs]
+    lens = [len(p) + len(t) for p, t in seqs]
+    ok = [False] * len(exs)
+    first_bad = [None] * len(exs)
+    for b in budget_batches(lens, budget, max_batch=512):
+        w = max(lens[i] for i in b)
+        ids = torch.full((len(b), w), enc.pad, dtype=torch.long)
+        for r, i in enumerate(b):
+            ids[r, : lens[i]] = torch.tensor(seqs[i][0] + seqs[i][1])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
+            pred = model(input_ids=ids.to(device)).logits.argmax(-1).cpu()
+        for r, i in enumerate(b):
+            p, t = seqs[i]
+            got = pred[r, len(p) - 1 : len(p) - 1 + len(t)].tolist()
+            bad = [k for k, (x, y) in enumerate(zip(got, t, strict=True)) if x != y]
+            ok[i] = not bad
+            first_bad[i] = bad[0] if bad else None
+    fam, buck = defaultdict(list), defaultdict(list)
+    tokacc = defaultdict(list)
+    for e, o, fb, (_, t) in zip(exs, ok, first_bad, seqs, strict=True):
+        fam[e.family].append(o)
+        n = len(e.answer)
+        buck[tasks.bucket_of(n)].append(o)
+        tokacc[e.family].append((fb if fb is not None else len(t)) / len(t))
+    r = lambda v: round(sum(v) / len(v), 3)  # noqa: E731
+    return {
+        "family": {f: r(v) for f, v in fam.items()},
+        "bucket": {b: (r(v), len(v)) for b, v in sorted(buck.items())},
+        "prefix_frac": {f: r(v) for f, v in tokacc.items()},
+    }
+
+
+def save_split(state, prefix: Path, max_bytes=15 * 2**20):
+    from safetensors.torch import save_file
+
+    parts, cur, size = [], {}, 0
+    for k, v in state.items():
+        nb = v.numel() * v.element_size()
+        if cur and size + nb > max_bytes:
+            parts.append(cur)
+            cur, size = {}, 0
+        cur[k] = v.contiguous()
+        size += nb
+    parts.append(cur)
+    for j, p in enumerate(parts):
+        save_file(p, str(prefix) + f".part{j}.safetensors")
+    return len(parts)
+
+
+def load_split(prefix: Path):
+    from safetensors.torch import load_file
+
+    st = {}
+    for f in sorted(prefix.parent.glob(prefix.name + ".part*.safetensors")):
+        st.update(load_file(str(f)))
+    return st
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m stateblock.train.base_ddp",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = ap.add_argument
+    add("--out", required=True, help="writes OUT/base (the model) and OUT/fp32.part* (resume)")
+    add("--minutes", type=float, default=7.0, help="wall-clock budget of this run")
+    add("--max-steps", type=int, default=10**9, help="steps of this run at most")
+    add("--dim", type=int, default=256, help="hidden size")
+    add("--mlp-dim", type=int, default=1024, help="MLP width")
+    add("--n-layers", type=int, default=8, help="transformer layers")
+    add("--n-heads", type=int, default=8, help="attention heads")
+    add("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
+    add("--max-batch", type=int, default=512, help="sequences a batch, per GPU")
+    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
+    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
+    add("--lr", type=float, default=2e-3, help="peak learning rate")
+    add("--warmup", type=int, default=150, help="warm-up steps")
+    add("--seed", type=int, default=0, help="random seed")
+    add("--init", default="", help="fp32 split checkpoint prefix to start from (no optimizer)")
+    add("--state", default="", help="full resumable state file (model+opt+step), used if it exists")
+    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
+    add("--eval-each", type=int, default=50, help="held-out prompts a family, seed 99, at the end")
+    add("--final-eval-each", type=int, default=30, help="the same at seed 1234 (0: skip)")
+    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
+    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+
+    ddp = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ddp:
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if a.device == "cuda" else "cpu"
+    if a.device == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "base"
+    if rank == 0:
+        save_tokenizer(tok_dir)
+    if ddp:
+        dist.barrier()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    enc = FastEnc(tok_dir)
+    # the fast encoder must equal the tokenizer
+    for e in tasks.generate(200, split="heldout", seed=5):
+        assert tok(e.prompt)["input_ids"] == enc.prompt(e.prompt), e.prompt
+        assert tok(e.answer, add_special_tokens=False)["input_ids"] == enc.answer(e.answer)
+    torch.manual_seed(a.seed)
+    model = build_model(tok, a)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16)")
+    if a.init:
+        model.load_state_dict(load_split(Path(a.init)))
+        log("init from", a.init)
+    model.to(device).train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95), fused=a.device == "cuda"
+    )
+    step, total = 0, None
+    if a.state and Path(a.state).exists():
+        st = torch.load(a.state, map_location=device)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, total = st["step"], st["total"]
+        log(f"resumed state at step {step}/{total}")
+        if a.reschedule:
+            total = None
+    dmodel = (
+        torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if a.device == "cuda" else None
+        )
+        if ddp
+        else model
+    )
+    weights = json.loads(a.weights)
+    ds = Stream(str(tok_dir), f"{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=a.workers,
+        prefetch_factor=8 if a.workers else None,
+        persistent_workers=False,
+    )
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
+    t0 = time.perf_counter()
+    start = step
+    tlog = t10 = t0  # t10: when step 100 of this run began (the pace leaves out warm-up)
+    losses = []
+    for ids, lab in dl:
+        if total is None and step - start == 300:
+            pace = (time.perf_counter() - t10) / 200
+            left = a.minutes * 60 - (time.perf_counter() - t0)
+            total = min(start + a.max_steps, step + int(left / pace))
+            if ddp:  # every rank takes rank 0's plan
+                tt = torch.tensor([total], device=device)
+                dist.broadcast(tt, 0)
+                total = int(tt.item())
+            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
+        if step - start == 100:
+            t10 = time.perf_counter()
+        plan = (
+            total if total is not None else start + (a.max_steps if a.max_steps < 10**9 else 4000)
+        )
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step - start, plan - start, a.lr, a.warmup)
+        ids, lab = ids.to(device, non_blocking=True), lab.to(device, non_blocking=True)
+        with amp:
+            logits = dmodel(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), lab.flatten(), ignore_index=-100
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0:
+            losses.append(loss.item())
+        if time.perf_counter() - tlog > 20:
+            tlog = time.perf_counter()
+            log(
+                f"step {step}/{total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s shape {tuple(ids.shape)}"
+            )
+        if (total is not None and step >= total) or step - start >= a.max_steps:
+            break
+        if not ddp and time.perf_counter() - t0 > a.minutes * 60 + 30:
+            log("wall-clock stop")
+            break
+    train_s = time.perf_counter() - t0
+    stats = {
+        "steps": step,
+        "steps_this_run": step - start,
+        "train_seconds": round(train_s, 1),
+        "params": n_params,
+        "final_loss": losses[-1] if losses else None,
+        "world": world,
+        "args": vars(a),
+    }
+    if rank == 0:
+        model.eval()
+        sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+        save_split(sd, out / "fp32")
+        if a.state:
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "total": total,
+                },
+                a.state,
+            )
+        model.to(torch.bfloat16).save_pretrained(str(tok_dir), safe_serialization=True)
+        model.float()
+        t1 = time.perf_counter()
+        ev = exact_by_family(model, enc, device, n_each=a.eval_each, seed=99)
+        stats["heldout99"] = ev
+        if a.final_eval_each:
+            stats["heldout1234"] = exact_by_family(
+                model, enc, device, n_each=a.final_eval_each, seed=1234
+            )
+        stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
+        log(json.dumps(stats))
+        (out / "base_stats.json").write_text(json.dumps(stats, indent=2))
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    # the loader's worker processes can hold the interpreter's exit on some platforms
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
