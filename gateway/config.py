@@ -29,6 +29,7 @@ class GatewayConfig:
     limits: Limits = Limits()  # prompts x n, prompt length, answer envelope
     stream_chunk_tokens: int = 16
     max_body_bytes: int = 4 << 20  # an HTTP request body over this is a 413, unread
+    idempotency_ttl_s: float = 600.0  # how long a retry with an Idempotency-Key finds its first
     # clients must send it (HTTP `Authorization: Bearer`, gRPC `authorization` metadata) on
     # the API (/v1/*, /tokenize, /detokenize, the Gateway service); None: no check
     api_key: str | None = field(default=None, repr=False)
@@ -57,6 +58,7 @@ class GatewayConfig:
             limits=runtime.limits_from_env(e),
             stream_chunk_tokens=e.int("STREAM_CHUNK_TOKENS", d.stream_chunk_tokens, minimum=1),
             max_body_bytes=e.int("MAX_BODY_BYTES", d.max_body_bytes, minimum=1024),
+            idempotency_ttl_s=e.float("IDEMPOTENCY_TTL_S", d.idempotency_ttl_s),
             api_key=e.optional_str("API_KEY"),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),

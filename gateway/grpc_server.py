@@ -84,9 +84,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._service = service
 
     async def _generate(self, req: gateway_pb2.GenerateRequest, context, api: str) -> Generation:
+        metadata = dict(context.invocation_metadata() or ())
         try:
             return await self._service.generate(
-                params_of(req), api=api, timeout=context.time_remaining()
+                params_of(req),
+                api=api,
+                timeout=context.time_remaining(),
+                idempotency_key=metadata.get("idempotency-key"),
             )
         except GatewayError as e:
             await context.abort(status_of(e), str(e))

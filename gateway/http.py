@@ -8,10 +8,11 @@ import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, nullcontext
+from typing import Annotated
 
 import structlog
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -39,6 +40,8 @@ from gateway.stops import StopSpec
 from stateblock.nats_client import NatsState
 
 log = structlog.get_logger("gateway.http")
+# a client's retry key (gateway/idempotency.py): the same key, the first request's answer
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
 try:
     VERSION = importlib.metadata.version("stateblock")
 except importlib.metadata.PackageNotFoundError:  # a checkout run without installing
@@ -273,7 +276,7 @@ def create_app(
         return p.ModelList(data=[card])
 
     @app.post("/v1/completions")
-    async def completions(req: p.CompletionRequest):
+    async def completions(req: p.CompletionRequest, idempotency_key: IdempotencyKey = None):
         stop = _screen(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         params = GenerateParams(
@@ -284,7 +287,7 @@ def create_app(
             sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
             stop=stop,
         )
-        g = await service.generate(params, api="completions")
+        g = await service.generate(params, api="completions", idempotency_key=idempotency_key)
         rid = f"cmpl-{g.request_id}"
         if not req.stream:
             choices = [
@@ -332,7 +335,9 @@ def create_app(
         return _sse(chunks())
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: p.ChatCompletionRequest):
+    async def chat_completions(
+        req: p.ChatCompletionRequest, idempotency_key: IdempotencyKey = None
+    ):
         stop = _screen(req)
         for m in req.messages:
             if m.role not in p.ROLES:
@@ -355,7 +360,7 @@ def create_app(
             stop=stop,
         )
         try:
-            g = await service.generate(params, api="chat")
+            g = await service.generate(params, api="chat", idempotency_key=idempotency_key)
         except InvalidRequest as e:
             if e.param == "max_tokens":
                 e.param = param_name

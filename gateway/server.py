@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.detokenizer import Detokenizer
 from gateway.grpc_server import serve_grpc
 from gateway.http import create_app, serve_http
+from gateway.idempotency import KvKeyStore
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from registry import Registry
@@ -58,6 +59,9 @@ async def running_gateway(
             "(STATEBLOCK_READOUT_TRUSTED_KEYS_DIR): no answer could ever be believed"
         )
     registry = await Registry.open(nc.jetstream(), replicas=config.nats_replicas)
+    keys = await KvKeyStore.open(
+        nc.jetstream(), ttl_s=config.idempotency_ttl_s, replicas=config.nats_replicas
+    )
     async with AsyncExitStack() as stack:
         commits = await stack.enter_async_context(
             CommitWatcher.open(registry, readout_trust, metrics=metrics)
@@ -74,6 +78,7 @@ async def running_gateway(
             config=config,
             default_max_tokens=default_max_tokens(manifest, config.limits.answer_depth_max),
             fingerprint=f"fp_{manifest.get('decoder_digest', '')[:16]}",
+            idempotency=keys,
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.
         grpc_port = await stack.enter_async_context(

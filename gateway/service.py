@@ -8,6 +8,7 @@ here: HTTP and gRPC both call `generate` and render its `Generation`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from gateway.errors import (
     ModelNotFound,
     Unavailable,
 )
+from gateway.idempotency import KeyStore, Record, claim_or_follow, store_key
 from gateway.metrics import GatewayMetrics
 from gateway.stops import MAX_STOP_STRINGS, StopSpec, apply_stops
 from registry import CommitTimeout, RegistryError
@@ -115,6 +117,14 @@ class Piece:
     finish_reason: str | None
 
 
+def fingerprint(p: GenerateParams, max_tokens: int) -> str:
+    """One request's parameters, for `Idempotency-Key`: the same key with others is refused."""
+    h = hashlib.sha256()
+    h.update(repr((p.model, p.inputs, p.n, max_tokens, p.stop)).encode())
+    h.update(p.sampling.SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
 @contextmanager
 def _in(gauge) -> Iterator[None]:
     """Count a request in the gauge while the block runs."""
@@ -136,8 +146,10 @@ class GatewayService:
         config: GatewayConfig,
         default_max_tokens: int,
         fingerprint: str = "",
+        idempotency: KeyStore | None = None,
     ) -> None:
         self._fingerprint = fingerprint
+        self._keys = idempotency
         self._capture = capture
         self._commits = commits
         self._tok = tokenizer
@@ -214,14 +226,19 @@ class GatewayService:
         return out
 
     async def generate(
-        self, p: GenerateParams, *, api: str, timeout: float | None = None
+        self,
+        p: GenerateParams,
+        *,
+        api: str,
+        timeout: float | None = None,
+        idempotency_key: str | None = None,
     ) -> Generation:
         t0 = time.perf_counter()
         request_id = uuid7()
         m, model = self._m, self._m.model_name
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                generation = await self._generate(p, request_id, timeout)
+                generation = await self._generate(p, request_id, timeout, idempotency_key)
             except GatewayError as e:
                 outcome = type(e).__name__
                 m.requests.labels(api, outcome).inc()
@@ -239,7 +256,7 @@ class GatewayService:
             return generation
 
     async def _generate(
-        self, p: GenerateParams, request_id: str, timeout: float | None
+        self, p: GenerateParams, request_id: str, timeout: float | None, key: str | None
     ) -> Generation:
         max_tokens = self.validate(p)
         loop = asyncio.get_running_loop()
@@ -249,10 +266,30 @@ class GatewayService:
             else min(timeout, self._config.request_timeout_s)
         )
         deadline = loop.time() + budget
+        if key is not None and self._keys is None:
+            raise InvalidRequest("This gateway keeps no idempotency keys.", "Idempotency-Key")
+        stored = None
+        if key is not None:
+            stored = store_key(p.model, key)
+            mine = Record(request_id, fingerprint(p, max_tokens))
+            action, found = await claim_or_follow(self._keys, stored, mine, deadline)
+            if action == "follow":  # a retry: the first request's block, never a second run
+                captured = CaptureResult(found.block_id, found.prompt_tokens)
+                with _in(self._m.running.labels(self._m.model_name)):
+                    return await self._answer(p, found.request_id, captured, deadline, budget)
+            revision = found
         lanes = self.lanes(p, max_tokens)
         model = self._m.model_name
-        with _in(self._m.waiting.labels(model)):
-            captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
+        try:
+            with _in(self._m.waiting.labels(model)):
+                captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
+        except (Unavailable, InvalidRequest):
+            if stored is not None:  # nothing ran: a retry with the key may run it
+                await self._keys.delete(stored)
+            raise
+        if stored is not None:
+            done = Record(request_id, mine.fingerprint, captured.block_id, captured.prompt_tokens)
+            await self._keys.update(stored, done, revision)
         with _in(self._m.running.labels(model)):
             return await self._answer(p, request_id, captured, deadline, budget)
 

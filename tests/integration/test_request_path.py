@@ -14,6 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from capture_svc.batcher import bucket_width
 from stateblock.model.vocab import NO_EOS
@@ -353,3 +354,37 @@ def test_ignore_eos_reads_every_position_over_http_and_grpc(client, stack, servi
         extra_body={"ignore_eos": True},
     )
     assert chat.usage.completion_tokens == 17 and chat.choices[0].finish_reason == "length"
+
+
+def test_a_retry_with_the_same_idempotency_key_never_runs_twice(stack, http_url):
+    """Through the real stack (the key store is a JetStream KV bucket): the same key twice
+    gives the first answer, with no second block captured; gRPC metadata carries it too."""
+    body = {"model": MODEL, "prompt": "copy: idem", "max_tokens": 6, "temperature": 1.0}
+    headers = {"Idempotency-Key": "retry-7f3"}
+
+    def plans() -> float:
+        text = httpx.get(f"{http_url}/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "stateblock_capture_plans_registered_total":
+                    return sample.value
+        raise AssertionError("no plan counter")
+
+    before = plans()
+    first = httpx.post(f"{http_url}/v1/completions", json=body, headers=headers, timeout=30)
+    again = httpx.post(f"{http_url}/v1/completions", json=body, headers=headers, timeout=30)
+    assert first.status_code == again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["choices"] == first.json()["choices"]  # sampled, yet the same
+    assert plans() == before + 1
+    other = httpx.post(
+        f"{http_url}/v1/completions", json={**body, "max_tokens": 5}, headers=headers, timeout=30
+    )
+    assert other.status_code == 400
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(model=MODEL, prompt="copy: grpc", max_tokens=4)
+        a = stub.Generate(req, metadata=(("idempotency-key", "g-1"),), timeout=30)
+        b = stub.Generate(req, metadata=(("idempotency-key", "g-1"),), timeout=30)
+    assert a.request_id == b.request_id

@@ -1,0 +1,137 @@
+"""Idempotency keys: a request sent again with the same key (after a timeout, a dropped
+connection, a 503) gets the first request's answer and never runs twice.
+
+The key maps to the first request's id and, once its capture answered, its block id, in a
+JetStream KV bucket every gateway replica shares. A retry that finds the block id waits for
+that block's outcome; one that finds the first still capturing waits for the block id; one
+whose first never ran (the capture was unreachable: nothing published) runs itself. A key
+sent with other parameters is refused, as OpenAI-style APIs do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+import nats.js.errors as js_errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
+
+BUCKET = "STATEBLOCK_REQUESTS"
+MAX_KEY_CHARS = 255
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Record:
+    request_id: str
+    fingerprint: str  # of the request's parameters: one key, one request
+    block_id: str | None = None  # set once the capture answered
+    prompt_tokens: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__, default=list).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Record:
+        raw = json.loads(data)
+        return cls(
+            raw["request_id"], raw["fingerprint"], raw["block_id"], tuple(raw["prompt_tokens"])
+        )
+
+
+class KeyStore(Protocol):
+    """Create-if-absent records with revisions (the KV bucket; a dict in unit tests)."""
+
+    async def create(self, key: str, record: Record) -> int | None: ...  # None: it exists
+
+    async def get(self, key: str) -> tuple[Record, int] | None: ...
+
+    async def update(self, key: str, record: Record, revision: int) -> None: ...
+
+    async def delete(self, key: str) -> None: ...
+
+
+def store_key(model: str, key: str) -> str:
+    """A KV-safe name for the client's key (any string up to MAX_KEY_CHARS)."""
+    if not key or len(key) > MAX_KEY_CHARS:
+        raise InvalidRequest(
+            f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} characters.", "Idempotency-Key"
+        )
+    return hashlib.sha256(f"{model}\0{key}".encode()).hexdigest()
+
+
+class KvKeyStore:
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, *, ttl_s: float, replicas: int = 1) -> KvKeyStore:
+        try:
+            kv = await js.key_value(BUCKET)
+        except js_errors.BucketNotFoundError:
+            config = KeyValueConfig(
+                bucket=BUCKET, history=1, ttl=ttl_s, storage=StorageType.FILE, replicas=replicas
+            )
+            try:
+                kv = await js.create_key_value(config)
+            except js_errors.BadRequestError:  # another gateway made it first
+                kv = await js.key_value(BUCKET)
+        return cls(kv)
+
+    async def create(self, key: str, record: Record) -> int | None:
+        try:
+            return await self._kv.create(key, record.encode())
+        except js_errors.KeyWrongLastSequenceError:
+            return None
+
+    async def get(self, key: str) -> tuple[Record, int] | None:
+        try:
+            entry = await self._kv.get(key)
+        except js_errors.KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation is not None:  # deleted
+            return None
+        return Record.decode(entry.value), entry.revision
+
+    async def update(self, key: str, record: Record, revision: int) -> None:
+        await self._kv.update(key, record.encode(), last=revision)
+
+    async def delete(self, key: str) -> None:
+        await self._kv.delete(key)
+
+
+async def claim_or_follow(
+    store: KeyStore, key: str, mine: Record, deadline: float
+) -> tuple[str, Record | int]:
+    """("run", revision) when this request is the key's first (or its first never ran), or
+    ("follow", record with the block id) when another request with the key owns it."""
+    loop = asyncio.get_running_loop()
+    while True:
+        revision = await store.create(key, mine)
+        if revision is not None:
+            return "run", revision
+        found = await store.get(key)
+        if found is None:
+            continue  # the first gave its key back (it never ran): ours to run
+        record, _ = found
+        if record.fingerprint != mine.fingerprint:
+            raise InvalidRequest(
+                "This Idempotency-Key was used with other request parameters.",
+                "Idempotency-Key",
+                "idempotency_key_reused",
+            )
+        if record.block_id is not None:
+            return "follow", record
+        if loop.time() > deadline:
+            raise DeadlineExceeded("the first request with this Idempotency-Key is still running")
+        await asyncio.sleep(POLL_S)
+
+
+__all__ = ["KeyStore", "KvKeyStore", "Record", "Unavailable", "claim_or_follow", "store_key"]

@@ -1,0 +1,86 @@
+"""Idempotency keys through GatewayService with an in-memory key store: a retry gets the
+first request's answer and never runs twice; a key reused with other parameters is refused;
+a first request that never ran gives its key back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.errors import InvalidRequest, Unavailable
+from gateway.idempotency import Record
+from gateway.service import GenerateParams, PromptSpec, make_sampling
+from tests.unit.gateway.conftest import MODEL
+
+
+class MemoryKeys:
+    def __init__(self) -> None:
+        self.records: dict[str, tuple[Record, int]] = {}
+        self.revision = 0
+
+    async def create(self, key, record):
+        if key in self.records:
+            return None
+        self.revision += 1
+        self.records[key] = (record, self.revision)
+        return self.revision
+
+    async def get(self, key):
+        return self.records.get(key)
+
+    async def update(self, key, record, revision):
+        assert self.records[key][1] == revision
+        self.revision += 1
+        self.records[key] = (record, self.revision)
+
+    async def delete(self, key):
+        self.records.pop(key, None)
+
+
+@pytest.fixture
+def keyed(service):
+    service._keys = MemoryKeys()
+    return service
+
+
+def params(prompt="copy: ab", temperature=None) -> GenerateParams:
+    return GenerateParams(
+        model=MODEL, inputs=(PromptSpec(prompt=prompt),), sampling=make_sampling(temperature, None)
+    )
+
+
+async def test_a_retry_gets_the_first_answer_and_runs_nothing(keyed, fakes):
+    capture, _ = fakes
+    first = await keyed.generate(params(), api="t", idempotency_key="k1")
+    again = await keyed.generate(params(), api="t", idempotency_key="k1")
+    assert len(capture.calls) == 1
+    assert again.request_id == first.request_id and again.choices == first.choices
+    other = await keyed.generate(params(), api="t", idempotency_key="k2")
+    assert len(capture.calls) == 2 and other.request_id != first.request_id
+
+
+async def test_concurrent_retries_share_one_run(keyed, fakes):
+    capture, _ = fakes
+    results = await asyncio.gather(
+        *(keyed.generate(params(), api="t", idempotency_key="same") for _ in range(5))
+    )
+    assert len(capture.calls) == 1
+    assert len({g.request_id for g in results}) == 1
+
+
+async def test_a_key_reused_with_other_parameters_is_refused(keyed):
+    await keyed.generate(params("copy: ab"), api="t", idempotency_key="k")
+    with pytest.raises(InvalidRequest) as e:
+        await keyed.generate(params("copy: cd"), api="t", idempotency_key="k")
+    assert e.value.code == "idempotency_key_reused"
+
+
+async def test_a_first_request_that_never_ran_gives_its_key_back(keyed, fakes):
+    capture, _ = fakes
+    capture.error = Unavailable("capture unreachable")
+    with pytest.raises(Unavailable):
+        await keyed.generate(params(), api="t", idempotency_key="k")
+    capture.error = None
+    g = await keyed.generate(params(), api="t", idempotency_key="k")  # the retry runs it
+    assert len(capture.calls) == 1 and g.choices
