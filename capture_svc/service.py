@@ -109,6 +109,8 @@ class CaptureService:
 
     def tokenize(self, lane: capture_pb2.CaptureLane, index: int) -> list[int]:
         tok = self._model.tokenizer
+        if lane.WhichOneof("input") == "tokens":  # read as given, as vLLM reads prompt ids
+            return self._check_ids(list(lane.tokens.ids), index)
         is_chat = lane.WhichOneof("input") == "chat"
         text = "".join(m.content for m in lane.chat.messages) if is_chat else lane.prompt
         try:  # before tokenising: an oversized text costs nothing
@@ -136,6 +138,22 @@ class CaptureService:
                 f"lane {index}: the prompt is {len(ids)} tokens, over the prompt_len maximum "
                 f"of {limit}",
                 param,
+            )
+        return ids
+
+    def _check_ids(self, ids: list[int], index: int) -> list[int]:
+        vocab = int(self._model.lm_head.shape[0])
+        if not ids:
+            raise InvalidCapture(f"lane {index}: the prompt has no token ids", "prompt")
+        if len(ids) > self._config.limits.prompt_len_max:
+            raise InvalidCapture(
+                f"lane {index}: the prompt is {len(ids)} tokens, over the prompt_len maximum "
+                f"of {self._config.limits.prompt_len_max}",
+                "prompt",
+            )
+        if max(ids) >= vocab:
+            raise InvalidCapture(
+                f"lane {index}: token id {max(ids)} is outside the vocabulary of {vocab}", "prompt"
             )
         return ids
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -25,6 +26,7 @@ from gateway.service import (
     PromptSpec,
     make_sampling,
 )
+from gateway.stops import StopSpec
 from stateblock import runtime
 from stateblock.nats_client import NatsState, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
@@ -52,23 +54,42 @@ def status_of(error: GatewayError) -> grpc.StatusCode:
 
 
 def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
-    if req.prompt and req.messages:
-        raise InvalidRequest("Set exactly one of prompt and messages.", "prompt")
+    given = [bool(req.prompt), bool(req.messages), bool(req.prompt_token_ids)]
+    if sum(given) > 1:
+        raise InvalidRequest("Set exactly one of prompt, messages and prompt_token_ids.", "prompt")
     if req.messages:
         spec = PromptSpec(messages=tuple((m.role, m.content) for m in req.messages))
+    elif req.prompt_token_ids:
+        spec = PromptSpec(token_ids=tuple(req.prompt_token_ids))
     else:
         spec = PromptSpec(prompt=req.prompt)
+    if req.HasField("sampling"):  # the path's own type, as the block header carries it
+        sampling = req.sampling
+    else:
+        sampling = make_sampling(
+            req.temperature if req.HasField("temperature") else None,
+            req.seed if req.HasField("seed") else None,
+            ignore_eos=req.ignore_eos,
+        )
     return GenerateParams(
         model=req.model,
         inputs=(spec,),
         n=req.n if req.HasField("n") else 1,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
-        sampling=make_sampling(
-            req.temperature if req.HasField("temperature") else None,
-            req.seed if req.HasField("seed") else None,
-            ignore_eos=req.ignore_eos,
-        ),
+        sampling=sampling,
+        stop=StopSpec(tuple(req.stop), tuple(req.stop_token_ids), req.include_stop_str_in_output),
     )
+
+
+def _choice(index: int, finish_reason, eos_pos: int, stop_reason, **kw) -> gateway_pb2.Choice:
+    choice = gateway_pb2.Choice(index=index, eos_pos=eos_pos, **kw)
+    if finish_reason is not None:
+        choice.finish_reason = _FINISH[finish_reason]
+    if isinstance(stop_reason, str):
+        choice.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        choice.stop_token_id = stop_reason
+    return choice
 
 
 def _usage(g: Generation) -> gateway_pb2.Usage:
@@ -86,12 +107,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(self, req: gateway_pb2.GenerateRequest, context, api: str) -> Generation:
         metadata = dict(context.invocation_metadata() or ())
         try:
-            return await self._service.generate(
-                params_of(req),
-                api=api,
-                timeout=context.time_remaining(),
-                idempotency_key=metadata.get("idempotency-key"),
-            )
+            with structlog.contextvars.bound_contextvars(client_request_id=req.request_id):
+                return await self._service.generate(
+                    params_of(req),
+                    api=api,
+                    timeout=context.time_remaining(),
+                    idempotency_key=metadata.get("idempotency-key"),
+                )
         except GatewayError as e:
             await context.abort(status_of(e), str(e))
             raise  # abort raises; this line only satisfies type checkers
@@ -101,31 +123,52 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.GenerateResponse:
         g = await self._generate(request, context, "grpc")
         choices = [
-            gateway_pb2.Choice(
-                index=c.index,
+            _choice(
+                c.index,
+                c.finish_reason,
+                c.eos_pos,
+                c.stop_reason,
                 text=c.text,
                 token_ids=c.token_ids,
-                finish_reason=_FINISH[c.finish_reason],
-                eos_pos=c.eos_pos,
             )
             for c in g.choices
         ]
         return gateway_pb2.GenerateResponse(
-            request_id=g.request_id, model=g.model, choices=choices, usage=_usage(g)
+            request_id=g.request_id,
+            model=g.model,
+            choices=choices,
+            usage=_usage(g),
+            client_request_id=request.request_id,
+        )
+
+    async def GetModelInfo(
+        self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetModelInfoResponse:
+        s, limits = self._service, self._service.limits
+        return gateway_pb2.GetModelInfoResponse(
+            model=s.model_name,
+            prompt_len_max=limits.prompt_len_max,
+            answer_depth_max=limits.answer_depth_max,
+            max_lanes=limits.max_lanes,
+            default_max_tokens=s.default_max_tokens,
+            decoder_digest=s.decoder_digest,
         )
 
     async def GenerateStream(
         self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         g = await self._generate(request.request, context, "grpc_stream")
-        eos = {c.index: c.eos_pos for c in g.choices}
+        by_index = {c.index: c for c in g.choices}
         for piece in self._service.pieces(g):
-            choice = gateway_pb2.Choice(
-                index=piece.index, text=piece.text, token_ids=piece.token_ids
+            last = by_index[piece.index] if piece.finish_reason is not None else None
+            choice = _choice(
+                piece.index,
+                piece.finish_reason,
+                last.eos_pos if last else 0,
+                last.stop_reason if last else None,
+                text=piece.text,
+                token_ids=piece.token_ids,
             )
-            if piece.finish_reason is not None:
-                choice.finish_reason = _FINISH[piece.finish_reason]
-                choice.eos_pos = eos[piece.index]
             yield gateway_pb2.GenerateStreamResponse(
                 request_id=g.request_id, model=g.model, choices=[choice]
             )

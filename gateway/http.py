@@ -100,6 +100,18 @@ def _sse(chunks: Iterator[BaseModel]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+def _prompt_specs(prompt: str | list) -> tuple[PromptSpec, ...]:
+    """OpenAI's prompt forms: a text, texts, one prompt's token ids, several prompts' ids."""
+    if isinstance(prompt, str):
+        return (PromptSpec(prompt=prompt),)
+    if prompt and all(isinstance(x, int) for x in prompt):
+        return (PromptSpec(token_ids=tuple(prompt)),)
+    return tuple(
+        PromptSpec(token_ids=tuple(x)) if isinstance(x, list) else PromptSpec(prompt=x)
+        for x in prompt
+    )
+
+
 def _screen(req: p._Request) -> StopSpec:
     """Refuse what a block readout cannot honour (400 naming the field and why), log the
     fields this server does not know (as vLLM does), and read the stops."""
@@ -278,10 +290,9 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, idempotency_key: IdempotencyKey = None):
         stop = _screen(req)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         params = GenerateParams(
             model=req.model,
-            inputs=tuple(PromptSpec(prompt=text) for text in prompts),
+            inputs=_prompt_specs(req.prompt),
             n=1 if req.n is None else req.n,
             max_tokens=req.max_tokens,
             sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),

@@ -103,7 +103,8 @@ class ChatMessage(BaseModel):
 
 class CompletionRequest(_Request):
     model: StrictStr
-    prompt: StrictStr | list[StrictStr]
+    # text, texts, or (as vLLM takes them) one prompt's token ids or several prompts'
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     best_of: StrictInt | None = None
     echo: StrictBool | None = None
     frequency_penalty: Number | None = None

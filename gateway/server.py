@@ -78,6 +78,7 @@ async def running_gateway(
             config=config,
             default_max_tokens=default_max_tokens(manifest, config.limits.answer_depth_max),
             fingerprint=f"fp_{manifest.get('decoder_digest', '')[:16]}",
+            decoder_digest=manifest.get("decoder_digest", ""),
             idempotency=keys,
         )
         # Entered in this order, exited in reverse: HTTP stops first, then gRPC.

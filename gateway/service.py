@@ -56,10 +56,11 @@ class CommitSource(Protocol):
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One distinct input: a raw prompt or a chat."""
+    """One distinct input: a raw prompt, a chat, or a prompt's token ids."""
 
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,10 @@ class GatewayService:
         default_max_tokens: int,
         fingerprint: str = "",
         idempotency: KeyStore | None = None,
+        decoder_digest: str = "",
     ) -> None:
         self._fingerprint = fingerprint
+        self.decoder_digest = decoder_digest
         self._keys = idempotency
         self._capture = capture
         self._commits = commits
@@ -180,6 +183,14 @@ class GatewayService:
         if not p.inputs:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
         for spec in p.inputs:
+            if spec.token_ids is not None:
+                if not spec.token_ids or len(spec.token_ids) > c.limits.prompt_len_max:
+                    raise InvalidRequest(
+                        f"A prompt of token ids has 1 to {c.limits.prompt_len_max} ids.", "prompt"
+                    )
+                if min(spec.token_ids) < 0:
+                    raise InvalidRequest("Token ids are non-negative.", "prompt")
+                continue
             if spec.messages is not None:
                 if not spec.messages:
                     raise InvalidRequest("`messages` must not be empty.", "messages")
@@ -215,7 +226,9 @@ class GatewayService:
                 lane = capture_pb2.CaptureLane(
                     sampling=sampling.with_seed_offset(p.sampling, copy), max_tokens=max_tokens
                 )
-                if spec.messages is not None:
+                if spec.token_ids is not None:
+                    lane.tokens.ids.extend(spec.token_ids)
+                elif spec.messages is not None:
                     lane.chat.SetInParent()  # a chat, even an empty one, is the input
                     lane.chat.messages.extend(
                         capture_pb2.ChatMessage(role=r, content=c) for r, c in spec.messages

@@ -21,17 +21,25 @@ class ChatMessages(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class CaptureLane(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "max_tokens")
+    __slots__ = ("prompt", "chat", "tokens", "sampling", "max_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
+    tokens: TokenIds
     sampling: _block_pb2.SamplingParams
     max_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_block_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_block_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CaptureRequest(_message.Message):
     __slots__ = ("request_id", "model", "lanes")

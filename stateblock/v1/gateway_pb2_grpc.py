@@ -35,6 +35,11 @@ class GatewayStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetModelInfo = channel.unary_unary(
+                '/stateblock.v1.Gateway/GetModelInfo',
+                request_serializer=stateblock_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=stateblock_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_unary(
                 '/stateblock.v1.Gateway/Generate',
                 request_serializer=stateblock_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
@@ -50,6 +55,13 @@ class GatewayStub:
 class GatewayServicer:
     """The public entry point (alongside the OpenAI-compatible HTTP app).
     """
+
+    def GetModelInfo(self, request, context):
+        """The served model's name, limits and identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
         """The whole answer once it is committed.
@@ -68,6 +80,11 @@ class GatewayServicer:
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=stateblock_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=stateblock_dot_v1_dot_gateway__pb2.GetModelInfoResponse.SerializeToString,
+            ),
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=stateblock_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
@@ -89,6 +106,33 @@ def add_GatewayServicer_to_server(servicer, server):
 class Gateway:
     """The public entry point (alongside the OpenAI-compatible HTTP app).
     """
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stateblock.v1.Gateway/GetModelInfo',
+            stateblock_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+            stateblock_dot_v1_dot_gateway__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Generate(request,

@@ -388,3 +388,20 @@ def test_a_retry_with_the_same_idempotency_key_never_runs_twice(stack, http_url)
         a = stub.Generate(req, metadata=(("idempotency-key", "g-1"),), timeout=30)
         b = stub.Generate(req, metadata=(("idempotency-key", "g-1"),), timeout=30)
     assert a.request_id == b.request_id
+
+
+def test_a_prompt_as_token_ids_reads_as_its_text(client, http_url, stack):
+    """OpenAI's prompt as token ids (and gRPC's prompt_token_ids): the capture reads them as
+    given, so /tokenize's ids of a text answer as the text does; ids outside the vocabulary
+    are a 400 naming the prompt."""
+    ids = httpx.post(f"{http_url}/tokenize", json={"prompt": "copy: hello"}).json()["tokens"]
+    text = client.completions.create(model=MODEL, prompt="copy: hello", max_tokens=8)
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+    assert as_ids.choices[0].text == text.choices[0].text
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(model=MODEL, prompt_token_ids=ids, max_tokens=8)
+        assert stub.Generate(req, timeout=30).choices[0].text == text.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=8)
+    assert info.value.body["param"] == "prompt" and "vocabulary" in info.value.body["message"]

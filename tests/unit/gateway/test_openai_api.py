@@ -191,3 +191,15 @@ async def test_metrics_in_vllm_names_parse_and_count_failures(http, metrics):
     assert value("stateblock:num_requests_running") == 0
     assert value("stateblock:time_to_first_token_seconds_count") == 1
     assert any(name.startswith("process_") for name, _ in samples)
+
+
+async def test_prompts_as_token_ids(http, fakes):
+    capture, _ = fakes
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 5, 9]})
+    assert r.status_code == 200, r.text
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 5], [1, 6]]})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1  # the fake answers one lane
+    lanes = [lane for _, _, ls in capture.calls for lane in ls]
+    assert [list(lane.tokens.ids) for lane in lanes] == [[1, 5, 9], [1, 5], [1, 6]]
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": [-3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
