@@ -10,7 +10,7 @@ import time
 import nats
 import pytest
 
-from registry import DEFAULT_BUCKET, Registry
+from registry import DEFAULT_BUCKET, Registry, RegistryError
 from stateblock.app.nats_server import restart_nats_server, stop_nats_server
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.protocol import streams
@@ -106,12 +106,11 @@ def _committed(urls: list[str], timeout_s: float = 30.0) -> int:
     twice (or its answer came from nowhere). Read once the cluster answers again (a node
     restarted last may still be catching up: its replica is not asked)."""
 
-    async def count() -> int:
+    async def count_once(deadline: float) -> int:
         nc = await nats.connect(urls)
         try:
             registry = await Registry.open(nc.jetstream())
             kv = await nc.jetstream().key_value(DEFAULT_BUCKET)
-            deadline = time.monotonic() + timeout_s
             while True:
                 try:
                     keys = await kv.keys()
@@ -126,6 +125,16 @@ def _committed(urls: list[str], timeout_s: float = 30.0) -> int:
             )
         finally:
             await nc.close()
+
+    async def count() -> int:
+        deadline = time.monotonic() + timeout_s
+        while True:  # the node restarted last may still be joining: ask again
+            try:
+                return await count_once(deadline)
+            except (RegistryError, TimeoutError, nats.errors.Error):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     return asyncio.run(count())
 
