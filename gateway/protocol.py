@@ -57,6 +57,15 @@ ROLES = ("system", "developer", "user", "assistant")
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    # vLLM's extensions, in both APIs
+    ignore_eos: StrictBool = False  # read all max_tokens positions
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    min_tokens: StrictInt | None = None
+    repetition_penalty: Number | None = None
+
     def unknown_fields(self) -> list[str]:
         """Fields this server does not know (accepted, and logged)."""
         return sorted((self.model_extra or {}).keys())
@@ -121,14 +130,6 @@ class CompletionRequest(_Request):
     temperature: Number | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
-    # vLLM's extensions
-    ignore_eos: StrictBool = False  # read all max_tokens positions
-    stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    min_tokens: StrictInt | None = None
-    repetition_penalty: Number | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -153,14 +154,6 @@ class ChatCompletionRequest(_Request):
     top_logprobs: StrictInt | None = None
     top_p: Number | None = None
     user: StrictStr | None = None
-    # vLLM's extensions
-    ignore_eos: StrictBool = False  # read all max_tokens positions
-    stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    min_tokens: StrictInt | None = None
-    repetition_penalty: Number | None = None
 
 
 class Usage(BaseModel):
