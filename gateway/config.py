@@ -33,11 +33,28 @@ class GatewayConfig:
     # clients must send it (HTTP `Authorization: Bearer`, gRPC `authorization` metadata) on
     # the API (/v1/*, /tokenize, /detokenize, the Gateway service); None: no check
     api_key: str | None = field(default=None, repr=False)
+    # TLS for both listeners (HTTP and gRPC) from PEM files; both or neither
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     grace_s: float = runtime.DEFAULT_GRACE_S
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         runtime.subject_token(self.model_name)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise runtime.ConfigError(
+                "STATEBLOCK_TLS_CERT_FILE and STATEBLOCK_TLS_KEY_FILE go together"
+            )
+        for path in (self.tls_cert_file, self.tls_key_file):
+            if path is not None and not Path(path).is_file():
+                raise runtime.ConfigError(f"TLS file {path} does not exist")
+
+    @property
+    def tls(self) -> tuple[Path, Path] | None:
+        """(certificate chain, private key) PEM files, when the listeners speak TLS."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return self.tls_cert_file, self.tls_key_file
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -60,6 +77,8 @@ class GatewayConfig:
             max_body_bytes=e.int("MAX_BODY_BYTES", d.max_body_bytes, minimum=1024),
             idempotency_ttl_s=e.float("IDEMPOTENCY_TTL_S", d.idempotency_ttl_s),
             api_key=e.optional_str("API_KEY"),
+            tls_cert_file=e.optional_path("TLS_CERT_FILE"),
+            tls_key_file=e.optional_path("TLS_KEY_FILE"),
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 import structlog
@@ -213,6 +214,7 @@ async def serve_grpc(
     grace_s: float,
     nats_state: NatsState | None = None,
     api_key: str | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> AsyncIterator[int]:
     """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
     on shutdown so load balancers stop routing before in-flight requests drain."""
@@ -224,7 +226,7 @@ async def serve_grpc(
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = runtime.grpc_bind(server, host, port, "gateway gRPC")
+    bound = runtime.grpc_bind(server, host, port, "gateway gRPC", tls)
     await server.start()
     await follow_in_health(health_servicer, ("", SERVICE), nats_state)
     try:

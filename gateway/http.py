@@ -8,6 +8,7 @@ import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, nullcontext
+from pathlib import Path
 from typing import Annotated
 
 import structlog
@@ -20,7 +21,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import protocol as p
-from gateway.auth import bearer_ok
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -29,6 +29,7 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
+from gateway.middleware import ApiKey, BodyLimit
 from gateway.service import (
     GatewayService,
     GenerateParams,
@@ -124,85 +125,6 @@ def _screen(req: p._Request) -> StopSpec:
         log.warning("unknown request fields ignored", fields=unknown)
     strings, token_ids, include = req.stop_spec()
     return StopSpec(strings, token_ids, include)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is answered 413 in OpenAI's error
-    shape without being read further (by its Content-Length, or as it streams in). The body
-    is read here, then handed to the app: JSON request bodies are small."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(scope, receive, send)
-            return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await self._too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # a disconnect, later
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, scope, receive, send) -> None:
-        detail = p.ErrorDetail(
-            message=f"The request body is over the {self.limit} bytes this server accepts.",
-            type="invalid_request_error",
-            code="request_too_large",
-        )
-        response = JSONResponse(p.ErrorResponse(error=detail).model_dump(), status_code=413)
-        await response(scope, receive, send)
-
-
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-
-
-class ApiKey:
-    """ASGI middleware: the API routes answer 401 in OpenAI's shape without the key (as
-    vLLM's --api-key: /health, /metrics and /version stay open for probes and scrapers)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            header = dict(scope.get("headers", ())).get(b"authorization")
-            if not bearer_ok(header, self.api_key):
-                detail = p.ErrorDetail(
-                    message="Missing or invalid API key (Authorization: Bearer ...).",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-                response = JSONResponse(
-                    p.ErrorResponse(error=detail).model_dump(),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -442,8 +364,11 @@ class _Server(uvicorn.Server):
 
 
 @asynccontextmanager
-async def serve_http(app: FastAPI, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
-    """Serve until the context exits; yields the bound port (port 0 picks a free one)."""
+async def serve_http(
+    app: FastAPI, host: str, port: int, grace_s: float, tls: tuple[Path, Path] | None = None
+) -> AsyncIterator[int]:
+    """Serve until the context exits; yields the bound port (port 0 picks a free one).
+    `tls`: (certificate, key) PEM files: HTTPS."""
     # Bound here, not by uvicorn: a port in use is an OSError the caller can report in one
     # line (uvicorn logs it and calls sys.exit).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -454,9 +379,10 @@ async def serve_http(app: FastAPI, host: str, port: int, grace_s: float) -> Asyn
     except OSError as e:
         sock.close()
         raise OSError(f"gateway HTTP: cannot listen on {host}:{port}: {e.strerror}") from e
+    cert, key = tls if tls is not None else (None, None)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
-        timeout_graceful_shutdown=int(grace_s),
+        timeout_graceful_shutdown=int(grace_s), ssl_certfile=cert, ssl_keyfile=key,
     )  # fmt: skip
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-http")

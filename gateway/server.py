@@ -90,6 +90,7 @@ async def running_gateway(
                 config.grace_s,
                 nats_state,
                 api_key=config.api_key,
+                tls=config.tls,
             )
         )
         app = create_app(
@@ -101,7 +102,7 @@ async def running_gateway(
             api_key=config.api_key,
         )
         http_port = await stack.enter_async_context(
-            serve_http(app, config.host, config.http_port, config.grace_s)
+            serve_http(app, config.host, config.http_port, config.grace_s, config.tls)
         )
         log.info("gateway listening", http_port=http_port, grpc_port=grpc_port)
         yield RunningGateway(http_port, grpc_port, service)

@@ -99,10 +99,18 @@ class Env:
 GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
-def grpc_bind(server, host: str, port: int, what: str) -> int:
-    """add_insecure_port, with a port in use as one clear error (grpc says 0 or raises)."""
+def grpc_bind(server, host: str, port: int, what: str, tls: tuple[Path, Path] | None = None) -> int:
+    """Bind the port (TLS from (certificate, key) PEM files when given), with a port in use
+    as one clear error (grpc says 0 or raises)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            import grpc
+
+            cert, key = (Path(f).read_bytes() for f in tls)
+            credentials = grpc.ssl_server_credentials([(key, cert)])
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as e:
         raise OSError(f"{what}: cannot listen on {host}:{port} (in use?)") from e
     if bound == 0:
