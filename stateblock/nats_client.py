@@ -10,9 +10,10 @@ moving to any live server of the cluster; while it is disconnected health says N
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -48,15 +49,35 @@ class NatsOptions:
     reconnect_wait_s: float = 1.0
     creds_file: Path | None = None  # a NATS .creds file (JWT + NKey seed)
     tls_ca_file: Path | None = None  # verify the servers' TLS certificates against this CA
+    tls_cert_file: Path | None = None  # this client's certificate, for mutual TLS
+    tls_key_file: Path | None = None
 
     @classmethod
-    def of(cls, url: str, **kw) -> NatsOptions:
-        return cls(servers=parse_servers(url), **kw)
+    def of(cls, url: str, environ: Mapping[str, str] | None = None, **kw) -> NatsOptions:
+        """The servers of `url`, with the credentials and TLS files STATEBLOCK_NATS_CREDS,
+        _NATS_TLS_CA, _NATS_TLS_CERT and _NATS_TLS_KEY name (every service reads the same)."""
+        env = os.environ if environ is None else environ
+        files = {
+            field: Path(env[name])
+            for field, name in (
+                ("creds_file", "STATEBLOCK_NATS_CREDS"),
+                ("tls_ca_file", "STATEBLOCK_NATS_TLS_CA"),
+                ("tls_cert_file", "STATEBLOCK_NATS_TLS_CERT"),
+                ("tls_key_file", "STATEBLOCK_NATS_TLS_KEY"),
+            )
+            if env.get(name)
+        }
+        return cls(servers=parse_servers(url), **{**files, **kw})
 
     def tls_context(self) -> ssl.SSLContext | None:
-        if self.tls_ca_file is None:
+        if self.tls_ca_file is None and self.tls_cert_file is None:
             return None
-        return ssl.create_default_context(cafile=str(self.tls_ca_file))
+        context = ssl.create_default_context(
+            cafile=str(self.tls_ca_file) if self.tls_ca_file else None
+        )
+        if self.tls_cert_file is not None:
+            context.load_cert_chain(str(self.tls_cert_file), str(self.tls_key_file or ""))
+        return context
 
 
 @dataclass
@@ -172,20 +193,28 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
         await state.set(True)
 
     nc = nats.NATS()
+    # nats-py can wait forever after some failures (a TLS certificate it does not trust):
+    # the start-up is bounded here as well as by its attempts
+    budget = (options.connect_timeout_s + options.reconnect_wait_s) * options.start_attempts
+    budget = budget * len(options.servers) + 2.0
     try:
-        await nc.connect(
-            servers=list(options.servers),
-            name=name,
-            connect_timeout=options.connect_timeout_s,
-            reconnect_time_wait=options.reconnect_wait_s,
-            max_reconnect_attempts=options.start_attempts,
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            user_credentials=str(options.creds_file) if options.creds_file else None,
-            tls=options.tls_context(),
+        await asyncio.wait_for(
+            nc.connect(
+                servers=list(options.servers),
+                name=name,
+                connect_timeout=options.connect_timeout_s,
+                reconnect_time_wait=options.reconnect_wait_s,
+                max_reconnect_attempts=options.start_attempts,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                user_credentials=str(options.creds_file) if options.creds_file else None,
+                tls=options.tls_context(),
+            ),
+            budget,
         )
-    except (TimeoutError, nats.errors.NoServersError, OSError) as e:
+    except (nats.errors.NoServersError, OSError, TimeoutError) as e:
+        await nc.close()
         raise NatsUnreachable(
             f"no NATS server reachable at {', '.join(options.servers)} "
             f"({type(e).__name__}; STATEBLOCK_NATS_URL)"

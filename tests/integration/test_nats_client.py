@@ -5,13 +5,20 @@ state that health checks and metrics follow."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 import time
 
 import pytest
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
-from stateblock.app.nats_server import free_port, start_nats_server, stop_nats_server
+from stateblock.app.nats_server import (
+    free_port,
+    nats_server_binary,
+    start_nats_server,
+    stop_nats_server,
+)
 from stateblock.nats_client import (
     NatsOptions,
     NatsState,
@@ -20,6 +27,7 @@ from stateblock.nats_client import (
     follow_in_health,
     parse_servers,
 )
+from tests.helpers import self_signed
 
 
 def test_servers_are_a_comma_separated_list():
@@ -75,3 +83,36 @@ async def test_reconnects_after_more_attempts_than_start_up_allows(tmp_path):
     finally:
         await nc.close()
         stop_nats_server(server)
+
+
+async def test_a_tls_server_needs_the_ca_every_service_is_given(tmp_path):
+    """STATEBLOCK_NATS_TLS_CA: the services verify a TLS nats-server against it."""
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    conf = tmp_path / "tls.conf"
+    conf.write_text(
+        f'listen: "127.0.0.1:{port}"\ntls {{ cert_file: "{cert}", key_file: "{key}" }}\n'
+    )
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        url = f"tls://127.0.0.1:{port}"
+        env = {"STATEBLOCK_NATS_TLS_CA": str(cert)}
+        nc = await connect(NatsOptions.of(url, env, start_attempts=1), "t")
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(NatsUnreachable):  # without the CA the certificate is not trusted
+            await connect(NatsOptions.of(url, {}, start_attempts=1, reconnect_wait_s=0.05), "t")
+    finally:
+        proc.kill()
+        proc.wait()

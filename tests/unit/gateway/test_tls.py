@@ -3,16 +3,9 @@ HTTP (httpx) and gRPC; a plaintext client gets nothing."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-
 import grpc
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig
@@ -20,41 +13,12 @@ from gateway.grpc_server import serve_grpc
 from gateway.http import create_app, serve_http
 from stateblock.runtime import ConfigError
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.helpers import self_signed
 
 
 @pytest.fixture(scope="module")
 def cert_files(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 / localhost and its key, as PEM files."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    d = tmp_path_factory.mktemp("tls")
-    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return d / "cert.pem", d / "key.pem"
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 async def test_https(service, cert_files):
