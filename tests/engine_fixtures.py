@@ -11,7 +11,6 @@ from stateblock.engines.torch_engine import TorchEngine
 from stateblock.model.loading import load_serving_model
 from stateblock.protocol.sampling import sampling_params
 from stateblock.runtime import DEFAULT_MODEL_NAME, REFERENCE_BASE, REFERENCE_DECODER
-from stateblock.train import tasks
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +28,21 @@ def engine(served):
     return TorchEngine.load(served)
 
 
+# prompts in the shipped model's formats, short of the tests' smallest prompt bucket (128):
+# real states, so answers end in EOS; fixed here, not drawn from the suite, which moves on
+PROMPTS = (
+    "copy: hello world",
+    "reverse: stateblock",
+    "sort: banana",
+    "repeat: ab 40",  # lane 3 of the sampling test: long enough to sample apart from greedy
+    "add: 12+30",
+)
+
+
 @pytest.fixture(scope="module")
 def captured(served) -> list[torch.Tensor]:
-    """Captured rows of held-out task prompts: real states, so answers end in EOS."""
-    return [
-        served.prompt_rows(ex.prompt) for ex in tasks.per_family(1, split="heldout", seed=7)[:5]
-    ]
+    """Captured rows of prompts the shipped model was trained on."""
+    return [served.prompt_rows(prompt) for prompt in PROMPTS]
 
 
 def lanes_of(rows, depths, temps=None, seeds=None) -> list[LaneRequest]:
