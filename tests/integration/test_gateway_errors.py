@@ -39,6 +39,28 @@ def gateway_config(decoder_dir, capture_target: str, timeout_s: float = 30.0) ->
     )
 
 
+def gateway_for(config: GatewayConfig, nc, serving_model):
+    return running_gateway(
+        config,
+        nc=nc,
+        metrics=CollectorRegistry(),
+        tokenizer=serving_model.tokenizer,
+        readout_trust=READOUT_TRUST,
+    )
+
+
+def readout_for(config: ReadoutServiceConfig, nc, engine, trust: TrustStore):
+    """Workers that trust `trust`'s capture keys and sign with the tests' readout key."""
+    return running_readout(
+        config,
+        nc=nc,
+        engine=engine,
+        trust=trust,
+        signer=READOUT_SIGNER,
+        metrics=CollectorRegistry(),
+    )
+
+
 async def expect(
     gw, http_status: int, error_type: str, grpc_code: grpc.StatusCode, detail: str = ""
 ) -> None:
@@ -59,13 +81,7 @@ async def expect(
 async def test_unreachable_capture_is_503_unavailable(nc, decoder_dir, serving_model):
     """Retried until the deadline (a capture may be restarting), then 503: not executed."""
     config = gateway_config(decoder_dir, f"127.0.0.1:{free_port()}", timeout_s=1.5)
-    async with running_gateway(
-        config,
-        nc=nc,
-        metrics=CollectorRegistry(),
-        tokenizer=serving_model.tokenizer,
-        readout_trust=READOUT_TRUST,
-    ) as gw:
+    async with gateway_for(config, nc, serving_model) as gw:
         await expect(gw, 503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE)
 
 
@@ -79,13 +95,7 @@ async def test_no_readout_worker_is_504_deadline_exceeded(nc, decoder_dir, servi
         metrics=CollectorRegistry(),
     ) as capture:
         config = gateway_config(decoder_dir, f"127.0.0.1:{capture.port}", timeout_s=0.5)
-        async with running_gateway(
-            config,
-            nc=nc,
-            metrics=CollectorRegistry(),
-            tokenizer=serving_model.tokenizer,
-            readout_trust=READOUT_TRUST,
-        ) as gw:
+        async with gateway_for(config, nc, serving_model) as gw:
             await expect(gw, 504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -103,20 +113,9 @@ async def test_rejected_block_fails_fast_not_at_the_deadline(
         running_capture(
             capture_config, nc=nc, model=serving_model, signer=signer, metrics=CollectorRegistry()
         ) as capture,
-        running_readout(
-            readout_config,
-            nc=nc,
-            engine=engine,
-            trust=TrustStore([signer.public_key]),
-            signer=READOUT_SIGNER,
-            metrics=CollectorRegistry(),
-        ),
-        running_gateway(
-            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}"),
-            nc=nc,
-            metrics=CollectorRegistry(),
-            tokenizer=serving_model.tokenizer,
-            readout_trust=READOUT_TRUST,
+        readout_for(readout_config, nc, engine, TrustStore([signer.public_key])),
+        gateway_for(
+            gateway_config(decoder_dir, f"127.0.0.1:{capture.port}"), nc, serving_model
         ) as gw,
     ):
         t0 = time.monotonic()
@@ -141,20 +140,11 @@ async def test_a_block_that_does_not_verify_fails_no_request(
             signer=Signer.generate(),
             metrics=CollectorRegistry(),
         ) as capture,
-        running_readout(
-            readout_config,
-            nc=nc,
-            engine=engine,
-            trust=TrustStore([Signer.generate().public_key]),
-            signer=READOUT_SIGNER,
-            metrics=CollectorRegistry(),
-        ),
-        running_gateway(
+        readout_for(readout_config, nc, engine, TrustStore([Signer.generate().public_key])),
+        gateway_for(
             gateway_config(decoder_dir, f"127.0.0.1:{capture.port}", timeout_s=3.0),
-            nc=nc,
-            metrics=CollectorRegistry(),
-            tokenizer=serving_model.tokenizer,
-            readout_trust=READOUT_TRUST,
+            nc,
+            serving_model,
         ) as gw,
     ):
         sub = await js.subscribe(streams.rejected_subject(">"), ordered_consumer=True)
@@ -177,20 +167,9 @@ async def test_a_request_sent_while_capture_restarts_is_answered(
     signer = Signer.generate()
     readout_config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
     async with (
-        running_readout(
-            readout_config,
-            nc=nc,
-            engine=engine,
-            trust=TrustStore([signer.public_key]),
-            signer=READOUT_SIGNER,
-            metrics=CollectorRegistry(),
-        ),
-        running_gateway(
-            gateway_config(decoder_dir, f"127.0.0.1:{port}", timeout_s=30.0),
-            nc=nc,
-            metrics=CollectorRegistry(),
-            tokenizer=serving_model.tokenizer,
-            readout_trust=READOUT_TRUST,
+        readout_for(readout_config, nc, engine, TrustStore([signer.public_key])),
+        gateway_for(
+            gateway_config(decoder_dir, f"127.0.0.1:{port}", timeout_s=30.0), nc, serving_model
         ) as gw,
         httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http,
     ):
