@@ -118,6 +118,17 @@ def grpc_bind(server, host: str, port: int, what: str, tls: tuple[Path, Path] | 
     return bound
 
 
+def check_redelivery(ack_wait_s: float, request_timeout_s: float) -> None:
+    """Redelivery well inside the request deadline: a block a dead worker held is redelivered
+    after ack_wait_s and must still be read before its request gives up."""
+    if 2 * ack_wait_s > request_timeout_s:
+        raise ConfigError(
+            f"STATEBLOCK_ACK_WAIT_S={ack_wait_s:g} must be at most half of "
+            f"STATEBLOCK_REQUEST_TIMEOUT_S={request_timeout_s:g}: a block a dead worker held "
+            "is redelivered only after it"
+        )
+
+
 def limits_from_env(e: Env) -> Limits:
     """The request limits, the same variables in every service (the gateway refuses what the
     capture would refuse, with the same message)."""

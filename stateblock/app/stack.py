@@ -163,6 +163,8 @@ async def running_stack(
             grace_s=config.grace_s,
             blocks_storage=config.blocks_storage,
         )
+        # a block a dead worker held must come back while its request still waits
+        runtime.check_redelivery(readout_cfg.ack_wait_s, config.request_timeout_s)
         await stack.enter_async_context(
             running_readout(
                 readout_cfg,

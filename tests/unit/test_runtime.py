@@ -66,3 +66,9 @@ def test_logged_exceptions_never_carry_their_frames_locals(capsys):
     line = capsys.readouterr().err
     assert "readout failed" in line and "ValueError" in line
     assert "SECRET-SIGNATURE-BYTES" not in line and "header_signature" not in line
+
+
+def test_redelivery_must_fit_inside_the_request_deadline():
+    runtime.check_redelivery(15.0, 60.0)
+    with pytest.raises(runtime.ConfigError, match="STATEBLOCK_ACK_WAIT_S=90 must be at most half"):
+        runtime.check_redelivery(90.0, 60.0)

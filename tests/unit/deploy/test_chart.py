@@ -460,7 +460,7 @@ def test_model_from_host_path_or_image():
     ("values", "message"),
     [
         ({"readout": {"engine": "bogus"}}, "value must be one of 'reference', 'onnx', 'torch'"),
-        ({"readout": {"leaseSeconds": 120}}, "readout.ackWaitSeconds (90) must exceed"),
+        ({"readout": {"leaseSeconds": 20}}, "readout.ackWaitSeconds (15) must exceed"),
         ({"graceSeconds": 20}, "graceSeconds (20) must be below terminationGracePeriodSeconds"),
         ({"model": {"name": "a.b"}}, "/model/name"),
         ({"model": {"source": "hostPath"}}, "model.hostPath.path is required"),
@@ -476,6 +476,10 @@ def test_model_from_host_path_or_image():
         ({"readoutKeys": {"create": True}}, 'readoutKeys.keyId "" must be the 16-hex-digit id'),
         ({"readoutKeys": {"signingSecret": ""}}, "readoutKeys.signingSecret and"),
         ({"readout": {"workers": 0}}, "/readout/workers"),
+        (
+            {"readout": {"ackWaitSeconds": 40}},
+            "readout.ackWaitSeconds (40) must be at most half of gateway.requestTimeoutSeconds",
+        ),
         ({"capture": {"dtype": "int8"}}, "/capture/dtype"),
     ],
 )

@@ -236,6 +236,9 @@ affinity:
 {{- if ge ($v.graceSeconds | float64) ($v.terminationGracePeriodSeconds | float64) }}
 {{- fail (printf "graceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the rest is headroom for draining NATS" $v.graceSeconds $v.terminationGracePeriodSeconds) }}
 {{- end }}
+{{- if gt (mulf 2 ($v.readout.ackWaitSeconds | float64)) ($v.gateway.requestTimeoutSeconds | float64) }}
+{{- fail (printf "readout.ackWaitSeconds (%v) must be at most half of gateway.requestTimeoutSeconds (%v): a block a dead worker held must be redelivered and read while its request still waits" $v.readout.ackWaitSeconds $v.gateway.requestTimeoutSeconds) }}
+{{- end }}
 {{- if le ($v.readout.ackWaitSeconds | float64) ($v.readout.leaseSeconds | float64) }}
 {{- fail (printf "readout.ackWaitSeconds (%v) must exceed readout.leaseSeconds (%v): JetStream may redeliver only after a claim could expire" $v.readout.ackWaitSeconds $v.readout.leaseSeconds) }}
 {{- end }}
