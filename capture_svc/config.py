@@ -45,7 +45,7 @@ class CaptureConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        runtime.subject_token(self.model_name)
+        runtime.model_name(self.model_name)
         runtime.blocks_storage(self.blocks_storage)
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")

@@ -40,7 +40,7 @@ class GatewayConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        runtime.subject_token(self.model_name)
+        runtime.model_name(self.model_name)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise runtime.ConfigError(
                 "STATEBLOCK_TLS_CERT_FILE and STATEBLOCK_TLS_KEY_FILE go together"

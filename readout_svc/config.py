@@ -54,7 +54,7 @@ class ReadoutServiceConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        runtime.subject_token(self.model_name)
+        runtime.model_name(self.model_name)
         runtime.blocks_storage(self.blocks_storage)
         if self.matmul_precision not in ("highest", "high"):
             raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")

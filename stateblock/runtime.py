@@ -140,10 +140,13 @@ def limits_from_env(e: Env) -> Limits:
     )
 
 
-def subject_token(name: str, what: str = "model name") -> str:
-    """A NATS subject token / KV-safe name: no dots, spaces or wildcards."""
-    if not name or any(c in name for c in ". *>\t\r\n"):
-        raise ConfigError(f"{what} {name!r} must be one NATS subject token (no '.', ' ', '*', '>')")
+def model_name(name: str) -> str:
+    """STATEBLOCK_MODEL_NAME: any Hugging Face-style name ("org/model-v2.1"); its NATS token
+    is derived from it (stateblock.protocol.streams.model_token)."""
+    if not name or len(name) > 256 or any(c.isspace() or not c.isprintable() for c in name):
+        raise ConfigError(
+            f"STATEBLOCK_MODEL_NAME={name!r} must be 1 to 256 printable characters, no spaces"
+        )
     return name
 
 

@@ -9,6 +9,9 @@ misconfiguration.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 import nats.js.errors as js_errors
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -43,8 +46,22 @@ class StreamConflict(RuntimeError):
     """A stream exists with a setting JetStream cannot change and the config asks otherwise."""
 
 
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def model_token(model: str) -> str:
+    """The NATS subject / consumer token of a public model name. Any Hugging Face-style name
+    is served ("org/model-v2.1"); a name that is not already a token keeps its readable part
+    with a digest of the whole, so two names never share a token."""
+    if _TOKEN.match(model):
+        return model
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:64]
+    return f"{readable}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
 def blocks_subject(model: str) -> str:
-    return f"stateblock.blocks.{model}"
+    """The subject of a model's blocks (">": every model's)."""
+    return f"stateblock.blocks.{model if model == '>' else model_token(model)}"
 
 
 def rejected_subject(reason: str) -> str:
@@ -52,7 +69,7 @@ def rejected_subject(reason: str) -> str:
 
 
 def readout_durable(model: str) -> str:
-    return f"readout-{model}"
+    return f"readout-{model_token(model)}"
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -116,3 +116,34 @@ def test_a_bad_setting_is_one_line_and_nothing_left(tmp_path, args, says):
     (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
     assert says in line
     assert nats_servers_of(data) == []
+
+
+def test_up_serves_a_hugging_face_style_model_name(tmp_path):
+    """`--model-name org/model-v2.1` (a '/' and a '.'): served under that name end to end."""
+    import json
+    import urllib.request
+
+    proc = up(
+        tmp_path / "up", "--http-port", str(free_port()), "--grpc-port", "0",
+        "--model-name", "org/model-v2.1",
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        url = None
+        deadline = time.monotonic() + READY_S
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline().decode()
+            if "OpenAI HTTP API" in line:
+                url = line.split()[-1]
+        assert url, proc.stderr.read().decode()[-2000:]
+        with urllib.request.urlopen(f"{url}/models", timeout=30) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "org/model-v2.1"
+        body = json.dumps({"model": "org/model-v2.1", "prompt": "copy: ab", "max_tokens": 4})
+        req = urllib.request.Request(
+            f"{url}/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["model"] == "org/model-v2.1"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0

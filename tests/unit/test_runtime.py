@@ -72,3 +72,19 @@ def test_redelivery_must_fit_inside_the_request_deadline():
     runtime.check_redelivery(15.0, 60.0)
     with pytest.raises(runtime.ConfigError, match="STATEBLOCK_ACK_WAIT_S=90 must be at most half"):
         runtime.check_redelivery(90.0, 60.0)
+
+
+def test_any_hugging_face_style_model_name_has_its_own_nats_token():
+    from stateblock.protocol import streams
+
+    assert streams.model_token("stateblock-reference") == "stateblock-reference"
+    names = ["org/model-v2", "org/model-v2.1", "org_model-v2_1", "Org/Model.v2 "[:-1]]
+    tokens = [streams.model_token(n) for n in names]
+    assert len(set(tokens)) == len(names)
+    for token in tokens:
+        assert all(c.isalnum() or c in "_-" for c in token), token
+    assert streams.blocks_subject("org/model-v2.1").count(".") == 2  # stateblock.blocks.<token>
+    assert runtime.model_name("org/model-v2.1") == "org/model-v2.1"
+    for bad in ("", "a b", "x" * 257, "a\nb"):
+        with pytest.raises(runtime.ConfigError, match="STATEBLOCK_MODEL_NAME"):
+            runtime.model_name(bad)

@@ -462,7 +462,7 @@ def test_model_from_host_path_or_image():
         ({"readout": {"engine": "bogus"}}, "value must be one of 'reference', 'onnx', 'torch'"),
         ({"readout": {"leaseSeconds": 20}}, "readout.ackWaitSeconds (15) must exceed"),
         ({"graceSeconds": 20}, "graceSeconds (20) must be below terminationGracePeriodSeconds"),
-        ({"model": {"name": "a.b"}}, "/model/name"),
+        ({"model": {"name": "a b"}}, "/model/name"),
         ({"model": {"source": "hostPath"}}, "model.hostPath.path is required"),
         ({"model": {"source": "nfs"}}, "/model/source"),
         ({"capture": {"gpu": {"count": 0}}}, "capture.device is cuda but capture.gpu.count is 0"),
@@ -519,3 +519,9 @@ def test_liveness_never_restarts_a_pod_for_a_nats_outage(default_docs, component
     the process answers, so an outage takes pods out of service without restarting them."""
     (container,) = deployment(default_docs, component)["spec"]["template"]["spec"]["containers"]
     assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+
+
+def test_a_hugging_face_style_model_name_deploys():
+    docs = render_valid({"model": {"name": "org/model-v2.1"}})
+    for component, config in CONFIGS.items():
+        assert config.from_env(env_of(docs, component)).model_name == "org/model-v2.1"

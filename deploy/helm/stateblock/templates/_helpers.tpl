@@ -242,8 +242,8 @@ affinity:
 {{- if le ($v.readout.ackWaitSeconds | float64) ($v.readout.leaseSeconds | float64) }}
 {{- fail (printf "readout.ackWaitSeconds (%v) must exceed readout.leaseSeconds (%v): JetStream may redeliver only after a claim could expire" $v.readout.ackWaitSeconds $v.readout.leaseSeconds) }}
 {{- end }}
-{{- if regexMatch "[.\\s*>]" $v.model.name }}
-{{- fail (printf "model.name %q must be one NATS subject token (no '.', whitespace, '*', '>')" $v.model.name) }}
+{{- if regexMatch "\\s" $v.model.name }}
+{{- fail (printf "model.name %q must have no whitespace (any Hugging Face-style name is served)" $v.model.name) }}
 {{- end }}
 {{- if and (eq $v.model.source "pvc") (not $v.model.pvc.claimName) }}
 {{- fail "model.pvc.claimName is required when model.source is pvc" }}
