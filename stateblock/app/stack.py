@@ -130,19 +130,23 @@ async def running_stack(
             return conns[-1]
 
         window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
-        capture_cfg = CaptureConfig(
+        # what every service of the stack is configured with alike
+        common = dict(
             nats_url=nats_url,
             nats_replicas=config.nats_replicas,
-            host=config.host,
-            port=config.capture_port,
             model_name=config.model_name,
             base_dir=config.base_dir,
             decoder_dir=config.decoder_dir,
-            key_dir=key_dir,
             grace_s=config.grace_s,
+        )
+        capture_cfg = CaptureConfig(
+            host=config.host,
+            port=config.capture_port,
+            key_dir=key_dir,
             blocks_storage=config.blocks_storage,
             compile=config.capture_compile,
             **window,
+            **common,
         )
         nc, state = await connection("capture")
         capture = await stack.enter_async_context(
@@ -151,17 +155,12 @@ async def running_stack(
             )
         )
         readout_cfg = ReadoutServiceConfig(
-            nats_url=nats_url,
-            nats_replicas=config.nats_replicas,
-            model_name=config.model_name,
-            base_dir=config.base_dir,
-            decoder_dir=config.decoder_dir,
             engine=engine.name,
             trusted_keys_dir=key_dir,
             signing_key_dir=readout_key_dir,
             workers=config.workers,
-            grace_s=config.grace_s,
             blocks_storage=config.blocks_storage,
+            **common,
         )
         # a block a dead worker held must come back while its request still waits
         runtime.check_redelivery(readout_cfg.ack_wait_s, config.request_timeout_s)
@@ -176,19 +175,14 @@ async def running_stack(
             )
         )
         gateway_cfg = GatewayConfig(
-            nats_url=nats_url,
-            nats_replicas=config.nats_replicas,
             capture_target=f"127.0.0.1:{capture.port}",
             host=config.host,
             http_port=config.http_port,
             grpc_port=config.grpc_port,
-            model_name=config.model_name,
-            base_dir=config.base_dir,
-            decoder_dir=config.decoder_dir,
             readout_trusted_keys_dir=readout_key_dir,
             request_timeout_s=config.request_timeout_s,
             api_key=config.api_key,
-            grace_s=config.grace_s,
+            **common,
         )
         nc, state = await connection("gateway")
         gateway = await stack.enter_async_context(
