@@ -137,7 +137,7 @@ async def running_capture(
         service = CaptureService(
             model, plans, batcher, publisher, signer, capture_metrics, config=config
         )
-        server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+        server = runtime.grpc_server()
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
         # the standard health service: Kubernetes' native gRPC probes and load balancers ask
         # it; NOT_SERVING first on shutdown, so routing stops before in-flight work drains

@@ -219,7 +219,7 @@ async def serve_grpc(
     """Gateway + health + reflection; yields the bound port. Health goes NOT_SERVING first
     on shutdown so load balancers stop routing before in-flight requests drain."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = grpc.aio.server(interceptors=interceptors, options=runtime.GRPC_SERVER_OPTIONS)
+    server = runtime.grpc_server(interceptors)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

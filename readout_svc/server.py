@@ -11,7 +11,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import nats
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -132,7 +131,7 @@ async def serve_health(
     if port is None:
         yield None
         return
-    server = grpc.aio.server(options=runtime.GRPC_SERVER_OPTIONS)
+    server = runtime.grpc_server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     bound = runtime.grpc_bind(server, host, port, "readout health")

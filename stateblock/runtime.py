@@ -99,6 +99,66 @@ class Env:
 GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
+class _Undecodable:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _refuse_undecodable():
+    """A server interceptor: a request whose bytes do not parse as the method's message is
+    INVALID_ARGUMENT with the parse error, not grpc's UNKNOWN "Exception deserializing"."""
+    import grpc
+
+    async def abort(request: _Undecodable, context) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}"
+        )
+
+    class RefuseUndecodable(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, handler_call_details):
+            handler = await continuation(handler_call_details)
+            if handler is None or handler.request_streaming or not handler.request_deserializer:
+                return handler
+            parse = handler.request_deserializer
+
+            def deserialize(data: bytes):
+                try:
+                    return parse(data)
+                except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+                    return _Undecodable(e)
+
+            if handler.unary_unary is not None:
+                inner = handler.unary_unary
+
+                async def unary_unary(request, context):
+                    if isinstance(request, _Undecodable):
+                        await abort(request, context)
+                    return await inner(request, context)
+
+                return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await abort(request, context)
+                async for reply in inner_stream(request, context):
+                    yield reply
+
+            return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+
+    return RefuseUndecodable()
+
+
+def grpc_server(interceptors=()):
+    """A grpc.aio server as every service runs one: its port alone (no SO_REUSEPORT), and
+    undecodable requests refused as INVALID_ARGUMENT."""
+    import grpc
+
+    return grpc.aio.server(
+        interceptors=[_refuse_undecodable(), *interceptors], options=GRPC_SERVER_OPTIONS
+    )
+
+
 def grpc_bind(server, host: str, port: int, what: str, tls: tuple[Path, Path] | None = None) -> int:
     """Bind the port (TLS from (certificate, key) PEM files when given), with a port in use
     as one clear error (grpc says 0 or raises)."""

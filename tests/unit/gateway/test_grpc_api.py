@@ -62,3 +62,28 @@ async def test_token_id_prompts_and_stops(stub, fakes):
             gateway_pb2.GenerateRequest(model=MODEL, prompt="a", prompt_token_ids=[1]), timeout=5
         )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_undecodable_requests_are_invalid_argument(service):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming the parse error,
+    for unary and streaming calls alike (grpc's own answer is UNKNOWN)."""
+    async with serve_grpc(service, "127.0.0.1", 0, 1.0) as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for method, call in (
+                ("Generate", channel.unary_unary),
+                ("GenerateStream", channel.unary_stream),
+            ):
+                raw = call(f"/stateblock.v1.Gateway/{method}")  # bytes in, bytes out
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    reply = raw(b"\xff\xff\xff garbage", timeout=5)
+                    if method == "GenerateStream":
+                        async for _ in reply:
+                            pass
+                    else:
+                        await reply
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+                assert "undecodable" in info.value.details()
+            ok = await gateway_pb2_grpc.GatewayStub(channel).Generate(
+                gateway_pb2.GenerateRequest(model=MODEL, prompt="a"), timeout=5
+            )
+            assert ok.choices
