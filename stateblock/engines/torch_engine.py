@@ -119,6 +119,7 @@ def readout_step(
     attention: str = "sdpa",
     fused: bool = False,
     kernel_precision: str = "ieee",
+    guess_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,).
 
@@ -128,14 +129,27 @@ def readout_step(
     the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: torch's
     fp32 matmul precision for the decoder's linears ("high" = TF32, process-wide while it
     runs; see `matmul_precision`); `attention`: the decoder's attention ("sdpa" or "fused",
-    see Attention); `kernel_precision`: the fused attention kernel's dots ("tf32"/"ieee").
+    see Attention); `kernel_precision`: the fused attention kernel's dots ("tf32"/"ieee");
+    `guess_table`: for a refining decoder, lm_head @ guess_in.weight.T (V, d_r), the
+    embedding of every token its first guess can pick (`fused_head` builds it).
     """
+    guess = None
+    if decoder.cfg.refine:
+        if guess_table is None:
+            raise ValueError("a refining decoder needs its guess table")
+
+        def guess(hm: Tensor) -> Tensor:  # the same top-2 as the answer's, top-1 gathered
+            x = (hm if fused else decoder.out(hm)).to(head.dtype)
+            k, d, dim = x.shape
+            _, ids = top2_fn(x.reshape(k * d, dim), head)
+            return guess_table.index_select(0, ids[:, 0]).view(k, d, -1)
+
     # cache_enabled=False: cached weight casts would outlive a CUDA-graph recording
     on = autocast is not None
     amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
     with amp, matmul_precision(precision), dot_precision(kernel_precision):
         stage = decoder.mixed if fused else decoder.hidden
-        h = stage(rows, prompt_lens, positions, impl=attention)
+        h = stage(rows, prompt_lens, positions, impl=attention, guess=guess)
     h = h.to(head.dtype)
     k, d, dim = h.shape
     top_v, top_i = top2_fn(h.reshape(k * d, dim), head)  # (K*D, 2) fp32, int64
@@ -234,6 +248,13 @@ class TorchEngine:
             self._head = self._lm_head
         else:
             raise ValueError(f"head must be 'fused' or 'lm_head', not {self.head!r}")
+        # a refining decoder's first guess re-enters as guess_in(lm_head[id]): one (V, d_r)
+        # table built here like the fused head, so a guess is a row gather
+        self._guess_table = (
+            fused_head(self._lm_head, self._decoder.guess_in.weight.t(), decoder_dtype)
+            if decoder.cfg.refine
+            else None
+        )
         self.identity = identity
         self._eos = eos_token_id
         self._n_chunks = decoder.cfg.n_chunks
@@ -340,6 +361,7 @@ class TorchEngine:
             kernel_precision=self._kernel_precision,
             attention=self.attention,
             fused=self.head == "fused",
+            guess_table=self._guess_table,
         )
 
     # -- CUDA graphs --------------------------------------------------------------------

@@ -4,12 +4,21 @@ One execution, no loop over answer positions: captured rows are pooled into M la
 slots, repaired twice, and every answer position (a functional sinusoid of its index)
 attends over [latents ; earlier answer positions] before a chunked projection against
 the base model's resident lm_head picks the top-2 tokens. docs/ARCHITECTURE.md places it among the engines.
+
+Two options (docs/QUALITY.md has their ablations): `row_attn`, where each mixer layer also
+attends to every captured row, with row positions counted from both ends of the prompt
+(a copied or reversed span is then one fixed offset away); and `refine`, a fixed number of
+in-graph passes in which the first guess re-enters as token embeddings (the lm_head rows
+of the guessed ids, projected) and a second mixer stack corrects it. Both keep the
+prefix-causal contract: position t's token depends on positions <= t only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -48,6 +57,8 @@ class ReadoutConfig:
     n_chunks: int = 8  # vocabulary chunks of the projection
     pos_periods: tuple[float, ...] = field(default_factory=_decimal_harmonic_periods)
     norm_eps: float = 1e-5
+    row_attn: bool = False  # mixer layers also cross-attend to every captured row
+    refine: int = 0  # in-graph refinement passes over the readout's own first guess
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -55,6 +66,8 @@ class ReadoutConfig:
             raise ValueError(f"d_r={self.d_r} is not divisible by n_heads={self.n_heads}")
         if self.n_mixer < 1 or self.n_latent < 1 or self.n_chunks < 1:
             raise ValueError("n_mixer, n_latent and n_chunks must be positive")
+        if self.refine < 0:
+            raise ValueError(f"refine={self.refine} must be >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -198,6 +211,18 @@ class Block(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
+class Context(NamedTuple):
+    """What every answer position reads: the repaired latents and the projected rows."""
+
+    lat: Tensor  # (K, M, d_r)
+    rows: Tensor  # (K, P, d_r) rows in readout width, positions from both ends added
+    row_mask: Tensor  # (K, 1, 1, P) bool, True = a real row of the lane's prompt
+
+
+# the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
+GuessFn = Callable[[Tensor], Tensor]
+
+
 class ReadoutDecoder(nn.Module):
     def __init__(self, cfg: ReadoutConfig) -> None:
         super().__init__()
@@ -217,10 +242,23 @@ class ReadoutDecoder(nn.Module):
         self.mixer = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
         self.norm_out = RMSNorm(cfg.d_r, cfg.norm_eps)
         self.out = nn.Linear(cfg.d_r, cfg.d_base, bias=False)
+        if cfg.row_attn:
+            # a row's distance from the prompt's end: reversal and suffix reads become one
+            # fixed offset away, which the sinusoids turn into one fixed rotation
+            self.ctx_end = nn.Linear(cfg.n_pos_features, cfg.d_r, bias=False)
+            self.row_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+        if cfg.refine:
+            # the guessed tokens enter through the lm_head's own rows (no vocabulary-sized
+            # table of the decoder's): embedding = guess_in(lm_head[id])
+            self.guess_in = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
+            self.ref_mixer = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+            if cfg.row_attn:
+                self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+            self.ref_norm = RMSNorm(cfg.d_r, cfg.norm_eps)
 
     # -- pure stages -------------------------------------------------------------------
-    def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
-        """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
+    def context(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Context:
+        """Captured rows -> repaired latents and projected rows. rows (K, P, d_base), prompt_lens (K,)."""
         k, p, _ = rows.shape
         idx = torch.arange(p, device=rows.device)
         ctx = self.ctx_in(rows.to(self.ctx_in.weight.dtype))  # (K, P, d_r)
@@ -230,35 +268,102 @@ class ReadoutDecoder(nn.Module):
         lat = self.pool(lat, ctx, row_mask, impl)
         for stage in self.repair:
             lat = stage(lat, lat, None, impl)
-        return lat
+        if self.cfg.row_attn:
+            from_end = prompt_lens.unsqueeze(1) - 1 - idx.unsqueeze(0)  # (K, P), < 0 on padding
+            ctx = ctx + self.ctx_end(position_features(from_end, self.periods).to(ctx.dtype))
+        return Context(lat, ctx, row_mask)
+
+    def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
+        """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
+        return self.context(rows, prompt_lens, impl).lat
+
+    def _stack(
+        self,
+        layers: nn.ModuleList,
+        cross: nn.ModuleList | None,
+        h: Tensor,
+        c: Context,
+        mask: Tensor | PrefixCausal,
+        impl: str,
+    ) -> Tensor:
+        for j, layer in enumerate(layers):
+            h = layer(h, torch.cat([c.lat, h], dim=1), mask, impl)
+            if cross is not None:  # rows are all before the answer: no causality to keep
+                h = cross[j](h, c.rows, c.row_mask, impl)
+        return h
 
     def hidden(
-        self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, impl: str = "sdpa"
+        self,
+        rows: Tensor,
+        prompt_lens: Tensor,
+        positions: Tensor,
+        impl: str = "sdpa",
+        guess: GuessFn | None = None,
     ) -> Tensor:
         """Answer-position states in lm_head space. positions (K, D) -> (K, D, d_base)."""
-        return self.out(self.mixed(rows, prompt_lens, positions, impl))
+        return self.out(self.mixed(rows, prompt_lens, positions, impl, guess))
 
-    def mixed(
-        self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, impl: str = "sdpa"
-    ) -> Tensor:
-        """The normed mixer output, before the linear `out` map into lm_head space: (K, D, d_r).
+    def passes(
+        self,
+        rows: Tensor,
+        prompt_lens: Tensor,
+        positions: Tensor,
+        impl: str = "sdpa",
+        guess: GuessFn | None = None,
+    ) -> list[Tensor]:
+        """The normed state of every pass: [first guess, refinement 1, ...], each (K, D, d_r).
 
-        `out` has no bias and nothing follows it but the lm_head, so the logits are also
-        mixed @ (lm_head @ out.weight).T, a (V, d_r) head: the torch engine's fused head."""
-        lat = self.encode(rows, prompt_lens, impl)  # (K, M, d_r)
-        m = lat.shape[1]
+        `guess` maps a pass's states to the embeddings of its argmax tokens (`guess_embed`
+        does it against the lm_head); refinement needs one."""
+        c = self.context(rows, prompt_lens, impl)  # latents (K, M, d_r), rows (K, P, d_r)
+        m = c.lat.shape[1]
         d = positions.shape[1]
-        h = self.pos_in(position_features(positions, self.periods).to(lat.dtype))  # (K, D, d_r)
+        h0 = self.pos_in(position_features(positions, self.periods).to(c.lat.dtype))  # (K, D, d_r)
         # Prefix-causal: every position sees all latents and the positions up to itself, so
         # position t's token does not depend on how deep the caller reads. max_tokens
         # truncation and depth-bucket padding are then exact, not approximations. The
         # explicit path (the ONNX graph's) gets the dense (D, M + D) mask.
         mask: Tensor | PrefixCausal = PrefixCausal(m)
         if impl == "explicit":
-            mask = mask.dense(d, h.device)
-        for layer in self.mixer:
-            h = layer(h, torch.cat([lat, h], dim=1), mask, impl)
-        return self.norm_out(h)  # (K, D, d_r)
+            mask = mask.dense(d, h0.device)
+        cross = self.row_cross if self.cfg.row_attn else None
+        h = self.norm_out(self._stack(self.mixer, cross, h0, c, mask, impl))
+        out = [h]
+        if self.cfg.refine and guess is None:
+            raise ValueError("a refining decoder needs a guess function (guess_embed)")
+        ref_cross = self.ref_cross if self.cfg.refine and self.cfg.row_attn else None
+        for _ in range(self.cfg.refine):  # a fixed number of passes, one shared stack
+            # each position's guess is its own argmax: prefix-causal still holds
+            x = h0 + guess(h).to(h.dtype) + h
+            h = self.ref_norm(self._stack(self.ref_mixer, ref_cross, x, c, mask, impl))
+            out.append(h)
+        return out
+
+    def mixed(
+        self,
+        rows: Tensor,
+        prompt_lens: Tensor,
+        positions: Tensor,
+        impl: str = "sdpa",
+        guess: GuessFn | None = None,
+    ) -> Tensor:
+        """The normed output of the last pass, before the linear `out` map into lm_head
+        space: (K, D, d_r).
+
+        `out` has no bias and nothing follows it but the lm_head, so the logits are also
+        mixed @ (lm_head @ out.weight).T, a (V, d_r) head: the torch engine's fused head."""
+        return self.passes(rows, prompt_lens, positions, impl, guess)[-1]
+
+    def guess_embed(self, lm_head: Tensor) -> GuessFn:
+        """The refinement's guess against the resident lm_head: top-1 of each position
+        (chunked, as served), then guess_in(lm_head[id]). (K, D, d_r) -> (K, D, d_r)."""
+
+        def guess(h: Tensor) -> Tensor:
+            _, ids = chunked_topk(self.out(h).to(lm_head.dtype), lm_head, self.cfg.n_chunks, 1)
+            emb = lm_head[ids[..., 0]]  # (K, D, d_base), a gather: no copy of the head
+            return self.guess_in(emb.to(self.guess_in.weight.dtype))
+
+        return guess
 
     def forward(
         self,
@@ -272,7 +377,8 @@ class ReadoutDecoder(nn.Module):
         noise: Tensor | None = None,  # (K, D, TOP_K_SAMPLE) Gumbel noise for sampling
         impl: str = "sdpa",
     ) -> ReadoutOut:
-        h = self.hidden(rows, prompt_lens, positions, impl).to(lm_head.dtype)
+        guess = self.guess_embed(lm_head) if self.cfg.refine else None
+        h = self.hidden(rows, prompt_lens, positions, impl, guess).to(lm_head.dtype)
         k_top = 2 if temperature is None else TOP_K_SAMPLE
         top_v, top_i = chunked_topk(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
         margin = (top_v[..., 0] - top_v[..., 1]).float()
@@ -288,4 +394,18 @@ class ReadoutDecoder(nn.Module):
 
     def logits(self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, lm_head: Tensor):
         """Full logits for training on small vocabularies. (K, D, V); never on the serve path."""
-        return self.hidden(rows, prompt_lens, positions) @ lm_head.t().to(self.out.weight.dtype)
+        return self.pass_logits(rows, prompt_lens, positions, lm_head)[-1]
+
+    def pass_logits(
+        self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, lm_head: Tensor
+    ) -> list[Tensor]:
+        """Full logits of every pass, for training: [(K, D, V)], first guess first. The
+        refinement reads the previous pass's argmax, detached (trained on its own guesses)."""
+        head = lm_head.to(self.out.weight.dtype)
+
+        def guess(h: Tensor) -> Tensor:
+            ids = (self.out(h) @ head.t()).argmax(-1).detach()  # (K, D)
+            return self.guess_in(head[ids])
+
+        states = self.passes(rows, prompt_lens, positions, guess=guess if self.cfg.refine else None)
+        return [self.out(h) @ head.t() for h in states]

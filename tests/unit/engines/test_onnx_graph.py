@@ -36,11 +36,21 @@ IDENTITY = {
 }
 
 
-@pytest.fixture(scope="module")
-def decoder() -> ReadoutDecoder:
+# the shipped architecture's options: rows attended by every position, in-graph refinement
+@pytest.fixture(
+    scope="module", params=[{}, {"row_attn": True, "refine": 1}], ids=["plain", "refine"]
+)
+def decoder(request) -> ReadoutDecoder:
     torch.manual_seed(0)
     cfg = ReadoutConfig(
-        d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4, n_heads=4, n_mixer=2
+        d_base=D_BASE,
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        d_r=32,
+        n_latent=4,
+        n_heads=4,
+        n_mixer=2,
+        **request.param,
     )
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():  # larger weights than init so outputs vary by position and lane
@@ -169,7 +179,8 @@ def test_in_graph_eos_scan_matches_at_a_forced_eos(decoder, exported):
     rows, lens, lm_head = lanes(4, plens, seed=21)
     pos = torch.arange(120).expand(4, -1)
     with torch.no_grad():  # an EOS row aligned with the mean answer state: EOS gets emitted
-        lm_head[EOS] = decoder.hidden(rows, lens, pos).mean((0, 1)) * 3
+        guess = decoder.guess_embed(lm_head) if decoder.cfg.refine else None
+        lm_head[EOS] = decoder.hidden(rows, lens, pos, guess=guess).mean((0, 1)) * 3
     zeros = torch.zeros(4, 120, 8)
     ref, got = run_both(decoder, session, rows, lens, depths, lm_head, torch.zeros(4), zeros)
     assert_parity(ref, got, depths)

@@ -235,3 +235,33 @@ def test_default_config_fills_the_gpu():
         assert 131072 // cfg.n_split >= 4 * cfg.block_v  # >= 4 lm_head tiles per program
     assert default_config(8, 64, 132).n_split == 1  # a tiny vocabulary is not split
     assert 2688 % Top2Config().block_k == 0  # d_base 2688 takes the unmasked d loop
+
+
+# -- a refining, row-attending decoder (the rebuilt architecture) -------------------------
+@pytest.mark.parametrize("head", ["lm_head", "fused"])
+def test_refining_decoder_equals_reference(head):
+    """The engine's refinement reads its first guess through a (V, d_r) gather table built at
+    start-up; the reference projects the lm_head row of the guess per call: same answers."""
+    import copy
+
+    from stateblock.engines import ReferenceEngine
+    from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+    from stateblock.protocol.envelope import ModelIdentity
+
+    torch.manual_seed(0)
+    cfg = ReadoutConfig(d_base=48, vocab_size=97, eos_token_id=5, d_r=32, n_latent=4,
+                        n_heads=4, n_mixer=2, row_attn=True, refine=1)  # fmt: skip
+    dec = ReadoutDecoder(cfg).eval()
+    with torch.no_grad():
+        for p in dec.parameters():
+            p.normal_(0, 0.3)
+    lm_head = torch.randn(97, 48)
+    ident = ModelIdentity("m", b"b" * 32, b"l" * 32, b"d" * 32)
+    ref = ReferenceEngine(copy.deepcopy(dec), lm_head, ident, eos_token_id=5)
+    eng = TorchEngine(copy.deepcopy(dec), lm_head, ident, eos_token_id=5, head=head)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randn(n, 48, generator=g) for n in (3, 11, 6)]
+    lanes = lanes_of(rows, [70, 9, 33, 120], temps=[0, 0, 1.2, 0], seeds=[None, None, 4, None])
+    want, got = ref.readout(lanes), eng.readout(lanes)
+    assert_same(want, got, atol=1e-3)
+    assert eng._guess_table is not None and eng._guess_table.shape == (97, 32)

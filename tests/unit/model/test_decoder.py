@@ -196,3 +196,86 @@ def test_ignore_eos_returns_every_position_eos_included():
     lane = LaneRequest(rows=rows, depth=4)
     assert lane_result(lane, [7, 8, 2, 9, 9], [1.0] * 5, 2).token_ids == (7, 8)
     assert lane_result(lane, [7, 8, 2, 9, 9], [1.0] * 5, NO_EOS).token_ids == (7, 8, 2, 9)
+
+
+# -- the fidelity options: rows attended by every answer position, in-graph refinement ----
+OPTIONS = [
+    pytest.param({"row_attn": True}, id="row_attn"),
+    pytest.param({"refine": 1}, id="refine"),
+    pytest.param({"row_attn": True, "refine": 2}, id="row_attn+refine2"),
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_options_keep_explicit_sdpa_parity_and_prefix_causality(opts):
+    dec, w = make(n_mixer=2, **opts)
+    rows, lens, _ = lanes(3, 11, 1)
+    with torch.no_grad():
+        deep = dec(rows, lens, torch.arange(90).expand(3, -1), torch.full((3,), 90), w)
+        expl = dec(rows, lens, torch.arange(90).expand(3, -1), torch.full((3,), 90), w,
+                   impl="explicit")  # fmt: skip
+        short = dec(rows, lens, torch.arange(25).expand(3, -1), torch.full((3,), 25), w)
+    assert torch.equal(deep.top1, expl.top1)
+    assert torch.allclose(deep.margin, expl.margin, atol=1e-4)
+    assert torch.equal(short.top1, deep.top1[:, :25])  # truncation stays exact
+
+
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_options_ignore_padding_rows_and_other_lanes(opts):
+    dec, w = make(n_mixer=2, **opts)
+    g = torch.Generator().manual_seed(4)
+    plens, depths = [3, 17, 8], [50, 12, 33]
+    rows = [torch.randn(p, D_BASE, generator=g) for p in plens]
+    padded = torch.full((3, max(plens), D_BASE), 50.0)  # garbage in every padding row
+    for k, r in enumerate(rows):
+        padded[k, : len(r)] = r
+    pos = torch.arange(max(depths)).expand(3, -1)
+    with torch.no_grad():
+        packed = dec(padded, torch.tensor(plens), pos, torch.tensor(depths), w)
+        for k, (r, d) in enumerate(zip(rows, depths, strict=True)):
+            alone = dec(r[None], torch.tensor([len(r)]), torch.arange(d)[None],
+                        torch.tensor([d]), w)  # fmt: skip
+            assert torch.equal(packed.top1[k, :d], alone.top1[0])
+
+
+def test_row_attention_counts_rows_from_the_prompt_end():
+    """With row_attn the rows carry their distance from the prompt's end: the same rows
+    under a longer prompt_len read differently (a reversal needs that offset)."""
+    dec, w = make(n_mixer=1, row_attn=True)
+    rows, _, pos = lanes(1, 9, 30)
+    with torch.no_grad():
+        a = dec.context(rows, torch.tensor([6])).rows[0, :6]
+        b = dec.context(rows, torch.tensor([9])).rows[0, :6]
+    assert not torch.allclose(a, b)
+    plain, _ = make(n_mixer=1)
+    with torch.no_grad():
+        c = plain.context(rows, torch.tensor([6])).rows[0, :6]
+        d = plain.context(rows, torch.tensor([9])).rows[0, :6]
+    assert torch.equal(c, d)
+
+
+def test_refinement_reads_the_first_guess_and_training_sees_every_pass():
+    dec, w = make(n_mixer=1, refine=1)
+    rows, lens, pos = lanes(2, 7, 40)
+    with torch.no_grad():
+        out = dec(rows, lens, pos, torch.full((2,), 40), w)
+        per_pass = dec.pass_logits(rows, lens, pos, w)
+        first = dec.passes(rows, lens, pos, guess=dec.guess_embed(w))[0]
+        # a different first guess changes the answer: the refinement really reads it
+        other = dec.passes(rows, lens, pos, guess=lambda h: torch.zeros_like(h))[-1]
+    assert len(per_pass) == 2
+    assert torch.equal(per_pass[-1].argmax(-1), out.top1)  # training's last pass = served
+    assert torch.equal(per_pass[0].argmax(-1), (dec.out(first) @ w.t()).argmax(-1))
+    assert not torch.equal((dec.out(other) @ w.t()).argmax(-1), out.top1)
+    with pytest.raises(ValueError, match="guess"):
+        dec.passes(rows, lens, pos)
+
+
+def test_old_checkpoint_configs_load_without_the_options():
+    cfg = ReadoutConfig.from_dict(
+        {"d_base": 8, "vocab_size": 10, "eos_token_id": 2, "d_r": 8, "n_heads": 2}
+    )
+    assert not cfg.row_attn and cfg.refine == 0
+    assert ReadoutConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="refine"):
+        ReadoutConfig(d_base=8, vocab_size=10, eos_token_id=2, d_r=8, n_heads=2, refine=-1)
