@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One build stage of the shipped readout decoder (docs/QUALITY.md, "The rebuild"): trains for
+# MINUTES on every GPU of this machine (torchrun, DDP), resuming from $STATEBLOCK_BUILD_DIR/state.pt
+# when this machine ran the last stage, else from INIT (a decoder dir a stage left behind, when
+# given), then copies the decoder and its stats to $OUT (where device runs collect results).
+#   scripts/build_readout.sh MINUTES [INIT|-] [readout_ddp options...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+minutes=${1:?minutes}
+init=${2:--}
+shift $(($# >= 2 ? 2 : 1))
+out=${STATEBLOCK_BUILD_DIR:-/tmp/readout-build}
+ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
+extra=()
+[ "$init" != "-" ] && extra+=(--init "$init")
+# whatever happens, what the stage left goes back (a crash after the save still returns it)
+trap '[ -n "${OUT:-}" ] && cp -r "$out/decoder" "$out/stats.json" "$OUT/" 2>/dev/null || true' EXIT
+torchrun --standalone --nproc_per_node="$ngpu" -m stateblock.train.readout_ddp \
+  --base models/next/base --out "$out" --minutes "$minutes" "${extra[@]}" "$@"

@@ -1,0 +1,331 @@
+"""The readout decoder's trainer at scale: fresh task-suite prompts every step, the teacher
+from one verifying forward, DistributedDataParallel under torchrun on every GPU of a machine
+(or one GPU, or the CPU), bf16 autocast, a wall-clock budget with a cosine schedule planned
+from the measured pace, resumable from its state file.
+
+    torchrun --standalone --nproc_per_node=2 -m stateblock.train.readout_ddp \\
+        --base models/next/base --out runs/readout --minutes 8
+
+Per step, per rank: loader workers draw fresh training prompts with their true answers and
+pack them into a padded-token budget; ONE forward of the frozen base over prompt + answer +
+EOS gives both the captured rows (the prompt's final hidden rows: causal attention makes
+them the serving capture's) and the teacher. Greedy decoding emits argmax(next | prefix), so
+where the forward's argmax reproduces the true answer and then EOS, the teacher's greedy
+answer IS the true answer; where it first deviates at position j, the teacher's answer is
+known up to and including j (truth[:j] + its own token j) and the positions after j are left
+out of the loss. No step-by-step decoding, so the teacher costs one forward.
+
+The loss is the cross-entropy of every pass (first guess and each refinement), averaged.
+At the end rank 0 writes the decoder (`stateblock.model.checkpoint`, bound to the base) and a
+held-out report of readout vs teacher where the teacher's greedy answer is verified; the
+full report with step-by-step teachers is `stateblock eval`. docs/QUALITY.md has the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stateblock.model import checkpoint as ckpt
+from stateblock.model.capture import backbone
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.train import tasks
+from stateblock.train.base_ddp import FastEnc, Stream, log, lr_at
+from stateblock.train.batching import budget_batches
+
+FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
+
+
+class Passes(nn.Module):
+    """The decoder's training view, as one module call (what DDP wraps)."""
+
+    def __init__(self, decoder: ReadoutDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, rows, lens, positions, lm_head) -> list[Tensor]:
+        return self.decoder.pass_logits(rows, lens, positions, lm_head)
+
+
+@torch.no_grad()
+def teacher_batch(base, ids: Tensor, lab: Tensor, amp) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """One frozen forward over (prompt + truth + EOS) rows -> rows (B, P, d), prompt_lens (B,),
+    targets (B, D) (-100 where the teacher's token is unknown) and counts.
+
+    lab is the base trainer's label tensor: lab[t] = ids[t + 1] on answer and EOS tokens."""
+    with amp:
+        hidden = backbone(base)(input_ids=ids).last_hidden_state  # (B, W, d), final norm applied
+        pred = base.lm_head(hidden).argmax(-1)  # (B, W) the teacher's next token everywhere
+    known = lab != -100  # (B, W): positions whose next token is an answer token or EOS
+    first = known.float().argmax(-1)  # (B,) = prompt_len - 1
+    lens = first + 1
+    n_ans = known.sum(-1)  # answer + EOS
+    d = int(n_ans.max())
+    b = ids.shape[0]
+    col = first.unsqueeze(1) + torch.arange(d, device=ids.device).unsqueeze(0)  # (B, D)
+    col = col.clamp(max=ids.shape[1] - 1)
+    in_ans = torch.arange(d, device=ids.device).unsqueeze(0) < n_ans.unsqueeze(1)
+    truth = torch.where(in_ans, lab.gather(1, col), -100)
+    guess = torch.where(in_ans, pred.gather(1, col), -100)
+    wrong = (truth != guess) & in_ans
+    # positions after the first deviation: the teacher's own answer there is unknown
+    after = wrong.int().cumsum(-1) - wrong.int() > 0
+    target = torch.where(after, -100, guess)  # == truth up to the deviation, teacher's at it
+    p = int(lens.max())
+    stats = {"lanes": b, "teacher_deviates": int(wrong.any(-1).sum())}
+    return hidden[:, :p].float(), lens, target, stats
+
+
+def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
+    cfg = ReadoutConfig(
+        d_base=base.config.hidden_size,
+        vocab_size=base.lm_head.weight.shape[0],
+        eos_token_id=tok.eos_token_id,
+        **overrides,
+    )
+    return ReadoutDecoder(cfg)
+
+
+@torch.no_grad()
+def heldout_report(base, decoder, enc, device, amp, n_each: int, seed: int) -> dict:
+    """Readout vs teacher on held-out prompts whose teacher answer the forward verifies
+    (teacher == truth, then EOS); prompts where it deviates are counted, not scored."""
+    exs = tasks.per_family(n_each, split="heldout", seed=seed)
+    seqs = [(enc.prompt(e.prompt), enc.answer(e.answer) + [enc.eos]) for e in exs]
+    lens = [len(p) + len(t) for p, t in seqs]
+    lm_head = base.lm_head.weight.float()
+    res: dict[str, dict[str, list]] = {"family": defaultdict(list), "bucket": defaultdict(list)}
+    tok_agree: dict[str, list] = defaultdict(list)
+    deviates = 0
+    decoder.eval()
+    for b in budget_batches(lens, 32768, max_batch=128):
+        w = max(lens[i] for i in b)
+        ids = torch.full((len(b), w), enc.pad, dtype=torch.long)
+        lab = torch.full((len(b), w), -100, dtype=torch.long)
+        for r, i in enumerate(b):
+            p, t = seqs[i]
+            ids[r, : lens[i]] = torch.tensor(p + t)
+            lab[r, len(p) - 1 : lens[i] - 1] = torch.tensor(t)
+        rows, plens, target, _ = teacher_batch(base, ids.to(device), lab.to(device), amp)
+        d = target.shape[1]
+        pos = torch.arange(d, device=device).expand(len(b), -1)
+        out = decoder(rows, plens, pos, torch.full((len(b),), d, device=device), lm_head)
+        got = out.tokens.cpu()
+        for r, i in enumerate(b):
+            t = torch.tensor(seqs[i][1])
+            if bool((target[r, : len(t)].cpu() != t).any()):
+                deviates += 1
+                continue
+            e = exs[i]
+            ok = bool(torch.equal(got[r, : len(t)], t))
+            res["family"][e.family].append(ok)
+            res["bucket"][tasks.bucket_of(len(e.answer) or 1)].append(ok)
+            tok_agree[tasks.bucket_of(len(e.answer) or 1)].append(
+                float((got[r, : len(t)] == t).float().mean())
+            )
+    mean = lambda v: round(sum(v) / len(v), 3)  # noqa: E731
+    return {
+        "exact_by_family": {f: mean(v) for f, v in sorted(res["family"].items())},
+        "exact_by_bucket": {k: [mean(v), len(v)] for k, v in sorted(res["bucket"].items())},
+        "token_agreement_by_bucket": {k: mean(v) for k, v in sorted(tok_agree.items())},
+        "teacher_deviates": deviates,
+        "n_each": n_each,
+        "seed": seed,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m stateblock.train.readout_ddp",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = ap.add_argument
+    add("--base", required=True, help="the frozen base model directory (HF)")
+    add("--out", required=True, help="writes OUT/decoder (checkpoint) and OUT/state.pt (resume)")
+    add("--minutes", type=float, default=8.0, help="wall-clock budget of this run")
+    add("--max-steps", type=int, default=10**9, help="steps of this run at most")
+    add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs only)")
+    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
+    add("--max-batch", type=int, default=256, help="prompts a batch, per GPU")
+    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
+    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
+    add("--lr", type=float, default=1e-3, help="peak learning rate")
+    add("--warmup", type=int, default=200, help="warm-up steps")
+    add("--seed", type=int, default=0, help="random seed")
+    add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
+    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
+    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
+    add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
+    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    a = parse_args(argv)
+    ddp = "RANK" in os.environ
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ddp:
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if a.device == "cuda" else "cpu"
+    if a.device == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(a.base, local_files_only=True)
+    enc = FastEnc(a.base)
+    for e in tasks.generate(200, split="heldout", seed=5):  # the fast encoder is the tokenizer
+        assert tok(e.prompt)["input_ids"] == enc.prompt(e.prompt), e.prompt
+    base = AutoModelForCausalLM.from_pretrained(a.base, local_files_only=True, dtype=torch.float32)
+    base.to(device).eval().requires_grad_(False)
+    lm_head = base.lm_head.weight  # (V, d_base), frozen
+
+    state_file = out / "state.pt"
+    st = torch.load(state_file, map_location=device) if state_file.exists() else None
+    overrides = st["decoder_config"] if st else json.loads(a.decoder_config)
+    init = None
+    if not st and a.init:  # another machine's stage: its bf16 weights, a fresh optimizer
+        init, manifest = ckpt.load_decoder(a.init, base_dir=a.base, lm_head=base.lm_head.weight)
+        known = {f.name for f in fields(ReadoutConfig)} - {"d_base", "vocab_size", "eos_token_id"}
+        overrides = {k: v for k, v in manifest["decoder_config"].items() if k in known}
+        seen = manifest["training"].get("prompts_seen", 0)
+        step = manifest["training"].get("steps", 0)
+    torch.manual_seed(a.seed)
+    decoder = build_decoder(base, tok, overrides).to(device)
+    if init is not None:
+        decoder.load_state_dict(init.state_dict())
+        log(f"init from {a.init} (step {step}, bf16 weights, new optimizer)")
+    n_params = sum(p.numel() for p in decoder.parameters())
+    log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")
+    opt = torch.optim.AdamW(
+        decoder.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95),
+        fused=a.device == "cuda",
+    )  # fmt: skip
+    total = None
+    if init is None:
+        step, seen = 0, 0
+    if st:
+        decoder.load_state_dict(st["decoder"])
+        opt.load_state_dict(st["opt"])
+        step, total, seen = st["step"], st["total"], st.get("seen", 0)
+        log(f"resumed at step {step}/{total}")
+        if a.reschedule:
+            total = None
+    model = Passes(decoder)
+    dmodel = (
+        nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if a.device == "cuda" else None
+        )
+        if ddp
+        else model
+    )
+    ds = Stream(
+        a.base, f"r{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, json.loads(a.weights)
+    )
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=a.workers, prefetch_factor=8 if a.workers else None
+    )
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
+    t0 = time.perf_counter()
+    start, tlog, t100 = step, t0, t0
+    losses, dev_count = [], 0
+    decoder.train()
+    for ids, lab in dl:
+        if total is None and step - start == 300:
+            pace = (time.perf_counter() - t100) / 200
+            left = a.minutes * 60 - (time.perf_counter() - t0)
+            total = min(start + a.max_steps, step + int(left / pace))
+            if ddp:  # every rank takes rank 0's plan
+                tt = torch.tensor([total], device=device)
+                dist.broadcast(tt, 0)
+                total = int(tt.item())
+            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
+        if step - start == 100:
+            t100 = time.perf_counter()
+        plan = total if total is not None else start + min(a.max_steps, 4000)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step - start, plan - start, a.lr, a.warmup)
+        rows, lens, target, info = teacher_batch(base, ids.to(device), lab.to(device), amp)
+        seen += info["lanes"] * world
+        dev_count += info["teacher_deviates"]
+        pos = torch.arange(target.shape[1], device=device).expand(target.shape[0], -1)
+        with amp:
+            logits = dmodel(rows, lens, pos, lm_head)
+        loss = sum(
+            F.cross_entropy(lg.float().flatten(0, 1), target.flatten(), ignore_index=-100)
+            for lg in logits
+        ) / len(logits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0:
+            losses.append(loss.item())
+        if time.perf_counter() - tlog > 20:
+            tlog = time.perf_counter()
+            log(
+                f"step {step}/{total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s seen {seen} "
+                f"shape {tuple(target.shape)}"
+            )
+        if (total is not None and step >= total) or step - start >= a.max_steps:
+            break
+        if not ddp and time.perf_counter() - t0 > a.minutes * 60 + 30:
+            log("wall-clock stop")
+            break
+    train_s = time.perf_counter() - t0
+    if rank == 0:
+        decoder.eval()
+        torch.save(
+            {"decoder": decoder.state_dict(), "opt": opt.state_dict(), "step": step,
+             "total": total, "seen": seen, "decoder_config": overrides},
+            state_file,
+        )  # fmt: skip
+        stats = {
+            "steps": step,
+            "steps_this_run": step - start,
+            "train_seconds": round(train_s, 1),
+            "prompts_seen": seen,
+            "teacher_deviating_lanes_rank0": dev_count,
+            "final_loss": losses[-1] if losses else None,
+            "params": n_params,
+            "world": world,
+            "device": torch.cuda.get_device_name(device) if a.device == "cuda" else "cpu",
+            "config": {**vars(a), "max_answer": 3100, "decoder": overrides, "data": FORMAT_NOTE},
+        }
+        identity = {
+            "base_model_digest": ckpt.base_model_digest(a.base),
+            "tokenizer_digest": ckpt.tokenizer_digest(a.base),
+            "lm_head_digest": ckpt.tensor_digest(lm_head),
+            "data_digest": ckpt.sha_files([Path(tasks.__file__)]),
+        }
+        ckpt.save_decoder(out / "decoder", decoder, identity, {"training": stats})
+        if a.eval_each:
+            t1 = time.perf_counter()
+            stats["heldout"] = heldout_report(base, decoder, enc, device, amp, a.eval_each, 1234)
+            stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
+        log(json.dumps(stats))
+        (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)  # the loader's worker processes can hold the interpreter's exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The fresh-prompt readout trainer: its one-forward teacher equals the step-by-step
+teacher's verified prefix, its rows equal the serving capture's, and a run resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stateblock.model.capture import capture
+from stateblock.model.checkpoint import load_decoder
+from stateblock.model.loading import load_base
+from stateblock.train import readout_ddp, tasks
+from stateblock.train.base_ddp import FastEnc
+from stateblock.train.teacher import verify_candidates
+
+BASE = Path(__file__).resolve().parents[3] / "models" / "next" / "base"
+pytestmark = pytest.mark.skipif(not BASE.exists(), reason="models/next/base not in this tree")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_base(BASE, "cpu")
+
+
+def test_one_forward_teacher_equals_verified_prefix_and_rows_equal_capture(base):
+    model, tok = base
+    enc = FastEnc(BASE)
+    exs = tasks.per_family(3, split="heldout", seed=77)
+    exs = [e for e in exs if len(e.answer) < 200]
+    pairs = [(enc.prompt(e.prompt), enc.answer(e.answer)) for e in exs]
+    # a wrong candidate for two prompts: the teacher deviates from it, at a known position
+    pairs[0] = (pairs[0][0], pairs[0][1][:-1] + [pairs[0][1][0] ^ 1] if pairs[0][1] else [5])
+    pairs[3] = (pairs[3][0], list(reversed(pairs[3][1])) + pairs[3][1])
+    lens = [len(p) + len(a) + 1 for p, a in pairs]
+    ids = torch.full((len(pairs), max(lens)), enc.pad)
+    lab = torch.full_like(ids, -100)
+    for r, (p, a) in enumerate(pairs):
+        ids[r, : lens[r]] = torch.tensor(p + a + [enc.eos])
+        lab[r, len(p) - 1 : lens[r] - 1] = torch.tensor(a + [enc.eos])
+    off = torch.autocast("cpu", enabled=False)
+    rows, plens, target, info = readout_ddp.teacher_batch(model, ids, lab, off)
+    want = verify_candidates(model, pairs, enc.eos, enc.pad, "cpu", 1 << 16, 4096)
+    deviating = 0
+    for r, w in enumerate(want):
+        got = [t for t in target[r].tolist() if t != -100]
+        assert got == w, r  # truth up to the deviation, the teacher's own token at it
+        deviating += w != (pairs[r][1] + [enc.eos])
+    assert deviating >= 2 and info["teacher_deviates"] == deviating
+    assert plens.tolist() == [len(p) for p, _ in pairs]
+    for r, (p, _) in enumerate(pairs[:4]):  # the serving capture of the prompt alone
+        alone = capture(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+        assert torch.allclose(rows[r, : len(p)], alone[0], atol=1e-4)
+
+
+class _Exited(BaseException):
+    pass
+
+
+def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
+    model, _ = base
+    args = ["--base", str(BASE), "--out", str(tmp_path), "--device", "cpu", "--workers", "0",
+            "--budget", "2048", "--max-batch", "8", "--pool", "64", "--eval-each", "1",
+            "--decoder-config", json.dumps({"d_r": 32, "n_latent": 4, "n_heads": 4,
+                                            "n_mixer": 1, "row_attn": True, "refine": 1})]  # fmt: skip
+
+    def no_exit(code: int) -> None:  # main() ends with os._exit (its loader workers)
+        raise _Exited(code)
+
+    monkeypatch.setattr(readout_ddp.os, "_exit", no_exit)
+    for steps in ("3", "2"):
+        with pytest.raises(_Exited):
+            readout_ddp.main([*args, "--max-steps", steps])
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["steps"] == 5 and stats["steps_this_run"] == 2  # the second run resumed
+    assert stats["config"]["decoder"]["refine"] == 1
+    dec, manifest = load_decoder(tmp_path / "decoder", base_dir=BASE, lm_head=model.lm_head.weight)
+    assert dec.cfg.row_attn and dec.cfg.refine == 1
+    assert manifest["training"]["config"]["max_answer"] == 3100
+    assert set(stats["heldout"]["exact_by_family"]) <= set(tasks.FAMILIES)
+    # another machine's stage: no state file there, the saved decoder as its start
+    args[args.index("--out") + 1] = str(tmp_path / "next")
+    with pytest.raises(_Exited):
+        readout_ddp.main([*args, "--max-steps", "1", "--init", str(tmp_path / "decoder")])
+    again = json.loads((tmp_path / "next" / "stats.json").read_text())
+    assert again["steps"] == 6 and again["config"]["decoder"]["row_attn"] is True
