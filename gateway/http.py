@@ -217,15 +217,22 @@ def create_app(
             inputs=_prompt_specs(req.prompt),
             n=1 if req.n is None else req.n,
             max_tokens=req.max_tokens,
-            sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
+            sampling=make_sampling(req.temperature, req.seed, **req.sampling_fields()),
             stop=stop,
         )
         g = await service.generate(params, api="completions", idempotency_key=idempotency_key)
         rid = f"cmpl-{g.request_id}"
+        # echo (vLLM's): the prompt's text before each choice's, token-id prompts decoded
+        echoes = [s.prompt if s.prompt is not None else service.decode(s.token_ids or ())
+                  for s in params.inputs] if req.echo else []  # fmt: skip
+
+        def echo(index: int) -> str:
+            return echoes[index // params.n] if echoes else ""
+
         if not req.stream:
             choices = [
                 p.CompletionChoice(
-                    text=c.text,
+                    text=echo(c.index) + c.text,
                     index=c.index,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -245,6 +252,16 @@ def create_app(
         stop_reasons = {c.index: c.stop_reason for c in g.choices}
 
         def chunks() -> Iterator[BaseModel]:
+            for c in g.choices if echoes else ():  # the prompt first, as its own chunk
+                yield p.CompletionResponse(
+                    id=rid,
+                    created=g.created,
+                    model=g.model,
+                    system_fingerprint=service.fingerprint,
+                    choices=[
+                        p.CompletionChoice(text=echo(c.index), index=c.index, finish_reason=None)
+                    ],  # fmt: skip
+                )
             for piece in service.pieces(g):
                 last = piece.finish_reason is not None
                 choice = p.CompletionChoice(
@@ -289,7 +306,7 @@ def create_app(
             inputs=(PromptSpec(messages=messages),),
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
-            sampling=make_sampling(req.temperature, req.seed, ignore_eos=req.ignore_eos),
+            sampling=make_sampling(req.temperature, req.seed, **req.sampling_fields()),
             stop=stop,
         )
         try:

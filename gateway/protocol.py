@@ -32,14 +32,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "logprobs": (lambda v: v in (None, False, 0), f"log-probabilities are {_NOT_YET}"),
     "top_logprobs": (lambda v: v in (None, 0), f"log-probabilities are {_NOT_YET}"),
-    "top_p": (lambda v: v in (None, 1), f"nucleus sampling is {_NOT_YET}"),
-    "top_k": (
-        lambda v: v in (None, 0, -1),
-        f"top-k below the readout's 8 candidates is {_NOT_YET}",
-    ),
-    "min_p": (lambda v: v in (None, 0), f"min-p sampling is {_NOT_YET}"),
-    "min_tokens": (lambda v: v in (None, 0), f"suppressing EOS before min_tokens is {_NOT_YET}"),
-    "echo": (lambda v: not v, f"echoing the prompt is {_NOT_YET}"),
     "suffix": (
         lambda v: v is None,
         "a readout reads forward from the prompt: nothing can follow a suffix",
@@ -79,6 +71,16 @@ class _Request(BaseModel):
         if getattr(self, "best_of", None) not in (None, getattr(self, "n", None) or 1):
             out.append(("best_of", "best_of must equal n: choices carry no score to rank them"))
         return out
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling filters both APIs share, as `sampling_params` takes them."""
+        return {
+            "ignore_eos": self.ignore_eos,
+            "top_k": self.top_k,
+            "top_p": getattr(self, "top_p", None),
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+        }
 
     def stop_spec(self) -> tuple[tuple[str, ...], tuple[int, ...], bool]:
         stop = self.stop

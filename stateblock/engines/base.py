@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from stateblock.model.rows import block_lanes
+from stateblock.model.vocab import Filters
 from stateblock.protocol import envelope
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE, SamplingParams, seed_of
@@ -24,6 +26,7 @@ __all__ = [
     "ReadoutEngine",
     "UnknownEngine",
     "lane_requests",
+    "lane_filters",
     "lane_result",
 ]
 
@@ -46,6 +49,23 @@ class LaneRequest:
     @property
     def seed(self) -> int | None:
         return seed_of(self.sampling)
+
+    @property
+    def selects(self) -> bool:
+        """Whether the lane's tokens come from its 8 candidates rather than the top-1:
+        it samples, or EOS is suppressed before min_tokens (which greedy also obeys)."""
+        return self.sampling.temperature > 0 or self.sampling.min_tokens > 0
+
+
+def lane_filters(lanes: Sequence[LaneRequest], device=None) -> Filters:
+    """The lanes' candidate filters as (K,) tensors (stateblock.model.vocab.candidate_mask)."""
+    s = [lane.sampling for lane in lanes]
+    return Filters(
+        torch.tensor([x.top_k for x in s], dtype=torch.int64, device=device),
+        torch.tensor([x.top_p if x.HasField("top_p") else 1.0 for x in s], device=device),
+        torch.tensor([x.min_p for x in s], dtype=torch.float32, device=device),
+        torch.tensor([x.min_tokens for x in s], dtype=torch.int64, device=device),
+    )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,13 @@ import numpy as np
 import structlog
 import torch
 
-from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.engines.base import (
+    TOP_K_SAMPLE,
+    LaneRequest,
+    LaneResult,
+    lane_filters,
+    lane_result,
+)
 from stateblock.engines.onnx_graph import (
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -36,6 +42,8 @@ from stateblock.engines.onnx_graph import (
 from stateblock.model.capture import pad_lanes
 from stateblock.model.loading import ServingModel
 from stateblock.model.vocab import gumbel_noise
+
+FILTER_INPUTS = ("top_k", "top_p", "min_p", "min_tokens")  # lane_filters' order
 
 log = structlog.get_logger("readout_svc")
 
@@ -149,6 +157,7 @@ class OnnxEngine:
         k = len(lanes)
         d = max(lane.depth for lane in lanes)
         temperature = np.array([lane.temperature for lane in lanes], np.float32)
+        filters = [f.cpu().numpy() for f in lane_filters(lanes)]
         if (temperature > 0).any():
             # the same per-lane draws as ReferenceEngine, at the same (D, 8) shape, so a
             # seed gives the same tokens on both engines
@@ -168,6 +177,7 @@ class OnnxEngine:
                     "depths": np.array([lanes[i].depth for i in group], np.int64),
                     "temperature": temperature[group],
                     "noise": np.ascontiguousarray(noise_np[group, :gd]),
+                    **{name: f[group] for name, f in zip(FILTER_INPUTS, filters, strict=True)},
                 }
             )
             for j, i in enumerate(group):

@@ -16,8 +16,9 @@ The default location is `<decoder_dir>/readout.onnx`, beside the checkpoint it w
 exported from, which is where the `onnx` readout engine looks for it. Export is always an
 explicit step; nothing exports silently at service start-up.
 
-The graph has one signature: temperature and noise are always inputs (temperature 0 is
-exact argmax, whatever the noise), so greedy and sampled requests share one engine.
+The graph has one signature: temperature, noise and the candidate filters (top_k, top_p,
+min_p, min_tokens) are always inputs (temperature 0 is exact argmax, whatever the noise;
+the filters' neutral values keep every candidate), so every request shares one engine.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from torch import Tensor, nn
 
 from stateblock.model.checkpoint import decoder_digest, load_decoder
 from stateblock.model.decoder import ReadoutDecoder
+from stateblock.model.vocab import Filters
 from stateblock.protocol.sampling import TOP_K_SAMPLE
 
-FORMAT = "stateblock-readout-onnx/1"
+FORMAT = "stateblock-readout-onnx/2"  # /2: the candidate filters became inputs
 OPSET = 17
 GRAPH_FILE = "readout.onnx"
 IDENTITY_FIELDS = ("decoder_digest", "base_model_digest", "lm_head_digest", "tokenizer_digest")
@@ -49,6 +51,10 @@ INPUT_NAMES = (
     "eos_token_id",  # (1,) int64
     "temperature",  # (lanes,) float32, 0 = argmax
     "noise",  # (lanes, answer_depth, 8) float32 standard Gumbel
+    "top_k",  # (lanes,) int64, 0 = all 8 candidates
+    "top_p",  # (lanes,) float32, 1 = no nucleus cut
+    "min_p",  # (lanes,) float32, 0 = no cut
+    "min_tokens",  # (lanes,) int64, EOS suppressed before this position
 )
 OUTPUT_NAMES = ("tokens", "top1", "top2", "margin", "eos_pos")
 
@@ -60,6 +66,10 @@ DYNAMIC_AXES: dict[str, dict[int, str]] = {
     "depths": {0: "lanes"},
     "temperature": {0: "lanes"},
     "noise": {0: "lanes", 1: "answer_depth"},
+    "top_k": {0: "lanes"},
+    "top_p": {0: "lanes"},
+    "min_p": {0: "lanes"},
+    "min_tokens": {0: "lanes"},
     "tokens": {0: "lanes", 1: "answer_depth"},
     "top1": {0: "lanes", 1: "answer_depth"},
     "top2": {0: "lanes", 1: "answer_depth"},
@@ -112,6 +122,10 @@ class ReadoutGraph(nn.Module):
         eos_token_id: Tensor,
         temperature: Tensor,
         noise: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        min_p: Tensor,
+        min_tokens: Tensor,
     ) -> tuple[Tensor, ...]:
         out = self.decoder(
             rows,
@@ -123,6 +137,7 @@ class ReadoutGraph(nn.Module):
             temperature=temperature,
             noise=noise,
             impl="explicit",
+            filters=Filters(top_k, top_p, min_p, min_tokens),
         )
         return tuple(out)
 
@@ -156,6 +171,10 @@ def _trace_inputs(decoder: ReadoutDecoder) -> tuple[Tensor, ...]:
         torch.tensor([cfg.eos_token_id]),
         torch.zeros(k),
         torch.zeros(k, d, TOP_K_SAMPLE),
+        torch.tensor([0, 3]),
+        torch.tensor([1.0, 0.5]),
+        torch.tensor([0.0, 0.1]),
+        torch.tensor([0, 2]),
     )
 
 
@@ -170,8 +189,12 @@ def _signature(decoder: ReadoutDecoder) -> tuple[list[dict], list[dict]]:
         "eos_token_id": [1],
         "temperature": ["lanes"],
         "noise": ["lanes", "answer_depth", TOP_K_SAMPLE],
+        "top_k": ["lanes"],
+        "top_p": ["lanes"],
+        "min_p": ["lanes"],
+        "min_tokens": ["lanes"],
     }
-    floats = {"rows", "lm_head", "temperature", "noise", "margin"}
+    floats = {"rows", "lm_head", "temperature", "noise", "margin", "top_p", "min_p"}
     out_shapes = {name: ["lanes", "answer_depth"] for name in OUTPUT_NAMES}
     out_shapes["eos_pos"] = ["lanes"]
 

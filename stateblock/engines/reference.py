@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.engines.base import (
+    TOP_K_SAMPLE,
+    LaneRequest,
+    LaneResult,
+    lane_filters,
+    lane_result,
+)
 from stateblock.model.capture import pad_lanes
 from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
@@ -59,12 +65,13 @@ class ReferenceEngine:
         d = max(lane.depth for lane in lanes)
         positions = torch.arange(d, device=dev).expand(k, d)  # (K, D)
         depths = torch.tensor([lane.depth for lane in lanes], device=dev)
-        temperature = noise = None
-        if any(lane.temperature > 0 for lane in lanes):
+        temperature = noise = filters = None
+        if any(lane.selects for lane in lanes):
             temperature = torch.tensor([lane.temperature for lane in lanes], device=dev)
             noise = torch.stack(  # (K, D, 8): per-lane noise, so a seed fixes its lane alone
                 [gumbel_noise((d, TOP_K_SAMPLE), lane.seed) for lane in lanes]
             ).to(dev)
+            filters = lane_filters(lanes, dev)
         out = self._decoder(
             rows,
             prompt_lens.to(dev),
@@ -74,6 +81,7 @@ class ReferenceEngine:
             eos_token_id=self._eos,
             temperature=temperature,
             noise=noise,
+            filters=filters,
         )
         tokens = out.tokens.cpu().tolist()
         margins = out.margin.float().cpu().tolist()

@@ -43,14 +43,26 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, LaneResult, lane_result
+from stateblock.engines.base import (
+    TOP_K_SAMPLE,
+    LaneRequest,
+    LaneResult,
+    lane_filters,
+    lane_result,
+)
 from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
 from stateblock.model.kernels.attention import DOT_PRECISIONS, dot_precision
 from stateblock.model.kernels.attention import available as attention_available
 from stateblock.model.kernels.top2 import Top2Config, available, default_tiles, top2
 from stateblock.model.loading import ServingModel
-from stateblock.model.vocab import chunked_topk, first_eos, gumbel_noise, gumbel_select
+from stateblock.model.vocab import (
+    candidate_mask,
+    chunked_topk,
+    first_eos,
+    gumbel_noise,
+    gumbel_select,
+)
 from stateblock.protocol.envelope import ModelIdentity
 
 K_MAX = 8  # lanes per enqueue (a cohort's K_max)
@@ -437,7 +449,7 @@ class TorchEngine:
                 h, top_v, top_i, eos = self._eager(shape, lanes)
             tokens = top_i[:k, :, 0]
             eos = eos[:k]
-            sampled = [i for i, lane in enumerate(lanes) if lane.temperature > 0]
+            sampled = [i for i, lane in enumerate(lanes) if lane.selects]
             if sampled:
                 tokens, eos = self._sample(lanes, sampled, h, tokens, eos, shape.depth)
             # copies out of the graph's outputs, then each lane cut as every engine cuts it
@@ -465,9 +477,13 @@ class TorchEngine:
         # first positions match the reference's (max depth, 8) draw at any padded depth
         noise = torch.stack([gumbel_noise((depth, TOP_K_SAMPLE), lanes[i].seed) for i in sampled])
         top_v, top_i = chunked_topk(h[idx], self._head, self._n_chunks, TOP_K_SAMPLE)
-        picked = gumbel_select(top_v, top_i, temp, noise.to(dev))  # (S, D)
+        positions = torch.arange(depth, device=dev).expand(len(sampled), depth)
+        keep = candidate_mask(
+            top_v, top_i, temp, lane_filters([lanes[i] for i in sampled], dev), positions, self._eos
+        )
+        picked = gumbel_select(top_v, top_i, temp, noise.to(dev), keep)  # (S, D)
         depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
-        valid = torch.arange(depth, device=dev).unsqueeze(0) < depths.unsqueeze(1)
+        valid = positions < depths.unsqueeze(1)
         tokens, eos = tokens.clone(), eos.clone()
         tokens[idx] = picked
         eos[idx] = first_eos(picked, valid, self._eos)

@@ -28,7 +28,9 @@ from torch import Tensor
 from stateblock.model.vocab import (
     NO_EOS,
     TOP_K_SAMPLE,
+    Filters,
     ReadoutOut,
+    candidate_mask,
     chunked_topk,
     first_eos,
     gumbel_select,
@@ -376,6 +378,7 @@ class ReadoutDecoder(nn.Module):
         temperature: Tensor | None = None,  # (K,) float; 0 = argmax
         noise: Tensor | None = None,  # (K, D, TOP_K_SAMPLE) Gumbel noise for sampling
         impl: str = "sdpa",
+        filters: Filters | None = None,  # top_k / top_p / min_p / min_tokens, with temperature
     ) -> ReadoutOut:
         guess = self.guess_embed(lm_head) if self.cfg.refine else None
         h = self.hidden(rows, prompt_lens, positions, impl, guess).to(lm_head.dtype)
@@ -383,12 +386,15 @@ class ReadoutDecoder(nn.Module):
         top_v, top_i = chunked_topk(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
         margin = (top_v[..., 0] - top_v[..., 1]).float()
         tokens = top_i[..., 0]
+        eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
         if temperature is not None:
             if noise is None:
                 raise ValueError("sampling needs an explicit noise tensor")
-            tokens = gumbel_select(top_v, top_i, temperature, noise)
+            keep = None
+            if filters is not None:
+                keep = candidate_mask(top_v, top_i, temperature, filters, positions, eos)
+            tokens = gumbel_select(top_v, top_i, temperature, noise, keep)
         valid = positions < depths.unsqueeze(1)  # (K, D)
-        eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
         eos_pos = first_eos(tokens, valid, eos)
         return ReadoutOut(tokens, top_i[..., 0], top_i[..., 1], margin, eos_pos)
 

@@ -62,17 +62,72 @@ def first_eos(tokens: Tensor, valid: Tensor, eos_token_id: Tensor | int) -> Tens
     return torch.where(hit, idx, torch.full_like(idx, NO_EOS)).min(dim=-1).values
 
 
-def gumbel_select(top_v: Tensor, top_i: Tensor, temperature: Tensor, noise: Tensor) -> Tensor:
+class Filters(NamedTuple):
+    """Per-lane candidate filters (each (K,)); the defaults keep every candidate."""
+
+    top_k: Tensor  # int64, 0 = all
+    top_p: Tensor  # float32, 1 = all
+    min_p: Tensor  # float32, 0 = all
+    min_tokens: Tensor  # int64, EOS suppressed at positions < min_tokens
+
+
+def no_filters(k: int, device=None) -> Filters:
+    return Filters(
+        torch.zeros(k, dtype=torch.int64, device=device),
+        torch.ones(k, dtype=torch.float32, device=device),
+        torch.zeros(k, dtype=torch.float32, device=device),
+        torch.zeros(k, dtype=torch.int64, device=device),
+    )
+
+
+def candidate_mask(
+    top_v: Tensor,  # (K, D, k) sorted descending
+    top_i: Tensor,  # (K, D, k)
+    temperature: Tensor,  # (K,)
+    filters: Filters,
+    positions: Tensor,  # (K, D)
+    eos_token_id: Tensor | int,
+) -> Tensor:
+    """(K, D, k) bool: the candidates a lane may emit, in vLLM's order: EOS masked before
+    min_tokens, then top-k among the rest, then top-p over the survivors' probabilities
+    (renormalised: the top-k candidates are all the readout keeps), then min-p (a ratio to
+    the best, which renormalising leaves unchanged). The best survivor is always kept."""
+    k = top_v.shape[-1]
+    early = positions < filters.min_tokens.view(-1, 1)  # (K, D)
+    keep = ~((top_i == eos_token_id) & early.unsqueeze(-1))
+    rank = torch.cumsum(keep.to(torch.int64), dim=-1) - 1  # rank among the kept
+    kk = torch.where(filters.top_k > 0, filters.top_k, torch.full_like(filters.top_k, k))
+    keep = keep & (rank < kk.view(-1, 1, 1))
+    t = torch.clamp(temperature.to(torch.float32), min=1e-6).view(-1, 1, 1)
+    logits = torch.where(keep, top_v.to(torch.float32) / t, torch.full_like(t, float("-inf")))
+    prob = torch.softmax(logits, dim=-1)  # (K, D, k), 0 where dropped
+    before = torch.cumsum(prob, dim=-1) - prob  # mass of the better survivors
+    top_p = filters.top_p.to(torch.float32).view(-1, 1, 1)
+    keep = keep & ((before < top_p) | (top_p >= 1.0))
+    best = prob.max(dim=-1, keepdim=True).values
+    min_p = filters.min_p.to(torch.float32).view(-1, 1, 1)
+    return keep & ((prob >= min_p * best) | (min_p <= 0.0))
+
+
+def gumbel_select(
+    top_v: Tensor,
+    top_i: Tensor,
+    temperature: Tensor,
+    noise: Tensor,
+    keep: Tensor | None = None,
+) -> Tensor:
     """Top-k Gumbel-max sampling with explicit noise; temperature 0 is exact argmax.
 
     top_v, top_i (K, D, k) sorted descending; temperature (K,); noise (K, D, k) standard
-    Gumbel. Returns ids (K, D).
+    Gumbel; keep (K, D, k) bool, the candidates allowed (`candidate_mask`). Returns ids (K, D).
     """
     t = temperature.to(top_v.dtype).view(-1, 1, 1)  # (K, 1, 1)
     k = top_v.shape[-1]
     scores = top_v / torch.clamp(t, min=1e-6) + noise[..., :k].to(top_v.dtype)
     # where t == 0 the scores are the sorted logits themselves: argmax is index 0, the top-1
     scores = torch.where(t > 0, scores, top_v)
+    if keep is not None:  # at t == 0 the first allowed candidate: the filtered argmax
+        scores = scores.masked_fill(~keep, float("-inf"))
     pick = torch.argmax(scores, dim=-1, keepdim=True)  # (K, D, 1)
     return torch.gather(top_i, -1, pick).squeeze(-1)
 

@@ -49,14 +49,38 @@ class Limits:
 
 
 def sampling_params(
-    temperature: float | None = None, seed: int | None = None, *, ignore_eos: bool = False
+    temperature: float | None = None,
+    seed: int | None = None,
+    *,
+    ignore_eos: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    min_tokens: int | None = None,
 ) -> pb.SamplingParams:
-    """The params from an API's fields (None: unset); a seed the wire cannot carry is
-    refused here, everything else by `check_lane`."""
+    """The params from an API's fields (None: unset); what the wire cannot carry is
+    refused here, everything else by `check_lane`. top_k -1 and 0 both mean "all", as in
+    vLLM."""
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise InvalidSampling("seed must be a non-negative 64-bit integer.", "seed")
+    if top_k is not None and not -1 <= top_k <= TOP_K_SAMPLE:
+        raise InvalidSampling(
+            f"top_k must be -1 or 0 (all) or at most the readout's {TOP_K_SAMPLE} sampling "
+            f"candidates, got {top_k}.",
+            "top_k",
+        )
+    if min_tokens is not None and not 0 <= min_tokens < 1 << 32:
+        raise InvalidSampling(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
     t = 0.0 if temperature is None else temperature
-    return pb.SamplingParams(temperature=t, seed=seed, ignore_eos=ignore_eos)
+    return pb.SamplingParams(
+        temperature=t,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        top_k=max(0, top_k or 0),
+        top_p=top_p,
+        min_p=min_p or 0.0,
+        min_tokens=min_tokens or 0,
+    )
 
 
 def seed_of(s: pb.SamplingParams) -> int | None:
@@ -109,4 +133,19 @@ def check_lane(s: pb.SamplingParams, max_tokens: int, limits: Limits) -> None:
         raise InvalidSampling(
             f"temperature must be between 0 and {MAX_TEMPERATURE}, got {s.temperature}.",
             "temperature",
+        )
+    if s.top_k > TOP_K_SAMPLE:
+        raise InvalidSampling(
+            f"top_k must be at most the readout's {TOP_K_SAMPLE} sampling candidates, "
+            f"got {s.top_k}.",
+            "top_k",
+        )
+    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0.0 < s.top_p <= 1.0):
+        raise InvalidSampling(f"top_p must be in (0, 1], got {s.top_p}.", "top_p")
+    if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+        raise InvalidSampling(f"min_p must be in [0, 1], got {s.min_p}.", "min_p")
+    if s.min_tokens > max_tokens:
+        raise InvalidSampling(
+            f"min_tokens ({s.min_tokens}) must not exceed max_tokens ({max_tokens}).",
+            "min_tokens",
         )

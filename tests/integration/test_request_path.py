@@ -41,16 +41,15 @@ def aclient(http_url) -> openai.AsyncOpenAI:
 
 
 def in_process_answer(
-    serving_model, engine, prompt: str, max_tokens: int, ignore_eos: bool = False
+    serving_model, engine, prompt: str, max_tokens: int, ignore_eos: bool = False, **sampling
 ) -> list[int]:
     """The same prompt through capture + decoder in this process, padded like the service."""
     from stateblock.engines import LaneRequest
     from stateblock.protocol.sampling import sampling_params
 
     rows = serving_model.prompt_rows(prompt, pad_to=bucket_width)
-    (result,) = engine.readout(
-        [LaneRequest(rows=rows, depth=max_tokens, sampling=sampling_params(ignore_eos=ignore_eos))]
-    )
+    params = sampling_params(ignore_eos=ignore_eos, **sampling)
+    (result,) = engine.readout([LaneRequest(rows=rows, depth=max_tokens, sampling=params)])
     return list(result.token_ids)
 
 
@@ -294,8 +293,11 @@ def test_openai_client_stops_and_refusals(client):
         )
         assert "".join(c.choices[0].text for c in stream if c.choices) == cut.choices[0].text
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hi", top_p=0.5)
+        client.completions.create(model=MODEL, prompt="hi", top_p=0.0)
     assert info.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", logit_bias={"5": 3})
+    assert info.value.body["param"] == "logit_bias"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], frequency_penalty=1.0
@@ -405,3 +407,37 @@ def test_a_prompt_as_token_ids_reads_as_its_text(client, http_url, stack):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=8)
     assert info.value.body["param"] == "prompt" and "vocabulary" in info.value.body["message"]
+
+
+async def test_sampling_filters_and_echo_through_the_openai_client(
+    client, aclient, serving_model, engine
+):
+    """top_k / min_p / min_tokens (vLLM's extra fields) and top_p / echo (OpenAI's) are
+    applied by the readout: the served answer equals the in-process engine's with the same
+    params, a one-candidate filter at temperature 1.5 is the greedy answer, and min_tokens
+    holds EOS back (sync, async and streaming)."""
+    decode = serving_model.tokenizer.decode
+    prompt = "copy: hello"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40).choices[0].text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=1.5,
+                                      seed=3, extra_body=extra)  # fmt: skip
+        assert r.choices[0].text == greedy, extra
+    tiny = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=1.5,
+                                     seed=3, top_p=1e-6)  # fmt: skip
+    assert tiny.choices[0].text == greedy
+    want = in_process_answer(serving_model, engine, prompt, 40, min_tokens=30)
+    r = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                         extra_body={"min_tokens": 30})  # fmt: skip
+    assert r.choices[0].text == decode(want, skip_special_tokens=True)
+    assert r.usage.completion_tokens == len(want) >= 30
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, echo=True,
+                                       stream=True, extra_body={"min_tokens": 30})  # fmt: skip
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == prompt + r.choices[0].text
+    sampled = dict(temperature=1.0, seed=11, top_p=0.9)
+    want = in_process_answer(serving_model, engine, prompt, 40, seed=11, temperature=1.0,
+                             top_k=4, top_p=0.9, min_p=0.05)  # fmt: skip
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **sampled,
+                                  extra_body={"top_k": 4, "min_p": 0.05})  # fmt: skip
+    assert r.choices[0].text == decode(want, skip_special_tokens=True)

@@ -22,7 +22,7 @@ from stateblock.engines.onnx_graph import (
     manifest_path,
 )
 from stateblock.model.decoder import NO_EOS, ReadoutConfig, ReadoutDecoder
-from stateblock.model.vocab import gumbel_noise
+from stateblock.model.vocab import Filters, gumbel_noise, no_filters
 from stateblock.tools import tensorrt_build
 
 # V not divisible by the 8 chunks, and the last chunk (7 ids) narrower than the top-8
@@ -67,12 +67,13 @@ def exported(decoder, tmp_path_factory):
     return path, manifest, session
 
 
-def run_both(decoder, session, rows, lens, depths, lm_head, temperature, noise):
+def run_both(decoder, session, rows, lens, depths, lm_head, temperature, noise, filters=None):
     k, d = len(depths), int(max(depths))
     pos = torch.arange(d).expand(k, d).contiguous()
     depths = torch.tensor(depths)
+    filters = filters or no_filters(k)
     with torch.no_grad():  # the eager reference: default (sdpa) attention, as served
-        ref = decoder(rows, lens, pos, depths, lm_head, EOS, temperature, noise)
+        ref = decoder(rows, lens, pos, depths, lm_head, EOS, temperature, noise, filters=filters)
     feeds = {
         "rows": rows.numpy(),
         "prompt_lens": lens.numpy(),
@@ -82,6 +83,10 @@ def run_both(decoder, session, rows, lens, depths, lm_head, temperature, noise):
         "eos_token_id": np.array([EOS]),
         "temperature": temperature.numpy(),
         "noise": noise.numpy(),
+        **{
+            n: f.numpy()
+            for n, f in zip(("top_k", "top_p", "min_p", "min_tokens"), filters, strict=True)
+        },
     }
     got = [torch.from_numpy(x) for x in session.run(list(OUTPUT_NAMES), feeds)]
     return ref, got
@@ -185,6 +190,30 @@ def test_in_graph_eos_scan_matches_at_a_forced_eos(decoder, exported):
     ref, got = run_both(decoder, session, rows, lens, depths, lm_head, torch.zeros(4), zeros)
     assert_parity(ref, got, depths)
     assert (ref.eos_pos < NO_EOS).sum() >= 2  # the scan found real EOS positions
+
+
+def test_candidate_filters_run_in_graph(decoder, exported):
+    _, _, session = exported
+    plens, depths = [4, 9, 6, 5], [40, 40, 40, 40]
+    rows, lens, lm_head = lanes(4, plens, seed=8)
+    with torch.no_grad():  # make EOS the greedy top-1 nearly everywhere
+        guess = decoder.guess_embed(lm_head) if decoder.cfg.refine else None
+        pos = torch.arange(40).expand(4, -1)
+        lm_head[EOS] = decoder.hidden(rows, lens, pos, guess=guess).mean((0, 1)) * 50
+    temperature = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    noise = gumbel_noise((4, 40, 8), seed=3)
+    filters = Filters(
+        torch.tensor([0, 1, 0, 0]),  # lane 1: top_k 1 = greedy
+        torch.tensor([1.0, 1.0, 0.05, 1.0]),  # lane 2: a tight nucleus
+        torch.tensor([0.0, 0.0, 0.0, 0.9]),  # lane 3: only near-best candidates
+        torch.tensor([30, 0, 0, 0]),  # lane 0: no EOS before position 30
+    )
+    ref, got = run_both(decoder, session, rows, lens, depths, lm_head, temperature, noise, filters)
+    assert_parity(ref, got, depths)
+    tokens = got[0]
+    assert EOS not in tokens[0, :30].tolist() and tokens[0, 30:].eq(EOS).any()
+    assert torch.equal(tokens[1], got[1][1])  # top_k 1 samples nothing: the top-1
+    assert torch.equal(tokens[2], got[1][2])  # a 0.05 nucleus keeps only the best too
 
 
 def test_export_refuses_without_the_model_identity(decoder, tmp_path):

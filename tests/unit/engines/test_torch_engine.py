@@ -265,3 +265,20 @@ def test_refining_decoder_equals_reference(head):
     want, got = ref.readout(lanes), eng.readout(lanes)
     assert_same(want, got, atol=1e-3)
     assert eng._guess_table is not None and eng._guess_table.shape == (97, 32)
+    # the candidate filters: the same selection in both engines, EOS held back by min_tokens
+    from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
+
+    lm_eos = lm_head.clone()
+    lm_eos[5] = 3 * lm_head[got[0].token_ids[3]]  # EOS wins where that token won
+    ref = ReferenceEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5)
+    eng = TorchEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5, head=head)
+    params = [sampling_params(0.0, min_tokens=40), sampling_params(1.0, 5, top_k=2),
+              sampling_params(0.7, 6, top_p=0.6, min_p=0.2), sampling_params(0.0)]  # fmt: skip
+    lanes = [
+        LaneRequest(rows=r, depth=60, sampling=sp)
+        for r, sp in zip([*rows, rows[0]], params, strict=True)
+    ]
+    want, got = ref.readout(lanes), eng.readout(lanes)
+    assert_same(want, got, atol=1e-3)
+    assert got[3].eos_pos < 40 <= len(got[0].token_ids)  # lane 3: lane 0 without min_tokens

@@ -27,11 +27,6 @@ REFUSED = [
     ("repetition_penalty", 1.2),
     ("logit_bias", {"5": 10}),
     ("logprobs", 1),
-    ("top_p", 0.5),
-    ("top_k", 3),
-    ("min_p", 0.1),
-    ("min_tokens", 2),
-    ("echo", True),
     ("suffix", "x"),
     ("best_of", 3),
     ("response_format", {"type": "json_object"}),
@@ -203,3 +198,42 @@ async def test_prompts_as_token_ids(http, fakes):
     assert [list(lane.tokens.ids) for lane in lanes] == [[1, 5, 9], [1, 5], [1, 6]]
     r = await http.post("/v1/completions", json={"model": MODEL, "prompt": [-3]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+async def test_sampling_filters_reach_the_signed_lanes(http, fakes):
+    """top_k / top_p / min_p / min_tokens travel in the lanes' SamplingParams (what the
+    block header signs and every engine applies); out-of-range values are 400 by name."""
+    capture, _ = fakes
+    body = {"model": MODEL, "prompt": "a", "temperature": 0.8, "top_k": 3, "top_p": 0.5,
+            "min_p": 0.1, "min_tokens": 2, "max_tokens": 9}  # fmt: skip
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    (lane,) = capture.calls[-1][2]
+    s = lane.sampling
+    assert (s.top_k, s.min_tokens) == (3, 2) and s.HasField("top_p")
+    assert abs(s.top_p - 0.5) < 1e-6 and abs(s.min_p - 0.1) < 1e-6
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_k": -1,
+            "top_p": 1.0}  # fmt: skip
+    assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+    (lane,) = capture.calls[-1][2]
+    assert lane.sampling.top_k == 0  # -1 is vLLM's "all", as 0
+    for field, value in [("top_k", 9), ("top_k", -2), ("top_p", 0), ("top_p", 1.5),
+                         ("min_p", -0.1), ("min_p", 2), ("min_tokens", 10), ("min_tokens", -1)]:  # fmt: skip
+        r = await http.post("/v1/completions", json={**body, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field, (field, value)
+
+
+async def test_echo_puts_the_prompt_before_each_choice(http, fakes, detokenizer):
+    _, commits = fakes
+    commits.answers = [[20, 21, 22]]
+    answer = detokenizer.decode([20, 21, 22])
+    body = {"model": MODEL, "prompt": "copy: ab", "echo": True}
+    (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    assert choice["text"] == "copy: ab" + answer
+    body = {**body, "prompt": [20, 21], "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert chunks[0]["choices"][0]["text"] == detokenizer.decode([20, 21])  # the prompt first
+    assert "".join(c["choices"][0]["text"] for c in chunks) == detokenizer.decode([20, 21]) + answer
