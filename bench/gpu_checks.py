@@ -49,6 +49,13 @@ def check_top2_kernel(
         w = (torch.randn(vocab, dim, generator=g, device=device) * 0.05).to(dtype)
     val, idx = top2_triton(h, w, cfg)
     logits = h.float() @ w.float().t()  # (n, V) fp32 truth
+    # the log-sum-exp folded in the same pass (online softmax, merged over splits): same
+    # top-2, and exact log-probabilities (1e-3 nats; TF32 dots: 1e-2)
+    v2, i2, lse = top2_triton(h, w, cfg, lse=True)
+    assert torch.equal(v2, val) and torch.equal(i2, idx), "lse=True changed the top-2"
+    lse_err = (lse - torch.logsumexp(logits, dim=-1)).abs().max().item()
+    lse_tol = 1e-2 if dtype == torch.float32 and (cfg is None or cfg.precision == "tf32") else 1e-3
+    assert lse_err < lse_tol, ("lse", lse_err)
     if ties:
         ref_v, ref_i = torch.sort(logits, dim=-1, descending=True, stable=True)
         assert torch.equal(idx, ref_i[:, :2]), "exact ties: not the lowest ids"
@@ -59,6 +66,7 @@ def check_top2_kernel(
             "dim": dim,
             "ties": True,
             "tied_rows": int((ref_v[:, 0] == ref_v[:, 1]).sum()),
+            "lse_abs_err_max": lse_err,
         }
     true_v, true_i = logits.topk(2, dim=-1)
     assert bool(((idx >= 0) & (idx < vocab)).all()), "ids out of range: unwritten output?"
@@ -76,6 +84,7 @@ def check_top2_kernel(
         "id_mismatch_frac": (idx != true_i).float().mean().item(),
         "chosen_rel_gap_max": rel,
         "value_rel_err_max": val_err,
+        "lse_abs_err_max": lse_err,
     }
 
 

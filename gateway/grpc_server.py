@@ -82,6 +82,18 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
     )
 
 
+def _logprobs(lps) -> list[gateway_pb2.TokenLogprob]:
+    return [
+        gateway_pb2.TokenLogprob(
+            token_id=t.token_id,
+            logprob=t.logprob,
+            top_ids=[i for i, _ in t.top],
+            top_logprobs=[lp for _, lp in t.top],
+        )
+        for t in lps
+    ]
+
+
 def _choice(index: int, finish_reason, eos_pos: int, stop_reason, **kw) -> gateway_pb2.Choice:
     choice = gateway_pb2.Choice(index=index, eos_pos=eos_pos, **kw)
     if finish_reason is not None:
@@ -131,6 +143,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 c.stop_reason,
                 text=c.text,
                 token_ids=c.token_ids,
+                logprobs=_logprobs(c.logprobs or ()),
             )
             for c in g.choices
         ]
@@ -162,6 +175,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         by_index = {c.index: c for c in g.choices}
         for piece in self._service.pieces(g):
             last = by_index[piece.index] if piece.finish_reason is not None else None
+            lps = by_index[piece.index].logprobs or ()
             choice = _choice(
                 piece.index,
                 piece.finish_reason,
@@ -169,6 +183,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 last.stop_reason if last else None,
                 text=piece.text,
                 token_ids=piece.token_ids,
+                logprobs=_logprobs(lps[piece.first : piece.first + len(piece.token_ids)]),
             )
             yield gateway_pb2.GenerateStreamResponse(
                 request_id=g.request_id, model=g.model, choices=[choice]

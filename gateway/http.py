@@ -29,6 +29,7 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
+from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.middleware import ApiKey, BodyLimit
 from gateway.service import (
     GatewayService,
@@ -127,6 +128,15 @@ def _screen(req: p._Request) -> StopSpec:
     return StopSpec(strings, token_ids, include)
 
 
+def _chat_sampling(req: p.ChatCompletionRequest):
+    try:
+        return make_sampling(req.temperature, req.seed, **req.sampling_fields())
+    except InvalidRequest as e:
+        if e.param == "logprobs":  # chat counts them in top_logprobs
+            e.param = "top_logprobs"
+        raise
+
+
 def create_app(
     service: GatewayService,
     *,
@@ -212,6 +222,13 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, idempotency_key: IdempotencyKey = None):
         stop = _screen(req)
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequest(
+                "`echo` with `logprobs` is not supported: it asks for the prompt's "
+                "log-probabilities, and the readout computes the answer's only.",
+                "echo",
+                "unsupported_parameter",
+            )
         params = GenerateParams(
             model=req.model,
             inputs=_prompt_specs(req.prompt),
@@ -234,6 +251,9 @@ def create_app(
                 p.CompletionChoice(
                     text=echo(c.index) + c.text,
                     index=c.index,
+                    logprobs=None
+                    if c.logprobs is None
+                    else completion_logprobs(c.logprobs, service.token_text),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
@@ -250,6 +270,15 @@ def create_app(
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         stop_reasons = {c.index: c.stop_reason for c in g.choices}
+        by_index = {c.index: c for c in g.choices}
+        sent: dict[int, int] = {}  # characters of each choice streamed: the text offsets
+
+        def piece_logprobs(piece) -> p.CompletionLogprobs | None:
+            lps = by_index[piece.index].logprobs
+            if lps is None:
+                return None
+            part = lps[piece.first : piece.first + len(piece.token_ids)]
+            return completion_logprobs(part, service.token_text, sent.get(piece.index, 0))
 
         def chunks() -> Iterator[BaseModel]:
             for c in g.choices if echoes else ():  # the prompt first, as its own chunk
@@ -267,9 +296,11 @@ def create_app(
                 choice = p.CompletionChoice(
                     text=piece.text,
                     index=piece.index,
+                    logprobs=piece_logprobs(piece),
                     finish_reason=piece.finish_reason,
                     stop_reason=stop_reasons[piece.index] if last else None,
                 )
+                sent[piece.index] = sent.get(piece.index, 0) + len(piece.text)
                 yield p.CompletionResponse(
                     id=rid,
                     created=g.created,
@@ -294,6 +325,8 @@ def create_app(
                 raise InvalidRequest(
                     f"Unknown message role {m.role!r}: one of {', '.join(p.ROLES)}.", "messages"
                 )
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequest("`top_logprobs` needs `logprobs: true`.", "top_logprobs")
         messages = tuple((m.role, m.text()) for m in req.messages)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -306,7 +339,7 @@ def create_app(
             inputs=(PromptSpec(messages=messages),),
             n=1 if req.n is None else req.n,
             max_tokens=max_tokens,
-            sampling=make_sampling(req.temperature, req.seed, **req.sampling_fields()),
+            sampling=_chat_sampling(req),
             stop=stop,
         )
         try:
@@ -321,6 +354,9 @@ def create_app(
                 p.ChatChoice(
                     index=c.index,
                     message=p.AssistantMessage(content=c.text),
+                    logprobs=None
+                    if c.logprobs is None
+                    else chat_logprobs(c.logprobs, service.token_text),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
@@ -347,6 +383,7 @@ def create_app(
             )
 
         stop_reasons = {c.index: c.stop_reason for c in g.choices}
+        by_index = {c.index: c for c in g.choices}
 
         def chunks() -> Iterator[BaseModel]:
             for c in g.choices:
@@ -356,7 +393,12 @@ def create_app(
             for piece in service.pieces(g):
                 if piece.text:
                     delta = p.Delta(content=piece.text)
-                    yield chunk([p.ChatChunkChoice(index=piece.index, delta=delta)])
+                    lps = by_index[piece.index].logprobs
+                    part = None
+                    if lps is not None:
+                        part = lps[piece.first : piece.first + len(piece.token_ids)]
+                        part = chat_logprobs(part, service.token_text)
+                    yield chunk([p.ChatChunkChoice(index=piece.index, delta=delta, logprobs=part)])
                 if piece.finish_reason is not None:
                     done = p.ChatChunkChoice(
                         index=piece.index,

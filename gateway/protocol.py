@@ -20,7 +20,6 @@ Number = Annotated[float, Field(strict=True)]
 _PENALTY = (
     "a one-pass readout reads every position at once: there are no earlier tokens to penalise"
 )
-_NOT_YET = "not applied by the readout yet"
 # field -> (is it at its default, why a one-pass readout refuses any other value)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v in (None, 0), _PENALTY),
@@ -30,8 +29,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: not v,
         "the vocabulary pass keeps the top candidates, not biased logits",
     ),
-    "logprobs": (lambda v: v in (None, False, 0), f"log-probabilities are {_NOT_YET}"),
-    "top_logprobs": (lambda v: v in (None, 0), f"log-probabilities are {_NOT_YET}"),
     "suffix": (
         lambda v: v is None,
         "a readout reads forward from the prompt: nothing can follow a suffix",
@@ -72,9 +69,14 @@ class _Request(BaseModel):
             out.append(("best_of", "best_of must equal n: choices carry no score to rank them"))
         return out
 
+    def logprob_count(self) -> int | None:
+        """How many top candidates' log-probabilities (None: no log-probabilities)."""
+        return None
+
     def sampling_fields(self) -> dict[str, Any]:
         """The sampling filters both APIs share, as `sampling_params` takes them."""
         return {
+            "logprobs": self.logprob_count(),
             "ignore_eos": self.ignore_eos,
             "top_k": self.top_k,
             "top_p": getattr(self, "top_p", None),
@@ -134,6 +136,9 @@ class CompletionRequest(_Request):
     user: StrictStr | None = None
     response_format: dict[str, Any] | None = None
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
@@ -157,6 +162,9 @@ class ChatCompletionRequest(_Request):
     top_p: Number | None = None
     user: StrictStr | None = None
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -164,10 +172,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):  # the legacy completions shape
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id that matched
 
@@ -190,7 +219,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
     stop_reason: str | int | None = None
 
@@ -213,7 +242,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: str | int | None = None
 

@@ -85,6 +85,15 @@ def make_sampling(*args, **fields) -> block_pb2.SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One returned token's exact log-probability and the top candidates' (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class ChoiceResult:
     index: int
     token_ids: tuple[int, ...]
@@ -92,6 +101,8 @@ class ChoiceResult:
     finish_reason: str  # "stop" (EOS or a stop) or "length" (max_tokens)
     eos_pos: int
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # when asked for (SamplingParams.logprobs): one per returned token
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class Piece:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
+    first: int = 0  # the offset of token_ids in the choice's: where its logprobs start
 
 
 def fingerprint(p: GenerateParams, max_tokens: int) -> str:
@@ -327,7 +339,8 @@ class GatewayService:
         except RegistryError as e:
             raise Unavailable(f"request {request_id}: registry unavailable: {e}") from e
         choices = tuple(
-            self._choice(lane, p.stop) for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
+            self._choice(lane, p.stop, p.sampling)
+            for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
         )
         prompt_tokens = sum(captured.prompt_tokens[i * p.n] for i in range(len(p.inputs)))
         return Generation(
@@ -339,9 +352,27 @@ class GatewayService:
             completion_tokens=sum(len(c.token_ids) for c in choices),
         )
 
-    def _choice(self, lane: commit_pb2.LaneAnswer, stop: StopSpec) -> ChoiceResult:
+    def _choice(
+        self, lane: commit_pb2.LaneAnswer, stop: StopSpec, params: block_pb2.SamplingParams
+    ) -> ChoiceResult:
         cut = apply_stops(lane.token_ids, self.decode, stop)
         stopped = cut.stop_reason is not None or lane.eos_pos != NO_EOS
+        logprobs = None
+        if params.HasField("logprobs"):
+            n = len(cut.token_ids)  # the kept tokens: a stop cuts their log-probabilities too
+            if len(lane.token_logprobs) < n:
+                raise Unavailable(
+                    f"lane {lane.lane_index} of the commit carries no log-probabilities "
+                    "(written by a readout worker that predates them?)"
+                )
+            tops = list(zip(lane.top1_ids, lane.top1_logprobs, lane.top2_ids, lane.top2_logprobs,
+                            strict=True))[:n]  # fmt: skip
+            logprobs = tuple(
+                TokenLogprob(t, lp, ((a, la), (b, lb))[: params.logprobs])
+                for t, lp, (a, la, b, lb) in zip(
+                    cut.token_ids, lane.token_logprobs[:n], tops, strict=True
+                )
+            )
         return ChoiceResult(
             index=lane.lane_index,
             token_ids=cut.token_ids,
@@ -349,10 +380,15 @@ class GatewayService:
             finish_reason="stop" if stopped else "length",
             eos_pos=lane.eos_pos,
             stop_reason=cut.stop_reason,
+            logprobs=logprobs,
         )
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens spelled out): what logprobs name."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -373,8 +409,12 @@ class GatewayService:
                 text = self.decode(ids[:end])
                 if text.endswith("\ufffd") or not text.startswith(sent_text):
                     continue  # an incomplete character: wait for the rest
-                yield Piece(choice.index, text[len(sent_text) :], ids[sent_ids:end], None)
+                yield Piece(choice.index, text[len(sent_text) :], ids[sent_ids:end], None, sent_ids)
                 sent_text, sent_ids = text, end
             yield Piece(
-                choice.index, choice.text[len(sent_text) :], ids[sent_ids:], choice.finish_reason
+                choice.index,
+                choice.text[len(sent_text) :],
+                ids[sent_ids:],
+                choice.finish_reason,
+                sent_ids,
             )

@@ -148,6 +148,13 @@ def commit_record(
         )
         for i, r in enumerate(results)
     ]
+    for lane, r in zip(lanes, results, strict=True):
+        if r.logprobs is not None:  # asked for: SamplingParams.logprobs
+            lane.token_logprobs.extend(r.logprobs.token)
+            lane.top1_ids.extend(r.logprobs.top1_ids)
+            lane.top1_logprobs.extend(r.logprobs.top1)
+            lane.top2_ids.extend(r.logprobs.top2_ids)
+            lane.top2_logprobs.extend(r.logprobs.top2)
     now = Timestamp()
     now.GetCurrentTime()
     return pb.Commit(

@@ -62,6 +62,11 @@ def assert_same(a, b, atol=1e-4) -> float:
         assert x.token_ids == y.token_ids
         assert x.eos_pos == y.eos_pos
         assert len(x.margins) == len(y.margins)
+        assert (x.logprobs is None) == (y.logprobs is None)
+        if x.logprobs is not None:  # exact log-probabilities, to fp32 reduction order
+            assert x.logprobs.top1_ids == y.logprobs.top1_ids
+            for a, b in ((x.logprobs.token, y.logprobs.token), (x.logprobs.top1, y.logprobs.top1)):
+                assert max((abs(p - q) for p, q in zip(a, b, strict=True)), default=0) <= atol
         if x.margins:
             diff = max(abs(p - q) for p, q in zip(x.margins, y.margins, strict=True))
             worst = max(worst, diff)

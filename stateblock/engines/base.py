@@ -21,6 +21,7 @@ from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE, SamplingParams, s
 
 __all__ = [
     "TOP_K_SAMPLE",
+    "LaneLogprobs",
     "LaneRequest",
     "LaneResult",
     "ReadoutEngine",
@@ -69,20 +70,51 @@ def lane_filters(lanes: Sequence[LaneRequest], device=None) -> Filters:
 
 
 @dataclass(frozen=True)
+class LaneLogprobs:
+    """Exact log-probabilities per read position (raw logits, before temperature and
+    filters): of the emitted token, and of the top-2 candidates by logit."""
+
+    token: tuple[float, ...]
+    top1_ids: tuple[int, ...]
+    top1: tuple[float, ...]
+    top2_ids: tuple[int, ...]
+    top2: tuple[float, ...]  # top1 - margin: the same pass's runner-up
+
+
+@dataclass(frozen=True)
 class LaneResult:
     token_ids: tuple[int, ...]  # cut at the first EOS (excluded) or at depth
     eos_pos: int  # first EOS position, or NO_EOS (also under ignore_eos)
     margins: tuple[float, ...]  # top-1 minus top-2 logit per read position (EOS included)
+    logprobs: LaneLogprobs | None = None  # when the lane asked for them, same positions
 
 
-def lane_result(lane: LaneRequest, tokens: list[int], margins: list[float], eos: int) -> LaneResult:
+# per position: (emitted token's logprob, top-1 id, top-1 logprob, top-2 id), engine lists
+RawLogprobs = tuple[list[float], list[int], list[float], list[int]]
+
+
+def lane_result(
+    lane: LaneRequest,
+    tokens: list[int],
+    margins: list[float],
+    eos: int,
+    logprobs: RawLogprobs | None = None,
+) -> LaneResult:
     """One lane's answer from its read positions, the same cut in every engine: at the first
     EOS (excluded; its margin kept, it is part of the answer) or at the depth. Under
-    ignore_eos every position up to the depth is the answer and no EOS is reported."""
+    ignore_eos every position up to the depth is the answer and no EOS is reported.
+    Log-probabilities are kept for the margins' positions when the lane asked for them."""
     depth = lane.depth
     if lane.sampling.ignore_eos or eos >= depth:
-        return LaneResult(tuple(tokens[:depth]), NO_EOS, tuple(margins[:depth]))
-    return LaneResult(tuple(tokens[:eos]), eos, tuple(margins[: eos + 1]))
+        ids, eos, n = tuple(tokens[:depth]), NO_EOS, depth
+    else:
+        ids, n = tuple(tokens[:eos]), eos + 1
+    lp = None
+    if logprobs is not None and lane.sampling.HasField("logprobs"):
+        token, top1_ids, top1, top2_ids = (x[:n] for x in logprobs)
+        top2 = [a - m for a, m in zip(top1, margins[:n], strict=True)]
+        lp = LaneLogprobs(tuple(token), tuple(top1_ids), tuple(top1), tuple(top2_ids), tuple(top2))
+    return LaneResult(ids, eos, tuple(margins[:n]), lp)
 
 
 class ReadoutEngine(Protocol):

@@ -169,7 +169,7 @@ class OnnxEngine:
         for group in self._groups(lanes):
             rows, prompt_lens = pad_lanes([lanes[i].rows.to(torch.float32) for i in group])
             gd = max(lanes[i].depth for i in group)
-            tokens, _top1, _top2, margin, eos_pos = self._run(
+            tokens, top1, top2, margin, eos_pos, top1_lp, token_lp = self._run(
                 {
                     "rows": rows.cpu().numpy(),
                     "prompt_lens": prompt_lens.numpy(),
@@ -181,7 +181,8 @@ class OnnxEngine:
                 }
             )
             for j, i in enumerate(group):
+                lp = (token_lp[j].tolist(), top1[j].tolist(), top1_lp[j].tolist(), top2[j].tolist())
                 results[i] = lane_result(
-                    lanes[i], tokens[j].tolist(), margin[j].tolist(), int(eos_pos[j])
+                    lanes[i], tokens[j].tolist(), margin[j].tolist(), int(eos_pos[j]), lp
                 )
         return [r for r in results if r is not None]

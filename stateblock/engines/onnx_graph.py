@@ -37,7 +37,7 @@ from stateblock.model.decoder import ReadoutDecoder
 from stateblock.model.vocab import Filters
 from stateblock.protocol.sampling import TOP_K_SAMPLE
 
-FORMAT = "stateblock-readout-onnx/2"  # /2: the candidate filters became inputs
+FORMAT = "stateblock-readout-onnx/2"  # /2: candidate filters in, log-probabilities out
 OPSET = 17
 GRAPH_FILE = "readout.onnx"
 IDENTITY_FIELDS = ("decoder_digest", "base_model_digest", "lm_head_digest", "tokenizer_digest")
@@ -56,7 +56,7 @@ INPUT_NAMES = (
     "min_p",  # (lanes,) float32, 0 = no cut
     "min_tokens",  # (lanes,) int64, EOS suppressed before this position
 )
-OUTPUT_NAMES = ("tokens", "top1", "top2", "margin", "eos_pos")
+OUTPUT_NAMES = ("tokens", "top1", "top2", "margin", "eos_pos", "top1_logprob", "token_logprob")
 
 # Dynamic axes by name: what a runtime may vary without re-export.
 DYNAMIC_AXES: dict[str, dict[int, str]] = {
@@ -75,6 +75,8 @@ DYNAMIC_AXES: dict[str, dict[int, str]] = {
     "top2": {0: "lanes", 1: "answer_depth"},
     "margin": {0: "lanes", 1: "answer_depth"},
     "eos_pos": {0: "lanes"},
+    "top1_logprob": {0: "lanes", 1: "answer_depth"},
+    "token_logprob": {0: "lanes", 1: "answer_depth"},
 }
 # min / opt / max per dynamic axis, for builders that need them (TensorRT profiles).
 PROFILES: dict[str, tuple[int, int, int]] = {
@@ -195,6 +197,7 @@ def _signature(decoder: ReadoutDecoder) -> tuple[list[dict], list[dict]]:
         "min_tokens": ["lanes"],
     }
     floats = {"rows", "lm_head", "temperature", "noise", "margin", "top_p", "min_p"}
+    floats |= {"top1_logprob", "token_logprob"}
     out_shapes = {name: ["lanes", "answer_depth"] for name in OUTPUT_NAMES}
     out_shapes["eos_pos"] = ["lanes"]
 

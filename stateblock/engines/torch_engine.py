@@ -61,7 +61,7 @@ from stateblock.model.vocab import (
     chunked_topk,
     first_eos,
     gumbel_noise,
-    gumbel_select,
+    gumbel_pick,
 )
 from stateblock.protocol.envelope import ModelIdentity
 
@@ -132,8 +132,9 @@ def readout_step(
     fused: bool = False,
     kernel_precision: str = "ieee",
     guess_table: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,),
+    and every position's log-sum-exp over the vocabulary (K, D), from the top-2's own pass.
 
     Pure and shape-static: the body of every CUDA graph and of the eager path. The logits
     are h @ head.T: the decoder's hidden states against the lm_head, or, when `fused`, the
@@ -153,7 +154,7 @@ def readout_step(
         def guess(hm: Tensor) -> Tensor:  # the same top-2 as the answer's, top-1 gathered
             x = (hm if fused else decoder.out(hm)).to(head.dtype)
             k, d, dim = x.shape
-            _, ids = top2_fn(x.reshape(k * d, dim), head)
+            _, ids = top2_fn(x.reshape(k * d, dim), head)[:2]
             return guess_table.index_select(0, ids[:, 0]).view(k, d, -1)
 
     # cache_enabled=False: cached weight casts would outlive a CUDA-graph recording
@@ -164,11 +165,12 @@ def readout_step(
         h = stage(rows, prompt_lens, positions, impl=attention, guess=guess)
     h = h.to(head.dtype)
     k, d, dim = h.shape
-    top_v, top_i = top2_fn(h.reshape(k * d, dim), head)  # (K*D, 2) fp32, int64
+    # (K*D, 2) fp32, int64, and the log-sum-exp (K*D,) of the same pass
+    top_v, top_i, lse = top2_fn(h.reshape(k * d, dim), head, lse=True)
     top_v, top_i = top_v.view(k, d, 2), top_i.view(k, d, 2)
     valid = positions < depths.unsqueeze(1)  # (K, D): padding positions never stop a lane
     eos_pos = first_eos(top_i[..., 0], valid, eos_token_id)
-    return h, top_v, top_i, eos_pos
+    return h, top_v, top_i, eos_pos, lse.view(k, d)
 
 
 def require_device(device: str | torch.device) -> torch.device:
@@ -444,19 +446,34 @@ class TorchEngine:
         k = len(lanes)
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
-                h, top_v, top_i, eos = self._replay(shape, lanes)
+                h, top_v, top_i, eos, lse = self._replay(shape, lanes)
             else:
-                h, top_v, top_i, eos = self._eager(shape, lanes)
-            tokens = top_i[:k, :, 0]
+                h, top_v, top_i, eos, lse = self._eager(shape, lanes)
+            tokens, chosen = top_i[:k, :, 0], top_v[:k, :, 0]
             eos = eos[:k]
             sampled = [i for i, lane in enumerate(lanes) if lane.selects]
             if sampled:
-                tokens, eos = self._sample(lanes, sampled, h, tokens, eos, shape.depth)
+                tokens, eos, chosen = self._sample(
+                    lanes, sampled, h, tokens, eos, chosen, shape.depth
+                )
             # copies out of the graph's outputs, then each lane cut as every engine cuts it
             margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu().tolist()
             tokens, eos_pos = tokens.cpu().tolist(), eos.cpu().tolist()
+            lp = None
+            if any(lane.sampling.HasField("logprobs") for lane in lanes):
+                z = lse[:k]
+                lp = [
+                    x.cpu().tolist()
+                    for x in (chosen - z, top_i[:k, :, 0], top_v[:k, :, 0] - z, top_i[:k, :, 1])
+                ]
         return [
-            lane_result(lane, tokens[i], margins[i], int(eos_pos[i]))
+            lane_result(
+                lane,
+                tokens[i],
+                margins[i],
+                int(eos_pos[i]),
+                tuple(x[i] for x in lp) if lp else None,
+            )  # fmt: skip
             for i, lane in enumerate(lanes)
         ]
 
@@ -467,8 +484,9 @@ class TorchEngine:
         h: Tensor,  # (Kb, D, d_base)
         tokens: Tensor,  # (K, D)
         eos: Tensor,  # (K,)
+        chosen: Tensor,  # (K, D) the emitted tokens' logits
         depth: int,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Chunked top-8 + Gumbel selection for the sampling lanes, as in the reference."""
         dev = self._device
         idx = torch.tensor(sampled, device=dev)
@@ -481,10 +499,12 @@ class TorchEngine:
         keep = candidate_mask(
             top_v, top_i, temp, lane_filters([lanes[i] for i in sampled], dev), positions, self._eos
         )
-        picked = gumbel_select(top_v, top_i, temp, noise.to(dev), keep)  # (S, D)
+        pick = gumbel_pick(top_v, temp, noise.to(dev), keep)  # (S, D, 1)
+        picked = torch.gather(top_i, -1, pick).squeeze(-1)  # (S, D)
         depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
         valid = positions < depths.unsqueeze(1)
-        tokens, eos = tokens.clone(), eos.clone()
+        tokens, eos, chosen = tokens.clone(), eos.clone(), chosen.clone()
         tokens[idx] = picked
+        chosen[idx] = torch.gather(top_v, -1, pick).squeeze(-1).to(chosen.dtype)
         eos[idx] = first_eos(picked, valid, self._eos)
-        return tokens, eos
+        return tokens, eos, chosen

@@ -32,8 +32,9 @@ from stateblock.model.vocab import (
     ReadoutOut,
     candidate_mask,
     chunked_topk,
+    chunked_topk_lse,
     first_eos,
-    gumbel_select,
+    gumbel_pick,
 )
 
 __all__ = ["NO_EOS", "ReadoutConfig", "ReadoutDecoder", "ReadoutOut", "position_features"]
@@ -383,9 +384,9 @@ class ReadoutDecoder(nn.Module):
         guess = self.guess_embed(lm_head) if self.cfg.refine else None
         h = self.hidden(rows, prompt_lens, positions, impl, guess).to(lm_head.dtype)
         k_top = 2 if temperature is None else TOP_K_SAMPLE
-        top_v, top_i = chunked_topk(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
+        top_v, top_i, lse = chunked_topk_lse(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
         margin = (top_v[..., 0] - top_v[..., 1]).float()
-        tokens = top_i[..., 0]
+        tokens, chosen = top_i[..., 0], top_v[..., 0]
         eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id
         if temperature is not None:
             if noise is None:
@@ -393,10 +394,14 @@ class ReadoutDecoder(nn.Module):
             keep = None
             if filters is not None:
                 keep = candidate_mask(top_v, top_i, temperature, filters, positions, eos)
-            tokens = gumbel_select(top_v, top_i, temperature, noise, keep)
+            pick = gumbel_pick(top_v, temperature, noise, keep)  # (K, D, 1)
+            tokens = torch.gather(top_i, -1, pick).squeeze(-1)
+            chosen = torch.gather(top_v, -1, pick).squeeze(-1)
         valid = positions < depths.unsqueeze(1)  # (K, D)
         eos_pos = first_eos(tokens, valid, eos)
-        return ReadoutOut(tokens, top_i[..., 0], top_i[..., 1], margin, eos_pos)
+        top1_lp = top_v[..., 0].float() - lse
+        token_lp = chosen.float() - lse
+        return ReadoutOut(tokens, top_i[..., 0], top_i[..., 1], margin, eos_pos, top1_lp, token_lp)
 
     def logits(self, rows: Tensor, prompt_lens: Tensor, positions: Tensor, lm_head: Tensor):
         """Full logits for training on small vocabularies. (K, D, V); never on the serve path."""

@@ -20,6 +20,10 @@ class ReadoutOut(NamedTuple):
     top2: Tensor  # (K, D) int64
     margin: Tensor  # (K, D) float32: top-1 minus top-2 logit
     eos_pos: Tensor  # (K,) int64: first EOS among valid positions, else NO_EOS
+    # exact log-probabilities under the raw logits (before temperature and filters), as
+    # vLLM reports them by default; the runner-up's is top1_logprob - margin
+    top1_logprob: Tensor  # (K, D) float32
+    token_logprob: Tensor  # (K, D) float32: of the emitted token
 
 
 def chunk_bounds(vocab: int, n_chunks: int) -> list[tuple[int, int]]:
@@ -36,22 +40,39 @@ def chunked_topk(h: Tensor, lm_head: Tensor, n_chunks: int, k: int) -> tuple[Ten
     Each chunk's top-k is merged into the running top-k; only a (K, D, V/n_chunks)
     slab exists at a time.
     """
+    v, i, _ = chunked_topk_lse(h, lm_head, n_chunks, k)
+    return v, i
+
+
+def chunked_topk_lse(
+    h: Tensor, lm_head: Tensor, n_chunks: int, k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`chunked_topk` plus the log-sum-exp of every row's logits (K, D) float32, folded
+    chunk by chunk in the same pass (online softmax): a logit's exact log-probability is
+    then logit - lse, and the full logits are still never resident."""
     run_v: Tensor | None = None
     run_i: Tensor | None = None
+    run_m: Tensor | None = None  # running max (K, D), fp32
+    run_s: Tensor | None = None  # running sum of exp(logit - run_m)
     for lo, hi in chunk_bounds(lm_head.shape[0], n_chunks):
         logits = torch.matmul(h, lm_head[lo:hi].t())  # (K, D, Vc)
         kc = min(k, hi - lo)
         v, i = torch.topk(logits, kc, dim=-1)
         i = i + lo
+        m = v[..., 0].float()  # the chunk's max is its top-1
+        s = torch.exp(logits.float() - m.unsqueeze(-1)).sum(-1)
         if run_v is None:
-            run_v, run_i = v, i
+            run_v, run_i, run_m, run_s = v, i, m, s
             continue
+        new_m = torch.maximum(run_m, m)
+        run_s = run_s * torch.exp(run_m - new_m) + s * torch.exp(m - new_m)
+        run_m = new_m
         cat_v = torch.cat([run_v, v], dim=-1)  # running ids are lower: on ties they win,
         cat_i = torch.cat([run_i, i], dim=-1)  # as in a full-vocabulary topk
         run_v, sel = torch.topk(cat_v, min(k, cat_v.shape[-1]), dim=-1)
         run_i = torch.gather(cat_i, -1, sel)
-    assert run_v is not None and run_i is not None
-    return run_v, run_i
+    assert run_v is not None and run_i is not None and run_m is not None and run_s is not None
+    return run_v, run_i, run_m + torch.log(run_s)
 
 
 def first_eos(tokens: Tensor, valid: Tensor, eos_token_id: Tensor | int) -> Tensor:
@@ -109,17 +130,17 @@ def candidate_mask(
     return keep & ((prob >= min_p * best) | (min_p <= 0.0))
 
 
-def gumbel_select(
+def gumbel_pick(
     top_v: Tensor,
-    top_i: Tensor,
     temperature: Tensor,
     noise: Tensor,
     keep: Tensor | None = None,
 ) -> Tensor:
     """Top-k Gumbel-max sampling with explicit noise; temperature 0 is exact argmax.
 
-    top_v, top_i (K, D, k) sorted descending; temperature (K,); noise (K, D, k) standard
-    Gumbel; keep (K, D, k) bool, the candidates allowed (`candidate_mask`). Returns ids (K, D).
+    top_v (K, D, k) sorted descending; temperature (K,); noise (K, D, k) standard Gumbel;
+    keep (K, D, k) bool, the candidates allowed (`candidate_mask`). Returns the picked
+    candidate's index (K, D, 1).
     """
     t = temperature.to(top_v.dtype).view(-1, 1, 1)  # (K, 1, 1)
     k = top_v.shape[-1]
@@ -128,8 +149,18 @@ def gumbel_select(
     scores = torch.where(t > 0, scores, top_v)
     if keep is not None:  # at t == 0 the first allowed candidate: the filtered argmax
         scores = scores.masked_fill(~keep, float("-inf"))
-    pick = torch.argmax(scores, dim=-1, keepdim=True)  # (K, D, 1)
-    return torch.gather(top_i, -1, pick).squeeze(-1)
+    return torch.argmax(scores, dim=-1, keepdim=True)  # (K, D, 1)
+
+
+def gumbel_select(
+    top_v: Tensor,
+    top_i: Tensor,
+    temperature: Tensor,
+    noise: Tensor,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """The ids `gumbel_pick` picks: (K, D)."""
+    return torch.gather(top_i, -1, gumbel_pick(top_v, temperature, noise, keep)).squeeze(-1)
 
 
 def gumbel_noise(shape: tuple[int, ...], seed: int | None, device=None) -> Tensor:

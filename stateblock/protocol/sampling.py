@@ -20,6 +20,7 @@ TOP_K_SAMPLE = 8  # the decoder's Gumbel top-k width: sampling draws among the t
 MAX_TEMPERATURE = 2.0  # the OpenAI range
 SEED_LIMIT = 1 << 64
 MAX_CHARS_PER_TOKEN = 16
+MAX_LOGPROBS = 2  # top candidates with log-probabilities: the top-2 pass keeps two
 
 SamplingParams = pb.SamplingParams
 
@@ -57,6 +58,7 @@ def sampling_params(
     top_p: float | None = None,
     min_p: float | None = None,
     min_tokens: int | None = None,
+    logprobs: int | None = None,
 ) -> pb.SamplingParams:
     """The params from an API's fields (None: unset); what the wire cannot carry is
     refused here, everything else by `check_lane`. top_k -1 and 0 both mean "all", as in
@@ -69,6 +71,12 @@ def sampling_params(
             f"candidates, got {top_k}.",
             "top_k",
         )
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidSampling(
+            f"logprobs must be between 0 and {MAX_LOGPROBS}: the readout's vocabulary pass "
+            f"keeps the top {MAX_LOGPROBS} candidates of each position, got {logprobs}.",
+            "logprobs",
+        )
     if min_tokens is not None and not 0 <= min_tokens < 1 << 32:
         raise InvalidSampling(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
     t = 0.0 if temperature is None else temperature
@@ -80,6 +88,7 @@ def sampling_params(
         top_p=top_p,
         min_p=min_p or 0.0,
         min_tokens=min_tokens or 0,
+        logprobs=logprobs,
     )
 
 
@@ -144,6 +153,10 @@ def check_lane(s: pb.SamplingParams, max_tokens: int, limits: Limits) -> None:
         raise InvalidSampling(f"top_p must be in (0, 1], got {s.top_p}.", "top_p")
     if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
         raise InvalidSampling(f"min_p must be in [0, 1], got {s.min_p}.", "min_p")
+    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+        raise InvalidSampling(
+            f"logprobs must be at most {MAX_LOGPROBS}, got {s.logprobs}.", "logprobs"
+        )
     if s.min_tokens > max_tokens:
         raise InvalidSampling(
             f"min_tokens ({s.min_tokens}) must not exceed max_tokens ({max_tokens}).",

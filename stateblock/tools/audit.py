@@ -13,6 +13,11 @@ the disagreement sits at the earlier of the two EOS positions, where one side em
 and the other a token; it is excused (`near_tie`) only if the reference margin there is
 below 0.05, and is a gate failure (`mismatch`) otherwise.
 
+Log-probabilities: every lane asks for them (logprobs=2); at each position where both
+engines return the same top-1 id, the top-1 log-probability and the emitted token's (where
+the tokens agree too) must be within LOGPROB_TOL (1e-3 nats) of the reference's; the worst
+error is reported per depth.
+
 The decoder is not autoregressive (position t never sees token t-1), so a near-tie at one
 position does not explain a difference at a later one: every differing position is
 classified, not just the first.
@@ -33,11 +38,14 @@ from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
 from stateblock.model.capture import capture
 from stateblock.model.loading import ServingModel
 from stateblock.model.vocab import NO_EOS, distinct_n
+from stateblock.protocol.sampling import sampling_params
 from stateblock.train import tasks
 
 NEAR_TIE = 0.05  # reference top-1 minus top-2 logit below this is a near-tie
+LOGPROB_TOL = 1e-3  # nats: exact log-probabilities, up to the engines' rounding
 DEFAULT_DEPTHS = (256, 512, 1024, 2048, 4096, 8192)
 K_MAX = 8  # lanes per packed enqueue, as served
+AUDITED = sampling_params(logprobs=2)  # greedy, with both candidates' log-probabilities
 CAPTURE_BATCH = 32
 LONG_WEIGHT = 4.0
 
@@ -104,6 +112,23 @@ def compare_lane(
     return LaneComparison(mismatch, eos)
 
 
+def logprob_error(ref: Sequence[LaneResult], eng: Sequence[LaneResult]) -> float | None:
+    """Worst |engine - reference| log-probability over positions whose ids agree."""
+    worst = None
+    for r, e in zip(ref, eng, strict=True):
+        if r.logprobs is None or e.logprobs is None:
+            continue
+        a, b = r.logprobs, e.logprobs
+        for t in range(min(len(a.top1), len(b.top1))):
+            if a.top1_ids[t] != b.top1_ids[t]:
+                continue
+            err = abs(a.top1[t] - b.top1[t])
+            if t < min(len(r.token_ids), len(e.token_ids)) and r.token_ids[t] == e.token_ids[t]:
+                err = max(err, abs(a.token[t] - b.token[t]))
+            worst = err if worst is None else max(worst, err)
+    return worst
+
+
 def _mean(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return round(sum(vals) / len(vals), 4) if vals else None
@@ -150,6 +175,7 @@ def depth_report(
         "distinct4_ref": d4_ref,
         "distinct4_engine": d4_eng,
         "distinct4_delta": None if d4_ref is None or d4_eng is None else round(d4_eng - d4_ref, 4),
+        "logprob_max_abs_error": logprob_error(ref, eng),
     }
 
 
@@ -173,6 +199,12 @@ def blockers(depths: dict[str, dict]) -> list[str]:
             out.append(
                 f"depth {depth}: divergence: {len(divergent)} lane(s) differ where the reference "
                 f"margin is >= {NEAR_TIE}: {where}"
+            )
+        err = d.get("logprob_max_abs_error")
+        if err is not None and err > LOGPROB_TOL:
+            out.append(
+                f"depth {depth}: logprobs: an exact log-probability is {err:.2e} nats from the "
+                f"reference's (gate {LOGPROB_TOL:g})"
             )
         if d["eos_mismatch"]:
             lanes = [i for i, s in enumerate(d["eos_lanes"]) if s == "mismatch"]
@@ -213,7 +245,9 @@ def read_all(engine: ReadoutEngine, rows: list[Tensor], depth: int, lanes: int) 
     """Every prompt at one depth, `lanes` per packed enqueue."""
     out: list[LaneResult] = []
     for lo in range(0, len(rows), lanes):
-        out += engine.readout([LaneRequest(rows=r, depth=depth) for r in rows[lo : lo + lanes]])
+        out += engine.readout(
+            [LaneRequest(rows=r, depth=depth, sampling=AUDITED) for r in rows[lo : lo + lanes]]
+        )
     return out
 
 
@@ -312,20 +346,22 @@ def plot(report: dict, path: str | Path) -> None:
 def markdown(report: dict, command: str) -> str:
     head = (
         "| depth | lanes | exact match | near-tie | divergence | EOS parity | EOS absent both "
-        "| distinct-4 ref | distinct-4 engine |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| distinct-4 ref | distinct-4 engine | logprob max abs error |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
 
-    def fmt(v) -> str:
-        return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+    def fmt(v, spec: str = ".4f") -> str:
+        return "-" if v is None else f"{v:{spec}}" if isinstance(v, float) else str(v)
 
     rows = []
     for depth, s in report["depths"].items():
         if "error" in s:
-            rows.append(f"| {depth} | {s['lanes']} | error | | | | | | |")
+            rows.append(f"| {depth} | {s['lanes']} | error | | | | | | | |")
             continue
         cells = ("lanes", "exact_match", "near_tie", "non_near_tie", "eos_parity")
         cells += ("eos_absent_both", "distinct4_ref", "distinct4_engine")
-        rows.append(f"| {depth} | " + " | ".join(fmt(s[c]) for c in cells) + " |")
+        lp = fmt(s.get("logprob_max_abs_error"), ".1e")
+        rows.append(f"| {depth} | " + " | ".join(fmt(s[c]) for c in cells) + f" | {lp} |")
     found = "\n".join(f"- {b}" for b in report["blockers"]) or "- none"
     return (
         f"Command: `{command}`\n\n**Gate: {report['gate']}** ({report['engine']} vs "

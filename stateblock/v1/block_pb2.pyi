@@ -57,7 +57,7 @@ class Layout(_message.Message):
     def __init__(self, lanes: _Optional[_Iterable[_Union[Lane, _Mapping]]] = ..., total_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., capture_mode: _Optional[_Union[CaptureMode, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "seed", "ignore_eos", "top_k", "top_p", "min_p", "min_tokens")
+    __slots__ = ("temperature", "seed", "ignore_eos", "top_k", "top_p", "min_p", "min_tokens", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SamplingParams(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     seed: int
     ignore_eos: bool
@@ -72,7 +73,8 @@ class SamplingParams(_message.Message):
     top_p: float
     min_p: float
     min_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class StateBlockHeader(_message.Message):
     __slots__ = ("request_id", "block_id", "model", "layout", "layout_digest", "forward_state_digest", "base_model_digest", "lm_head_digest", "decoder_digest", "sampling", "created_at", "expires_at", "key_id", "signature")

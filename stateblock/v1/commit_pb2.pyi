@@ -22,16 +22,26 @@ CLAIM_STATE_COMMITTED: ClaimState
 CLAIM_STATE_REJECTED: ClaimState
 
 class LaneAnswer(_message.Message):
-    __slots__ = ("lane_index", "token_ids", "eos_pos", "top2_margins")
+    __slots__ = ("lane_index", "token_ids", "eos_pos", "top2_margins", "token_logprobs", "top1_ids", "top1_logprobs", "top2_ids", "top2_logprobs")
     LANE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EOS_POS_FIELD_NUMBER: _ClassVar[int]
     TOP2_MARGINS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP1_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP1_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP2_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP2_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     lane_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     eos_pos: int
     top2_margins: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, lane_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., eos_pos: _Optional[int] = ..., top2_margins: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top1_ids: _containers.RepeatedScalarFieldContainer[int]
+    top1_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top2_ids: _containers.RepeatedScalarFieldContainer[int]
+    top2_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, lane_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., eos_pos: _Optional[int] = ..., top2_margins: _Optional[_Iterable[float]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top1_ids: _Optional[_Iterable[int]] = ..., top1_logprobs: _Optional[_Iterable[float]] = ..., top2_ids: _Optional[_Iterable[int]] = ..., top2_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("block_id", "request_id", "lanes", "output_digest", "forward_state_digest", "worker_id", "committed_at", "key_id", "signature")

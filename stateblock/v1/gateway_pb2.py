@@ -26,31 +26,33 @@ from stateblock.v1 import block_pb2 as stateblock_dot_v1_dot_block__pb2
 from stateblock.v1 import capture_pb2 as stateblock_dot_v1_dot_capture__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/gateway.proto\x12\rstateblock.v1\x1a\x19stateblock/v1/block.proto\x1a\x1bstateblock/v1/capture.proto\"\x9f\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12/\n\x08sampling\x18\t \x01(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\r \x03(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x04\n\x02_n\"\xbc\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stateblock.v1.FinishReason\x12\x0f\n\x07\x65os_pos\x18\x05 \x01(\r\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x9d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\"_\n\x15GenerateStreamRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.stateblock.v1.GenerateRequest\x12\x15\n\rinclude_usage\x18\x02 \x01(\x08\"\x88\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x9e\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eprompt_len_max\x18\x02 \x01(\r\x12\x18\n\x10\x61nswer_depth_max\x18\x03 \x01(\r\x12\x11\n\tmax_lanes\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x63oder_digest\x18\x06 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x90\x02\n\x07Gateway\x12W\n\x0cGetModelInfo\x12\".stateblock.v1.GetModelInfoRequest\x1a#.stateblock.v1.GetModelInfoResponse\x12K\n\x08Generate\x12\x1e.stateblock.v1.GenerateRequest\x1a\x1f.stateblock.v1.GenerateResponse\x12_\n\x0eGenerateStream\x12$.stateblock.v1.GenerateStreamRequest\x1a%.stateblock.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/gateway.proto\x12\rstateblock.v1\x1a\x19stateblock/v1/block.proto\x1a\x1bstateblock/v1/capture.proto\"\x9f\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12/\n\x08sampling\x18\t \x01(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\r \x03(\r\x12\x12\n\nrequest_id\x18\x0e \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x04\n\x02_n\"\xeb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stateblock.v1.FinishReason\x12\x0f\n\x07\x65os_pos\x18\x05 \x01(\r\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.stateblock.v1.TokenLogprobB\r\n\x0bstop_reason\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x9d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\x12\x19\n\x11\x63lient_request_id\x18\x05 \x01(\t\"_\n\x15GenerateStreamRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.stateblock.v1.GenerateRequest\x12\x15\n\rinclude_usage\x18\x02 \x01(\x08\"\x88\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x15.stateblock.v1.Choice\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.stateblock.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x9e\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eprompt_len_max\x18\x02 \x01(\r\x12\x18\n\x10\x61nswer_depth_max\x18\x03 \x01(\r\x12\x11\n\tmax_lanes\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x63oder_digest\x18\x06 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x90\x02\n\x07Gateway\x12W\n\x0cGetModelInfo\x12\".stateblock.v1.GetModelInfoRequest\x1a#.stateblock.v1.GetModelInfoResponse\x12K\n\x08Generate\x12\x1e.stateblock.v1.GenerateRequest\x1a\x1f.stateblock.v1.GenerateResponse\x12_\n\x0eGenerateStream\x12$.stateblock.v1.GenerateStreamRequest\x1a%.stateblock.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stateblock.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1372
-  _globals['_FINISHREASON']._serialized_end=1467
+  _globals['_FINISHREASON']._serialized_start=1509
+  _globals['_FINISHREASON']._serialized_end=1604
   _globals['_GENERATEREQUEST']._serialized_start=103
   _globals['_GENERATEREQUEST']._serialized_end=518
   _globals['_CHOICE']._serialized_start=521
-  _globals['_CHOICE']._serialized_end=709
-  _globals['_USAGE']._serialized_start=711
-  _globals['_USAGE']._serialized_end=790
-  _globals['_GENERATERESPONSE']._serialized_start=793
-  _globals['_GENERATERESPONSE']._serialized_end=950
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=952
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1047
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1050
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1186
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1188
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1209
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1212
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1370
-  _globals['_GATEWAY']._serialized_start=1470
-  _globals['_GATEWAY']._serialized_end=1742
+  _globals['_CHOICE']._serialized_end=756
+  _globals['_TOKENLOGPROB']._serialized_start=758
+  _globals['_TOKENLOGPROB']._serialized_end=846
+  _globals['_USAGE']._serialized_start=848
+  _globals['_USAGE']._serialized_end=927
+  _globals['_GENERATERESPONSE']._serialized_start=930
+  _globals['_GENERATERESPONSE']._serialized_end=1087
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1089
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1184
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1187
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1323
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1325
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1346
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1349
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1507
+  _globals['_GATEWAY']._serialized_start=1607
+  _globals['_GATEWAY']._serialized_end=1879
 # @@protoc_insertion_point(module_scope)

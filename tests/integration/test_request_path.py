@@ -441,3 +441,43 @@ async def test_sampling_filters_and_echo_through_the_openai_client(
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **sampled,
                                   extra_body={"top_k": 4, "min_p": 0.05})  # fmt: skip
     assert r.choices[0].text == decode(want, skip_special_tokens=True)
+
+
+async def test_exact_logprobs_through_every_api(client, aclient, stack, serving_model, engine):
+    """The worker's exact log-probabilities reach the client unchanged: completions
+    (sync), chat (async streaming) and gRPC carry the in-process engine's values."""
+    from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
+
+    prompt = "copy: hello"
+    rows = serving_model.prompt_rows(prompt, pad_to=bucket_width)
+    (want,) = engine.readout(
+        [LaneRequest(rows=rows, depth=12, sampling=sampling_params(logprobs=2))]
+    )
+    n = len(want.token_ids)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(list(want.logprobs.token[:n]), abs=1e-5)
+    assert [max(d.values()) for d in lp.top_logprobs] == pytest.approx(
+        list(want.logprobs.top1[:n]), abs=1e-5
+    )
+    assert all(-60 < x <= 0 for x in lp.token_logprobs)
+    chunks = await aclient.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+        logprobs=True, top_logprobs=2, stream=True,
+    )  # fmt: skip
+    content = [c for chunk in [x async for x in chunks] if chunk.choices and chunk.choices[0].logprobs
+               for c in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert content and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    with grpc.insecure_channel(stack.urls.grpc) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        req = gateway_pb2.GenerateRequest(
+            model=MODEL, prompt=prompt, max_tokens=12, sampling=sampling_params(logprobs=1)
+        )
+        (choice,) = stub.Generate(req, timeout=30).choices
+    assert [t.token_id for t in choice.logprobs] == list(want.token_ids)
+    assert [t.logprob for t in choice.logprobs] == pytest.approx(
+        list(want.logprobs.token[:n]), abs=1e-5
+    )
+    assert all(len(t.top_ids) == 1 for t in choice.logprobs)

@@ -22,6 +22,11 @@ ranges also keep the h tiles those programs re-read in L2 (`Top2Config.group_row
 
 Inputs: bf16/fp16 (the lm_head) or fp32 with TF32 or exact dots (the torch engine's fused
 head, lm_head @ out.weight, whose d is the decoder's 256 rather than 2,688).
+
+Log-probabilities (`lse=True`): the same tile loop also folds each row's running max and
+sum of exponentials (online softmax), so the log-sum-exp of the whole vocabulary comes out
+of the one pass and a logit's exact log-probability is logit - lse. Each split writes its
+partial log-sum-exp and `merge_top2`'s caller folds them with one logsumexp over splits.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from stateblock.model.vocab import chunked_topk
+from stateblock.model.vocab import chunked_topk_lse
 
 try:  # Triton is optional: CI and the CPU path never import it
     import triton
@@ -141,11 +146,14 @@ def _vocab_per_split(vocab: int, cfg: Top2Config) -> tuple[int, int]:
 
 
 # -- the PyTorch path ---------------------------------------------------------------------
-def top2_reference(h: Tensor, lm_head: Tensor, n_chunks: int = 8) -> tuple[Tensor, Tensor]:
+def top2_reference(
+    h: Tensor, lm_head: Tensor, n_chunks: int = 8, *, lse: bool = False
+) -> tuple[Tensor, ...]:
     """Chunked matmul + running top-2 (stateblock.model.vocab): h (N, d), lm_head (V, d) ->
-    values (N, 2) float32, ids (N, 2) int64. Logits are in h's dtype, as in the decoder."""
-    v, i = chunked_topk(h, lm_head, n_chunks, 2)
-    return v.float(), i
+    values (N, 2) float32, ids (N, 2) int64 (and, with lse, the rows' log-sum-exp (N,)
+    float32). Logits are in h's dtype, as in the decoder."""
+    v, i, z = chunked_topk_lse(h, lm_head, n_chunks, 2)
+    return (v.float(), i, z) if lse else (v.float(), i)
 
 
 def merge_top2(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -231,6 +239,7 @@ if triton is not None:
         w_ptr,
         val_ptr,
         idx_ptr,
+        lse_ptr,
         pid_n,  # row block
         pid_s,  # vocabulary split
         n_rows,
@@ -246,8 +255,10 @@ if triton is not None:
         TMA: tl.constexpr,
         FP32: tl.constexpr,
         PRECISION: tl.constexpr,
+        WITH_LSE: tl.constexpr,
     ):
-        """One work item: the top-2 of BLOCK_N rows over one vocabulary split."""
+        """One work item: the top-2 of BLOCK_N rows over one vocabulary split (and, with
+        WITH_LSE, their log-sum-exp over it)."""
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n_rows
         lanes = tl.arange(0, BLOCK_V)
@@ -258,6 +269,8 @@ if triton is not None:
         best2 = tl.full([BLOCK_N], float("-inf"), tl.float32)
         id1 = tl.full([BLOCK_N], _NO_ID, tl.int64)
         id2 = tl.full([BLOCK_N], _NO_ID, tl.int64)
+        run_m = tl.full([BLOCK_N], float("-inf"), tl.float32)  # online softmax: max, sum
+        run_s = tl.zeros([BLOCK_N], dtype=tl.float32)
         # splits are whole tiles, so only the last one crosses V (the mask clips it)
         for v0 in range(v_lo, v_lo + v_per_split, BLOCK_V):
             cols = v0 + lanes
@@ -285,8 +298,16 @@ if triton is not None:
                     acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
                 else:
                     acc = tl.dot(a, tl.trans(b), acc)  # (BLOCK_N, BLOCK_V) fp32, on chip
+            if WITH_LSE:  # every tile has a valid column: tile_m is finite
+                masked = tl.where(col_ok[None, :], acc, float("-inf"))
+                new_m = tl.maximum(run_m, tl.max(masked, axis=1))
+                p = tl.exp(masked - new_m[:, None])
+                run_s = run_s * tl.exp(run_m - new_m) + tl.sum(p, axis=1)
+                run_m = new_m
             best1, id1, best2, id2 = _fold_tile(acc, col_ok, lanes, v0, best1, id1, best2, id2)
 
+        if WITH_LSE:
+            tl.store(lse_ptr + pid_s * n_rows + rows, run_m + tl.log(run_s), mask=row_ok)
         out = (pid_s * n_rows + rows) * 2
         tl.store(val_ptr + out, best1, mask=row_ok)
         tl.store(val_ptr + out + 1, best2, mask=row_ok)
@@ -312,6 +333,7 @@ if triton is not None:
         w_ptr,  # (V, d) same dtype, unit stride along d (likewise)
         val_ptr,  # (S, N, 2) float32
         idx_ptr,  # (S, N, 2) int64
+        lse_ptr,  # (S, N) float32, written only WITH_LSE
         n_rows,
         vocab,
         dim,
@@ -330,6 +352,7 @@ if triton is not None:
         GROUP_ROWS: tl.constexpr,  # see Top2Config.group_rows
         FP32: tl.constexpr,  # fp32 inputs: dots at PRECISION
         PRECISION: tl.constexpr,
+        WITH_LSE: tl.constexpr,  # also the log-sum-exp of each row over its split
     ):
         # items in launch order: the ones in flight share lm_head tiles (and, grouped, h
         # tiles) through L2
@@ -337,22 +360,24 @@ if triton is not None:
             for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
                 pid_n, pid_s = _work_item(w, n_row_blocks, n_split, GROUP_ROWS)
                 _top2_block(
-                    h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
+                    h_ptr, w_ptr, val_ptr, idx_ptr, lse_ptr, pid_n, pid_s,
                     n_rows, vocab, dim, v_per_split, stride_h, stride_w,
-                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION, WITH_LSE,
                 )  # fmt: skip
         else:
             pid_n, pid_s = _work_item(tl.program_id(0), n_row_blocks, n_split, GROUP_ROWS)
             _top2_block(
-                h_ptr, w_ptr, val_ptr, idx_ptr, pid_n, pid_s,
+                h_ptr, w_ptr, val_ptr, idx_ptr, lse_ptr, pid_n, pid_s,
                 n_rows, vocab, dim, v_per_split, stride_h, stride_w,
-                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION,
+                BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, TMA, FP32, PRECISION, WITH_LSE,
             )  # fmt: skip
 
 
-def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tuple[Tensor, Tensor]:
+def top2_triton(
+    h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None, *, lse: bool = False
+) -> tuple[Tensor, ...]:
     """The fused kernel: h (N, d), lm_head (V, d) (bf16/fp16/fp32, one dtype) -> (N, 2)
-    float32, (N, 2) int64.
+    float32, (N, 2) int64 (and, with lse, the rows' log-sum-exp (N,) float32).
 
     Host work is shape arithmetic only (no sync), so it can be captured in a CUDA graph
     once the kernel is compiled. Also runs on CPU tensors under TRITON_INTERPRET=1.
@@ -377,6 +402,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
     per, n_split = _vocab_per_split(vocab, cfg)
     vals = torch.empty(n_split, n, 2, dtype=torch.float32, device=h.device)
     ids = torch.empty(n_split, n, 2, dtype=torch.int64, device=h.device)
+    lses = torch.empty(n_split if lse else 1, n if lse else 1, dtype=torch.float32, device=h.device)
     row_blocks = triton.cdiv(n, cfg.block_n)
     n_work = row_blocks * n_split
     grid = (min(n_sm, n_work) if cfg.persistent else n_work,)
@@ -389,6 +415,7 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         b,
         vals,
         ids,
+        lses,
         n,
         vocab,
         d,
@@ -407,21 +434,29 @@ def top2_triton(h: Tensor, lm_head: Tensor, cfg: Top2Config | None = None) -> tu
         GROUP_ROWS=max(0, cfg.group_rows),
         FP32=h.dtype == torch.float32,
         PRECISION=cfg.precision,
+        WITH_LSE=lse,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if n_split == 1:
-        return vals[0], ids[0]
-    return merge_top2(vals, ids)
+    v, i = (vals[0], ids[0]) if n_split == 1 else merge_top2(vals, ids)
+    if not lse:
+        return v, i
+    return v, i, lses[0] if n_split == 1 else torch.logsumexp(lses, dim=0)
 
 
 def top2(
-    h: Tensor, lm_head: Tensor, *, n_chunks: int = 8, cfg: Top2Config | None = None
-) -> tuple[Tensor, Tensor]:
-    """Top-2 logits of h @ lm_head.T: (N, d), (V, d) -> (N, 2) float32, (N, 2) int64.
+    h: Tensor,
+    lm_head: Tensor,
+    *,
+    n_chunks: int = 8,
+    cfg: Top2Config | None = None,
+    lse: bool = False,
+) -> tuple[Tensor, ...]:
+    """Top-2 logits of h @ lm_head.T: (N, d), (V, d) -> (N, 2) float32, (N, 2) int64, and
+    with lse the rows' log-sum-exp (N,) float32.
 
     The fused kernel on CUDA bf16/fp16/fp32 with Triton; the chunked PyTorch path otherwise.
     """
     if available(h.device) and h.dtype in KERNEL_DTYPES:
-        return top2_triton(h, lm_head, cfg)
-    return top2_reference(h, lm_head, n_chunks)
+        return top2_triton(h, lm_head, cfg, lse=lse)
+    return top2_reference(h, lm_head, n_chunks, lse=lse)

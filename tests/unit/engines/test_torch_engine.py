@@ -273,8 +273,8 @@ def test_refining_decoder_equals_reference(head):
     lm_eos[5] = 3 * lm_head[got[0].token_ids[3]]  # EOS wins where that token won
     ref = ReferenceEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5)
     eng = TorchEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5, head=head)
-    params = [sampling_params(0.0, min_tokens=40), sampling_params(1.0, 5, top_k=2),
-              sampling_params(0.7, 6, top_p=0.6, min_p=0.2), sampling_params(0.0)]  # fmt: skip
+    params = [sampling_params(0.0, min_tokens=40, logprobs=2), sampling_params(1.0, 5, top_k=2, logprobs=1),
+              sampling_params(0.7, 6, top_p=0.6, min_p=0.2), sampling_params(0.0, logprobs=0)]  # fmt: skip
     lanes = [
         LaneRequest(rows=r, depth=60, sampling=sp)
         for r, sp in zip([*rows, rows[0]], params, strict=True)
@@ -282,3 +282,7 @@ def test_refining_decoder_equals_reference(head):
     want, got = ref.readout(lanes), eng.readout(lanes)
     assert_same(want, got, atol=1e-3)
     assert got[3].eos_pos < 40 <= len(got[0].token_ids)  # lane 3: lane 0 without min_tokens
+    assert got[2].logprobs is None and got[1].logprobs is not None
+    lp = got[1].logprobs  # a sampled lane: its tokens are not all the top-1, nor their logprobs
+    assert len(lp.token) == len(got[1].margins) and max(lp.token) <= 0.0
+    assert any(t != a for t, a in zip(lp.token, lp.top1, strict=True))

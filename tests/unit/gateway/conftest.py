@@ -67,7 +67,18 @@ class FakeCommits:
             )
             for i, ids in enumerate(self.answers)
         ]
+        for lane in lanes:  # log-probabilities as a worker writes them: one per position
+            n = len(lane.token_ids) + 1  # the EOS position too
+            lane.token_logprobs.extend(fake_logprob(j) for j in range(n))
+            lane.top1_ids.extend([*lane.token_ids, 2])
+            lane.top1_logprobs.extend(fake_logprob(j) for j in range(n))
+            lane.top2_ids.extend(t + 1 for t in [*lane.token_ids, 2])
+            lane.top2_logprobs.extend(fake_logprob(j) - 1 for j in range(n))
         return commit_pb2.Commit(block_id=block_id, lanes=lanes)
+
+
+def fake_logprob(position: int) -> float:
+    return -0.25 * (position + 1)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ REFUSED = [
     ("presence_penalty", -1),
     ("repetition_penalty", 1.2),
     ("logit_bias", {"5": 10}),
-    ("logprobs", 1),
     ("suffix", "x"),
     ("best_of", 3),
     ("response_format", {"type": "json_object"}),
@@ -56,9 +55,9 @@ async def test_default_values_of_those_fields_are_served(http, field, value):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-     ("top_logprobs", 1), ("logprobs", True)],
+     ("top_logprobs", 1)],  # top_logprobs without logprobs: true
 )  # fmt: skip
-async def test_chat_refuses_tools_and_logprobs(http, field, value):
+async def test_chat_refuses_tools_and_lone_top_logprobs(http, field, value):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}
     r = await http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == field
@@ -237,3 +236,41 @@ async def test_echo_puts_the_prompt_before_each_choice(http, fakes, detokenizer)
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
     assert chunks[0]["choices"][0]["text"] == detokenizer.decode([20, 21])  # the prompt first
     assert "".join(c["choices"][0]["text"] for c in chunks) == detokenizer.decode([20, 21]) + answer
+
+
+async def test_logprobs_in_both_shapes_cut_with_the_answer(http, fakes, detokenizer):
+    """Completions' legacy object and chat's content list carry each returned token's
+    log-probability and the top candidates' (up to 2); a stop cuts them with the tokens;
+    more than 2 is 400 naming the field; echo with logprobs is 400 (no prompt logprobs)."""
+    from tests.unit.gateway.conftest import fake_logprob
+
+    _, commits = fakes
+    commits.answers = [[20, 21, 22, 23]]
+    body = {"model": MODEL, "prompt": "a", "logprobs": 2}
+    (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [detokenizer.decode([t]) for t in [20, 21, 22, 23]]
+    assert lp["token_logprobs"] == pytest.approx([fake_logprob(j) for j in range(4)])
+    assert len(lp["top_logprobs"]) == 4 and len(lp["top_logprobs"][0]) == 2
+    assert lp["top_logprobs"][1][detokenizer.decode([22])] == pytest.approx(fake_logprob(1) - 1)
+    assert lp["text_offset"] == [0, 1, 2, 3] and choice["text"] == "".join(lp["tokens"])
+    body = {"model": MODEL, "prompt": "a", "logprobs": 0, "stop_token_ids": [22]}
+    (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    assert len(choice["logprobs"]["tokens"]) == 2 and choice["logprobs"]["top_logprobs"] == [{}, {}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "top_logprobs": 1}  # fmt: skip
+    (choice,) = (await http.post("/v1/chat/completions", json=chat)).json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([fake_logprob(j) for j in range(4)])
+    assert [len(c["top_logprobs"]) for c in content] == [1] * 4
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+    streamed = [c for line in lines for ch in json.loads(line[6:])["choices"]
+                if ch.get("logprobs") for c in ch["logprobs"]["content"]]  # fmt: skip
+    assert streamed == content
+    for url, extra, param in [("/v1/completions", {"prompt": "a", "logprobs": 3}, "logprobs"),
+                              ("/v1/chat/completions", {**chat, "top_logprobs": 5}, "top_logprobs"),
+                              ("/v1/completions", {"prompt": "a", "logprobs": 1, "echo": True}, "echo")]:  # fmt: skip
+        r = await http.post(url, json={"model": MODEL, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

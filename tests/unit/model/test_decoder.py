@@ -279,3 +279,33 @@ def test_old_checkpoint_configs_load_without_the_options():
     assert ReadoutConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="refine"):
         ReadoutConfig(d_base=8, vocab_size=10, eos_token_id=2, d_r=8, n_heads=2, refine=-1)
+
+
+def test_log_sum_exp_folded_per_chunk_is_exact():
+    from stateblock.model.vocab import chunked_topk_lse
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 17, D_BASE, generator=g) * 3
+    w = torch.randn(VOCAB, D_BASE, generator=g)
+    full = h @ w.t()
+    for n_chunks in (1, 3, 8):
+        v, i, lse = chunked_topk_lse(h, w, n_chunks, 2)
+        assert torch.allclose(lse, torch.logsumexp(full, -1), atol=1e-4)
+        assert torch.equal(i, torch.topk(full, 2, -1).indices)
+
+
+def test_readout_log_probabilities_are_the_full_softmax_ones():
+    dec, w = make(n_mixer=2, refine=1)
+    rows, lens, pos = lanes(3, 9, 50)
+    depths = torch.full((3,), 50)
+    noise = gumbel_noise((3, 50, 8), seed=2)
+    with torch.no_grad():
+        full = torch.log_softmax(dec.logits(rows, lens, pos, w), -1)  # (K, D, V)
+        out = dec(
+            rows, lens, pos, depths, w, temperature=torch.tensor([0.0, 1.0, 2.0]), noise=noise
+        )
+    at = lambda ids: full.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # noqa: E731
+    assert torch.allclose(out.top1_logprob, at(out.top1), atol=1e-4)
+    assert torch.allclose(out.token_logprob, at(out.tokens), atol=1e-4)
+    assert torch.allclose(out.top1_logprob - out.margin, at(out.top2), atol=1e-4)
+    assert not torch.equal(out.tokens[2], out.top1[2])  # the hot lane sampled: a real check

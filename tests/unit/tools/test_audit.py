@@ -85,6 +85,12 @@ class PlantedEngine:
         if self.mode == "flip":
             toks[t] = next(v for v in (toks[t] + 1, toks[t] + 2) if v != EOS) % 64
             out[i] = dataclasses.replace(r, token_ids=tuple(toks))
+        elif self.mode == "logprob":  # same tokens, one log-probability 0.01 nats off
+            top1 = list(r.logprobs.top1)
+            top1[t] -= 0.01
+            out[i] = dataclasses.replace(
+                r, logprobs=dataclasses.replace(r.logprobs, top1=tuple(top1))
+            )
         else:
             out[i] = LaneResult(tuple(toks[:t]), t, r.margins[: t + 1])
         return out
@@ -160,6 +166,7 @@ def test_reference_against_itself_passes(model, reference):
         assert d["exact_match"] == 1.0 and d["mismatches"] == [] and d["non_near_tie"] == 0
         assert d["eos_ref"] == d["eos_engine"] and len(d["eos_ref"]) == 6
         assert d["distinct4_ref"] == d["distinct4_engine"] and d["distinct4_delta"] == 0.0
+        assert d["logprob_max_abs_error"] == 0.0  # every lane carried log-probabilities
     # real answers end inside 64 positions; at 16 some are cut, and say so with the sentinel
     assert any(e != NO_EOS for e in report["depths"]["64"]["eos_ref"])
     assert report["depths"]["64"]["eos_parity"] in ("agree", "agree_absent")
@@ -176,6 +183,16 @@ def test_planted_divergence_fails_the_gate_at_its_depth(model, reference):
     assert d["eos_parity"] != "mismatch" and d["exact_match"] == round(4 / 6, 4)
     (blocker,) = report["blockers"]
     assert blocker.startswith("depth 64: divergence: 2 lane(s)")
+
+
+def test_a_log_probability_off_by_a_hundredth_fails_the_gate(model, reference):
+    planted = PlantedEngine(reference, mode="logprob", depths=(64,))
+    report = audit.parity_audit(model, planted, reference, depths=DEPTHS, n_prompts=6)
+    assert report["depths"]["16"]["logprob_max_abs_error"] == 0.0
+    assert report["depths"]["64"]["logprob_max_abs_error"] == pytest.approx(0.01, abs=1e-6)
+    assert report["depths"]["64"]["exact_match"] == 1.0  # the tokens all agree
+    (blocker,) = report["blockers"]
+    assert blocker.startswith("depth 64: logprobs:")
 
 
 def test_planted_early_eos_fails_eos_parity_at_every_depth(model, reference):
