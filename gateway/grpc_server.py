@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gateway.auth import bearer_ok
 from gateway.errors import (
@@ -194,6 +194,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(server: grpc.aio.Server, names: tuple[str, ...]) -> None:
+    """Server reflection as v1alpha (what grpcio-reflection ships) and as v1 (what grpcurl
+    and current clients ask first). v1 is v1alpha's messages under a new package name,
+    byte-identical on the wire, so the one servicer answers both method paths."""
+    servicer = reflection.aio.ReflectionServicer((*names, reflection.SERVICE_NAME, REFLECTION_V1))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """The Gateway service's calls need `authorization: Bearer <key>` metadata (health and
     reflection stay open, as the HTTP probes do); otherwise UNAUTHENTICATED."""
@@ -238,9 +257,7 @@ async def serve_grpc(
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (SERVICE, health.SERVICE_NAME))
     bound = runtime.grpc_bind(server, host, port, "gateway gRPC", tls)
     await server.start()
     await follow_in_health(health_servicer, ("", SERVICE), nats_state)

@@ -186,6 +186,18 @@ def test_grpc_generate_stream_health_reflection(stack):
         )
         names = {s.name for s in reply.list_services_response.service}
         assert "stateblock.v1.Gateway" in names
+        # reflection v1 (grpcurl's first choice): v1alpha's messages on the v1 method path
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        (reply,) = v1(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"stateblock.v1.Gateway", "grpc.reflection.v1.ServerReflection"} <= names
+        (reply,) = v1(iter([reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="stateblock.v1.Gateway")]))  # fmt: skip
+        assert reply.file_descriptor_response.file_descriptor_proto
 
 
 async def _path_state(nats_url: str) -> tuple[int, int]:
