@@ -3,6 +3,8 @@
 # MINUTES on every GPU of this machine (torchrun, DDP), resuming from $STATEBLOCK_BUILD_DIR/state.pt
 # when this machine ran the last stage, else from INIT (a decoder dir a stage left behind, when
 # given), then copies the decoder and its stats to $OUT (where device runs collect results).
+# A device run returns files of at most 16 MiB: the weights come back split
+# (decoder.safetensors.part.aa, .ab, ...); an INIT dir holding such parts is joined first.
 #   scripts/build_readout.sh MINUTES [INIT|-] [readout_ddp options...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +14,19 @@ shift $(($# >= 2 ? 2 : 1))
 out=${STATEBLOCK_BUILD_DIR:-/tmp/readout-build}
 ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
 extra=()
-[ "$init" != "-" ] && extra+=(--init "$init")
+if [ "$init" != "-" ]; then
+  if [ ! -f "$init/decoder.safetensors" ] && ls "$init"/decoder.safetensors.part.* >/dev/null 2>&1; then
+    cat "$init"/decoder.safetensors.part.* >"$init/decoder.safetensors"
+  fi
+  extra+=(--init "$init")
+fi
 # whatever happens, what the stage left goes back (a crash after the save still returns it)
-trap '[ -n "${OUT:-}" ] && cp -r "$out/decoder" "$out/stats.json" "$OUT/" 2>/dev/null || true' EXIT
+give_back() {
+  [ -n "${OUT:-}" ] && [ -d "$out/decoder" ] || return 0
+  mkdir -p "$OUT/decoder"
+  cp "$out/decoder/manifest.json" "$out/stats.json" "$OUT/decoder/" 2>/dev/null
+  split -b 15M "$out/decoder/decoder.safetensors" "$OUT/decoder/decoder.safetensors.part."
+}
+trap give_back EXIT
 torchrun --standalone --nproc_per_node="$ngpu" -m stateblock.train.readout_ddp \
   --base models/next/base --out "$out" --minutes "$minutes" "${extra[@]}" "$@"

@@ -279,7 +279,6 @@ def cmd_keys_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_audit(a: argparse.Namespace) -> int:
-    from stateblock.app import determinism as audit_determinism
     from stateblock.engines import UnknownEngine, create_engine, require_engine
     from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
@@ -301,6 +300,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
         import tempfile
 
         from stateblock import runtime
+
+        # the determinism gate runs a real stack over NATS; the parity audit needs no bus
+        from stateblock.app import determinism as audit_determinism
 
         runtime.configure_logging("warning")  # the stack's logs would bury the report
         n = a.n_prompts or 8

@@ -89,8 +89,8 @@ class LaneResult:
     logprobs: LaneLogprobs | None = None  # when the lane asked for them, same positions
 
 
-# per position: (emitted token's logprob, top-1 id, top-1 logprob, top-2 id), engine lists
-RawLogprobs = tuple[list[float], list[int], list[float], list[int]]
+# per position: (emitted token's logprob, top-1 id, top-1 logprob, top-2 id, top-2 logprob)
+RawLogprobs = tuple[list[float], list[int], list[float], list[int], list[float]]
 
 
 def lane_result(
@@ -111,8 +111,7 @@ def lane_result(
         ids, n = tuple(tokens[:eos]), eos + 1
     lp = None
     if logprobs is not None and lane.sampling.HasField("logprobs"):
-        token, top1_ids, top1, top2_ids = (x[:n] for x in logprobs)
-        top2 = [a - m for a, m in zip(top1, margins[:n], strict=True)]
+        token, top1_ids, top1, top2_ids, top2 = (x[:n] for x in logprobs)
         lp = LaneLogprobs(tuple(token), tuple(top1_ids), tuple(top1), tuple(top2_ids), tuple(top2))
     return LaneResult(ids, eos, tuple(margins[:n]), lp)
 

@@ -181,7 +181,13 @@ class OnnxEngine:
                 }
             )
             for j, i in enumerate(group):
-                lp = (token_lp[j].tolist(), top1[j].tolist(), top1_lp[j].tolist(), top2[j].tolist())
+                lp = (
+                    token_lp[j].tolist(),
+                    top1[j].tolist(),
+                    top1_lp[j].tolist(),
+                    top2[j].tolist(),
+                    (top1_lp[j] - margin[j]).tolist(),
+                )
                 results[i] = lane_result(
                     lanes[i], tokens[j].tolist(), margin[j].tolist(), int(eos_pos[j]), lp
                 )

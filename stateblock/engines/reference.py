@@ -86,7 +86,11 @@ class ReferenceEngine:
         tokens = out.tokens.cpu().tolist()
         margins = out.margin.float().cpu().tolist()
         eos_pos = out.eos_pos.cpu().tolist()
-        lp = [x.cpu().tolist() for x in (out.token_logprob, out.top1, out.top1_logprob, out.top2)]
+        top2_lp = out.top1_logprob - out.margin  # the same pass's runner-up
+        lp = [
+            x.cpu().tolist()
+            for x in (out.token_logprob, out.top1, out.top1_logprob, out.top2, top2_lp)
+        ]
         return [
             lane_result(lane, tokens[i], margins[i], int(eos_pos[i]), tuple(x[i] for x in lp))
             for i, lane in enumerate(lanes)

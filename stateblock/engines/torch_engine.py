@@ -464,7 +464,13 @@ class TorchEngine:
                 z = lse[:k]
                 lp = [
                     x.cpu().tolist()
-                    for x in (chosen - z, top_i[:k, :, 0], top_v[:k, :, 0] - z, top_i[:k, :, 1])
+                    for x in (
+                        chosen - z,
+                        top_i[:k, :, 0],
+                        top_v[:k, :, 0] - z,
+                        top_i[:k, :, 1],
+                        top_v[:k, :, 1] - z,
+                    )
                 ]
         return [
             lane_result(
