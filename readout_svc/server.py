@@ -16,6 +16,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from readout_svc.advisories import ExhaustedBlocks
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
@@ -83,6 +84,13 @@ async def running_readout(
             ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
         )
         await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+        # blocks whose last delivery died with its worker: ended by a signed rejection
+        exhausted = ExhaustedBlocks(
+            nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
+            streams.BLOCKS_STREAM, durable,
+        )  # fmt: skip
+        advisories = await exhausted.subscribe()
+        stack.push_async_callback(advisories.unsubscribe)
         workers, tasks = [], []
         for i in range(config.workers):
             worker = ReadoutWorker(

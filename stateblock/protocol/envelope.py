@@ -369,6 +369,24 @@ def verify(
     return verify_header(block, trust_store, now, payload=payload).confirm()
 
 
+def verify_signature(block: pb.StateBlock, trust_store: TrustStore) -> pb.StateBlockHeader:
+    """The header, if a trusted key signed it: enough to say which request a block belongs
+    to (no expiry, no rows), for ending a block nobody will read. Raises BlockRejected."""
+    _check_well_formed(block, rows_apart=True)
+    _check_signed(block.header, trust_store)
+    return block.header
+
+
+def _check_signed(header: pb.StateBlockHeader, trust_store: TrustStore) -> None:
+    public_key = trust_store.get(header.key_id)
+    if public_key is None:
+        raise BlockRejected(RejectReason.UNKNOWN_KEY, f"key id {header.key_id!r} is not trusted")
+    try:
+        public_key.verify(header.signature, signing_bytes(header))
+    except InvalidSignature as e:
+        raise BlockRejected(RejectReason.BAD_SIGNATURE, f"block {header.block_id}") from e
+
+
 def verify_header(
     block: pb.StateBlock,
     trust_store: TrustStore,
@@ -380,13 +398,7 @@ def verify_header(
     layout digest, and rows of the layout's size; `.confirm()` checks the digest."""
     _check_well_formed(block, rows_apart=payload is not None)
     header = block.header
-    public_key = trust_store.get(header.key_id)
-    if public_key is None:
-        raise BlockRejected(RejectReason.UNKNOWN_KEY, f"key id {header.key_id!r} is not trusted")
-    try:
-        public_key.verify(header.signature, signing_bytes(header))
-    except InvalidSignature as e:
-        raise BlockRejected(RejectReason.BAD_SIGNATURE, f"block {header.block_id}") from e
+    _check_signed(header, trust_store)
     # Only signed fields are trusted from here on.
     now = time.time() if now is None else now
     if now * 1e9 >= header.expires_at.ToNanoseconds():

@@ -390,3 +390,62 @@ async def test_unknown_engine_refuses_to_start_the_service(monkeypatch):
     monkeypatch.setenv("STATEBLOCK_ENGINE", "nope")
     with pytest.raises(UnknownEngine):
         await main()
+
+
+async def test_a_block_whose_last_delivery_died_ends_signed_rejected(nc, serving_model):
+    """Workers that die holding a block on every delivery leave JetStream's max_deliver
+    advisory behind; the readout service's listener reads the block back by sequence and
+    writes a signed `max_deliveries` rejection, so its request fails at once. A block whose
+    header does not verify gets no registry write (it could name anyone's request)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from readout_svc.advisories import MAX_DELIVERIES, ExhaustedBlocks
+
+    js = nc.jetstream()
+    await streams.ensure_streams(js, duplicate_window_s=60.0)
+    durable = "dying-workers"
+    await js.add_consumer(
+        streams.BLOCKS_STREAM,
+        # a subject of its own: the blocks stream is a work queue, one consumer a subject
+        ConsumerConfig(durable_name=durable, filter_subject=streams.blocks_subject("dying"),
+                       ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0, max_deliver=2),
+    )  # fmt: skip
+    registry = await Registry.open(js)
+    exhausted = ExhaustedBlocks(nc, registry, TrustStore([SIGNER.public_key]), READOUT_SIGNER,
+                                "adv-test", 2.0, streams.BLOCKS_STREAM, durable)  # fmt: skip
+    sub = await exhausted.subscribe()
+    try:
+        block = make_block(serving_model, seed=41)
+        forged = make_block(serving_model, seed=42)
+        forged.header.request_id = "someone-else"  # the signature no longer covers it
+        for b in (block, forged):
+            data, headers = envelope.serialize_block(b), {"Nats-Msg-Id": b.header.block_id}
+            await js.publish(streams.blocks_subject("dying"), data, headers=headers)
+        psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
+        for _ in range(2):  # two deliveries of each, never acked: the workers "died"
+            got = []
+            for _ in range(40):
+                try:
+                    got += await psub.fetch(2 - len(got), timeout=0.5)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    pass
+                if len(got) == 2:
+                    break
+            assert len(got) == 2
+        entry = None
+        for _ in range(100):  # ack_wait 1 s, then the advisory, then the rejection
+            entry = await registry.get(block.header.block_id)
+            if entry is not None and entry.state == commit_pb2.CLAIM_STATE_REJECTED:
+                break
+            try:  # the workers' next pull: JetStream checks the deliveries then
+                assert await psub.fetch(1, timeout=0.1) == []
+            except (nats.errors.TimeoutError, TimeoutError):
+                pass
+        assert entry is not None and entry.state == commit_pb2.CLAIM_STATE_REJECTED
+        rejection = outcomes.outcome_of(entry, READOUT_TRUST, block.header.block_id)
+        assert rejection.reason == MAX_DELIVERIES
+        assert rejection.request_id == block.header.request_id
+        assert await registry.get(forged.header.block_id) is None  # no write for a forgery
+        await psub.unsubscribe()
+    finally:
+        await sub.unsubscribe()
