@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +62,12 @@ class ProcStackConfig:
     engine_options: dict[str, str] = field(default_factory=dict)  # the readout's, see below
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
+    readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
+    extra_env: dict[str, str] = field(default_factory=dict)  # STATEBLOCK_* for every service
+
+
+def readout_names(n: int) -> list[str]:
+    return ["readout"] if n == 1 else [f"readout-{i}" for i in range(n)]
 
 
 class ProcStack:
@@ -69,11 +77,14 @@ class ProcStack:
     def __init__(self, config: ProcStackConfig) -> None:
         self.config = config
         self._procs: dict[str, subprocess.Popen] = {}
+        self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self._ready: dict[str, Callable[[], bool]] = {}
         self._metrics_urls: list[str] = []
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self._specs[name] = (argv, env)
         log = (self.config.data_dir / f"{name}.log").open("ab")
-        full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        full = {**os.environ, "PYTHONUNBUFFERED": "1", **env, **self.config.extra_env}
         full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
         self._procs[name] = subprocess.Popen(argv, stdout=log, stderr=log, env=full, cwd=REPO)
         log.close()
@@ -97,7 +108,8 @@ class ProcStack:
         )  # fmt: skip
         self._wait(lambda: _port_open(nats_port), "nats-server")
         capture_port, gateway_port = free_port(), free_port()
-        capture_metrics, readout_metrics = free_port(), free_port()
+        capture_metrics = free_port()
+        readout_metrics = [free_port() for _ in range(cfg.readout_procs)]
         common = {
             "STATEBLOCK_NATS_URL": f"nats://127.0.0.1:{nats_port}",
             "STATEBLOCK_MODEL_NAME": cfg.model_name,
@@ -123,17 +135,19 @@ class ProcStack:
                 "STATEBLOCK_CAPTURE_METRICS_PORT": str(capture_metrics),
             },
         )
-        self._spawn(
-            "readout",
-            [py, "-m", "readout_svc"],
-            {
-                **common,
-                "STATEBLOCK_ENGINE": cfg.engine,
-                **{f"STATEBLOCK_{ENGINE_ENV[k]}": v for k, v in cfg.engine_options.items()},
-                "STATEBLOCK_WORKERS": str(cfg.workers),
-                "STATEBLOCK_READOUT_METRICS_PORT": str(readout_metrics),
-            },
-        )
+        for name, port in zip(readout_names(cfg.readout_procs), readout_metrics, strict=True):
+            self._spawn(
+                name,
+                [py, "-m", "readout_svc"],
+                {
+                    **common,
+                    "STATEBLOCK_ENGINE": cfg.engine,
+                    **{f"STATEBLOCK_{ENGINE_ENV[k]}": v for k, v in cfg.engine_options.items()},
+                    "STATEBLOCK_WORKERS": str(cfg.workers),
+                    "STATEBLOCK_WORKER_ID": name,
+                    "STATEBLOCK_READOUT_METRICS_PORT": str(port),
+                },
+            )
         self._spawn(
             "gateway",
             [py, "-m", "gateway"],
@@ -148,10 +162,21 @@ class ProcStack:
         url = f"http://127.0.0.1:{gateway_port}"
         self._metrics_urls = [
             f"http://127.0.0.1:{capture_metrics}/metrics",
-            f"http://127.0.0.1:{readout_metrics}/metrics",
+            *(f"http://127.0.0.1:{port}/metrics" for port in readout_metrics),
         ]
+        self.nats_url = common["STATEBLOCK_NATS_URL"]
         # the capture's gRPC port opens after its warm-up, and after its /metrics: a gateway
         # that is up before it answers 503 (capture unavailable)
+        self._ready = {
+            "nats": lambda: _port_open(nats_port),
+            "capture": lambda: _port_open(capture_port),
+            **{
+                name: (lambda u=f"http://127.0.0.1:{port}/metrics": _http_ok(u))
+                for name, port in zip(
+                    readout_names(cfg.readout_procs), readout_metrics, strict=True
+                )
+            },
+        }
         self._wait(lambda: _port_open(capture_port), "capture gRPC")
         for probe in (f"{url}/health", *self._metrics_urls):
             self._wait(lambda p=probe: _http_ok(p), probe)
@@ -181,9 +206,27 @@ class ProcStack:
                         out[(s.name, s.labels.get("stage", ""))] = s.value
         return out
 
+    def signal(self, name: str, sig: int) -> None:
+        """Send a signal to one service's process (SIGKILL, SIGSTOP, SIGCONT...)."""
+        self._procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self._procs[name].wait()
+
+    def restart(self, name: str) -> None:
+        """Start a service again as it was first started (nats: the same port and store);
+        returns once it is ready (its port or its /metrics answers)."""
+        proc = self._procs[name]
+        if proc.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        argv, env = self._specs[name]
+        self._spawn(name, argv, env)
+        if name in self._ready:
+            self._wait(self._ready[name], name)
+
     def stop(self) -> None:
         # services first (they drain through NATS), the server last
-        for name in ("gateway", "readout", "capture", "nats"):
+        order = ["gateway", *readout_names(self.config.readout_procs), "capture", "nats"]
+        for name in order:
             proc = self._procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue

@@ -173,6 +173,13 @@ def create_app(
             headers=getattr(exc, "headers", None),
         )
 
+    @app.exception_handler(Exception)
+    async def on_bug(_request: Request, exc: Exception) -> JSONResponse:
+        # a bug still answers in the OpenAI shape; the traceback goes to the log, not the body
+        log.exception("unhandled error", error=type(exc).__name__)
+        detail = p.ErrorDetail(message="internal error", type="server_error", code="internal")
+        return _json(500, p.ErrorResponse(error=detail))
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}

@@ -13,19 +13,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+import nats
 import nats.js.errors as js_errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
+from stateblock.nats_client import TRANSIENT, retry_transient
 
 BUCKET = "STATEBLOCK_REQUESTS"
 MAX_KEY_CHARS = 255
 POLL_S = 0.05
+RETRY_S = 5.0  # a KV call is repeated through an election for this long, then 503
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,9 @@ class Record:
     fingerprint: str  # of the request's parameters: one key, one request
     block_id: str | None = None  # set once the capture answered
     prompt_tokens: tuple[int, ...] = ()
+    # wall-clock end of the owner's deadline: a record still without a block id after it
+    # belongs to a request that died before its capture answered (or could not say so)
+    expires_at: float = 0.0
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, default=list).encode()
@@ -42,7 +51,11 @@ class Record:
     def decode(cls, data: bytes) -> Record:
         raw = json.loads(data)
         return cls(
-            raw["request_id"], raw["fingerprint"], raw["block_id"], tuple(raw["prompt_tokens"])
+            raw["request_id"],
+            raw["fingerprint"],
+            raw["block_id"],
+            tuple(raw["prompt_tokens"]),
+            raw.get("expires_at", 0.0),
         )
 
 
@@ -53,7 +66,8 @@ class KeyStore(Protocol):
 
     async def get(self, key: str) -> tuple[Record, int] | None: ...
 
-    async def update(self, key: str, record: Record, revision: int) -> None: ...
+    # the new revision, or None when `revision` is no longer the key's (another moved first)
+    async def update(self, key: str, record: Record, revision: int) -> int | None: ...
 
     async def delete(self, key: str) -> None: ...
 
@@ -67,9 +81,27 @@ def store_key(model: str, key: str) -> str:
     return hashlib.sha256(f"{model}\0{key}".encode()).hexdigest()
 
 
+@contextmanager
+def _bus(what: str) -> Iterator[None]:
+    """NATS trouble reaching the keys is a 503: every call before the capture's means
+    nothing ran, so the client may retry (`service._generate` keeps the one after it)."""
+    try:
+        yield
+    except (*TRANSIENT, nats.errors.Error) as e:
+        raise Unavailable(f"idempotency keys unreachable ({what}): {type(e).__name__}") from e
+
+
 class KvKeyStore:
+    """The keys in a JetStream KV bucket; each call is repeated through a leader election
+    or a reconnect for up to RETRY_S (safe: a create that landed makes its repeat find the
+    record, which names this request), then a 503."""
+
     def __init__(self, kv: KeyValue) -> None:
         self._kv = kv
+
+    async def _call(self, what: str, call):
+        with _bus(what):
+            return await retry_transient(call, within_s=RETRY_S, what=f"idempotency {what}")
 
     @classmethod
     async def open(cls, js: JetStreamContext, *, ttl_s: float, replicas: int = 1) -> KvKeyStore:
@@ -87,24 +119,29 @@ class KvKeyStore:
 
     async def create(self, key: str, record: Record) -> int | None:
         try:
-            return await self._kv.create(key, record.encode())
+            return await self._call("create", lambda: self._kv.create(key, record.encode()))
         except js_errors.KeyWrongLastSequenceError:
             return None
 
     async def get(self, key: str) -> tuple[Record, int] | None:
         try:
-            entry = await self._kv.get(key)
+            entry = await self._call("get", lambda: self._kv.get(key))
         except js_errors.KeyNotFoundError:
             return None
         if entry.value is None or entry.operation is not None:  # deleted
             return None
         return Record.decode(entry.value), entry.revision
 
-    async def update(self, key: str, record: Record, revision: int) -> None:
-        await self._kv.update(key, record.encode(), last=revision)
+    async def update(self, key: str, record: Record, revision: int) -> int | None:
+        try:
+            return await self._call(
+                "update", lambda: self._kv.update(key, record.encode(), last=revision)
+            )
+        except js_errors.KeyWrongLastSequenceError:
+            return None
 
     async def delete(self, key: str) -> None:
-        await self._kv.delete(key)
+        await self._call("delete", lambda: self._kv.delete(key))
 
 
 async def claim_or_follow(
@@ -120,7 +157,9 @@ async def claim_or_follow(
         found = await store.get(key)
         if found is None:
             continue  # the first gave its key back (it never ran): ours to run
-        record, _ = found
+        record, revision = found
+        if record.request_id == mine.request_id:  # our own create, whose reply was lost
+            return "run", revision
         if record.fingerprint != mine.fingerprint:
             raise InvalidRequest(
                 "This Idempotency-Key was used with other request parameters.",
@@ -129,6 +168,13 @@ async def claim_or_follow(
             )
         if record.block_id is not None:
             return "follow", record
+        if record.expires_at and time.time() > record.expires_at:
+            # its owner never got past the capture (a 503 whose key could not be given
+            # back): nothing of it ran, so the key is ours, if no one else takes it first
+            taken = await store.update(key, mine, revision)
+            if taken is not None:
+                return "run", taken
+            continue
         if loop.time() > deadline:
             raise DeadlineExceeded("the first request with this Idempotency-Key is still running")
         await asyncio.sleep(POLL_S)

@@ -8,6 +8,7 @@ here: HTTP and gRPC both call `generate` and render its `Generation`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
@@ -296,7 +297,7 @@ class GatewayService:
         stored = None
         if key is not None:
             stored = store_key(p.model, key)
-            mine = Record(request_id, fingerprint(p, max_tokens))
+            mine = Record(request_id, fingerprint(p, max_tokens), expires_at=time.time() + budget)
             action, found = await claim_or_follow(self._keys, stored, mine, deadline)
             if action == "follow":  # a retry: the first request's block, never a second run
                 captured = CaptureResult(found.block_id, found.prompt_tokens)
@@ -310,11 +311,15 @@ class GatewayService:
                 captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
         except (Unavailable, InvalidRequest):
             if stored is not None:  # nothing ran: a retry with the key may run it
-                await self._keys.delete(stored)
+                with contextlib.suppress(Unavailable):  # else it lapses with its deadline
+                    await self._keys.delete(stored)
             raise
         if stored is not None:
             done = Record(request_id, mine.fingerprint, captured.block_id, captured.prompt_tokens)
-            await self._keys.update(stored, done, revision)
+            try:  # the block is published: this request answers whatever happens to its key
+                await self._keys.update(stored, done, revision)
+            except Unavailable as e:
+                log.warning("idempotency key not updated", error=str(e))
         with _in(self._m.running.labels(model)):
             return await self._answer(p, request_id, captured, deadline, budget)
 

@@ -311,7 +311,9 @@ class ReadoutWorker:
             if isinstance(e, AlreadyCommitted):
                 return await self._drop_duplicate(msg)
             if isinstance(e, AlreadyClaimed):
-                await self._nak("claimed_elsewhere", msg)
+                # not before the holder's lease can lapse: every nak spends one of the
+                # block's max_deliver deliveries, and a holder that is only slow commits
+                await self._nak("claimed_elsewhere", msg, after_s=e.lease_left_s)
                 log.info("block claimed elsewhere, redelivering later", holder=e.holder)
                 return "claimed_elsewhere"
             # a block id that cannot be a registry key: no entry can say anything of it
@@ -414,9 +416,9 @@ class ReadoutWorker:
         except (TimeoutError, nats.errors.Error) as e:  # the bucket TTL ages it out anyway
             log.warning("payload object not deleted", error=repr(e))
 
-    async def _nak(self, cause: str, msg: Msg) -> None:
+    async def _nak(self, cause: str, msg: Msg, after_s: float = 0.0) -> None:
         self._m.retried.labels(cause).inc()
-        await msg.nak(delay=self._retry)
+        await msg.nak(delay=max(self._retry, after_s))
 
     async def _reject(
         self,
@@ -433,8 +435,8 @@ class ReadoutWorker:
                 claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
             except AlreadyCommitted:
                 return await self._drop_duplicate(msg)
-            except AlreadyClaimed as e:  # its holder decides; ask again later
-                await self._nak("claimed_elsewhere", msg)
+            except AlreadyClaimed as e:  # its holder decides; ask again after its lease
+                await self._nak("claimed_elsewhere", msg, after_s=e.lease_left_s)
                 log.info("block claimed elsewhere, redelivering later", holder=e.holder)
                 return "claimed_elsewhere"
             except ValueError as e:

@@ -19,9 +19,10 @@ class ClaimLost(RegistryError):
 class AlreadyClaimed(RegistryError):
     """Another worker holds a live lease on the block."""
 
-    def __init__(self, block_id: str, holder: str) -> None:
+    def __init__(self, block_id: str, holder: str, lease_left_s: float = 0.0) -> None:
         self.block_id = block_id
         self.holder = holder
+        self.lease_left_s = lease_left_s  # until the holder's lease lapses (if not renewed)
         super().__init__(f"block {block_id} is claimed by {holder}")
 
 

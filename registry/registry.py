@@ -212,7 +212,8 @@ class Registry:
                     entry.state == pb.CLAIM_STATE_CLAIMED
                     and entry.lease_expires_at.ToNanoseconds() > now * 1e9
                 ):
-                    raise AlreadyClaimed(block_id, entry.worker_id)
+                    left = entry.lease_expires_at.ToNanoseconds() / 1e9 - now
+                    raise AlreadyClaimed(block_id, entry.worker_id, left)
                 attempt = entry.attempt + 1
                 takeover = self._claimed(block_id, worker_id, now + lease_s, attempt)
                 try:

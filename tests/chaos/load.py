@@ -26,6 +26,7 @@ class Outcome:
     status: int  # HTTP status, 0 when the request never got an answer (a transport error)
     text: str | None
     error: str | None = None
+    attempts: int = 1  # sends, retries of a 503 / transport error included
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Load:
     threads: int = 2
     limit: int | None = None
     timeout_s: float = 60.0
+    # a client that retries what is safe to retry (503 "not executed", no answer at all)
+    # with the same Idempotency-Key, until retry_for_s after its first send
+    retry_for_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -55,17 +59,31 @@ class Load:
         with httpx.Client(base_url=self.url, timeout=self.timeout_s) as http:
             while (i := self._next()) is not None:
                 prompt = self.prompts[i % len(self.prompts)]
-                body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
-                t0 = time.monotonic()
-                try:
-                    r = http.post("/v1/completions", json=body)
-                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
-                    out = Outcome(i, prompt, t0, time.monotonic(), r.status_code, text,
-                                  None if r.status_code == 200 else r.text[:200])  # fmt: skip
-                except httpx.HTTPError as e:
-                    out = Outcome(i, prompt, t0, time.monotonic(), 0, None, repr(e))
+                out = self._send(http, i, prompt)
                 with self._lock:
                     self.outcomes.append(out)
+
+    def _send(self, http: httpx.Client, i: int, prompt: str) -> Outcome:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens}
+        headers = {"Idempotency-Key": f"chaos-{id(self)}-{i}"}
+        t0 = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                r = http.post("/v1/completions", json=body, headers=headers)
+                if r.status_code == 200:
+                    text = r.json()["choices"][0]["text"]
+                    return Outcome(i, prompt, t0, time.monotonic(), 200, text, None, attempts)
+                out = Outcome(i, prompt, t0, time.monotonic(), r.status_code, None,
+                              r.text[:200], attempts)  # fmt: skip
+                safe = r.status_code == 503
+            except httpx.HTTPError as e:
+                out = Outcome(i, prompt, t0, time.monotonic(), 0, None, repr(e), attempts)
+                safe = True
+            if not safe or time.monotonic() - t0 > self.retry_for_s or self._stop.is_set():
+                return out
+            time.sleep(0.5)
 
     def start(self) -> Load:
         self._pool = ThreadPoolExecutor(self.threads)
@@ -111,6 +129,7 @@ def summary(outcomes: Sequence[Outcome], expected: Callable[[str], str]) -> dict
         "errors": len(outcomes) - len(ok),
         "error_statuses": sorted({o.status for o in outcomes if o.status != 200}),
         "error_samples": sorted({o.error for o in outcomes if o.error})[:3],
+        "retried": sum(o.attempts > 1 for o in outcomes),
         "wrong": len(wrong),
         "p50_s": round(statistics.median(latencies), 4) if latencies else None,
         "max_latency_s": round(latencies[-1], 3) if latencies else None,

@@ -61,6 +61,9 @@ async def test_second_claim_fails(registry):
     with pytest.raises(AlreadyClaimed) as info:
         await registry.claim("b1", "w2", lease_s=30)
     assert info.value.holder == "w1"
+    # how long until the holder's lease lapses: the worker naks the delivery that long, so
+    # a slow holder does not cost the block its max_deliver deliveries
+    assert 25 < info.value.lease_left_s <= 30
 
 
 async def test_claim_after_commit_is_already_committed(registry, clock):

@@ -30,9 +30,11 @@ class MemoryKeys:
         return self.records.get(key)
 
     async def update(self, key, record, revision):
-        assert self.records[key][1] == revision
+        if key not in self.records or self.records[key][1] != revision:
+            return None
         self.revision += 1
         self.records[key] = (record, self.revision)
+        return self.revision
 
     async def delete(self, key):
         self.records.pop(key, None)
@@ -84,3 +86,53 @@ async def test_a_first_request_that_never_ran_gives_its_key_back(keyed, fakes):
     capture.error = None
     g = await keyed.generate(params(), api="t", idempotency_key="k")  # the retry runs it
     assert len(capture.calls) == 1 and g.choices
+
+
+async def test_nats_trouble_at_the_keys_is_a_503_never_a_500(monkeypatch):
+    """The key store's NATS calls are retried through an election, then a 503 (nothing has
+    run yet), where a raw nats TimeoutError used to escape as a plain-text 500."""
+    import nats
+
+    from gateway import idempotency
+
+    class DownKv:
+        calls = 0
+
+        async def create(self, key, value):
+            DownKv.calls += 1
+            raise nats.errors.TimeoutError
+
+    monkeypatch.setattr(idempotency, "RETRY_S", 0.5)
+    store = idempotency.KvKeyStore(DownKv())
+    with pytest.raises(Unavailable, match="idempotency keys unreachable"):
+        await store.create("k", Record("r", "f"))
+    assert DownKv.calls >= 2  # repeated before giving up
+
+
+async def test_a_key_left_by_a_request_that_never_ran_lapses_with_its_deadline(keyed, fakes):
+    """A first request whose 503 could not give its key back (NATS down) leaves a record
+    without a block id; once that request's deadline has passed a retry runs it, once."""
+    import time
+
+    from gateway.idempotency import store_key
+    from gateway.service import fingerprint
+
+    capture, _ = fakes
+    p = params()
+    stored = store_key(MODEL, "k-lapsed")
+    fp = fingerprint(p, keyed.validate(p))
+    await keyed._keys.create(stored, Record("dead", fp, expires_at=time.time() - 1))
+    g = await keyed.generate(p, api="t", idempotency_key="k-lapsed")
+    assert len(capture.calls) == 1 and g.request_id != "dead"
+    again = await keyed.generate(p, api="t", idempotency_key="k-lapsed")
+    assert len(capture.calls) == 1 and again.request_id == g.request_id
+
+
+async def test_our_own_create_whose_reply_was_lost_is_ours():
+    from gateway.idempotency import claim_or_follow
+
+    keys = MemoryKeys()
+    mine = Record("me", "fp")
+    await keys.create("k", mine)  # landed; the reply was lost, so the caller asks again
+    action, revision = await claim_or_follow(keys, "k", mine, deadline=1e18)
+    assert action == "run" and revision == 1

@@ -274,3 +274,17 @@ async def test_logprobs_in_both_shapes_cut_with_the_answer(http, fakes, detokeni
                               ("/v1/completions", {"prompt": "a", "logprobs": 1, "echo": True}, "echo")]:  # fmt: skip
         r = await http.post(url, json={"model": MODEL, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+async def test_a_bug_still_answers_in_the_openai_shape(service, metrics, fakes):
+    """An exception nothing translated (here the capture raising a plain RuntimeError) is a
+    500 in the OpenAI shape, with no traceback in the body."""
+    capture, _ = fakes
+    capture.error = RuntimeError("boom with a secret detail")
+    app = create_app(service, metrics=metrics, created=1)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "secret" not in r.text
