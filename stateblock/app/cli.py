@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from stateblock.app import settings
 from stateblock.runtime import REPO
 
 REFERENCE = REPO / "models" / "reference"
@@ -121,10 +122,27 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(a: argparse.Namespace) -> int:
+    """Each service's config as it would start with this environment; exit 2 when one of
+    them cannot start (its entry names the variable)."""
+    config = settings.effective(os.environ, tuple(a.service or ()))
+    print(settings.dumps(config))
+    return 2 if any("error" in v for v in config.values()) else 0
+
+
 def cmd_up(a: argparse.Namespace) -> int:
 
     from stateblock import runtime
     from stateblock.app import stack as embedded
+
+    try:  # a flag wins; an unusable variable is one line naming it, before anything starts
+        defaults = settings.up_defaults(os.environ)
+    except runtime.ConfigError as e:
+        print(f"stateblock up: {e}", file=sys.stderr)
+        return 2
+    for name, value in defaults.items():
+        if not hasattr(a, name):
+            setattr(a, name, value)
 
     runtime.configure_logging(a.log_level)
     try:  # the console shows the URLs, not a weight-loading progress bar
@@ -444,38 +462,46 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DEFAULTS,
         help="run the embedded default: nats-server and every service",
     )
-    u.add_argument("--data-dir", default=".stateblock", help="NATS store, keys, logs")
-    u.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    u.add_argument(
-        "--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)"
-    )
-    u.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
-    u.add_argument("--workers", type=int, default=2, help="readout workers")
-    u.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
-    u.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
-    u.add_argument("--engine", default="reference", help="readout engine: reference, onnx or torch")
-    u.add_argument(
-        "--model-name", default="stateblock-reference", help="the model name clients ask for"
-    )
-    u.add_argument(
-        "--api-key",
-        default=os.environ.get("STATEBLOCK_API_KEY"),
-        help="require this key on the API (default: $STATEBLOCK_API_KEY; none: open)",
-    )
-    u.add_argument(
-        "--nats-url",
-        default=None,
-        help="use this NATS server or cluster (URLs, comma-separated) instead of starting one",
-    )
-    u.add_argument(
-        "--nats-replicas",
-        type=int,
-        default=1,
-        help="copies of every stream and bucket on that cluster (default: 1)",
-    )
-    u.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    # each flag: the flag, else its STATEBLOCK_* variable, else the default (app/settings.py)
+    up_help = {
+        "data_dir": "NATS store, keys, logs",
+        "host": "address the gateway listens on",
+        "http_port": "OpenAI HTTP port (0: any free port)",
+        "grpc_port": "gRPC port (0: any free port)",
+        "workers": "readout workers",
+        "base": "base model directory",
+        "decoder": "decoder directory",
+        "engine": "readout engine: reference, onnx or torch",
+        "model_name": "the model name clients ask for",
+        "api_key": "require this key on the API (none: open)",
+        "nats_url": "use this NATS server or cluster (URLs, comma-separated) instead of "
+        "starting one",
+        "nats_replicas": "copies of every stream and bucket on that cluster",
+        "log_level": "debug, info, warning or error",
+    }
+    for setting in settings.UP_SETTINGS:
+        shown = "none" if setting.default is None else setting.default
+        u.add_argument(
+            "--" + setting.flag.replace("_", "-"),
+            type=type(setting.default) if isinstance(setting.default, int) else str,
+            default=argparse.SUPPRESS,
+            help=f"{up_help[setting.flag]} (default: $STATEBLOCK_{setting.variable}, else {shown})",
+        )
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
+
+    c = sub.add_parser(
+        "config",
+        formatter_class=DEFAULTS,
+        help="print the effective configuration of `up` and each service (JSON)",
+    )
+    c.add_argument(
+        "--service",
+        choices=("up", "gateway", "capture", "readout"),
+        action="append",
+        help="only these (repeatable; default: all)",
+    )
+    c.set_defaults(fn=cmd_config)
 
     q = sub.add_parser(
         "ask", formatter_class=DEFAULTS, help="ask a running gateway (chat completion)"

@@ -19,7 +19,10 @@ from tests.helpers import REPO
 CHART = REPO / "deploy" / "helm" / "stateblock"
 KUBE_VERSION = "1.27.0"  # Chart.yaml kubeVersion's floor (native gRPC probes are GA there)
 RELEASE, NAMESPACE = "sb", "ml"
-CRD_API_VERSIONS = {"monitoring.coreos.com/v1"}  # no bundled schema: checked structurally
+CRD_API_VERSIONS = {
+    "monitoring.coreos.com/v1",
+    "keda.sh/v1alpha1",
+}  # no bundled schema: checked structurally
 
 CONFIGS = {"gateway": GatewayConfig, "capture": CaptureConfig, "readout": ReadoutServiceConfig}
 # What each Deployment cannot run without (the wiring the chart computes, and the choices
@@ -139,11 +142,20 @@ def container(docs: list[dict], component: str) -> dict:
 
 
 def env_of(docs: list[dict], component: str) -> dict[str, str]:
+    """The container's env with values (entries from a Secret, valueFrom, left out)."""
     env = container(docs, component)["env"]
-    assert all(set(e) == {"name", "value"} for e in env), "env comes from values only"
     names = [e["name"] for e in env]
     assert len(names) == len(set(names)), f"duplicate env names: {names}"
-    return {e["name"]: e["value"] for e in env}
+    plain = [e for e in env if "valueFrom" not in e]
+    assert all(set(e) == {"name", "value"} for e in plain), "env comes from values only"
+    return {e["name"]: e["value"] for e in plain}
+
+
+def env_from_secrets(docs: list[dict], component: str) -> dict[str, tuple[str, str]]:
+    """name -> (Secret, key) of the container's env entries read from Secrets."""
+    env = container(docs, component)["env"]
+    refs = [(e["name"], e["valueFrom"]["secretKeyRef"]) for e in env if "valueFrom" in e]
+    return {name: (ref["name"], ref["key"]) for name, ref in refs}
 
 
 def volumes_by_mount(docs: list[dict], component: str) -> dict[str, dict]:

@@ -60,14 +60,14 @@ def keypair(tmp_path_factory) -> tuple[str, str, str]:
 
 def test_default_values_render_and_validate(default_docs):
     assert kinds(default_docs) == sorted(
-        ["Deployment"] * 3 + ["Service"] * 3 + ["PodDisruptionBudget"] * 3
+        ["Deployment"] * 3 + ["Service"] * 3 + ["PodDisruptionBudget"] * 3 + ["Pod"]  # helm test
     )
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert labels["app.kubernetes.io/name"] == "stateblock"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
-        assert labels["app.kubernetes.io/component"] in CONFIGS
+        assert labels["app.kubernetes.io/component"] in {*CONFIGS, "test"}
 
 
 def test_selectors_ports_and_probes_are_consistent(default_docs):
@@ -525,3 +525,125 @@ def test_a_hugging_face_style_model_name_deploys():
     docs = render_valid({"model": {"name": "org/model-v2.1"}})
     for component, config in CONFIGS.items():
         assert config.from_env(env_of(docs, component)).model_name == "org/model-v2.1"
+
+
+# --- day-one operability: secrets, extra env, KEDA, NetworkPolicy, helm test, model fill ---
+
+
+def test_nats_credentials_tls_and_the_api_key_come_from_secrets():
+    from tests.unit.deploy.chart import env_from_secrets
+
+    docs = render_valid({
+        "natsClient": {"credsSecret": "nats-user", "tlsSecret": "nats-ca", "tlsClientCert": True},
+        "auth": {"apiKeySecret": {"name": "sb-api", "key": "token"}},
+    })  # fmt: skip
+    for component in CONFIGS:
+        env = env_of(docs, component)
+        mounts = volumes_by_mount(docs, component)
+        creds = env["STATEBLOCK_NATS_CREDS"]
+        assert mounts[str(Path(creds).parent)]["secret"]["secretName"] == "nats-user"
+        for name in (
+            "STATEBLOCK_NATS_TLS_CA",
+            "STATEBLOCK_NATS_TLS_CERT",
+            "STATEBLOCK_NATS_TLS_KEY",
+        ):
+            assert mounts[str(Path(env[name]).parent)]["secret"]["secretName"] == "nats-ca"
+        assert {"nats-user", "nats-ca"} <= secrets_referenced(docs, component)
+        secret_env = env_from_secrets(docs, component)
+        # the key only where it is checked: the gateway
+        assert ("STATEBLOCK_API_KEY" in secret_env) == (component == "gateway")
+    assert env_from_secrets(docs, "gateway")["STATEBLOCK_API_KEY"] == ("sb-api", "token")
+    # the services read what the chart sets: the NATS options through NatsOptions.of
+    from stateblock.nats_client import NatsOptions
+
+    opts = NatsOptions.of("nats://x:4222", env_of(docs, "readout"))
+    assert opts.creds_file and opts.tls_ca_file and opts.tls_cert_file and opts.tls_key_file
+
+
+def test_extra_env_volumes_and_mounts_reach_every_service():
+    from tests.unit.deploy.chart import env_from_secrets
+
+    extra_env = [{"name": "HF_HUB_OFFLINE", "value": "1"},
+                 {"name": "STATEBLOCK_X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]  # fmt: skip
+    docs = render_valid({
+        "extraEnv": extra_env,
+        "extraVolumes": [{"name": "cache", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+    })  # fmt: skip
+    for component in CONFIGS:
+        assert env_of(docs, component)["HF_HUB_OFFLINE"] == "1"
+        assert env_from_secrets(docs, component)["STATEBLOCK_X"] == ("s", "k")
+        assert "emptyDir" in volumes_by_mount(docs, component)["/cache"]
+
+
+def test_keda_scales_the_readout_on_its_consumer_lag():
+    from stateblock.protocol import streams
+
+    name = "org/model-v2.1"
+    keda = {"enabled": True, "natsMonitoringEndpoint": "nats.infra.svc:8222", "lagThreshold": 6}
+    docs = render_valid({"model": {"name": name}, "readout": {"autoscaling": {"keda": keda}}})
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert "HorizontalPodAutoscaler" not in kinds(docs)  # KEDA owns the HPA
+    assert "replicas" not in deployment(docs, "readout")["spec"]
+    assert (
+        scaled["spec"]["scaleTargetRef"]["name"] == deployment(docs, "readout")["metadata"]["name"]
+    )
+    (trigger,) = scaled["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "nats-jetstream" and meta["stream"] == streams.BLOCKS_STREAM
+    # the chart derives the consumer name exactly as the services do
+    assert meta["consumer"] == streams.readout_durable(name)
+    assert meta["natsServerMonitoringEndpoint"] == "nats.infra.svc:8222"
+    assert meta["lagThreshold"] == "6"
+    both = {"readout": {"autoscaling": {"enabled": True, "keda": {"enabled": True}}}}
+    assert "choose one" in render_error(both)
+
+
+def test_network_policies_fence_capture_behind_the_gateway():
+    docs = render_valid({"networkPolicy": {"enabled": True, "metricsFrom": [
+        {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}})  # fmt: skip
+    policies = of_kind(docs, "NetworkPolicy")
+    assert len(policies) == 3
+    capture = policies[f"{RELEASE}-stateblock-capture"]["spec"]
+    grpc_rule = next(r for r in capture["ingress"] if r["ports"] == [{"port": "grpc"}])
+    (peer,) = grpc_rule["from"]
+    gateway_pods = deployment(docs, "gateway")["spec"]["template"]["metadata"]["labels"]
+    assert selects(peer["podSelector"]["matchLabels"], gateway_pods)
+    capture_pods = deployment(docs, "capture")["spec"]["template"]["metadata"]["labels"]
+    assert selects(capture["podSelector"]["matchLabels"], capture_pods)
+    gateway = policies[f"{RELEASE}-stateblock-gateway"]["spec"]
+    assert "from" not in gateway["ingress"][0]  # anyone may call the API by default
+    # every port a policy names is a named port of the pods it selects
+    for component in CONFIGS:
+        named = {p["name"] for p in container(docs, component)["ports"]}
+        policy = policies[f"{RELEASE}-stateblock-{component}"]["spec"]
+        assert {p["port"] for r in policy["ingress"] for p in r["ports"]} <= named
+
+
+def test_helm_test_pod_asks_the_gateway():
+    docs = render_valid({"auth": {"apiKeySecret": {"name": "sb-api"}}})
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    gateway = of_kind(docs, "Service")[f"{RELEASE}-stateblock-gateway"]
+    assert f"http://{gateway['metadata']['name']}:8000" in c["args"][0]
+    compile(c["args"][0], "helm-test", "exec")  # the script is valid Python
+    assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "sb-api"
+    assert "Pod" not in kinds(render_valid({"helmTest": {"enabled": False}}))
+
+
+def test_an_init_container_fills_the_model_volume_from_the_image():
+    docs = render_valid({"model": {"fillFromImage": True}})
+    for component in CONFIGS:
+        pod = deployment(docs, component)["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["image"] == container(docs, component)["image"]
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/fill"}]
+        assert "cp -a /models/. /fill/" in init["command"][-1]
+        volume = next(v for v in pod["volumes"] if v["name"] == "model")
+        assert volume["persistentVolumeClaim"]["readOnly"] is False  # the init writes it
+        assert volumes_by_mount(docs, component)["/models"]["readOnly"] is True  # the service not
+    assert "initContainers" not in deployment(render_valid(), "capture")["spec"]["template"]["spec"]
+    assert "model.source must be pvc or hostPath" in render_error(
+        {"model": {"fillFromImage": True, "source": "image"}}
+    )

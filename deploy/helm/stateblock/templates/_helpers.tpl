@@ -151,6 +151,76 @@ A passthrough name must be STATEBLOCK_* and must not override one the chart sets
 {{- range $name, $value := merge $vars (.extra | default dict) }}
 {{ include "stateblock.envVar" (dict "name" $name "value" $value) }}
 {{- end }}
+{{- include "stateblock.clientEnv" $ctx }}
+{{- if and (eq .component "gateway") $ctx.Values.auth.apiKeySecret.name }}
+- name: STATEBLOCK_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ctx.Values.auth.apiKeySecret.name }}
+      key: {{ $ctx.Values.auth.apiKeySecret.key }}
+{{- end }}
+{{- with $ctx.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "stateblock.natsCredsDir" -}}/var/run/stateblock/nats-creds{{- end }}
+{{- define "stateblock.natsTlsDir" -}}/var/run/stateblock/nats-tls{{- end }}
+
+{{/* NATS credentials and TLS files, from Secrets, for every connection of every service. */}}
+{{- define "stateblock.clientEnv" -}}
+{{- $n := .Values.natsClient }}
+{{- if $n.credsSecret }}
+{{ include "stateblock.envVar" (dict "name" "STATEBLOCK_NATS_CREDS" "value" (printf "%s/%s" (include "stateblock.natsCredsDir" .) $n.credsKey)) }}
+{{- end }}
+{{- if $n.tlsSecret }}
+{{ include "stateblock.envVar" (dict "name" "STATEBLOCK_NATS_TLS_CA" "value" (printf "%s/ca.crt" (include "stateblock.natsTlsDir" .))) }}
+{{- if $n.tlsClientCert }}
+{{ include "stateblock.envVar" (dict "name" "STATEBLOCK_NATS_TLS_CERT" "value" (printf "%s/tls.crt" (include "stateblock.natsTlsDir" .))) }}
+{{ include "stateblock.envVar" (dict "name" "STATEBLOCK_NATS_TLS_KEY" "value" (printf "%s/tls.key" (include "stateblock.natsTlsDir" .))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Mounts every service container gets beside its own: NATS client files, extraVolumeMounts. */}}
+{{- define "stateblock.sharedMounts" -}}
+{{- if .Values.natsClient.credsSecret }}
+- name: nats-creds
+  mountPath: {{ include "stateblock.natsCredsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.natsClient.tlsSecret }}
+- name: nats-tls
+  mountPath: {{ include "stateblock.natsTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "stateblock.sharedVolumes" -}}
+{{- if .Values.natsClient.credsSecret }}
+- name: nats-creds
+  secret:
+    secretName: {{ .Values.natsClient.credsSecret }}
+    defaultMode: 0400
+{{- end }}
+{{- if .Values.natsClient.tlsSecret }}
+- name: nats-tls
+  secret:
+    secretName: {{ .Values.natsClient.tlsSecret }}
+    defaultMode: 0400
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The NATS subject / consumer token of model.name: stateblock.protocol.streams.model_token. */}}
+{{- define "stateblock.modelToken" -}}
+{{- $m := .Values.model.name }}
+{{- if regexMatch "^[A-Za-z0-9_-]+$" $m }}{{ $m }}{{ else }}{{ printf "%s-%s" (regexReplaceAll "[^A-Za-z0-9_-]" $m "_" | trunc 64) (sha256sum $m | trunc 8) }}{{ end }}
 {{- end }}
 
 {{/* Probe = chart-chosen handler + timings from values. */}}
@@ -186,6 +256,23 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- if and .ctx.Values.model.fillFromImage (ne .ctx.Values.model.source "image") }}
+# The image carries the reference model at /models: copied into an empty model volume once,
+# before the service starts (a volume that already holds base/config.json is left alone).
+initContainers:
+  - name: fill-models
+    image: {{ include "stateblock.image" .ctx }}
+    imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+    command:
+      - sh
+      - -c
+      - 'test -f /fill/{{ .ctx.Values.model.baseDir }}/config.json || cp -a /models/. /fill/'
+    securityContext:
+      {{- toYaml .ctx.Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - name: model
+        mountPath: /fill
+{{- end }}
 {{- end }}
 
 {{- define "stateblock.modelVolume" -}}
@@ -194,7 +281,7 @@ affinity:
 - name: model
   persistentVolumeClaim:
     claimName: {{ $m.pvc.claimName }}
-    readOnly: true
+    readOnly: {{ not $m.fillFromImage }}
 {{- else if eq $m.source "hostPath" }}
 - name: model
   hostPath:
@@ -204,6 +291,7 @@ affinity:
 - name: tmp
   emptyDir:
     sizeLimit: {{ .Values.tmpSizeLimit }}
+{{ include "stateblock.sharedVolumes" . }}
 {{- end }}
 
 {{- define "stateblock.modelMount" -}}
@@ -214,6 +302,7 @@ affinity:
 {{- end }}
 - name: tmp
   mountPath: /tmp
+{{ include "stateblock.sharedMounts" . }}
 {{- end }}
 
 {{/* Resources, with the GPU as an extended-resource limit when count > 0. */}}
@@ -241,6 +330,12 @@ affinity:
 {{- end }}
 {{- if le ($v.readout.ackWaitSeconds | float64) ($v.readout.leaseSeconds | float64) }}
 {{- fail (printf "readout.ackWaitSeconds (%v) must exceed readout.leaseSeconds (%v): JetStream may redeliver only after a claim could expire" $v.readout.ackWaitSeconds $v.readout.leaseSeconds) }}
+{{- end }}
+{{- if and $v.readout.autoscaling.enabled $v.readout.autoscaling.keda.enabled }}
+{{- fail "readout.autoscaling.enabled (the CPU HPA) and readout.autoscaling.keda.enabled both scale the readout: choose one" }}
+{{- end }}
+{{- if and $v.model.fillFromImage (eq $v.model.source "image") }}
+{{- fail "model.fillFromImage copies the image's models into a volume: model.source must be pvc or hostPath" }}
 {{- end }}
 {{- if regexMatch "\\s" $v.model.name }}
 {{- fail (printf "model.name %q must have no whitespace (any Hugging Face-style name is served)" $v.model.name) }}
