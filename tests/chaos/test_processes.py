@@ -49,7 +49,6 @@ def test_process_faults_under_load(decoder_dir, serving_model, engine, tmp_path)
                 "STATEBLOCK_LEASE_S": str(LEASE_S),
                 "STATEBLOCK_ACK_WAIT_S": str(ACK_WAIT_S),
                 "STATEBLOCK_RETRY_DELAY_S": "0.2",
-                "STATEBLOCK_LOG_LEVEL": "info",
             },
         )
     )
