@@ -56,7 +56,7 @@ def verify_candidates(
 
 @torch.no_grad()
 def greedy_continue(
-    model, prefixes: list[list[int]], max_new: int, eos: int, pad: int, device
+    model, prefixes: list[list[int]], max_new: int, eos: int, pad: int, device, on_step=None
 ) -> list[list[int]]:
     """Plain batched greedy decoding with a KV cache (left-padded); returns new tokens,
     ending with EOS when one was emitted within max_new."""
@@ -75,6 +75,8 @@ def greedy_continue(
     done = [False] * len(prefixes)  # host-side: one device sync a step, not one a lane
     last = pos[:, -1]
     for _ in range(max_new):
+        if on_step is not None:
+            on_step()
         for r, t in enumerate(nxt.tolist()):
             if not done[r]:
                 new[r].append(t)
@@ -132,14 +134,19 @@ def greedy_answers(
         todo = todo[:decode_limit]
     lengths = [len(pairs[i][0]) + max_new for i in todo]
     step_budget = decode_budget or budget * 4
-    for batch in tqdm(budget_batches(lengths, step_budget), desc="teacher decode", mininterval=5):
+    batches = budget_batches(lengths, step_budget)
+    rests = [max_new - min(len(agreed[todo[k]]) for k in batch) for batch in batches]
+    # in decode steps, so the bar moves on every step of a long answer, not once a batch
+    bar = tqdm(total=sum(rests), desc="teacher decode", unit="step", mininterval=5)
+    for batch, rest in zip(batches, rests, strict=True):
         prefixes = [pairs[todo[k]][0] + agreed[todo[k]] for k in batch]
-        rest = max_new - min(len(agreed[todo[k]]) for k in batch)
-        for k, extra in zip(
-            batch, greedy_continue(model, prefixes, rest, eos, pad, device), strict=True
-        ):
+        before = bar.n
+        out = greedy_continue(model, prefixes, rest, eos, pad, device, on_step=lambda: bar.update())
+        bar.update(rest - (bar.n - before))  # a batch that stopped early: its unused steps
+        for k, extra in zip(batch, out, strict=True):
             i = todo[k]
             agreed[i] = agreed[i] + extra
+    bar.close()
     return [None if a is None else a[:max_new] for a in agreed]
 
 

@@ -86,3 +86,16 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
         readout_ddp.main([*args, "--max-steps", "1", "--init", str(tmp_path / "decoder")])
     again = json.loads((tmp_path / "next" / "stats.json").read_text())
     assert again["steps"] == 6 and again["config"]["decoder"]["row_attn"] is True
+
+
+def test_step_by_step_decoding_reports_every_step(base):
+    """The teacher's decode progress moves on every step (a long answer is many steps,
+    where a per-batch bar sat at 0/1 for minutes)."""
+    from stateblock.train.teacher import greedy_continue
+
+    model, _ = base
+    enc = FastEnc(BASE)
+    steps = []
+    out = greedy_continue(model, [enc.prompt("count: 001 009")], 12, enc.eos, enc.pad, "cpu",
+                          on_step=lambda: steps.append(1))  # fmt: skip
+    assert len(steps) == 12 and len(out[0]) == 12  # 12 steps, no EOS within 12 tokens
