@@ -25,6 +25,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
+    ReadoutFailed,
     Unavailable,
 )
 from gateway.idempotency import KeyStore, Record, claim_or_follow, store_key
@@ -301,9 +302,15 @@ class GatewayService:
             action, found = await claim_or_follow(self._keys, stored, mine, deadline)
             if action == "follow":  # a retry: the first request's block, never a second run
                 captured = CaptureResult(found.block_id, found.prompt_tokens)
-                with _in(self._m.running.labels(self._m.model_name)):
-                    return await self._answer(p, found.request_id, captured, deadline, budget)
-            revision = found
+                try:
+                    with _in(self._m.running.labels(self._m.model_name)):
+                        return await self._answer(p, found.request_id, captured, deadline, budget)
+                except ReadoutFailed:
+                    # the first run ended in a signed rejection (expired in an outage, out
+                    # of deliveries): no answer was ever given, so the key may run it anew
+                    revision = await self._retake(stored, found, mine)
+            else:
+                revision = found
         lanes = self.lanes(p, max_tokens)
         model = self._m.model_name
         try:
@@ -322,6 +329,17 @@ class GatewayService:
                 log.warning("idempotency key not updated", error=str(e))
         with _in(self._m.running.labels(model)):
             return await self._answer(p, request_id, captured, deadline, budget)
+
+    async def _retake(self, stored: str, first: Record, mine: Record) -> int:
+        """The key of a request whose block was rejected, for this retry; ReadoutFailed
+        again if another retry took it first."""
+        current = await self._keys.get(stored)
+        if current is not None and current[0] == first:
+            taken = await self._keys.update(stored, mine, current[1])
+            if taken is not None:
+                log.info("idempotency key retaken after a rejected block", block_id=first.block_id)
+                return taken
+        raise ReadoutFailed(f"block {first.block_id} was rejected; another retry runs it")
 
     async def _answer(
         self,

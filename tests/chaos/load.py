@@ -40,8 +40,9 @@ class Load:
     threads: int = 2
     limit: int | None = None
     timeout_s: float = 60.0
-    # a client that retries what is safe to retry (503 "not executed", no answer at all)
-    # with the same Idempotency-Key, until retry_for_s after its first send
+    # a client that retries what is safe to retry with the same Idempotency-Key (503 "not
+    # executed", 504 "no answer yet", no answer at all: the key never runs it twice), until
+    # retry_for_s after its first send
     retry_for_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -77,7 +78,7 @@ class Load:
                     return Outcome(i, prompt, t0, time.monotonic(), 200, text, None, attempts)
                 out = Outcome(i, prompt, t0, time.monotonic(), r.status_code, None,
                               r.text[:200], attempts)  # fmt: skip
-                safe = r.status_code == 503
+                safe = r.status_code in (503, 504)
             except httpx.HTTPError as e:
                 out = Outcome(i, prompt, t0, time.monotonic(), 0, None, repr(e), attempts)
                 safe = True

@@ -4,7 +4,8 @@ a readout process SIGKILLed and restarted, another SIGSTOPped past its lease and
 (its block is redelivered to the other; when it wakes its claim is gone), the capture
 SIGKILLed and restarted, and nats-server SIGKILLed, down for a while (more than two minutes
 at full scale) and restarted on its store. The clients retry only what is safe to retry
-(503 "not executed", or no answer) with the same Idempotency-Key, as a careful client does.
+(503 "not executed", 504, or no answer) with the same Idempotency-Key, as a careful client
+does: the key gives at most one answer, and runs anew a request whose block was rejected.
 Small in CI; docs/RELIABILITY.md has the full-scale figures (STATEBLOCK_CHAOS_SCALE=full)."""
 
 from __future__ import annotations

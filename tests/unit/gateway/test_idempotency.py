@@ -136,3 +136,25 @@ async def test_our_own_create_whose_reply_was_lost_is_ours():
     await keys.create("k", mine)  # landed; the reply was lost, so the caller asks again
     action, revision = await claim_or_follow(keys, "k", mine, deadline=1e18)
     assert action == "run" and revision == 1
+
+
+async def test_a_retry_of_a_request_whose_block_was_rejected_runs_it_anew(keyed, fakes):
+    """An answer is given at most once per key; a first run that ended in a signed rejection
+    (its block expired during an outage) gave none, so the retry runs the request again."""
+    from gateway.errors import ReadoutFailed
+
+    capture, commits = fakes
+    answer = commits.watch_commit
+
+    async def rejected_first(block_id, timeout):  # the registry keeps block-1's rejection
+        if block_id == "block-1":
+            raise ReadoutFailed("block block-1 was rejected: expired")
+        return await answer(block_id, timeout)
+
+    commits.watch_commit = rejected_first
+    with pytest.raises(ReadoutFailed):
+        await keyed.generate(params(), api="t", idempotency_key="k-rej")
+    g = await keyed.generate(params(), api="t", idempotency_key="k-rej")
+    assert len(capture.calls) == 2 and g.choices  # ran anew, answered
+    again = await keyed.generate(params(), api="t", idempotency_key="k-rej")
+    assert len(capture.calls) == 2 and again.request_id == g.request_id  # and only once
