@@ -486,9 +486,9 @@ async def run_worker(
     while not stop.is_set():
         try:
             msgs = await psub.fetch(1, timeout=fetch_timeout_s)
-        except nats.errors.TimeoutError:
-            continue
-        except nats.errors.Error as e:
+        except TimeoutError:  # nats' and asyncio's own: a fetch whose deadline passed while
+            continue  # the loop was busy raises the latter, which killed the loop once
+        except Exception as e:  # NATS trouble or a bug: the pull loop must outlive it
             log.warning("fetch failed", error=repr(e), worker_id=worker.worker_id)
             await asyncio.sleep(fetch_timeout_s)
             continue

@@ -139,3 +139,87 @@ def summary(outcomes: Sequence[Outcome], expected: Callable[[str], str]) -> dict
 
 
 __all__ = ["Load", "Outcome", "kill", "restart_nats_server", "summary"]
+
+
+class Forger:
+    """An untrusted NATS client beside the load: it reads every block on the bus and, for
+    every `every`-th one, stores a commit and a rejection of its own under the block's id
+    (signed by a key nobody trusts) and republishes the block with its signed header
+    tampered. None of it may fail or change a genuine request's answer."""
+
+    def __init__(self, nats_url: str, every: int = 3) -> None:
+        from stateblock.protocol.keys import Signer
+
+        self.url, self.every = nats_url, every
+        self.key = Signer.generate()
+        self.forged = {"commits": 0, "rejections": 0, "blocks": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Forger:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        return dict(self.forged)
+
+    def _run(self) -> None:
+        import asyncio
+
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        import asyncio
+
+        import nats
+
+        nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        seen = 0
+        queue: asyncio.Queue = asyncio.Queue()
+        await nc.subscribe("stateblock.blocks.>", cb=queue.put)
+        while not self._stop.is_set():
+            try:
+                msg = await asyncio.wait_for(queue.get(), 0.2)
+            except TimeoutError:
+                continue
+            if msg.headers and msg.headers.get("Forged"):
+                continue
+            seen += 1
+            if seen % self.every == 0:
+                try:
+                    await self._forge(nc, msg)
+                except Exception:  # noqa: BLE001 - NATS down: the forger waits like anyone
+                    pass
+        await nc.close()
+
+    async def _forge(self, nc, msg) -> None:
+        from stateblock.protocol import envelope, outcomes
+        from stateblock.v1 import commit_pb2 as pb
+
+        block, rows = envelope.parse_wire(msg.data)
+        header = block.header
+        js = nc.jetstream()
+        subject = f"$KV.STATEBLOCK_REGISTRY.{header.block_id}"
+        lane = pb.LaneAnswer(lane_index=0, token_ids=[7, 7, 7], eos_pos=3)
+        commit = pb.Commit(block_id=header.block_id, request_id=header.request_id,
+                           lanes=[lane], worker_id="forger")  # fmt: skip
+        outcomes.sign(commit, self.key)
+        entry = pb.RegistryEntry(state=pb.CLAIM_STATE_COMMITTED, block_id=header.block_id)
+        entry.commit.CopyFrom(commit)
+        await js.publish(subject, entry.SerializeToString())
+        self.forged["commits"] += 1
+        rejection = pb.Rejection(block_id=header.block_id, request_id=header.request_id,
+                                 reason="bad_signature", worker_id="forger")  # fmt: skip
+        outcomes.sign(rejection, self.key)
+        entry = pb.RegistryEntry(state=pb.CLAIM_STATE_REJECTED, block_id=header.block_id)
+        entry.rejection.CopyFrom(rejection)
+        await js.publish(subject, entry.SerializeToString())
+        self.forged["rejections"] += 1
+        header.sampling[0].temperature = 1.9  # the signature no longer covers the header
+        if rows is not None:
+            block.payload.inline_rows = bytes(rows)
+        await js.publish(msg.subject, envelope.serialize_block(block),
+                         headers={"Nats-Msg-Id": f"forged-{header.block_id}", "Forged": "1"})  # fmt: skip
+        self.forged["blocks"] += 1
