@@ -342,7 +342,7 @@ class Registry:
                 while (remaining := deadline - loop.time()) > 0:
                     try:
                         update = await watcher.updates(timeout=remaining)
-                    except nats.errors.TimeoutError:
+                    except TimeoutError:  # nats' subclass and asyncio's own
                         break
                     # None marks the end of the initial values; deletes are released claims.
                     if update is None or update.operation is not None:
