@@ -62,6 +62,8 @@ class ReadoutConfig:
     norm_eps: float = 1e-5
     row_attn: bool = False  # mixer layers also cross-attend to every captured row
     refine: int = 0  # in-graph refinement passes over the readout's own first guess
+    rope: bool = False  # rotary (relative) positions in the mixer and row attention
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -71,6 +73,8 @@ class ReadoutConfig:
             raise ValueError("n_mixer, n_latent and n_chunks must be positive")
         if self.refine < 0:
             raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.rope and (self.head_dim % 2 or self.n_heads < 2):
+            raise ValueError("rope needs an even head dimension and at least 2 heads")
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +101,24 @@ def position_features(positions: Tensor, periods: Tensor) -> Tensor:
     phase = torch.remainder(pos, periods) / periods  # (..., n_periods)
     angle = phase * (2.0 * math.pi)
     return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+
+
+Rotation = tuple[Tensor, Tensor, Tensor, Tensor]  # q cos, q sin, k cos, k sin
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of rotary angles for integer positions. (...,) -> (..., head_dim) each."""
+    half = head_dim // 2
+    inv = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angle = positions.to(torch.float32).unsqueeze(-1) * inv  # (..., half)
+    angle = torch.cat([angle, angle], dim=-1)  # (..., head_dim), the rotate_half layout
+    return torch.cos(angle), torch.sin(angle)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding: x (K, H, N, hd) with cos/sin broadcastable to it."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-b, a], dim=-1) * sin.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -167,11 +189,18 @@ class Attention(nn.Module):
         return x.view(k, n, self.n_heads, d // self.n_heads).transpose(1, 2)  # (K, H, n, hd)
 
     def forward(
-        self, xq: Tensor, xkv: Tensor, mask: Tensor | PrefixCausal | None, impl: str
+        self,
+        xq: Tensor,
+        xkv: Tensor,
+        mask: Tensor | PrefixCausal | None,
+        impl: str,
+        rot: Rotation | None = None,
     ) -> Tensor:
         # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
-        # (or, for sdpa, a PrefixCausal standing for it)
+        # (or, for sdpa, a PrefixCausal standing for it); rot: rotary tables for q and k
         q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
+        if rot is not None:
+            q, k = rotate(q, rot[0], rot[1]), rotate(k, rot[2], rot[3])
         if impl == "fused" and isinstance(mask, PrefixCausal):
             from stateblock.model.kernels.attention import prefix_causal_attention
 
@@ -208,9 +237,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.d_r, cfg.mlp_ratio)
 
     def forward(
-        self, x: Tensor, kv: Tensor, mask: Tensor | PrefixCausal | None, impl: str
+        self,
+        x: Tensor,
+        kv: Tensor,
+        mask: Tensor | PrefixCausal | None,
+        impl: str,
+        rot: Rotation | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.norm_q(x), self.norm_kv(kv), mask, impl)
+        x = x + self.attn(self.norm_q(x), self.norm_kv(kv), mask, impl, rot)
         return x + self.mlp(self.norm_mlp(x))
 
 
@@ -220,6 +254,7 @@ class Context(NamedTuple):
     lat: Tensor  # (K, M, d_r)
     rows: Tensor  # (K, P, d_r) rows in readout width, positions from both ends added
     row_mask: Tensor  # (K, 1, 1, P) bool, True = a real row of the lane's prompt
+    prompt_lens: Tensor  # (K,)
 
 
 # the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
@@ -274,11 +309,32 @@ class ReadoutDecoder(nn.Module):
         if self.cfg.row_attn:
             from_end = prompt_lens.unsqueeze(1) - 1 - idx.unsqueeze(0)  # (K, P), < 0 on padding
             ctx = ctx + self.ctx_end(position_features(from_end, self.periods).to(ctx.dtype))
-        return Context(lat, ctx, row_mask)
+        return Context(lat, ctx, row_mask, prompt_lens)
 
     def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
         """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
         return self.context(rows, prompt_lens, impl).lat
+
+    def _rotations(self, c: Context, positions: Tensor) -> tuple[Rotation, Rotation] | None:
+        """Rotary tables (rope): the mixer's (queries at their answer positions, keys: the
+        latents unrotated, then the answer positions) and the row attention's (half the heads
+        count rows from the prompt's start, half from its end), so "the row t + c" and "the
+        row t + c from the end" are the same direction at every t: copies and reversals."""
+        if not self.cfg.rope:
+            return None
+        hd, theta, h = self.cfg.head_dim, self.cfg.rope_theta, self.cfg.n_heads
+        k, m = c.lat.shape[0], c.lat.shape[1]
+        qc, qs = rope_tables(positions, hd, theta)  # (K, D, hd)
+        qc, qs = qc.unsqueeze(1), qs.unsqueeze(1)  # (K, 1, D, hd)
+        zeros = torch.zeros(k, m, dtype=positions.dtype, device=positions.device)
+        kc, ks = rope_tables(torch.cat([zeros, positions], dim=1), hd, theta)  # (K, M + D, hd)
+        mixer = (qc, qs, kc.unsqueeze(1), ks.unsqueeze(1))
+        p = c.rows.shape[1]
+        idx = torch.arange(p, device=positions.device)
+        start = idx.view(1, 1, p).expand(k, h // 2, p)
+        end = (c.prompt_lens.view(k, 1, 1) - 1 - idx.view(1, 1, p)).expand(k, h - h // 2, p)
+        rc, rs = rope_tables(torch.cat([start, end], dim=1), hd, theta)  # (K, H, P, hd)
+        return mixer, (qc, qs, rc, rs)
 
     def _stack(
         self,
@@ -288,11 +344,13 @@ class ReadoutDecoder(nn.Module):
         c: Context,
         mask: Tensor | PrefixCausal,
         impl: str,
+        rots: tuple[Rotation, Rotation] | None = None,
     ) -> Tensor:
+        mix_rot, row_rot = rots if rots is not None else (None, None)
         for j, layer in enumerate(layers):
-            h = layer(h, torch.cat([c.lat, h], dim=1), mask, impl)
+            h = layer(h, torch.cat([c.lat, h], dim=1), mask, impl, mix_rot)
             if cross is not None:  # rows are all before the answer: no causality to keep
-                h = cross[j](h, c.rows, c.row_mask, impl)
+                h = cross[j](h, c.rows, c.row_mask, impl, row_rot)
         return h
 
     def hidden(
@@ -330,7 +388,8 @@ class ReadoutDecoder(nn.Module):
         if impl == "explicit":
             mask = mask.dense(d, h0.device)
         cross = self.row_cross if self.cfg.row_attn else None
-        h = self.norm_out(self._stack(self.mixer, cross, h0, c, mask, impl))
+        rots = self._rotations(c, positions)
+        h = self.norm_out(self._stack(self.mixer, cross, h0, c, mask, impl, rots))
         out = [h]
         if self.cfg.refine and guess is None:
             raise ValueError("a refining decoder needs a guess function (guess_embed)")
@@ -338,7 +397,7 @@ class ReadoutDecoder(nn.Module):
         for _ in range(self.cfg.refine):  # a fixed number of passes, one shared stack
             # each position's guess is its own argmax: prefix-causal still holds
             x = h0 + guess(h).to(h.dtype) + h
-            h = self.ref_norm(self._stack(self.ref_mixer, ref_cross, x, c, mask, impl))
+            h = self.ref_norm(self._stack(self.ref_mixer, ref_cross, x, c, mask, impl, rots))
             out.append(h)
         return out
 

@@ -203,6 +203,7 @@ OPTIONS = [
     pytest.param({"row_attn": True}, id="row_attn"),
     pytest.param({"refine": 1}, id="refine"),
     pytest.param({"row_attn": True, "refine": 2}, id="row_attn+refine2"),
+    pytest.param({"row_attn": True, "refine": 1, "rope": True}, id="row_attn+refine+rope"),
 ]
 
 
@@ -309,3 +310,23 @@ def test_readout_log_probabilities_are_the_full_softmax_ones():
     assert torch.allclose(out.token_logprob, at(out.tokens), atol=1e-4)
     assert torch.allclose(out.top1_logprob - out.margin, at(out.top2), atol=1e-4)
     assert not torch.equal(out.tokens[2], out.top1[2])  # the hot lane sampled: a real check
+
+
+def test_rope_makes_row_attention_relative():
+    """With rope a row-attention head's score depends on (answer position - row position)
+    (or from the prompt's end): shifting both by the same amount leaves it unchanged."""
+    from stateblock.model.decoder import rope_tables, rotate
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 16, generator=g)
+    k = torch.randn(1, 1, 1, 16, generator=g)
+
+    def score(tq: int, tk: int) -> float:
+        qc, qs = rope_tables(torch.tensor([tq]), 16, 10000.0)
+        kc, ks = rope_tables(torch.tensor([tk]), 16, 10000.0)
+        return float((rotate(q, qc, qs) * rotate(k, kc, ks)).sum())
+
+    assert score(3, 10) == pytest.approx(score(103, 110), abs=1e-4)
+    assert score(3, 10) != pytest.approx(score(3, 11), abs=1e-4)
+    with pytest.raises(ValueError, match="rope"):
+        ReadoutConfig(d_base=8, vocab_size=10, eos_token_id=2, d_r=6, n_heads=2, rope=True)
