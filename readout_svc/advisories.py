@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import nats
 import structlog
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.js import errors as js_errors
 
+from readout_svc.records import rejection_record
 from registry import AlreadyClaimed, AlreadyCommitted, ClaimLost, Registry, RegistryError
-from stateblock.protocol import envelope, outcomes
+from stateblock.protocol import envelope
 from stateblock.protocol.keys import Signer, TrustStore
-from stateblock.v1 import commit_pb2 as pb
 
 log = structlog.get_logger("stateblock.readout.advisories")
 
@@ -82,17 +81,8 @@ class ExhaustedBlocks:
         claim = await self._claim(header.block_id)
         if claim is None:
             return "already_final"
-        now = Timestamp()
-        now.GetCurrentTime()
-        rejection = pb.Rejection(
-            block_id=header.block_id,
-            request_id=header.request_id,
-            reason=MAX_DELIVERIES,
-            detail=f"no worker finished it in {self.consumer}'s max_deliver deliveries",
-            worker_id=self.worker_id,
-            rejected_at=now,
-        )
-        outcomes.sign(rejection, self.signer)
+        detail = f"no worker finished it in {self.consumer}'s max_deliver deliveries"
+        rejection = rejection_record(header, MAX_DELIVERIES, detail, self.worker_id, self.signer)
         try:
             await self.registry.reject(claim, rejection)
         except ClaimLost:

@@ -14,7 +14,6 @@ digest releases its claim before it is rejected, and its answer is dropped.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -22,11 +21,11 @@ from concurrent.futures import Executor
 import nats.errors
 import nats.js.errors as js_errors
 import structlog
-from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from readout_svc.records import commit_record, rejection_record
 from registry import (
     AlreadyClaimed,
     AlreadyCommitted,
@@ -41,7 +40,6 @@ from stateblock.protocol import envelope, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.sampling import Limits
 from stateblock.v1 import block_pb2 as block_pb
-from stateblock.v1 import commit_pb2 as pb
 
 log = structlog.get_logger("readout_svc")
 # Reasons beyond the envelope's, for blocks whose signed header verified:
@@ -126,46 +124,6 @@ class WorkerMetrics:
             ["cause"],
             registry=metrics,
         )
-
-
-def output_digest(lanes: list[pb.LaneAnswer]) -> bytes:
-    """SHA-256 over the answer only (token ids and EOS positions), deterministic."""
-    answer = pb.Commit(
-        lanes=[
-            pb.LaneAnswer(lane_index=a.lane_index, token_ids=a.token_ids, eos_pos=a.eos_pos)
-            for a in lanes
-        ]
-    )
-    return hashlib.sha256(answer.SerializeToString(deterministic=True)).digest()
-
-
-def commit_record(
-    header: block_pb.StateBlockHeader, results: list[LaneResult], worker_id: str
-) -> pb.Commit:
-    lanes = [
-        pb.LaneAnswer(
-            lane_index=i, token_ids=r.token_ids, eos_pos=r.eos_pos, top2_margins=r.margins
-        )
-        for i, r in enumerate(results)
-    ]
-    for lane, r in zip(lanes, results, strict=True):
-        if r.logprobs is not None:  # asked for: SamplingParams.logprobs
-            lane.token_logprobs.extend(r.logprobs.token)
-            lane.top1_ids.extend(r.logprobs.top1_ids)
-            lane.top1_logprobs.extend(r.logprobs.top1)
-            lane.top2_ids.extend(r.logprobs.top2_ids)
-            lane.top2_logprobs.extend(r.logprobs.top2)
-    now = Timestamp()
-    now.GetCurrentTime()
-    return pb.Commit(
-        block_id=header.block_id,
-        request_id=header.request_id,
-        lanes=lanes,
-        output_digest=output_digest(lanes),
-        forward_state_digest=header.forward_state_digest,
-        worker_id=worker_id,
-        committed_at=now,
-    )
 
 
 def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
@@ -441,17 +399,7 @@ class ReadoutWorker:
                 return "claimed_elsewhere"
             except ValueError as e:
                 return await self._drop_unverified(msg, "malformed", str(e))
-        now = Timestamp()
-        now.GetCurrentTime()
-        rejection = pb.Rejection(
-            block_id=header.block_id,
-            request_id=header.request_id,
-            reason=reason,
-            detail=detail[:500],
-            worker_id=self.worker_id,
-            rejected_at=now,
-        )
-        outcomes.sign(rejection, self._signer)
+        rejection = rejection_record(header, reason, detail, self.worker_id, self._signer)
         try:
             await self._registry.reject(claim, rejection)
         except ClaimLost:

@@ -36,7 +36,7 @@ import nats.js.errors as js_errors
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from readout_svc.worker import commit_record
+from readout_svc.records import commit_record
 from registry import CommitTimeout, Registry, RegistryError
 from stateblock.engines import ReadoutEngine, lane_requests
 from stateblock.protocol import envelope, streams

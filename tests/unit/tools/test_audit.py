@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from readout_svc.worker import commit_record
+from readout_svc.records import commit_record
 from stateblock.app import determinism as det
 from stateblock.app.cli import main
 from stateblock.engines import LaneRequest, LaneResult, ReferenceEngine, create_engine
