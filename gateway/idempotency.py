@@ -87,6 +87,8 @@ def _bus(what: str) -> Iterator[None]:
     nothing ran, so the client may retry (`service._generate` keeps the one after it)."""
     try:
         yield
+    except (js_errors.KeyWrongLastSequenceError, js_errors.KeyNotFoundError):
+        raise  # answers, not trouble: the key exists (or not); the caller reads them
     except (*TRANSIENT, nats.errors.Error) as e:
         raise Unavailable(f"idempotency keys unreachable ({what}): {type(e).__name__}") from e
 

@@ -108,6 +108,21 @@ async def test_nats_trouble_at_the_keys_is_a_503_never_a_500(monkeypatch):
         await store.create("k", Record("r", "f"))
     assert DownKv.calls >= 2  # repeated before giving up
 
+    class TakenKv:  # JetStream's answers are not trouble: a key that exists, one that does not
+        async def create(self, key, value):
+            raise nats.js.errors.KeyWrongLastSequenceError
+
+        async def get(self, key):
+            raise nats.js.errors.KeyNotFoundError
+
+        async def update(self, key, value, last):
+            raise nats.js.errors.KeyWrongLastSequenceError
+
+    store = idempotency.KvKeyStore(TakenKv())
+    assert await store.create("k", Record("r", "f")) is None
+    assert await store.get("k") is None
+    assert await store.update("k", Record("r", "f"), 3) is None
+
 
 async def test_a_key_left_by_a_request_that_never_ran_lapses_with_its_deadline(keyed, fakes):
     """A first request whose 503 could not give its key back (NATS down) leaves a record
