@@ -17,7 +17,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.errors import ReadoutFailed
-from registry import CommitTimeout, Registry, RegistryError
+from registry import FINAL_STATES, CommitTimeout, Registry, RegistryError
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import commit_pb2
@@ -93,12 +93,19 @@ class CommitWatcher:
             self._recent.popitem(last=False)
 
     async def _reread(self, block_id: str) -> Outcome | None:
+        """The newest trusted outcome among the key's stored revisions: one a forger's later
+        write replaced is still found (a retry following its block after an outage)."""
         try:
-            entry = await self._registry.get(block_id)
+            entries = await self._registry.history(block_id)
         except RegistryError as e:  # a leader election or an outage: wait, read again later
             log.info("registry re-read failed", block_id=block_id, error=str(e))
             return None
-        return None if entry is None else self._trusted(block_id, entry)
+        for entry in entries:
+            if entry.state in FINAL_STATES:
+                outcome = self._trusted(block_id, entry)
+                if outcome is not None:
+                    return outcome
+        return None
 
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit:
         """The commit; ReadoutFailed if the block was rejected; CommitTimeout after timeout."""

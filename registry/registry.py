@@ -43,6 +43,9 @@ from stateblock.protocol.streams import check_replicas
 from stateblock.v1 import commit_pb2 as pb
 
 T = TypeVar("T")
+# revisions kept a key: claim, renewals and the outcome, and a genuine outcome a forger's
+# later write replaced (readers look for the newest trusted one)
+HISTORY = 8
 DEFAULT_BUCKET = "STATEBLOCK_REGISTRY"
 # An entry in one of these states is the block's outcome and never changes again.
 FINAL_STATES = (pb.CLAIM_STATE_COMMITTED, pb.CLAIM_STATE_REJECTED)
@@ -156,9 +159,9 @@ class Registry:
         outcome_trust: TrustStore | None = None,
         replicas: int | None = None,
     ) -> Registry:
-        """Bind to the bucket, creating it (file storage, history 1, `replicas` copies on a
-        JetStream cluster) if it does not exist; an existing bucket with another replica
-        count is a StreamConflict when `replicas` is given.
+        """Bind to the bucket, creating it (file storage, HISTORY revisions a key, `replicas`
+        copies on a JetStream cluster) if it does not exist; an existing bucket with another
+        replica count is a StreamConflict when `replicas` is given.
 
         ttl_s ages entries out; it must exceed block expiry plus the longest lease, or an
         aged-out block could be claimed and committed a second time on redelivery.
@@ -170,7 +173,7 @@ class Registry:
                 # Creating with an identical config is idempotent, so racing services agree.
                 config = KeyValueConfig(
                     bucket=bucket,
-                    history=1,
+                    history=HISTORY,
                     ttl=ttl_s,
                     storage=StorageType.FILE,
                     replicas=replicas or 1,
@@ -208,6 +211,8 @@ class Registry:
                 entry = _decode(block_id, current.value)
                 if entry.state in FINAL_STATES and self._stands(block_id, entry):
                     raise AlreadyCommitted(block_id)
+                if entry.state in FINAL_STATES and await self._stood(block_id):
+                    raise AlreadyCommitted(block_id)  # a forger overwrote a genuine outcome
                 if (
                     entry.state == pb.CLAIM_STATE_CLAIMED
                     and entry.lease_expires_at.ToNanoseconds() > now * 1e9
@@ -236,6 +241,15 @@ class Registry:
         before its reply was lost makes the repeat fail its comparison, which each caller
         reads as the race it lost; a repeated read or delete changes nothing."""
         return await retry_transient(call, within_s=self._retry_s, what="registry")
+
+    async def _stood(self, block_id: str) -> bool:
+        """Whether a trusted outcome is among the key's earlier revisions."""
+        if self._outcome_trust is None:
+            return False
+        return any(
+            e.state in FINAL_STATES and self._stands(block_id, e)
+            for e in await self.history(block_id)
+        )
 
     def _stands(self, block_id: str, entry: pb.RegistryEntry) -> bool:
         if self._outcome_trust is None:
@@ -316,6 +330,19 @@ class Registry:
                 if _wrong_last(e):
                     raise ClaimLost(claim.block_id, claim.worker_id) from e
                 raise
+
+    async def history(self, block_id: str) -> list[pb.RegistryEntry]:
+        """The key's stored revisions, newest first ([] if none): a genuine outcome that a
+        forger's later write replaced is still among them (HISTORY deep)."""
+        key = _key(block_id)
+        with _nats_errors(f"history {block_id}"):
+            try:
+                entries = await self._kv_call(lambda: self._kv.history(key))
+            except (js_errors.NoKeysError, js_errors.KeyNotFoundError):
+                return []
+        return [
+            _decode(block_id, e.value) for e in reversed(entries) if e.value and e.operation is None
+        ]
 
     async def get(self, block_id: str) -> pb.RegistryEntry | None:
         """The block's entry, or None if it was never claimed (or was released)."""

@@ -146,3 +146,24 @@ async def test_the_watcher_rereads_the_registry_for_an_outcome_it_never_saw(regi
     await registry.commit(claim, commit("b3", signer=FORGER))
     with pytest.raises(CommitTimeout):
         await watcher.watch_commit("b3", timeout=0.5)
+
+
+async def test_a_genuine_outcome_a_forger_overwrote_is_still_found(nc, registry):
+    """A forger's write that lands after the genuine commit replaces it as the key's last
+    value (seen in the full chaos run: a retry following its block after a NATS outage
+    waited for a commit that was no longer the bucket's last word). The key keeps its
+    revisions: a late reader finds the newest trusted outcome, and a redelivery is still
+    dropped as committed (never run twice)."""
+    from registry import AlreadyCommitted
+
+    claim = await registry.claim("b9", "w1", lease_s=30)
+    await registry.commit(claim, commit("b9", tokens=(8, 9)))
+    forged = pb.RegistryEntry(state=pb.CLAIM_STATE_REJECTED, block_id="b9")
+    forged.rejection.CopyFrom(rejection("b9", signer=FORGER))
+    await nc.jetstream().publish(kv_subject("b9"), forged.SerializeToString())
+    assert (await registry.get("b9")).state == pb.CLAIM_STATE_REJECTED  # the last word
+    async with CommitWatcher.open(registry, TRUST) as watcher:  # a reader that saw nothing
+        got = await asyncio.wait_for(watcher.watch_commit("b9", timeout=10), 5)
+    assert list(got.lanes[0].token_ids) == [8, 9]
+    with pytest.raises(AlreadyCommitted):
+        await registry.claim("b9", "w2", lease_s=30)
