@@ -143,16 +143,16 @@ __all__ = ["Load", "Outcome", "kill", "restart_nats_server", "summary"]
 
 class Forger:
     """An untrusted NATS client beside the load: it reads every block on the bus and, for
-    every `every`-th one, stores a commit and a rejection of its own under the block's id
-    (signed by a key nobody trusts) and republishes the block with its signed header
-    tampered. None of it may fail or change a genuine request's answer."""
+    every `every`-th one, publishes an exact copy again, stores a commit and a rejection of its
+    own under the block's id (signed by a key nobody trusts) and republishes the block with
+    its signed header tampered. None of it may fail or change a genuine request's answer."""
 
     def __init__(self, nats_url: str, every: int = 3) -> None:
         from stateblock.protocol.keys import Signer
 
         self.url, self.every = nats_url, every
         self.key = Signer.generate()
-        self.forged = {"commits": 0, "rejections": 0, "blocks": 0}
+        self.forged = {"commits": 0, "rejections": 0, "blocks": 0, "duplicates": 0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -198,9 +198,14 @@ class Forger:
         from stateblock.protocol import envelope, outcomes
         from stateblock.v1 import commit_pb2 as pb
 
+        js = nc.jetstream()
+        # an exact copy under a new message id (past JetStream's duplicate window): a second
+        # delivery of a genuine block, which must not be answered twice
+        await js.publish(msg.subject, msg.data,
+                         headers={"Nats-Msg-Id": f"again-{id(msg)}", "Forged": "1"})  # fmt: skip
+        self.forged["duplicates"] += 1
         block, rows = envelope.parse_wire(msg.data)
         header = block.header
-        js = nc.jetstream()
         subject = f"$KV.STATEBLOCK_REGISTRY.{header.block_id}"
         lane = pb.LaneAnswer(lane_index=0, token_ids=[7, 7, 7], eos_pos=3)
         commit = pb.Commit(block_id=header.block_id, request_id=header.request_id,
