@@ -388,7 +388,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stateblock", description=__doc__, formatter_class=DEFAULTS)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(
+        dest="cmd", required=True, help="the command (stateblock COMMAND -h for its flags)"
+    )
 
     b = sub.add_parser(
         "build-reference",
@@ -575,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.set_defaults(fn=cmd_bench)
 
     k = sub.add_parser("keys", formatter_class=DEFAULTS, help="signing keys")
-    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    ksub = k.add_subparsers(dest="keys_cmd", required=True, help="generate: a new key pair")
     kg = ksub.add_parser(
         "generate", formatter_class=DEFAULTS, help="a new Ed25519 key pair and its key id"
     )

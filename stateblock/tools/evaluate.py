@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.checkpoint import load_decoder
@@ -46,7 +47,8 @@ def read_out(
 ) -> list[tuple[list[int], int]]:
     """(tokens[:depth], eos position) per prompt: one capture + one readout call per batch."""
     out: list[tuple[list[int], int]] = [([], NO_EOS)] * len(prompts)
-    for batch in budget_batches(depths, budget, max_batch=128):
+    batches = budget_batches(depths, budget, max_batch=128)
+    for batch in tqdm(batches, desc="readout", unit="batch", mininterval=5):
         p_w, d = max(len(prompts[i]) for i in batch), max(depths[i] for i in batch)
         ids = torch.full((len(batch), p_w), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)

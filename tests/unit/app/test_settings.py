@@ -71,3 +71,19 @@ def test_the_readme_table_lists_exactly_what_the_code_reads():
     read = settings.variables_read()
     assert read - documented == set(), "read by the code, missing from the README table"
     assert documented - read == set(), "in the README table, read by nothing"
+
+
+def test_every_cli_option_has_help():
+    """Every flag of every command says what it is (and, with the formatter, its default)."""
+    import argparse
+
+    def actions(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from ((f"{name} {a}", h) for a, h in actions(child))
+            if not isinstance(action, argparse._HelpAction):
+                yield action.dest, action.help
+
+    missing = [dest for dest, help_ in actions(cli.build_parser()) if not help_]
+    assert missing == []
