@@ -291,7 +291,10 @@ def read_graph_manifest(graph_path: str | Path) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise OnnxGraphError(f"cannot read ONNX graph manifest {path}: {e}") from e
     if manifest.get("format") != FORMAT:
-        raise OnnxGraphError(f"{path}: unknown format {manifest.get('format')!r}")
+        raise OnnxGraphError(
+            f"{path}: format {manifest.get('format')!r}, this engine reads {FORMAT!r} "
+            "(re-export with `stateblock export`)"
+        )
     if manifest.get("opset") != OPSET:
         raise OnnxGraphError(f"{path}: opset {manifest.get('opset')!r}, expected {OPSET}")
     return manifest

@@ -254,3 +254,21 @@ def test_tensorrt_engine_builds(exported, tmp_path):  # pragma: no cover - optio
         pytest.skip("no CUDA device")
     out = tensorrt_build.build_engine(exported[0], tmp_path / "tiny.plan", workspace_gib=1.0)
     assert out.stat().st_size > 0
+
+
+def test_a_graph_of_an_older_format_asks_for_a_re_export(exported, tmp_path):
+    """Format /2 added the candidate filters as inputs and log-probabilities as outputs: a
+    graph exported before is refused with the command that replaces it."""
+    import json
+    import shutil
+
+    from stateblock.engines.onnx_graph import manifest_path, read_graph_manifest
+
+    path, _, _ = exported
+    old = tmp_path / "old.onnx"
+    shutil.copy(path, old)
+    manifest = json.loads(manifest_path(path).read_text())
+    manifest["format"] = "stateblock-readout-onnx/1"
+    manifest_path(old).write_text(json.dumps(manifest))
+    with pytest.raises(OnnxGraphError, match="re-export with `stateblock export`"):
+        read_graph_manifest(old)
