@@ -1,0 +1,102 @@
+"""One padded cohort through the decoder and the vocabulary top-2: the pure, shape-static
+function every CUDA graph of the torch engine records (and its eager path runs), with the
+precision switch and the fused head it uses. `stateblock.engines.torch_engine` holds the
+engine around it (buckets, graphs, staging, sampling)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from stateblock.model.decoder import ReadoutDecoder
+from stateblock.model.kernels.attention import dot_precision
+from stateblock.model.vocab import first_eos
+
+MATMUL_PRECISIONS = ("highest", "high")  # torch's names: fp32, TF32 (10 mantissa bits)
+
+
+@contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch.set_float32_matmul_precision for the block, restored after; untouched when it
+    already holds. The switch is process-wide (so "high" is an opt-in, see TorchEngine), and
+    a CUDA graph keeps the kernels chosen while it was recorded, so holding it over recording
+    and eager runs is enough."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
+    before = torch.get_float32_matmul_precision()
+    if before == precision:  # the default path: the switch is never touched
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def fused_head(lm_head: Tensor, out_weight: Tensor, dtype: torch.dtype, chunk: int = 16384):
+    """lm_head @ out.weight: (V, d_base) @ (d_base, d_r) -> (V, d_r), accumulated in fp64
+    (exact whatever torch's TF32 switch says, and no switch flipped), then `dtype`. Chunked
+    over V so the fp64 temporary stays a few hundred MB at the full scale (start-up only)."""
+    w = out_weight.double()
+    return torch.cat([(c.double() @ w).to(dtype) for c in lm_head.split(chunk)])
+
+
+def readout_step(
+    decoder: ReadoutDecoder,
+    head: Tensor,  # (V, d_base) the resident lm_head, or (V, d_r) the fused head
+    rows: Tensor,  # (K, P, d_base)
+    prompt_lens: Tensor,  # (K,) int64
+    positions: Tensor,  # (K, D) int64
+    depths: Tensor,  # (K,) int64
+    *,
+    eos_token_id: int,
+    top2_fn,
+    autocast: torch.dtype | None = None,
+    precision: str = "highest",
+    attention: str = "sdpa",
+    fused: bool = False,
+    kernel_precision: str = "ieee",
+    guess_table: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One padded cohort -> h (K, D, head width), top-2 values and ids (K, D, 2), EOS (K,),
+    and every position's log-sum-exp over the vocabulary (K, D), from the top-2's own pass.
+
+    Pure and shape-static: the body of every CUDA graph and of the eager path. The logits
+    are h @ head.T: the decoder's hidden states against the lm_head, or, when `fused`, the
+    mixer's normed output against the fused head (`fused_head`). `autocast`:
+    the CUDA autocast dtype of the decoder (the top-2 runs outside it); `precision`: torch's
+    fp32 matmul precision for the decoder's linears ("high" = TF32, process-wide while it
+    runs; see `matmul_precision`); `attention`: the decoder's attention ("sdpa" or "fused",
+    see Attention); `kernel_precision`: the fused attention kernel's dots ("tf32"/"ieee");
+    `guess_table`: for a refining decoder, lm_head @ guess_in.weight.T (V, d_r), the
+    embedding of every token its first guess can pick (`fused_head` builds it).
+    """
+    guess = None
+    if decoder.cfg.refine:
+        if guess_table is None:
+            raise ValueError("a refining decoder needs its guess table")
+
+        def guess(hm: Tensor) -> Tensor:  # the same top-2 as the answer's, top-1 gathered
+            x = (hm if fused else decoder.out(hm)).to(head.dtype)
+            k, d, dim = x.shape
+            _, ids = top2_fn(x.reshape(k * d, dim), head)[:2]
+            return guess_table.index_select(0, ids[:, 0]).view(k, d, -1)
+
+    # cache_enabled=False: cached weight casts would outlive a CUDA-graph recording
+    on = autocast is not None
+    amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=on, cache_enabled=False)
+    with amp, matmul_precision(precision), dot_precision(kernel_precision):
+        stage = decoder.mixed if fused else decoder.hidden
+        h = stage(rows, prompt_lens, positions, impl=attention, guess=guess)
+    h = h.to(head.dtype)
+    k, d, dim = h.shape
+    # (K*D, 2) fp32, int64, and the log-sum-exp (K*D,) of the same pass
+    top_v, top_i, lse = top2_fn(h.reshape(k * d, dim), head, lse=True)
+    top_v, top_i = top_v.view(k, d, 2), top_i.view(k, d, 2)
+    valid = positions < depths.unsqueeze(1)  # (K, D): padding positions never stop a lane
+    eos_pos = first_eos(top_i[..., 0], valid, eos_token_id)
+    return h, top_v, top_i, eos_pos, lse.view(k, d)
