@@ -31,7 +31,7 @@ from stateblock.nats_client import TRANSIENT, retry_transient
 BUCKET = "STATEBLOCK_REQUESTS"
 MAX_KEY_CHARS = 255
 POLL_S = 0.05
-RETRY_S = 5.0  # a KV call is repeated through an election for this long, then 503
+RETRY_S = 20.0  # a KV call is repeated through elections (6-8 s each) this long, then 503
 
 
 @dataclass(frozen=True)
