@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,6 +90,88 @@ class Stream(torch.utils.data.IterableDataset):
                         plens[i] :
                     ]  # shifted: position t predicts t+1
                 yield ids, lab
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun job (or the whole job, without torchrun)."""
+
+    ddp: bool
+    rank: int
+    world: int
+    device: str
+
+
+def init_ranks(device: str) -> Ranks:
+    """Join torchrun's process group when launched by it; bind this rank's GPU."""
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    local = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if device == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return Ranks(ddp, rank, world, local)
+
+
+def data_parallel(model: torch.nn.Module, r: Ranks) -> torch.nn.Module:
+    if not r.ddp:
+        return model
+    ids = [r.device] if r.device.startswith("cuda") else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def leave(r: Ranks) -> None:
+    """End the process: out of the process group, then out at once (the loader's worker
+    processes can hold the interpreter's exit on some platforms)."""
+    if r.ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def loader(ds: Stream, workers: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None
+    )
+
+
+class Plan:
+    """A run's step count, planned from its pace (steps 100 to 300 of the run, past the
+    warm-up) to fill `minutes`, and taken from rank 0 by every rank; until then
+    `start + fallback`. `resumed_total`: a resumed run keeps its plan."""
+
+    def __init__(self, r: Ranks, start: int, resumed_total: int | None, minutes: float,
+                 max_steps: int, fallback: int) -> None:  # fmt: skip
+        self.r, self.start, self.total = r, start, resumed_total
+        self.minutes, self.max_steps, self.fallback = minutes, max_steps, fallback
+        self.t0 = self._t100 = time.perf_counter()
+
+    def steps(self, step: int) -> int:
+        """Called before each step: the planned total so far (the schedule's length)."""
+        if self.total is None and step - self.start == 300:
+            pace = (time.perf_counter() - self._t100) / 200
+            left = self.minutes * 60 - (time.perf_counter() - self.t0)
+            total = min(self.start + self.max_steps, step + int(left / pace))
+            if self.r.ddp:  # every rank takes rank 0's plan
+                tt = torch.tensor([total], device=self.r.device)
+                dist.broadcast(tt, 0)
+                total = int(tt.item())
+            self.total = total
+            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
+        if step - self.start == 100:
+            self._t100 = time.perf_counter()
+        return self.total if self.total is not None else self.start + self.fallback
+
+    def done(self, step: int) -> bool:
+        """Called after each step: the plan, or max_steps, reached (or, alone, the clock)."""
+        if (self.total is not None and step >= self.total) or step - self.start >= self.max_steps:
+            return True
+        if not self.r.ddp and time.perf_counter() - self.t0 > self.minutes * 60 + 30:
+            log("wall-clock stop")
+            return True
+        return False
 
 
 def build_model(tok, a):
@@ -217,16 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-
-    ddp = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if ddp:
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if a.device == "cuda" else "cpu"
-    if a.device == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
+    r = init_ranks(a.device)
+    ddp, rank, world, device = r.ddp, r.rank, r.world, r.device
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = out / "base"
@@ -262,44 +337,22 @@ def main(argv: list[str] | None = None) -> None:
         log(f"resumed state at step {step}/{total}")
         if a.reschedule:
             total = None
-    dmodel = (
-        torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if a.device == "cuda" else None
-        )
-        if ddp
-        else model
-    )
+    dmodel = data_parallel(model, r)
     weights = json.loads(a.weights)
-    ds = Stream(str(tok_dir), f"{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights)
-    dl = torch.utils.data.DataLoader(
-        ds,
-        batch_size=None,
-        num_workers=a.workers,
-        prefetch_factor=8 if a.workers else None,
-        persistent_workers=False,
+    dl = loader(
+        Stream(str(tok_dir), f"{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights),
+        a.workers,
     )
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
-    t0 = time.perf_counter()
     start = step
-    tlog = t10 = t0  # t10: when step 100 of this run began (the pace leaves out warm-up)
+    fallback = a.max_steps if a.max_steps < 10**9 else 4000
+    plan = Plan(r, start, total, a.minutes, a.max_steps, fallback)
+    t0 = tlog = plan.t0
     losses = []
     for ids, lab in dl:
-        if total is None and step - start == 300:
-            pace = (time.perf_counter() - t10) / 200
-            left = a.minutes * 60 - (time.perf_counter() - t0)
-            total = min(start + a.max_steps, step + int(left / pace))
-            if ddp:  # every rank takes rank 0's plan
-                tt = torch.tensor([total], device=device)
-                dist.broadcast(tt, 0)
-                total = int(tt.item())
-            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
-        if step - start == 100:
-            t10 = time.perf_counter()
-        plan = (
-            total if total is not None else start + (a.max_steps if a.max_steps < 10**9 else 4000)
-        )
+        steps = plan.steps(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - start, plan - start, a.lr, a.warmup)
+            g["lr"] = lr_at(step - start, steps - start, a.lr, a.warmup)
         ids, lab = ids.to(device, non_blocking=True), lab.to(device, non_blocking=True)
         with amp:
             logits = dmodel(input_ids=ids).logits
@@ -316,15 +369,13 @@ def main(argv: list[str] | None = None) -> None:
         if time.perf_counter() - tlog > 20:
             tlog = time.perf_counter()
             log(
-                f"step {step}/{total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
+                f"step {step}/{plan.total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
                 f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s shape {tuple(ids.shape)}"
             )
-        if (total is not None and step >= total) or step - start >= a.max_steps:
-            break
-        if not ddp and time.perf_counter() - t0 > a.minutes * 60 + 30:
-            log("wall-clock stop")
+        if plan.done(step):
             break
     train_s = time.perf_counter() - t0
+    total = plan.total
     stats = {
         "steps": step,
         "steps_this_run": step - start,
@@ -360,11 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
         log(json.dumps(stats))
         (out / "base_stats.json").write_text(json.dumps(stats, indent=2))
-    if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
-    # the loader's worker processes can hold the interpreter's exit on some platforms
-    os._exit(0)
+    leave(r)
 
 
 if __name__ == "__main__":

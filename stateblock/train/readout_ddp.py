@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from dataclasses import fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -40,7 +38,17 @@ from stateblock.model import checkpoint as ckpt
 from stateblock.model.capture import backbone
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train import tasks
-from stateblock.train.base_ddp import FastEnc, Stream, log, lr_at
+from stateblock.train.base_ddp import (
+    FastEnc,
+    Plan,
+    Stream,
+    data_parallel,
+    init_ranks,
+    leave,
+    loader,
+    log,
+    lr_at,
+)
 from stateblock.train.batching import budget_batches
 
 FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
@@ -175,15 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     a = parse_args(argv)
-    ddp = "RANK" in os.environ
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if ddp:
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if a.device == "cuda" else "cpu"
-    if a.device == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
+    r = init_ranks(a.device)
+    rank, world, device = r.rank, r.world, r.device
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(a.base, local_files_only=True)
@@ -225,40 +226,22 @@ def main(argv: list[str] | None = None) -> None:
         log(f"resumed at step {step}/{total}")
         if a.reschedule:
             total = None
-    model = Passes(decoder)
-    dmodel = (
-        nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if a.device == "cuda" else None
-        )
-        if ddp
-        else model
-    )
-    ds = Stream(
-        a.base, f"r{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, json.loads(a.weights)
-    )
-    dl = torch.utils.data.DataLoader(
-        ds, batch_size=None, num_workers=a.workers, prefetch_factor=8 if a.workers else None
+    dmodel = data_parallel(Passes(decoder), r)
+    weights = json.loads(a.weights)
+    dl = loader(
+        Stream(a.base, f"r{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights),
+        a.workers,
     )
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
-    t0 = time.perf_counter()
-    start, tlog, t100 = step, t0, t0
+    start = step
+    plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000))
+    t0 = tlog = plan.t0
     losses, dev_count = [], 0
     decoder.train()
     for ids, lab in dl:
-        if total is None and step - start == 300:
-            pace = (time.perf_counter() - t100) / 200
-            left = a.minutes * 60 - (time.perf_counter() - t0)
-            total = min(start + a.max_steps, step + int(left / pace))
-            if ddp:  # every rank takes rank 0's plan
-                tt = torch.tensor([total], device=device)
-                dist.broadcast(tt, 0)
-                total = int(tt.item())
-            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
-        if step - start == 100:
-            t100 = time.perf_counter()
-        plan = total if total is not None else start + min(a.max_steps, 4000)
+        steps = plan.steps(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - start, plan - start, a.lr, a.warmup)
+            g["lr"] = lr_at(step - start, steps - start, a.lr, a.warmup)
         rows, lens, target, info = teacher_batch(base, ids.to(device), lab.to(device), amp)
         seen += info["lanes"] * world
         dev_count += info["teacher_deviates"]
@@ -279,16 +262,14 @@ def main(argv: list[str] | None = None) -> None:
         if time.perf_counter() - tlog > 20:
             tlog = time.perf_counter()
             log(
-                f"step {step}/{total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
+                f"step {step}/{plan.total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
                 f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s seen {seen} "
                 f"shape {tuple(target.shape)}"
             )
-        if (total is not None and step >= total) or step - start >= a.max_steps:
-            break
-        if not ddp and time.perf_counter() - t0 > a.minutes * 60 + 30:
-            log("wall-clock stop")
+        if plan.done(step):
             break
     train_s = time.perf_counter() - t0
+    total = plan.total
     if rank == 0:
         decoder.eval()
         torch.save(
@@ -321,10 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
         log(json.dumps(stats))
         (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # the loader's worker processes can hold the interpreter's exit
+    leave(r)
 
 
 if __name__ == "__main__":

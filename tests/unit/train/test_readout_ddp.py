@@ -4,6 +4,7 @@ teacher's verified prefix, its rows equal the serving capture's, and a run resum
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
     def no_exit(code: int) -> None:  # main() ends with os._exit (its loader workers)
         raise _Exited(code)
 
-    monkeypatch.setattr(readout_ddp.os, "_exit", no_exit)
+    monkeypatch.setattr(os, "_exit", no_exit)  # base_ddp.leave ends the run with it
     for steps in ("3", "2"):
         with pytest.raises(_Exited):
             readout_ddp.main([*args, "--max-steps", steps])
