@@ -146,7 +146,25 @@ class Plan:
                  max_steps: int, fallback: int) -> None:  # fmt: skip
         self.r, self.start, self.total = r, start, resumed_total
         self.minutes, self.max_steps, self.fallback = minutes, max_steps, fallback
-        self.t0 = self._t100 = time.perf_counter()
+        self.t0 = self._t100 = self._tlog = time.perf_counter()
+        self.losses: list[float] = []  # every 25th step's
+
+    def update(self, opt, params, loss: torch.Tensor, step: int, note: str) -> None:
+        """One optimizer step (clipped at 1), the loss kept every 25 steps and a line of
+        metrics every 20 s; `step` is the count after this one, `note` ends the line."""
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 25 == 0:
+            self.losses.append(loss.item())
+        if time.perf_counter() - self._tlog > 20:
+            self._tlog = time.perf_counter()
+            recent = self.losses[-8:]
+            log(
+                f"step {step}/{self.total} loss {sum(recent) / max(1, len(recent)):.4f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} t {self._tlog - self.t0:.0f}s {note}"
+            )
 
     def steps(self, step: int) -> int:
         """Called before each step: the planned total so far (the schedule's length)."""
@@ -347,8 +365,6 @@ def main(argv: list[str] | None = None) -> None:
     start = step
     fallback = a.max_steps if a.max_steps < 10**9 else 4000
     plan = Plan(r, start, total, a.minutes, a.max_steps, fallback)
-    t0 = tlog = plan.t0
-    losses = []
     for ids, lab in dl:
         steps = plan.steps(step)
         for g in opt.param_groups:
@@ -359,23 +375,12 @@ def main(argv: list[str] | None = None) -> None:
         loss = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), lab.flatten(), ignore_index=-100
         )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
         step += 1
-        if step % 25 == 0:
-            losses.append(loss.item())
-        if time.perf_counter() - tlog > 20:
-            tlog = time.perf_counter()
-            log(
-                f"step {step}/{plan.total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
-                f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s shape {tuple(ids.shape)}"
-            )
+        plan.update(opt, model.parameters(), loss, step, f"shape {tuple(ids.shape)}")
         if plan.done(step):
             break
-    train_s = time.perf_counter() - t0
-    total = plan.total
+    train_s = time.perf_counter() - plan.t0
+    total, losses = plan.total, plan.losses
     stats = {
         "steps": step,
         "steps_this_run": step - start,

@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
     start = step
     plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000))
-    t0 = tlog = plan.t0
-    losses, dev_count = [], 0
+    dev_count = 0
     decoder.train()
     for ids, lab in dl:
         steps = plan.steps(step)
@@ -252,24 +251,13 @@ def main(argv: list[str] | None = None) -> None:
             F.cross_entropy(lg.float().flatten(0, 1), target.flatten(), ignore_index=-100)
             for lg in logits
         ) / len(logits)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
-        opt.step()
         step += 1
-        if step % 25 == 0:
-            losses.append(loss.item())
-        if time.perf_counter() - tlog > 20:
-            tlog = time.perf_counter()
-            log(
-                f"step {step}/{plan.total} loss {sum(losses[-8:]) / max(1, len(losses[-8:])):.4f} "
-                f"lr {opt.param_groups[0]['lr']:.2e} t {tlog - t0:.0f}s seen {seen} "
-                f"shape {tuple(target.shape)}"
-            )
+        note = f"seen {seen} shape {tuple(target.shape)}"
+        plan.update(opt, decoder.parameters(), loss, step, note)
         if plan.done(step):
             break
-    train_s = time.perf_counter() - t0
-    total = plan.total
+    train_s = time.perf_counter() - plan.t0
+    total, losses = plan.total, plan.losses
     if rank == 0:
         decoder.eval()
         torch.save(
