@@ -139,13 +139,16 @@ def loader(ds: Stream, workers: int) -> torch.utils.data.DataLoader:
 
 class Plan:
     """A run's step count, planned from its pace (steps 100 to 300 of the run, past the
-    warm-up) to fill `minutes`, and taken from rank 0 by every rank; until then
-    `start + fallback`. `resumed_total`: a resumed run keeps its plan."""
+    warm-up) to fill `plan_minutes` (default `minutes`), and taken from rank 0 by every rank;
+    until then `start + fallback`. `resumed_total`: a resumed run keeps its plan. The run
+    itself stops after `minutes` (a schedule longer than one run spans several: a device call
+    lasts at most 10 minutes, the cosine need not)."""
 
     def __init__(self, r: Ranks, start: int, resumed_total: int | None, minutes: float,
-                 max_steps: int, fallback: int) -> None:  # fmt: skip
+                 max_steps: int, fallback: int, plan_minutes: float | None = None) -> None:  # fmt: skip
         self.r, self.start, self.total = r, start, resumed_total
         self.minutes, self.max_steps, self.fallback = minutes, max_steps, fallback
+        self.plan_minutes = plan_minutes or minutes
         self.t0 = self._t100 = self._tlog = time.perf_counter()
         self.losses: list[float] = []  # every 25th step's
 
@@ -170,7 +173,7 @@ class Plan:
         """Called before each step: the planned total so far (the schedule's length)."""
         if self.total is None and step - self.start == 300:
             pace = (time.perf_counter() - self._t100) / 200
-            left = self.minutes * 60 - (time.perf_counter() - self.t0)
+            left = self.plan_minutes * 60 - (time.perf_counter() - self.t0)
             total = min(self.start + self.max_steps, step + int(left / pace))
             if self.r.ddp:  # every rank takes rank 0's plan
                 tt = torch.tensor([total], device=self.r.device)
@@ -186,6 +189,16 @@ class Plan:
         """Called after each step: the plan, or max_steps, reached (or, alone, the clock)."""
         if (self.total is not None and step >= self.total) or step - self.start >= self.max_steps:
             return True
+        if self.plan_minutes > self.minutes:  # this run ends before its schedule does
+            late = time.perf_counter() - self.t0 > self.minutes * 60
+            if self.r.ddp and step % 10 == 0:  # every rank takes rank 0's clock
+                flag = torch.tensor([int(late)], device=self.r.device)
+                dist.broadcast(flag, 0)
+                late = bool(flag.item())
+            if late and (not self.r.ddp or step % 10 == 0):
+                log(f"end of this run's {self.minutes} min at step {step}/{self.total}")
+                return True
+            return False
         if not self.r.ddp and time.perf_counter() - self.t0 > self.minutes * 60 + 30:
             log("wall-clock stop")
             return True

@@ -163,6 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", required=True, help="writes OUT/decoder (checkpoint) and OUT/state.pt (resume)")
     add("--minutes", type=float, default=8.0, help="wall-clock budget of this run")
     add("--max-steps", type=int, default=10**9, help="steps of this run at most")
+    add(
+        "--schedule-minutes", type=float, default=None,
+        help="plan the cosine over this many minutes (default --minutes): later runs resume it",
+    )  # fmt: skip
     add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs only)")
     add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
     add("--max-batch", type=int, default=256, help="prompts a batch, per GPU")
@@ -219,13 +223,15 @@ def main(argv: list[str] | None = None) -> None:
     total = None
     if init is None:
         step, seen = 0, 0
+    origin = step  # where the warm-up + cosine began
     if st:
         decoder.load_state_dict(st["decoder"])
         opt.load_state_dict(st["opt"])
         step, total, seen = st["step"], st["total"], st.get("seen", 0)
+        origin = st.get("origin", step)  # older states: the schedule restarts (as it did)
         log(f"resumed at step {step}/{total}")
-        if a.reschedule:
-            total = None
+        if a.reschedule or (total is not None and step >= total):  # a finished plan: anew
+            total, origin = None, step
     dmodel = data_parallel(Passes(decoder), r)
     weights = json.loads(a.weights)
     dl = loader(
@@ -234,13 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
     start = step
-    plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000))
+    plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000), a.schedule_minutes)
     dev_count = 0
     decoder.train()
     for ids, lab in dl:
         steps = plan.steps(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - start, steps - start, a.lr, a.warmup)
+            g["lr"] = lr_at(step - origin, steps - origin, a.lr, a.warmup)
         rows, lens, target, info = teacher_batch(base, ids.to(device), lab.to(device), amp)
         seen += info["lanes"] * world
         dev_count += info["teacher_deviates"]
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         decoder.eval()
         torch.save(
             {"decoder": decoder.state_dict(), "opt": opt.state_dict(), "step": step,
-             "total": total, "seen": seen, "decoder_config": overrides},
+             "total": total, "seen": seen, "origin": origin, "decoder_config": overrides},
             state_file,
         )  # fmt: skip
         stats = {

@@ -76,6 +76,8 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
             readout_ddp.main([*args, "--max-steps", steps])
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["steps"] == 5 and stats["steps_this_run"] == 2  # the second run resumed
+    state = torch.load(tmp_path / "state.pt")
+    assert state["origin"] == 0  # one warm-up + cosine across both runs, not one each
     assert stats["config"]["decoder"]["refine"] == 1
     dec, manifest = load_decoder(tmp_path / "decoder", base_dir=BASE, lm_head=model.lm_head.weight)
     assert dec.cfg.row_attn and dec.cfg.refine == 1
@@ -100,3 +102,23 @@ def test_step_by_step_decoding_reports_every_step(base):
     out = greedy_continue(model, [enc.prompt("count: 001 009")], 12, enc.eos, enc.pad, "cpu",
                           on_step=lambda: steps.append(1))  # fmt: skip
     assert len(steps) == 12 and len(out[0]) == 12  # 12 steps, no EOS within 12 tokens
+
+
+def test_a_schedule_longer_than_its_run_is_planned_long_and_stops_on_the_clock(monkeypatch):
+    """A device call lasts 10 minutes; the cosine may span several: the plan fills
+    `plan_minutes` at the measured pace while the run stops after `minutes`."""
+    from stateblock.train import base_ddp
+
+    clock = [0.0]
+    monkeypatch.setattr(base_ddp.time, "perf_counter", lambda: clock[0])
+    r = base_ddp.Ranks(ddp=False, rank=0, world=1, device="cpu")
+    plan = base_ddp.Plan(r, 0, None, minutes=1.0, max_steps=10**9, fallback=4000, plan_minutes=10)
+    step = 0
+    while True:
+        plan.steps(step)
+        clock[0] += 0.1  # 100 ms a step
+        step += 1
+        if plan.done(step):
+            break
+    assert 5900 <= plan.total <= 6000  # 10 minutes at 100 ms a step
+    assert 590 <= step <= 610  # but this run ended after its one minute
