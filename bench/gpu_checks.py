@@ -170,6 +170,28 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
     return {"shapes": [str(s) for s in graphed.recorded_shapes]}
 
 
+def check_logprob_precision(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+    """A cohort with a lane asking for log-probabilities runs on exact fp32 dots (its own
+    graph) and meets the audit's 1e-3-nat gate; one without keeps the TF32 graph."""
+    from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
+    from stateblock.tools.audit import LOGPROB_TOL, logprob_error
+
+    eng, ref = shipped_engines(served, device)
+    lp = sampling_params(logprobs=2)
+    depths = [300, 2000, 64, 1000]
+    lanes = [
+        LaneRequest(rows=rows[i % len(rows)], depth=d, sampling=lp) for i, d in enumerate(depths)
+    ]
+    plain = [LaneRequest(rows=x.rows, depth=x.depth) for x in lanes]
+    err = logprob_error(ref.readout(lanes), eng.readout(lanes))
+    compare_near_ties(ref.readout(plain), eng.readout(plain))
+    kinds = {p for _, p in eng.recorded}
+    assert kinds == {"tf32", "ieee"}, eng.recorded
+    assert err is not None and err <= LOGPROB_TOL, err
+    return {"logprob_max_abs_error": err, "graphs": [f"{s} {p}" for s, p in eng.recorded]}
+
+
 def check_random_decoder_parity(et) -> dict:
     """At full size (d_base 2688, V 131072; random weights, EOS never wins): the engine vs
     the reference over every position of two lanes, modulo near-ties."""

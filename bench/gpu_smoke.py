@@ -40,6 +40,7 @@ from bench.gpu_checks import (
     check_engine_parity,
     check_fused_attention,
     check_graph_vs_eager,
+    check_logprob_precision,
     check_random_decoder_parity,
     check_top2_kernel,
     random_weights,
@@ -391,6 +392,7 @@ def main() -> int:
         rows = shipped_rows(served)
         rep.run("check_engine_parity", lambda: check_engine_parity(served, rows))
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
+        rep.run("check_logprob_precision", lambda: check_logprob_precision(served, rows))
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
     rep.run("check_fused_attention", check_fused_attention)
     rate = rep.run("gemm_tflops", gemm_tflops)

@@ -141,6 +141,7 @@ class TorchEngine:
         autocast: torch.dtype | None = None,
         matmul_precision: str = "highest",
         kernel_precision: str | None = None,
+        logprob_precision: str = "ieee",
         attention: str | None = None,
         head: str | None = None,
         head_dtype: torch.dtype = torch.float32,
@@ -169,6 +170,13 @@ class TorchEngine:
         self._kernel_precision = kernel_precision or ("tf32" if tf32_ok else "ieee")
         if self._kernel_precision not in DOT_PRECISIONS:
             raise ValueError(f"kernel_precision must be one of {DOT_PRECISIONS}")
+        # A cohort with a lane that asks for log-probabilities runs its kernels' dots at
+        # `logprob_precision`: TF32 states keep the tokens (the audit's near-ties) but put the
+        # log-probabilities 1e-2 nats off on the H200, ten times the 1e-3 gate; exact fp32 dots
+        # cost readout time only where a client asked for numbers. Its own CUDA graphs.
+        if logprob_precision not in DOT_PRECISIONS:
+            raise ValueError(f"logprob_precision must be one of {DOT_PRECISIONS}")
+        self._logprob_precision = logprob_precision
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
         # path has no tensor cores and was most of the decoder's time), else SDPA.
         # (not with rope: the kernel is not verified on rotated, re-laid-out q and k)
@@ -232,9 +240,13 @@ class TorchEngine:
         self.top2_backend = "triton" if available(dev) else "torch-chunked"
         # an fp32 head's dots (the fused head's) run at kernel_precision
         tiles = top2_config or default_tiles(dev, self._head.dtype)
-        tiles = replace(tiles, precision=self._kernel_precision)
-        self._top2 = partial(top2, n_chunks=self._n_chunks, cfg=tiles)
-        self._graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
+        self._top2 = {
+            p: partial(top2, n_chunks=self._n_chunks, cfg=replace(tiles, precision=p))
+            for p in {self._kernel_precision, self._logprob_precision}
+        }
+        # one graph per (shape, dot precision)
+        self._graphs: dict[tuple[Shape, str], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]]
+        self._graphs = {}
         self._static: dict[str, Tensor] = {}
         self._pool = None
         self._lock = threading.Lock()  # workers call readout from a thread pool
@@ -255,6 +267,12 @@ class TorchEngine:
 
     @property
     def recorded_shapes(self) -> list[Shape]:
+        """The shapes with a recorded graph at the default dot precision."""
+        return [s for s, p in self._graphs if p == self._kernel_precision]
+
+    @property
+    def recorded(self) -> list[tuple[Shape, str]]:
+        """Every recorded graph: its shape and its kernels' dot precision."""
         return list(self._graphs)
 
     # -- shapes and staging -------------------------------------------------------------
@@ -298,7 +316,7 @@ class TorchEngine:
         rows = s["rows"][:n].view(k, shape.prompt, -1)  # contiguous: a prefix of one storage
         return rows, s["lens"][:k], s["positions"][:k, : shape.depth], s["depths"][:k]
 
-    def _step(self, rows, lens, positions, depths) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _step(self, precision, rows, lens, positions, depths) -> tuple[Tensor, ...]:
         return readout_step(
             self._decoder,
             self._head,
@@ -307,22 +325,24 @@ class TorchEngine:
             positions,
             depths,
             eos_token_id=self._eos,
-            top2_fn=self._top2,
+            top2_fn=self._top2[precision],
             autocast=self._autocast,
             precision=self._precision,
-            kernel_precision=self._kernel_precision,
+            kernel_precision=precision,
             attention=self.attention,
             fused=self.head == "fused",
             guess_table=self._guess_table,
         )
 
     # -- CUDA graphs --------------------------------------------------------------------
-    def _record(self, shape: Shape) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
+    def _record(
+        self, shape: Shape, precision: str
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
         rows, lens, positions, depths = self._buffers(shape)
         rows.zero_()
         lens.fill_(1)
         depths.fill_(shape.depth)
-        step = partial(self._step, rows, lens, positions, depths)
+        step = partial(self._step, precision, rows, lens, positions, depths)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # one eager run on a side stream first: Triton compiles, cuBLAS and SDPA pick their
@@ -337,24 +357,28 @@ class TorchEngine:
         # embedded stack) must not invalidate this recording
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = step()
-        self._graphs[shape] = (graph, out)
+        self._graphs[shape, precision] = (graph, out)
         return graph, out
 
-    def _replay(self, shape: Shape, lanes: Sequence[LaneRequest]) -> tuple[Tensor, ...]:
-        graph, out = self._graphs.get(shape) or self._record(shape)
+    def _replay(
+        self, shape: Shape, precision: str, lanes: Sequence[LaneRequest]
+    ) -> tuple[Tensor, ...]:
+        graph, out = self._graphs.get((shape, precision)) or self._record(shape, precision)
         rows, lens, _, depths = self._buffers(shape)
         self._stage(lanes, rows, lens, depths)
         graph.replay()
         return out
 
-    def _eager(self, shape: Shape, lanes: Sequence[LaneRequest]) -> tuple[Tensor, ...]:
+    def _eager(
+        self, shape: Shape, precision: str, lanes: Sequence[LaneRequest]
+    ) -> tuple[Tensor, ...]:
         dev, k = self._device, shape.lanes
         rows = torch.zeros(k, shape.prompt, self._lm_head.shape[1], dtype=self._act, device=dev)
         lens = torch.ones(k, dtype=torch.int64, device=dev)
         depths = torch.zeros(k, dtype=torch.int64, device=dev)
         self._stage(lanes, rows, lens, depths)
         positions = torch.arange(shape.depth, device=dev).expand(k, shape.depth)
-        return self._step(rows, lens, positions, depths)
+        return self._step(precision, rows, lens, positions, depths)
 
     # -- the protocol -------------------------------------------------------------------
     @torch.inference_mode()
@@ -363,8 +387,8 @@ class TorchEngine:
         with self._lock:
             if self._use_graphs:
                 for shape in self._warm:
-                    if shape not in self._graphs:
-                        self._record(shape)
+                    if (shape, self._kernel_precision) not in self._graphs:
+                        self._record(shape, self._kernel_precision)
                 torch.cuda.synchronize(self._device)
                 return
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
@@ -382,11 +406,13 @@ class TorchEngine:
             raise ValueError("every lane must read at least one position")
         shape, bucketed = self._shape(lanes)
         k = len(lanes)
+        wants_lp = any(lane.sampling.HasField("logprobs") for lane in lanes)
+        precision = self._logprob_precision if wants_lp else self._kernel_precision
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
-                h, top_v, top_i, eos, lse = self._replay(shape, lanes)
+                h, top_v, top_i, eos, lse = self._replay(shape, precision, lanes)
             else:
-                h, top_v, top_i, eos, lse = self._eager(shape, lanes)
+                h, top_v, top_i, eos, lse = self._eager(shape, precision, lanes)
             tokens, chosen = top_i[:k, :, 0], top_v[:k, :, 0]
             eos = eos[:k]
             sampled = [i for i, lane in enumerate(lanes) if lane.selects]
@@ -398,7 +424,7 @@ class TorchEngine:
             margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu().tolist()
             tokens, eos_pos = tokens.cpu().tolist(), eos.cpu().tolist()
             lp = None
-            if any(lane.sampling.HasField("logprobs") for lane in lanes):
+            if wants_lp:
                 z = lse[:k]
                 lp = [
                     x.cpu().tolist()

@@ -82,3 +82,10 @@ def test_gpu_graph_replay_equals_eager(served, captured):
     from bench.gpu_checks import check_graph_vs_eager
 
     check_graph_vs_eager(served, captured)
+
+
+@needs_cuda
+def test_gpu_logprob_lanes_run_exact_dots_within_the_gate(served, captured):
+    from bench.gpu_checks import check_logprob_precision
+
+    check_logprob_precision(served, captured)

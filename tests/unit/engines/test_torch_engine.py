@@ -138,6 +138,27 @@ def test_cuda_without_a_gpu_fails_clearly(served):
         create_engine("torch", served, "cuda")
 
 
+def test_a_cohort_asking_for_logprobs_runs_at_the_logprob_precision(served, captured):
+    """TF32 kernels put log-probabilities 1e-2 nats off on the H200: a cohort with a lane
+    that asks for them runs its kernels' dots at `logprob_precision` (exact by default), the
+    others at `kernel_precision`. Both come back with the same answer here (the CPU has no
+    TF32), so what is checked is the precision each cohort ran at."""
+    from stateblock.protocol.sampling import sampling_params
+
+    eng = TorchEngine.load(served, kernel_precision="tf32")
+    ran: list[str] = []
+    step = eng._step
+    eng._step = lambda precision, *a: ran.append(precision) or step(precision, *a)
+    plain = lanes_of(captured, [40, 12])
+    asks = [LaneRequest(rows=plain[0].rows, depth=40, sampling=sampling_params(logprobs=1))]
+    a, b = eng.readout(plain), eng.readout(plain[1:] + asks)
+    assert ran == ["tf32", "ieee"]
+    assert a[0].logprobs is None and b[1].logprobs is not None and b[0].logprobs is None
+    assert b[1].token_ids == a[0].token_ids
+    with pytest.raises(ValueError, match="logprob_precision"):
+        TorchEngine.load(served, logprob_precision="bf16")
+
+
 def test_cpu_engine_runs_the_reference_numerics(served, engine):
     """On the CPU the engine computes as the reference does: fp32 matmuls, SDPA attention;
     asking for the GPU-only fused kernel fails clearly instead of falling back."""

@@ -62,10 +62,15 @@ def perturbed_engine(model, scale: float = 0.5, seed: int = 0) -> ReferenceEngin
 
 class PlantedEngine:
     """The reference answers with one lane per enqueue edited at its most confident
-    position, at the chosen depths only: `flip` changes that token, `stop` emits EOS there."""
+    position, at the chosen depths only: `flip` changes that token, `stop` emits EOS there.
+    The audit reads each depth twice (plain lanes, then lanes asking for log-probabilities):
+    `read` picks which read is edited ("logprobs" always, for mode `logprob`)."""
 
-    def __init__(self, inner: ReferenceEngine, *, mode: str, depths: tuple[int, ...]) -> None:
+    def __init__(
+        self, inner: ReferenceEngine, *, mode: str, depths: tuple[int, ...], read: str = "plain"
+    ) -> None:
         self.inner, self.mode, self.depths = inner, mode, depths
+        self.read = "logprobs" if mode == "logprob" else read
         self.name = f"planted-{mode}"
         self.identity = inner.identity
         self.planted: list[tuple[int, float]] = []  # (position, reference margin)
@@ -75,7 +80,8 @@ class PlantedEngine:
 
     def readout(self, lanes) -> list[LaneResult]:
         out = self.inner.readout(lanes)
-        if lanes[0].depth not in self.depths:
+        read = "logprobs" if lanes[0].sampling.HasField("logprobs") else "plain"
+        if lanes[0].depth not in self.depths or read != self.read:
             return out
         i = next(i for i, r in enumerate(out) if len(r.token_ids) >= 2)
         r = out[i]
@@ -183,6 +189,17 @@ def test_planted_divergence_fails_the_gate_at_its_depth(model, reference):
     assert d["eos_parity"] != "mismatch" and d["exact_match"] == round(4 / 6, 4)
     (blocker,) = report["blockers"]
     assert blocker.startswith("depth 64: divergence: 2 lane(s)")
+
+
+def test_a_divergence_on_the_logprob_read_alone_fails_the_gate(model, reference):
+    """An engine that runs log-probability lanes differently (the torch engine's exact-dot
+    graphs) is held to the token gate on that read too."""
+    planted = PlantedEngine(reference, mode="flip", depths=(64,), read="logprobs")
+    report = audit.parity_audit(model, planted, reference, depths=DEPTHS, n_prompts=6, lanes=3)
+    d = report["depths"]["64"]
+    assert d["exact_match"] == 1.0 and d["logprob_read"]["non_near_tie"] == 2
+    (blocker,) = report["blockers"]
+    assert blocker.startswith("depth 64: logprob read: 2 divergent lane(s)")
 
 
 def test_a_log_probability_off_by_a_hundredth_fails_the_gate(model, reference):
