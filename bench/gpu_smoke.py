@@ -39,6 +39,7 @@ from bench.gpu_checks import (
     V,
     check_engine_parity,
     check_fused_attention,
+    check_fused_attention_rope,
     check_graph_vs_eager,
     check_logprob_precision,
     check_random_decoder_parity,
@@ -395,6 +396,7 @@ def main() -> int:
         rep.run("check_logprob_precision", lambda: check_logprob_precision(served, rows))
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
     rep.run("check_fused_attention", check_fused_attention)
+    rep.run("check_fused_attention_rope", check_fused_attention_rope)
     rate = rep.run("gemm_tflops", gemm_tflops)
     rate = rate if isinstance(rate, float) else 790.0
     rep.run("gemm_tf32_tflops", lambda: gemm_tflops(torch.float32))

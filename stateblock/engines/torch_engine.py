@@ -179,13 +179,8 @@ class TorchEngine:
         self._logprob_precision = logprob_precision
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
         # path has no tensor cores and was most of the decoder's time), else SDPA.
-        # (not with rope: the kernel is not verified on rotated, re-laid-out q and k)
-        fused_ok = (
-            on_gpu
-            and attention_available(dev)
-            and decoder_dtype == torch.float32
-            and not decoder.cfg.rope
-        )
+        # (rope too: rotated q and k are plain (K, H, n, hd) tensors; tests/gpu checks it)
+        fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32
         self.attention = attention or ("fused" if fused_ok and autocast is None else "sdpa")
         if self.attention not in ("sdpa", "fused"):
             raise ValueError(f"attention must be 'sdpa' or 'fused', not {self.attention!r}")

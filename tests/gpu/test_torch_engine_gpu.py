@@ -59,6 +59,13 @@ def test_gpu_fused_attention_equals_sdpa():
 
 
 @needs_cuda
+def test_gpu_fused_attention_runs_a_rope_decoder():
+    from bench.gpu_checks import check_fused_attention_rope
+
+    check_fused_attention_rope()
+
+
+@needs_cuda
 def test_gpu_engine_serves_tf32_and_the_fused_attention(served):
     from stateblock.model.kernels.attention import available as attention_available
 
