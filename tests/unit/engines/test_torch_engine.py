@@ -103,9 +103,10 @@ def test_mixer_is_prefix_causal(engine, captured):
     dec = engine._decoder
     rows = torch.nn.utils.rnn.pad_sequence(captured[:3], batch_first=True)
     lens = torch.tensor([r.shape[0] for r in captured[:3]])
+    guess = dec.guess_embed(engine._lm_head) if dec.cfg.refine else None  # refining decoders
     with torch.inference_mode():
-        short = dec.hidden(rows, lens, torch.arange(50).expand(3, -1))
-        long = dec.hidden(rows, lens, torch.arange(700).expand(3, -1))
+        short = dec.hidden(rows, lens, torch.arange(50).expand(3, -1), guess=guess)
+        long = dec.hidden(rows, lens, torch.arange(700).expand(3, -1), guess=guess)
     diff = (short - long[:, :50]).abs().max().item()
     print(f"hidden[:50] at D=50 vs D=700: max abs diff {diff:.2e}")
     assert diff < 1e-4 * max(1.0, short.abs().max().item())
