@@ -94,6 +94,18 @@ def teacher_batch(base, ids: Tensor, lab: Tensor, amp) -> tuple[Tensor, Tensor, 
     return hidden[:, :p].float(), lens, target, stats
 
 
+def answer_loss(logits: Tensor, target: Tensor, eos: int, eos_weight: float = 1.0) -> Tensor:
+    """Cross-entropy over the scored positions (target -100 is not scored), the EOS targets
+    weighted `eos_weight` times: an answer of 3,000 tokens has one EOS, whose gradient is
+    otherwise a 3,000th of the answer's, and a readout that never stops is wrong however
+    right its tokens (the counting families' only errors were a missing EOS)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100,
+                         reduction="none")  # fmt: skip
+    flat = target.flatten()
+    w = torch.where(flat == eos, eos_weight, 1.0) * (flat != -100)
+    return (ce * w).sum() / w.sum().clamp_min(1.0)
+
+
 def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
     cfg = ReadoutConfig(
         d_base=base.config.hidden_size,
@@ -176,6 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=200, help="warm-up steps")
     add("--seed", type=int, default=0, help="random seed")
     add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
+    add("--eos-weight", type=float, default=1.0, help="loss weight of the EOS targets")
     add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
@@ -253,10 +266,8 @@ def main(argv: list[str] | None = None) -> None:
         pos = torch.arange(target.shape[1], device=device).expand(target.shape[0], -1)
         with amp:
             logits = dmodel(rows, lens, pos, lm_head)
-        loss = sum(
-            F.cross_entropy(lg.float().flatten(0, 1), target.flatten(), ignore_index=-100)
-            for lg in logits
-        ) / len(logits)
+        loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight) for lg in logits)
+        loss = loss / len(logits)
         step += 1
         note = f"seen {seen} shape {tuple(target.shape)}"
         plan.update(opt, decoder.parameters(), loss, step, note)

@@ -122,3 +122,17 @@ def test_a_schedule_longer_than_its_run_is_planned_long_and_stops_on_the_clock(m
             break
     assert 5900 <= plan.total <= 6000  # 10 minutes at 100 ms a step
     assert 590 <= step <= 610  # but this run ended after its one minute
+
+
+def test_the_answer_loss_weights_eos_and_skips_unscored_positions():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    target = torch.tensor([[3, 4, 2, -100, -100], [5, 6, 7, 8, 2]])  # EOS = 2
+    plain = readout_ddp.answer_loss(logits, target, eos=2)
+    assert torch.allclose(plain, torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), target.flatten(), ignore_index=-100))  # fmt: skip
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                           ignore_index=-100, reduction="none")  # fmt: skip
+    eos = target.flatten() == 2
+    want = (ce[~eos].sum() + 10 * ce[eos].sum()) / (int((target != -100).sum()) - 2 + 20)
+    assert torch.allclose(readout_ddp.answer_loss(logits, target, eos=2, eos_weight=10), want)
