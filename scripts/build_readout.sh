@@ -29,4 +29,4 @@ give_back() {
 }
 trap give_back EXIT
 torchrun --standalone --nproc_per_node="$ngpu" -m stateblock.train.readout_ddp \
-  --base models/next/base --out "$out" --minutes "$minutes" "${extra[@]}" "$@"
+  --base models/reference/base --out "$out" --minutes "$minutes" "${extra[@]}" "$@"

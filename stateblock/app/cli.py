@@ -35,47 +35,15 @@ def _device(name: str) -> str:
 
 
 def cmd_build_reference(a: argparse.Namespace) -> int:
-    from stateblock.train import tasks
-    from stateblock.train.distill import DistillConfig, train_decoder
-    from stateblock.train.reference import BaseTrainConfig, train_base
+    from stateblock.train import recipe
 
-    device = _device(a.device)
-    out = Path(a.out)
-    report: dict = {"device": device}
-    if a.stage in ("all", "base"):
-        cfg = BaseTrainConfig(
-            max_minutes=a.base_minutes,
-            steps=a.base_steps,
-            n_examples=a.base_examples,
-            seed=a.seed,
-            token_budget=a.base_budget,
-        )
-        report["base"] = train_base(out / "base", cfg, device)
-        print(json.dumps({"base": report["base"]}), flush=True)
-    if a.stage in ("all", "decoder"):
-        prompts = Path(a.data_dir) / f"reference-prompts-{a.seed}-{a.decoder_examples}.jsonl"
-        prompts.parent.mkdir(parents=True, exist_ok=True)
-        examples = tasks.generate(a.decoder_examples, split="train", seed=a.seed + 1)
-        prompts.write_text(
-            "".join(
-                json.dumps({"prompt": e.prompt, "answer": e.answer, "family": e.family}) + "\n"
-                for e in examples
-            )
-        )
-        cfg = DistillConfig(
-            max_minutes=a.decoder_minutes,
-            steps=a.decoder_steps,
-            seed=a.seed,
-            token_budget=a.decoder_budget,
-            max_answer=a.max_answer,
-            decode_limit=a.decode_limit,
-            decode_budget=a.decode_budget,
-            decoder=json.loads(a.decoder_config),
-        )
-        report["decoder"] = train_decoder(
-            out / "base", prompts, out / "decoder", cfg, device=device, data_dir=a.data_dir
-        )
-        print(json.dumps({"decoder": report["decoder"]}), flush=True)
+    out, work = Path(a.out), Path(a.work_dir)
+    if a.dry_run:
+        ngpu = recipe.gpu_count()
+        for cmd in recipe.plan(out, work, a.stage, a.start, ngpu, a.smoke):
+            print(shlex.join(cmd))
+        return 0
+    recipe.build(out, work, a.stage, a.start, a.smoke)
     return 0
 
 
@@ -395,37 +363,28 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "build-reference",
         formatter_class=DEFAULTS,
-        help="rebuild the shipped reference model and decoder",
+        help="rebuild the shipped reference base model and decoder (stateblock/train/recipe.py)",
     )
     b.add_argument("--out", default=str(REFERENCE), help="where the rebuilt base/ and decoder/ go")
-    b.add_argument("--data-dir", default="data", help="teacher caches and training data")
-    b.add_argument("--device", default="auto", help="cuda, cpu, or auto (a GPU when there is one)")
     b.add_argument(
-        "--stage", choices=["all", "base", "decoder"], default="all", help="which stage to build"
-    )
-    b.add_argument("--seed", type=int, default=0, help="random seed of the whole build")
-    b.add_argument("--base-steps", type=int, default=9000, help="optimizer steps of the base model")
-    b.add_argument(
-        "--base-examples", type=int, default=200_000, help="training examples of the base model"
-    )
-    b.add_argument("--base-budget", type=int, default=65536, help="padded tokens a base step")
-    b.add_argument(
-        "--decoder-steps", type=int, default=10000, help="optimizer steps of the decoder"
+        "--work-dir", default="runs/reference", help="the stages' checkpoints and state files"
     )
     b.add_argument(
-        "--decoder-examples", type=int, default=60_000, help="training prompts of the decoder"
+        "--stage",
+        choices=["all", "base", "decoder"],
+        default="all",
+        help="which model to build (decoder: against the base already in --out)",
     )
     b.add_argument(
-        "--decoder-budget", type=int, default=49152, help="answer positions a decoder step"
+        "--start", type=int, default=1, help="the first of the chosen stages to run (resume)"
     )
-    b.add_argument("--base-minutes", type=float, default=0.0, help=">0: fit steps to this")
-    b.add_argument("--decoder-minutes", type=float, default=0.0, help=">0: fit steps to this")
-    b.add_argument("--decode-limit", type=int, default=4096, help="teacher decode cap")
-    b.add_argument("--decode-budget", type=int, default=4_300_000, help="decode batch tokens")
-    b.add_argument("--max-answer", type=int, default=3100, help="teacher answer envelope")
     b.add_argument(
-        "--decoder-config", default='{"n_mixer": 2}', help="JSON ReadoutConfig overrides"
+        "--smoke",
+        type=int,
+        default=0,
+        help=">0: a smoke run, this many steps a stage, tiny batches",
     )
+    b.add_argument("--dry-run", action="store_true", help="print the stages' commands and stop")
     b.set_defaults(fn=cmd_build_reference)
 
     t = sub.add_parser(

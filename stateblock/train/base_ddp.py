@@ -7,7 +7,7 @@ token and then EOS).
 
     torchrun --standalone --nproc_per_node=2 -m stateblock.train.base_ddp --out DIR --minutes 6
 
-docs/QUALITY.md ("The rebuild") has the four runs that built models/next/base.
+stateblock/train/recipe.py has the four runs that built models/reference/base (docs/QUALITY.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from one verifying forward, DistributedDataParallel under torchrun on every GPU 
 from the measured pace, resumable from its state file.
 
     torchrun --standalone --nproc_per_node=2 -m stateblock.train.readout_ddp \\
-        --base models/next/base --out runs/readout --minutes 8
+        --base models/reference/base --out runs/readout --minutes 8
 
 Per step, per rank: loader workers draw fresh training prompts with their true answers and
 pack them into a padded-token budget; ONE forward of the frozen base over prompt + answer +

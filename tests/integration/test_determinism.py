@@ -57,7 +57,7 @@ async def test_committed_blocks_reread_and_resubmitted_pass(stack, nc, trust, se
 
 async def test_same_rows_read_differently_fail(stack, nc, trust, serving_model):
     # Other decoder weights over byte-identical rows: only the readout can have changed.
-    broken = perturbed_engine(serving_model, scale=4.0)
+    broken = perturbed_engine(serving_model)
     report = await det.determinism_audit(
         nc,
         broken,

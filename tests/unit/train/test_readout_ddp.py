@@ -17,8 +17,8 @@ from stateblock.train import readout_ddp, tasks
 from stateblock.train.base_ddp import FastEnc
 from stateblock.train.teacher import verify_candidates
 
-BASE = Path(__file__).resolve().parents[3] / "models" / "next" / "base"
-pytestmark = pytest.mark.skipif(not BASE.exists(), reason="models/next/base not in this tree")
+BASE = Path(__file__).resolve().parents[3] / "models" / "reference" / "base"
+pytestmark = pytest.mark.skipif(not BASE.exists(), reason="models/reference/base not in this tree")
 
 
 @pytest.fixture(scope="module")

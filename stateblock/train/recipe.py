@@ -1,0 +1,193 @@
+"""How the shipped reference pair was built, as data: the base model's four stages and the
+readout decoder's four, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
+them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
+the results into the model directory; docs/QUALITY.md has each stage's figures.
+
+The base stages ran on two H200s, the decoder stages on one; the step counts follow the
+machine's pace (each run plans its cosine from its measured pace to fill its minutes), so a
+rebuild on other hardware is the same recipe, not the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BASE = "stateblock.train.base_ddp"
+READOUT = "stateblock.train.readout_ddp"
+# the shipped decoder: rotary positions, row attention, one refinement pass (docs/QUALITY.md)
+DECODER_CONFIG = {"d_r": 256, "n_latent": 64, "n_heads": 8, "n_mixer": 2, "mlp_ratio": 3,
+                  "row_attn": True, "refine": 1, "rope": True}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str
+    args: tuple[str, ...]
+    why: str
+
+
+def _j(d: dict) -> str:
+    return json.dumps(d, separators=(",", ":"))
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("base-1", BASE, ("--minutes", "7.3", "--lr", "2e-3"), "every family, uniform"),
+    Stage(
+        "base-2",
+        BASE,
+        ("--minutes", "7.6", "--lr", "1.5e-3", "--reschedule", "--warmup", "100"),
+        "a second cosine: the long families flip late",
+    ),  # fmt: skip
+    Stage(
+        "base-3",
+        BASE,
+        (
+            "--minutes",
+            "8.2",
+            "--lr",
+            "1e-3",
+            "--reschedule",
+            "--warmup",
+            "100",
+            "--max-batch",
+            "1024",
+            "--weights",
+            _j({"sort": 2, "recall": 2}),
+        ),
+        "the two weakest families twice as often",
+    ),  # fmt: skip
+    Stage(
+        "base-4",
+        BASE,
+        (
+            "--minutes",
+            "6.8",
+            "--lr",
+            "7e-4",
+            "--reschedule",
+            "--warmup",
+            "100",
+            "--max-batch",
+            "1024",
+            "--weights",
+            _j({"sort": 4, "copy": 2}),
+        ),
+        "sort, still under 0.95, four times as often",
+    ),  # fmt: skip
+    Stage(
+        "decoder-1",
+        READOUT,
+        (
+            "--minutes",
+            "8.2",
+            "--schedule-minutes",
+            "21.4",
+            "--lr",
+            "1e-3",
+            "--workers",
+            "8",
+            "--decoder-config",
+            _j(DECODER_CONFIG),
+        ),
+        "one warm-up + cosine planned over three runs",
+    ),  # fmt: skip
+    Stage(
+        "decoder-2",
+        READOUT,
+        ("--minutes", "8.2", "--lr", "1e-3", "--workers", "8"),
+        "the same cosine, resumed",
+    ),
+    Stage(
+        "decoder-3",
+        READOUT,
+        ("--minutes", "7.3", "--lr", "1e-3", "--workers", "8", "--eos-weight", "10"),
+        "its end, EOS weighted 10x: the long answers' only errors were a missing EOS",
+    ),  # fmt: skip
+    Stage(
+        "decoder-4",
+        READOUT,
+        (
+            "--minutes",
+            "4.4",
+            "--lr",
+            "4e-4",
+            "--warmup",
+            "50",
+            "--reschedule",
+            "--workers",
+            "8",
+            "--eos-weight",
+            "10",
+        ),
+        "a short second cosine with the EOS weight from its start",
+    ),  # fmt: skip
+)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def smoke_args(module: str, steps: int) -> list[str]:
+    """A smoke run's caps: `steps` steps a stage, small batches, no loader processes and no
+    held-out report (what a test can afford on two CPU cores)."""
+    caps = ["--max-steps", str(steps), "--eval-each", "0", "--workers", "0",
+            "--budget", "4096", "--max-batch", "16", "--pool", "64"]  # fmt: skip
+    return caps + (["--final-eval-each", "0"] if module == BASE else [])
+
+
+def command(stage: Stage, work: Path, base_dir: Path, ngpu: int, smoke: int = 0) -> list[str]:
+    """The stage's command line: torchrun over `ngpu` GPUs, or one CPU process."""
+    if stage.module == BASE:
+        where = ["--out", str(work / "base-run"), "--state", str(work / "base-state.pt")]
+    else:
+        where = ["--base", str(base_dir), "--out", str(work / "decoder-run")]
+    if ngpu:
+        launch = ["torchrun", "--standalone", f"--nproc_per_node={ngpu}", "-m", stage.module]
+        device = []
+    else:
+        launch, device = [sys.executable, "-m", stage.module], ["--device", "cpu"]
+    extra = smoke_args(stage.module, smoke) if smoke else []
+    return [*launch, *where, *stage.args, *device, *extra]
+
+
+def plan(out: Path, work: Path, which: str, start: int, ngpu: int, smoke: int = 0):
+    """Every command `build` runs, in order (what --dry-run prints)."""
+    stages = [s for s in STAGES if which == "all" or s.name.startswith(which)]
+    if not 1 <= start <= len(stages):
+        raise ValueError(f"--start must be 1 to {len(stages)} for {which!r}")
+    base_dir = out / "base" if which == "decoder" else work / "base-run" / "base"
+    return [command(s, work, base_dir, ngpu, smoke) for s in stages[start - 1 :]]
+
+
+def build(out: Path, work: Path, which: str = "all", start: int = 1, smoke: int = 0) -> None:
+    """Run the stages (from the `start`-th of the chosen ones), then copy the results into
+    `out` (base/ after the base stages, decoder/ after the decoder's)."""
+    ngpu = gpu_count()
+    work.mkdir(parents=True, exist_ok=True)
+    for cmd in plan(out, work, which, start, ngpu, smoke):
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    if which in ("all", "base"):
+        _replace(work / "base-run" / "base", out / "base")
+    if which in ("all", "decoder"):
+        _replace(work / "decoder-run" / "decoder", out / "decoder")
+
+
+def _replace(src: Path, dst: Path) -> None:
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: the stage left no model there")
+    tmp = dst.with_name(dst.name + ".new")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
