@@ -48,6 +48,8 @@ def cmd_build_reference(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
+    if a.prompts is None:  # the task suite: fresh prompts, torchrun on every GPU
+        return _train_suite(a)
     from stateblock.train.distill import DistillConfig, train_decoder
 
     cfg = DistillConfig(
@@ -56,13 +58,29 @@ def cmd_train(a: argparse.Namespace) -> int:
         max_answer=a.max_answer,
         lr=a.lr,
         seed=a.seed,
-        decoder=json.loads(a.decoder_config),
+        decoder=json.loads(a.decoder_config or "{}"),
     )
     stats = train_decoder(
         a.base, a.prompts, a.out, cfg, device=_device(a.device), data_dir=a.data_dir
     )
     print(json.dumps(stats))
     return 0
+
+
+def _train_suite(a: argparse.Namespace) -> int:
+    import subprocess
+
+    from stateblock.train import recipe
+
+    ngpu = 0 if _device(a.device) == "cpu" else (a.gpus or recipe.gpu_count())
+    config = a.decoder_config or json.dumps(recipe.DECODER_CONFIG)  # the shipped decoder's
+    args = ["--base", a.base, "--out", a.out, "--minutes", str(a.minutes), "--lr", str(a.lr),
+            "--seed", str(a.seed), "--decoder-config", config]  # fmt: skip
+    cmd = recipe.launcher(recipe.READOUT, ngpu, args, shlex.split(a.trainer_args))
+    print("+", shlex.join(cmd), flush=True)
+    if a.dry_run:
+        return 0
+    return subprocess.run(cmd).returncode
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -391,7 +409,20 @@ def build_parser() -> argparse.ArgumentParser:
         "train", formatter_class=DEFAULTS, help="distil a readout decoder from a base model"
     )
     t.add_argument("--base", required=True, help="local Hugging Face model directory")
-    t.add_argument("--prompts", required=True, help="JSONL with a 'prompt' per line")
+    t.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL with a 'prompt' per line: distil on these (one process). Without it: fresh "
+        "task-suite prompts every step, under torchrun (DDP) on every GPU, or on the CPU",
+    )
+    t.add_argument("--minutes", type=float, default=8.0, help="task suite: wall-clock budget")
+    t.add_argument("--gpus", type=int, default=0, help="task suite: GPUs to use (0: all)")
+    t.add_argument(
+        "--trainer-args",
+        default="",
+        help="task suite: more options of python -m stateblock.train.readout_ddp, one string",
+    )
+    t.add_argument("--dry-run", action="store_true", help="task suite: print the command, stop")
     t.add_argument("--out", required=True, help="the decoder directory to write")
     t.add_argument("--data-dir", default="data", help="the teacher cache")
     t.add_argument("--device", default="auto", help="cuda, cpu, or auto")
@@ -402,7 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     t.add_argument("--seed", type=int, default=0, help="random seed")
-    t.add_argument("--decoder-config", default="{}", help="JSON ReadoutConfig overrides")
+    t.add_argument(
+        "--decoder-config",
+        default="",
+        help="JSON ReadoutConfig overrides (task suite default: the shipped decoder's shape)",
+    )
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", formatter_class=DEFAULTS, help="quality report on held-out prompts")

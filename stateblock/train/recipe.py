@@ -151,13 +151,15 @@ def command(stage: Stage, work: Path, base_dir: Path, ngpu: int, smoke: int = 0)
         where = ["--out", str(work / "base-run"), "--state", str(work / "base-state.pt")]
     else:
         where = ["--base", str(base_dir), "--out", str(work / "decoder-run")]
-    if ngpu:
-        launch = ["torchrun", "--standalone", f"--nproc_per_node={ngpu}", "-m", stage.module]
-        device = []
-    else:
-        launch, device = [sys.executable, "-m", stage.module], ["--device", "cpu"]
     extra = smoke_args(stage.module, smoke) if smoke else []
-    return [*launch, *where, *stage.args, *device, *extra]
+    return launcher(stage.module, ngpu, [*where, *stage.args], extra)
+
+
+def launcher(module: str, ngpu: int, args: list[str], extra=()) -> list[str]:
+    """A trainer's command line: torchrun (DDP) over `ngpu` GPUs, or one CPU process."""
+    if ngpu:
+        return ["torchrun", "--standalone", f"--nproc_per_node={ngpu}", "-m", module, *args, *extra]
+    return [sys.executable, "-m", module, *args, "--device", "cpu", *extra]
 
 
 def plan(out: Path, work: Path, which: str, start: int, ngpu: int, smoke: int = 0):

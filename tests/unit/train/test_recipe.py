@@ -52,3 +52,18 @@ def test_a_smoke_build_runs_every_stage_and_binds_the_decoder_to_its_base(tmp_pa
     assert manifest["training"]["steps"] == 4  # the four decoder stages, one step each
     assert dec.cfg.rope and dec.cfg.refine == 1 and dec.cfg.row_attn
     assert all(torch.isfinite(p).all() for p in dec.parameters())
+
+
+def test_train_without_prompts_launches_the_suite_trainer(capsys):
+    """`stateblock train` on the task suite: the DDP trainer under torchrun on every GPU, or
+    one CPU process; the shipped decoder's shape unless told otherwise."""
+    from stateblock.app import cli
+
+    argv = ["train", "--base", "B", "--out", "O", "--dry-run", "--trainer-args", "--eos-weight 10"]
+    assert cli.main([*argv, "--device", "cpu"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[1:4] == [sys.executable, "-m", recipe.READOUT] and cmd[-2:] == ["--eos-weight", "10"]
+    assert "--device" in cmd and '"rope":' in " ".join(cmd)
+    assert cli.main([*argv, "--device", "cuda", "--gpus", "2"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[1:4] == ["torchrun", "--standalone", "--nproc_per_node=2"]
