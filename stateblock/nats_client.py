@@ -128,6 +128,20 @@ TRANSIENT = (
 T = TypeVar("T")
 
 
+def transient(e: BaseException) -> bool:
+    """A failure the same call may not meet a moment later: TRANSIENT, or a bare JetStream API
+    error from a server mid-election (the 3-node chaos test saw a publish answered
+    `APIError()` while the stream's leader was being killed): a plain APIError or ServerError
+    without a code, or with a 5xx / 408. Its subclasses are answers about the caller's request
+    (bad request, not found, every key-value error: a lost compare-and-swap, a missing key)
+    and are never retried."""
+    if isinstance(e, TRANSIENT):
+        return True
+    if type(e) in (nats.js.errors.APIError, nats.js.errors.ServerError):
+        return e.code is None or e.code >= 500 or e.code == 408
+    return False
+
+
 async def retry_transient(
     call: Callable[[], Awaitable[T]], *, within_s: float, what: str, pause_s: float = 0.2
 ) -> T:
@@ -140,11 +154,14 @@ async def retry_transient(
     while True:
         try:
             return await call()
-        except TRANSIENT as e:
+        except (*TRANSIENT, nats.js.errors.APIError) as e:
+            if not transient(e):
+                raise
             attempt += 1
             if loop.time() + pause_s >= deadline:
                 raise
-            log.info("jetstream call retried", what=what, attempt=attempt, error=type(e).__name__)
+            log.info("jetstream call retried", what=what, attempt=attempt, error=type(e).__name__,
+                     code=getattr(e, "code", None))  # fmt: skip
             await asyncio.sleep(pause_s * (0.5 + random.random()))
 
 

@@ -116,3 +116,35 @@ async def test_a_tls_server_needs_the_ca_every_service_is_given(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_bare_api_error_is_retried_and_an_answer_about_the_request_is_not():
+    """A publish answered `APIError()` mid-election succeeds when called again; a lost
+    compare-and-swap or a missing key (APIError subclasses) is the answer, at once."""
+    import nats.js.errors as jse
+
+    from stateblock.nats_client import retry_transient, transient
+
+    assert transient(jse.APIError()) and transient(jse.APIError(code=503))
+    assert transient(jse.ServerError(code=500))
+    for answer in (jse.APIError(code=400), jse.KeyWrongLastSequenceError(), jse.KeyNotFoundError(),
+                   jse.BadRequestError(code=400), jse.NotFoundError(code=404)):  # fmt: skip
+        assert not transient(answer), answer
+    calls = []
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise jse.APIError()
+        return "ack"
+
+    assert await retry_transient(flaky, within_s=5, what="test", pause_s=0.01) == "ack"
+    calls.clear()
+
+    async def lost():
+        calls.append(1)
+        raise jse.KeyWrongLastSequenceError()
+
+    with pytest.raises(jse.KeyWrongLastSequenceError):
+        await retry_transient(lost, within_s=5, what="test", pause_s=0.01)
+    assert len(calls) == 1
