@@ -18,6 +18,7 @@ from stateblock.runtime import REPO
 REFERENCE = REPO / "models" / "reference"
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
 BENCHES = {  # each runs as its own module from the checkout (`python -m bench.NAME`)
+    "api-fidelity": "bench.api_fidelity",
     "cpu-latency": "bench.latency_cpu",
     "engines-cpu": "bench.engines_cpu",
     "throughput-cpu": "bench.throughput_cpu",

@@ -155,6 +155,43 @@ FAMILIES: dict[str, Callable[..., Example]] = {
 LONG_FAMILIES = ("count", "countdown", "repeat", "alpha")
 
 
+def _alpha_index(w: str) -> int:
+    return sum(26 ** (2 - i) * LETTERS.index(c) for i, c in enumerate(w))
+
+
+def solve(prompt: str) -> str:
+    """The true answer of any prompt in the suite's formats, read from the prompt alone
+    (not from a generator's draw): what checks answers to prompts made elsewhere, the
+    README's examples and the API fidelity bench. ValueError for anything else."""
+    task, _, arg = prompt.partition(": ")
+    try:
+        if task == "copy":
+            return arg
+        if task == "reverse":
+            return arg[::-1]
+        if task == "sort":
+            return "".join(sorted(arg))
+        if task == "add":
+            a, b = arg.split("+")
+            return f"{int(a) + int(b):06d}"[::-1]
+        if task == "recall":
+            pairs, key = arg.rsplit(" ?", 1)
+            return dict(p.split("=", 1) for p in pairs.split(";"))[key]
+        if task in ("count", "countdown"):
+            a, b = (int(x) for x in arg.split())
+            step = 1 if task == "count" else -1
+            return " ".join(f"{i:03d}" for i in range(a, b + step, step))
+        if task == "repeat":
+            pat, n = arg.split()
+            return " ".join(f"{pat}{i:03d}" for i in range(1, int(n) + 1))
+        if task == "alpha":
+            a, b = (_alpha_index(w) for w in arg.split())
+            return " ".join(_alpha(i) for i in range(a, b + 1))
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"not a well-formed {task!r} prompt: {prompt!r}") from e
+    raise ValueError(f"not a task-suite prompt: {prompt!r}")
+
+
 def is_heldout(prompt: str, fraction: int = 10) -> bool:
     """One prompt in `fraction` is held out, decided by its text alone."""
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") % fraction == 0

@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 from transformers import AutoTokenizer
 
 from stateblock.train import tasks
@@ -114,3 +115,12 @@ def test_the_base_trainer_runs_and_writes_a_loadable_model(tmp_path):
     assert list(tmp_path.glob("fp32.part*.safetensors"))
     model, tok = load_base(tmp_path / "base")
     assert model.config.hidden_size == 32 and tok("copy: a")["input_ids"][0] == tok.bos_token_id
+
+
+def test_solve_reads_every_family_s_answer_from_the_prompt_alone():
+    for split in ("train", "heldout"):
+        for ex in tasks.generate(3000, split=split, seed=11):
+            assert tasks.solve(ex.prompt) == ex.answer, ex.prompt
+    for bad in ("hello", "add: 12", "recall: a=1 ?b", "alpha: ab1 abc", "fly: x"):
+        with pytest.raises(ValueError):
+            tasks.solve(bad)
