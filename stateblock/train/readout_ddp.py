@@ -117,10 +117,14 @@ def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
 
 
 @torch.no_grad()
-def heldout_report(base, decoder, enc, device, amp, n_each: int, seed: int) -> dict:
+def heldout_report(
+    base, decoder, enc, device, amp, n_each: int, seed: int, split: str = "heldout"
+) -> dict:
     """Readout vs teacher on held-out prompts whose teacher answer the forward verifies
-    (teacher == truth, then EOS); prompts where it deviates are counted, not scored."""
-    exs = tasks.per_family(n_each, split="heldout", seed=seed)
+    (teacher == truth, then EOS); prompts where it deviates are counted, not scored.
+    `split="train"`: the same on prompts of the training split (drawn the way training
+    draws them), for the train - held-out gap."""
+    exs = tasks.per_family(n_each, split=split, seed=seed)
     seqs = [(enc.prompt(e.prompt), enc.answer(e.answer) + [enc.eos]) for e in exs]
     lens = [len(p) + len(t) for p, t in seqs]
     lm_head = base.lm_head.weight.float()
@@ -304,6 +308,13 @@ def main(argv: list[str] | None = None) -> None:
         if a.eval_each:
             t1 = time.perf_counter()
             stats["heldout"] = heldout_report(base, decoder, enc, device, amp, a.eval_each, 1234)
+            train = heldout_report(base, decoder, enc, device, amp, a.eval_each, 1234, "train")
+            stats["train_split"] = train
+            stats["train_minus_heldout_exact"] = {
+                b: round(train["exact_by_bucket"][b][0] - v[0], 3)
+                for b, v in stats["heldout"]["exact_by_bucket"].items()
+                if b in train["exact_by_bucket"]
+            }
             stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
         log(json.dumps(stats))
         (out / "stats.json").write_text(json.dumps(stats, indent=2))

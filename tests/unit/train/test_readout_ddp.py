@@ -83,6 +83,8 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
     assert dec.cfg.row_attn and dec.cfg.refine == 1
     assert manifest["training"]["config"]["max_answer"] == 3100
     assert set(stats["heldout"]["exact_by_family"]) <= set(tasks.FAMILIES)
+    gap = stats["train_minus_heldout_exact"]  # the train - held-out gap, bucket by bucket
+    assert gap and set(gap) <= set(stats["train_split"]["exact_by_bucket"])
     # another machine's stage: no state file there, the saved decoder as its start
     args[args.index("--out") + 1] = str(tmp_path / "next")
     with pytest.raises(_Exited):
