@@ -1,0 +1,174 @@
+"""The model-building commands of `stateblock`: build-reference (the shipped pair's
+recipe), train (a readout decoder for a base model) and eval (the quality report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from pathlib import Path
+
+from stateblock.runtime import REPO
+
+REFERENCE = REPO / "models" / "reference"
+DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
+
+
+def device_of(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def cmd_build_reference(a: argparse.Namespace) -> int:
+    from stateblock.train import recipe
+
+    out, work = Path(a.out), Path(a.work_dir)
+    if a.dry_run:
+        ngpu = recipe.gpu_count()
+        for cmd in recipe.plan(out, work, a.stage, a.start, ngpu, a.smoke):
+            print(shlex.join(cmd))
+        return 0
+    recipe.build(out, work, a.stage, a.start, a.smoke)
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    if a.prompts is None:  # the task suite: fresh prompts, torchrun on every GPU
+        return _train_suite(a)
+    from stateblock.train.distill import DistillConfig, train_decoder
+
+    cfg = DistillConfig(
+        steps=a.steps,
+        token_budget=a.token_budget,
+        max_answer=a.max_answer,
+        lr=a.lr,
+        seed=a.seed,
+        decoder=json.loads(a.decoder_config or "{}"),
+    )
+    stats = train_decoder(
+        a.base, a.prompts, a.out, cfg, device=device_of(a.device), data_dir=a.data_dir
+    )
+    print(json.dumps(stats))
+    return 0
+
+
+def _train_suite(a: argparse.Namespace) -> int:
+    import subprocess
+
+    from stateblock.train import recipe
+
+    ngpu = 0 if device_of(a.device) == "cpu" else (a.gpus or recipe.gpu_count())
+    config = a.decoder_config or json.dumps(recipe.DECODER_CONFIG)  # the shipped decoder's
+    args = ["--base", a.base, "--out", a.out, "--minutes", str(a.minutes), "--lr", str(a.lr),
+            "--seed", str(a.seed), "--decoder-config", config]  # fmt: skip
+    cmd = recipe.launcher(recipe.READOUT, ngpu, args, shlex.split(a.trainer_args))
+    print("+", shlex.join(cmd), flush=True)
+    if a.dry_run:
+        return 0
+    return subprocess.run(cmd).returncode
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from stateblock.tools import evaluate
+
+    t0 = time.perf_counter()
+    report = evaluate.evaluate(
+        a.base,
+        a.decoder,
+        n_each=a.n_each,
+        seed=a.seed,
+        device=device_of(a.device),
+        families=tuple(a.families.split(",")) if a.families else None,
+        max_answer=a.max_answer,
+    )
+    report["settings"]["seconds"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(report, indent=2)
+    if a.json:
+        evaluate.write_json(report, a.json)
+    if a.plot:
+        evaluate.plot(report, a.plot)
+    if a.markdown:
+        Path(a.markdown).write_text(evaluate.markdown(report, "stateblock " + shlex.join(a.argv)))
+    print(text)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    b = sub.add_parser(
+        "build-reference",
+        formatter_class=DEFAULTS,
+        help="rebuild the shipped reference base model and decoder (stateblock/train/recipe.py)",
+    )
+    b.add_argument("--out", default=str(REFERENCE), help="where the rebuilt base/ and decoder/ go")
+    b.add_argument(
+        "--work-dir", default="runs/reference", help="the stages' checkpoints and state files"
+    )
+    b.add_argument(
+        "--stage",
+        choices=["all", "base", "decoder"],
+        default="all",
+        help="which model to build (decoder: against the base already in --out)",
+    )
+    b.add_argument(
+        "--start", type=int, default=1, help="the first of the chosen stages to run (resume)"
+    )
+    b.add_argument(
+        "--smoke",
+        type=int,
+        default=0,
+        help=">0: a smoke run, this many steps a stage, tiny batches",
+    )
+    b.add_argument("--dry-run", action="store_true", help="print the stages' commands and stop")
+    b.set_defaults(fn=cmd_build_reference)
+
+    t = sub.add_parser(
+        "train", formatter_class=DEFAULTS, help="distil a readout decoder from a base model"
+    )
+    t.add_argument("--base", required=True, help="local Hugging Face model directory")
+    t.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL with a 'prompt' per line: distil on these (one process). Without it: fresh "
+        "task-suite prompts every step, under torchrun (DDP) on every GPU, or on the CPU",
+    )
+    t.add_argument("--minutes", type=float, default=8.0, help="task suite: wall-clock budget")
+    t.add_argument("--gpus", type=int, default=0, help="task suite: GPUs to use (0: all)")
+    t.add_argument(
+        "--trainer-args",
+        default="",
+        help="task suite: more options of python -m stateblock.train.readout_ddp, one string",
+    )
+    t.add_argument("--dry-run", action="store_true", help="task suite: print the command, stop")
+    t.add_argument("--out", required=True, help="the decoder directory to write")
+    t.add_argument("--data-dir", default="data", help="the teacher cache")
+    t.add_argument("--device", default="auto", help="cuda, cpu, or auto")
+    t.add_argument("--steps", type=int, default=6000, help="optimizer steps")
+    t.add_argument("--token-budget", type=int, default=49152, help="answer positions a step")
+    t.add_argument(
+        "--max-answer", type=int, default=4096, help="longest supervised answer (tokens)"
+    )
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument("--seed", type=int, default=0, help="random seed")
+    t.add_argument(
+        "--decoder-config",
+        default="",
+        help="JSON ReadoutConfig overrides (task suite default: the shipped decoder's shape)",
+    )
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", formatter_class=DEFAULTS, help="quality report on held-out prompts")
+    e.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
+    e.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
+    e.add_argument("--n-each", type=int, default=40, help="held-out prompts per family")
+    e.add_argument("--seed", type=int, default=1234, help="seed of the held-out prompts")
+    e.add_argument("--families", default="", help="comma-separated subset")
+    e.add_argument("--device", default="auto", help="cuda, cpu, or auto")
+    e.add_argument("--max-answer", type=int, default=None, help="teacher envelope override")
+    e.add_argument("--json", help="write the JSON report here")
+    e.add_argument("--plot", help="write the PNG plot here")
+    e.add_argument("--markdown", help="write the markdown tables here")
+    e.set_defaults(fn=cmd_eval)
