@@ -82,12 +82,12 @@ def test_serving_needs_none_of_the_extras():
 
 
 def test_a_command_that_needs_an_extra_says_which(monkeypatch, capsys):
-    from stateblock.app import cli
+    from stateblock.app import cli, cli_models
 
     def needs_tqdm(_args):
         raise ModuleNotFoundError("No module named 'tqdm'", name="tqdm")
 
-    monkeypatch.setattr(cli, "cmd_eval", needs_tqdm)
+    monkeypatch.setattr(cli_models, "cmd_eval", needs_tqdm)
     parser = cli.build_parser
     monkeypatch.setattr(
         cli,
