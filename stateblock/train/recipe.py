@@ -12,6 +12,7 @@ rebuild on other hardware is the same recipe, not the same bytes.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,106 +30,32 @@ DECODER_CONFIG = {"d_r": 256, "n_latent": 64, "n_heads": 8, "n_mixer": 2, "mlp_r
 class Stage:
     name: str
     module: str
-    args: tuple[str, ...]
+    line: str  # the trainer's options, as typed on a command line
     why: str
 
+    @property
+    def args(self) -> list[str]:
+        return shlex.split(self.line)
 
-def _j(d: dict) -> str:
-    return json.dumps(d, separators=(",", ":"))
 
-
+_DEC = shlex.quote(json.dumps(DECODER_CONFIG, separators=(",", ":")))
+_BATCH = "--reschedule --warmup 100 --max-batch 1024"
 STAGES: tuple[Stage, ...] = (
-    Stage("base-1", BASE, ("--minutes", "7.3", "--lr", "2e-3"), "every family, uniform"),
-    Stage(
-        "base-2",
-        BASE,
-        ("--minutes", "7.6", "--lr", "1.5e-3", "--reschedule", "--warmup", "100"),
-        "a second cosine: the long families flip late",
-    ),  # fmt: skip
-    Stage(
-        "base-3",
-        BASE,
-        (
-            "--minutes",
-            "8.2",
-            "--lr",
-            "1e-3",
-            "--reschedule",
-            "--warmup",
-            "100",
-            "--max-batch",
-            "1024",
-            "--weights",
-            _j({"sort": 2, "recall": 2}),
-        ),
-        "the two weakest families twice as often",
-    ),  # fmt: skip
-    Stage(
-        "base-4",
-        BASE,
-        (
-            "--minutes",
-            "6.8",
-            "--lr",
-            "7e-4",
-            "--reschedule",
-            "--warmup",
-            "100",
-            "--max-batch",
-            "1024",
-            "--weights",
-            _j({"sort": 4, "copy": 2}),
-        ),
-        "sort, still under 0.95, four times as often",
-    ),  # fmt: skip
-    Stage(
-        "decoder-1",
-        READOUT,
-        (
-            "--minutes",
-            "8.2",
-            "--schedule-minutes",
-            "21.4",
-            "--lr",
-            "1e-3",
-            "--workers",
-            "8",
-            "--decoder-config",
-            _j(DECODER_CONFIG),
-        ),
-        "one warm-up + cosine planned over three runs",
-    ),  # fmt: skip
-    Stage(
-        "decoder-2",
-        READOUT,
-        ("--minutes", "8.2", "--lr", "1e-3", "--workers", "8"),
-        "the same cosine, resumed",
-    ),
-    Stage(
-        "decoder-3",
-        READOUT,
-        ("--minutes", "7.3", "--lr", "1e-3", "--workers", "8", "--eos-weight", "10"),
-        "its end, EOS weighted 10x: the long answers' only errors were a missing EOS",
-    ),  # fmt: skip
-    Stage(
-        "decoder-4",
-        READOUT,
-        (
-            "--minutes",
-            "4.4",
-            "--lr",
-            "4e-4",
-            "--warmup",
-            "50",
-            "--reschedule",
-            "--workers",
-            "8",
-            "--eos-weight",
-            "10",
-        ),
-        "a short second cosine with the EOS weight from its start",
-    ),  # fmt: skip
-)
+    Stage("base-1", BASE, "--minutes 7.3 --lr 2e-3", "every family, uniform"),
+    Stage("base-2", BASE, "--minutes 7.6 --lr 1.5e-3 --reschedule --warmup 100",
+          "a second cosine: the long families flip late"),
+    Stage("base-3", BASE, f"--minutes 8.2 --lr 1e-3 {_BATCH} --weights '{{\"sort\":2,\"recall\":2}}'",
+          "the two weakest families twice as often"),
+    Stage("base-4", BASE, f"--minutes 6.8 --lr 7e-4 {_BATCH} --weights '{{\"sort\":4,\"copy\":2}}'",
+          "sort, still under 0.95, four times as often"),
+    Stage("decoder-1", READOUT, f"--minutes 8.2 --schedule-minutes 21.4 --lr 1e-3 --workers 8 "
+          f"--decoder-config {_DEC}", "one warm-up + cosine planned over three runs"),
+    Stage("decoder-2", READOUT, "--minutes 8.2 --lr 1e-3 --workers 8", "the same cosine, resumed"),
+    Stage("decoder-3", READOUT, "--minutes 7.3 --lr 1e-3 --workers 8 --eos-weight 10",
+          "its end, EOS weighted 10x: the long answers' only errors were a missing EOS"),
+    Stage("decoder-4", READOUT, "--minutes 4.4 --lr 4e-4 --warmup 50 --reschedule --workers 8 "
+          "--eos-weight 10", "a short second cosine with the EOS weight from its start"),
+)  # fmt: skip
 
 
 def gpu_count() -> int:
