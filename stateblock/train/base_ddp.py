@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from stateblock.train import tasks
 from stateblock.train.batching import budget_batches
@@ -151,6 +152,9 @@ class Plan:
         self.plan_minutes = plan_minutes or minutes
         self.t0 = self._t100 = self._tlog = time.perf_counter()
         self.losses: list[float] = []  # every 25th step's
+        # rank 0's progress bar: steps against the plan (the fallback until it is planned)
+        self.bar = tqdm(desc="train", unit="step", initial=start, mininterval=10,
+                        total=resumed_total or start + fallback, disable=r.rank != 0)  # fmt: skip
 
     def update(self, opt, params, loss: torch.Tensor, step: int, note: str) -> None:
         """One optimizer step (clipped at 1), the loss kept every 25 steps and a line of
@@ -159,8 +163,10 @@ class Plan:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        self.bar.update()
         if step % 25 == 0:
             self.losses.append(loss.item())
+            self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", refresh=False)
         if time.perf_counter() - self._tlog > 20:
             self._tlog = time.perf_counter()
             recent = self.losses[-8:]
@@ -179,13 +185,19 @@ class Plan:
                 tt = torch.tensor([total], device=self.r.device)
                 dist.broadcast(tt, 0)
                 total = int(tt.item())
-            self.total = total
+            self.total = self.bar.total = total
             log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
         if step - self.start == 100:
             self._t100 = time.perf_counter()
         return self.total if self.total is not None else self.start + self.fallback
 
     def done(self, step: int) -> bool:
+        if self._done(step):
+            self.bar.close()
+            return True
+        return False
+
+    def _done(self, step: int) -> bool:
         """Called after each step: the plan, or max_steps, reached (or, alone, the clock)."""
         if (self.total is not None and step >= self.total) or step - self.start >= self.max_steps:
             return True

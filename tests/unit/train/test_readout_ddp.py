@@ -124,6 +124,7 @@ def test_a_schedule_longer_than_its_run_is_planned_long_and_stops_on_the_clock(m
             break
     assert 5900 <= plan.total <= 6000  # 10 minutes at 100 ms a step
     assert 590 <= step <= 610  # but this run ended after its one minute
+    assert plan.bar.total == plan.total  # the progress bar shows the planned length
 
 
 def test_the_answer_loss_weights_eos_and_skips_unscored_positions():
