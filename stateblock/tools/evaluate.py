@@ -27,6 +27,8 @@ METRICS = (
     "exact_match_vs_teacher",
     "token_agreement_vs_teacher",
     "eos_agreement",
+    "eos_early",  # the readout stops before the teacher does
+    "eos_late",  # after it, or not within the depth read
     "teacher_exact_vs_truth",
     "readout_exact_vs_truth",
     "distinct4_teacher",
@@ -77,6 +79,8 @@ def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], 
         "agree": agree,
         "positions": len(teacher),
         "eos": r_eos == t_eos,
+        "eos_early": r_eos < t_eos,  # NO_EOS is the largest position: never early
+        "eos_late": r_eos > t_eos,
         "t_truth": t_ans == truth and t_eos != NO_EOS,
         "r_truth": r_ans == truth and r_eos != NO_EOS,
         "d4_t": distinct_n(t_ans),
@@ -97,6 +101,8 @@ def _summary(rows: list[dict]) -> dict:
         if pos
         else None,
         "eos_agreement": mean([float(r["eos"]) for r in rows]),
+        "eos_early": mean([float(r["eos_early"]) for r in rows]),
+        "eos_late": mean([float(r["eos_late"]) for r in rows]),
         "teacher_exact_vs_truth": mean([float(r["t_truth"]) for r in rows]),
         "readout_exact_vs_truth": mean([float(r["r_truth"]) for r in rows]),
         "distinct4_teacher": mean([r["d4_t"] for r in rows]),

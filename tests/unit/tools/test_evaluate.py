@@ -13,8 +13,12 @@ EOS = 2
 def test_score_definitions():
     s = score([5, 6, EOS], ([5, 6, EOS, 9], 2), [5, 6], EOS)
     assert s["exact"] and s["eos"] and s["t_truth"] and s["r_truth"] and s["agree"] == 3
+    assert not s["eos_early"] and not s["eos_late"]
     s = score([5, 6, EOS], ([5, 7, 8, 9], NO_EOS), [5, 6], EOS)
     assert not s["exact"] and not s["eos"] and s["agree"] == 1 and not s["r_truth"]
+    assert s["eos_late"] and not s["eos_early"]  # never stopped: late
+    s = score([5, 6, 7, EOS], ([5, EOS, 7, 8], 1), [5, 6, 7], EOS)
+    assert s["eos_early"] and not s["eos_late"] and not s["eos"]
     s = score([5, 6, 6, 6], ([5, 6, 6, 6], NO_EOS), [5, 6], EOS)  # teacher never stopped
     assert s["exact"] and not s["t_truth"]
     assert (
