@@ -85,7 +85,8 @@ def main() -> None:
     with embedded_stack(2, REFERENCE_BASE, REFERENCE_DECODER) as urls:
         client = OpenAI(base_url=f"{urls.http}/v1", api_key="none")
         for p in draw(a.seed, a.scale):
-            truth, budget = solve(p), len(solve(p)) + 16
+            truth = solve(p)
+            budget = len(truth) + 16
             ids = tok(p, return_tensors="pt")["input_ids"]
             with torch.no_grad():
                 g = base.generate(ids, max_new_tokens=budget, do_sample=False,

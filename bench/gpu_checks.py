@@ -174,10 +174,11 @@ def check_logprob_precision(served, rows: list[torch.Tensor], device: str = "cud
     """A cohort with a lane asking for log-probabilities runs on exact fp32 dots (its own
     graph) and meets the audit's 1e-3-nat gate; one without keeps the TF32 graph."""
     from stateblock.engines import LaneRequest, ReferenceEngine
+    from stateblock.engines.torch_engine import TorchEngine
     from stateblock.protocol.sampling import sampling_params
     from stateblock.tools.audit import LOGPROB_TOL, logprob_error
 
-    eng, _ = shipped_engines(served, device)
+    eng = TorchEngine.load(served, device)
     # the exact reference: fp32 throughout (shipped_engines' shares the bf16 resident lm_head,
     # whose rounding alone is 1e-2 nats: that one is for token parity, not for numbers)
     ref = ReferenceEngine(eng._decoder, eng._lm_head.float(), served.identity,
