@@ -106,6 +106,26 @@ def answer_loss(logits: Tensor, target: Tensor, eos: int, eos_weight: float = 1.
     return (ce * w).sum() / w.sum().clamp_min(1.0)
 
 
+def stop_loss(logits: Tensor, target: Tensor, eos: int) -> Tensor:
+    """Where the answer ends, as one decision per lane: the softmax over the lane's
+    positions of the EOS log-odds s_p = log p(EOS) - log(1 - p(EOS)), cross-entropy
+    against the position of its EOS target. Lanes without one (the teacher deviated before
+    its end) are not scored.
+
+    Per-position cross-entropy trains each EOS decision alone; its misses on long answers
+    were one spurious EOS in place of a separator, at a low margin, while the true end's
+    log-odds were high. This loss compares the positions with each other, so its gradient
+    goes to the runner-up positions (the confusable separators), and it also scores the
+    positions past the end, which the token loss leaves untrained."""
+    lp = logits.float().log_softmax(-1)[..., eos]  # (B, D) log p(EOS)
+    s = lp - torch.log1p(-lp.exp().clamp(max=1.0 - 1e-6))  # (B, D) log-odds
+    end = target == eos  # (B, D)
+    lanes = end.any(-1)
+    if not bool(lanes.any()):
+        return s.sum() * 0.0  # keeps the graph (DDP) while scoring nothing
+    return F.cross_entropy(s[lanes], end[lanes].float().argmax(-1))
+
+
 def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
     cfg = ReadoutConfig(
         d_base=base.config.hidden_size,
@@ -193,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="random seed")
     add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
     add("--eos-weight", type=float, default=1.0, help="loss weight of the EOS targets")
+    add("--stop-weight", type=float, default=0.0, help="weight of the per-lane stop loss")
     add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
@@ -271,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
         with amp:
             logits = dmodel(rows, lens, pos, lm_head)
         loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight) for lg in logits)
+        if a.stop_weight:
+            loss = loss + a.stop_weight * sum(
+                stop_loss(lg, target, tok.eos_token_id) for lg in logits
+            )
         loss = loss / len(logits)
         step += 1
         note = f"seen {seen} shape {tuple(target.shape)}"

@@ -139,3 +139,25 @@ def test_the_answer_loss_weights_eos_and_skips_unscored_positions():
     eos = target.flatten() == 2
     want = (ce[~eos].sum() + 10 * ce[eos].sum()) / (int((target != -100).sum()) - 2 + 20)
     assert torch.allclose(readout_ddp.answer_loss(logits, target, eos=2, eos_weight=10), want)
+
+
+def test_the_stop_loss_compares_a_lanes_positions_and_skips_lanes_without_an_end():
+    eos, v = 2, 7
+    target = torch.tensor([[3, 4, 2, -100], [5, 6, -100, -100]])  # lane 1: no EOS target
+    logits = torch.zeros(2, 4, v)
+    logits[0, 2, eos] = 6.0  # the true end: EOS confident
+    good = readout_ddp.stop_loss(logits, target, eos)
+    spurious = logits.clone()
+    spurious[0, 1, eos] = 8.0  # an earlier position more sure of EOS than the end
+    bad = readout_ddp.stop_loss(spurious, target, eos)
+    assert float(good) < 0.05 < 1.0 < float(bad)
+    late = logits.clone()
+    late[0, 3, eos] = 8.0  # past the end counts too: the end is one decision per lane
+    assert float(readout_ddp.stop_loss(late, target, eos)) > 1.0
+    lane1 = logits.clone()
+    lane1[1, :, eos] = torch.tensor([9.0, -9.0, 9.0, -9.0])  # not scored: no end known
+    assert torch.allclose(readout_ddp.stop_loss(lane1, target, eos), good)
+    none = torch.full_like(target, -100)
+    grad = torch.zeros(2, 4, v, requires_grad=True)
+    readout_ddp.stop_loss(grad, none, eos).backward()  # nothing scored, a graph all the same
+    assert float(grad.grad.abs().sum()) == 0.0

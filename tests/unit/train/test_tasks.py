@@ -1,5 +1,6 @@
 """The task suite and the reference tokenizer."""
 
+import hashlib
 import random
 
 import pytest
@@ -124,3 +125,14 @@ def test_solve_reads_every_family_s_answer_from_the_prompt_alone():
     for bad in ("hello", "add: 12", "recall: a=1 ?b", "alpha: ab1 abc", "fly: x"):
         with pytest.raises(ValueError):
             tasks.solve(bad)
+
+
+def test_train_adds_draw_full_width_operands_often_and_heldout_prompts_stay_put():
+    rng = random.Random(3)
+    adds = [tasks.add(rng).prompt.split(": ")[1].split("+") for _ in range(4000)]
+    both = sum(a >= "10000" and b >= "10000" for a, b in adds) / len(adds)
+    assert both > 0.12  # was 0.04: both operands five digits wide, the long carries
+    # the eval's prompts are those every QUALITY.md table was measured on
+    ex = tasks.per_family(30, split="heldout", seed=1234)
+    digest = hashlib.sha256("\n".join(e.prompt for e in ex).encode()).hexdigest()
+    assert digest.startswith("0c1429cb5d427261")
