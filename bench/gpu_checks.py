@@ -12,12 +12,17 @@ NEAR_TIE = (
 V, D_BASE = 131072, 2688
 
 
-def random_weights() -> tuple:
+def random_weights(arch: dict | None = None) -> tuple:
+    """A random decoder at the seed's scale (d_base 2688, V 131072) with the shipped decoder's
+    architecture (recipe.DECODER_CONFIG: row attention, one refinement pass, rotary
+    positions, two mixers) unless `arch` says otherwise ({} is the latents-only default)."""
     from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+    from stateblock.train.recipe import DECODER_CONFIG
 
     torch.manual_seed(0)
     eos = 2
-    dec = ReadoutDecoder(ReadoutConfig(d_base=D_BASE, vocab_size=V, eos_token_id=eos))
+    arch = DECODER_CONFIG if arch is None else arch
+    dec = ReadoutDecoder(ReadoutConfig(d_base=D_BASE, vocab_size=V, eos_token_id=eos, **arch))
     lm_head = (torch.randn(V, D_BASE, device="cuda") * 0.05).bfloat16()
     lm_head[eos] = 0  # EOS logit exactly 0 < the top-1: every lane reads its whole depth
     # fp32 like the engine's decoder (it would convert it in place anyway); lm_head in bf16

@@ -195,7 +195,8 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         torch.cuda.reset_peak_memory_stats()
         res = eng.readout(lanes)  # captures the shape if warm_up did not
         assert all(len(r.token_ids) == d for r in res), "random decoder stopped early"
-        graph, _ = eng._graphs[eng._shape(lanes)[0]]
+        # graphs are keyed by (shape, kernel dot precision) since logprob lanes got their own
+        graph, _ = eng._graphs[eng._shape(lanes)[0], eng._kernel_precision]
         floor = 2 * k * d * D_BASE * V / (rate * 1e12) * 1e3
         row = {
             "readout_ms": cuda_ms(lambda: eng.readout(lanes)),
@@ -256,6 +257,14 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         one, eight = rep.data.get(f"{prefix}_K1_D8192", {}), rep.data.get(f"{prefix}_K8_D8192", {})
         if "readout_ms" in one and "readout_ms" in eight:
             rep.put(f"{prefix}_k8_over_k1", eight["readout_ms"] / one["readout_ms"])
+    # the latents-only decoder every GPU figure before session 9 measured, for comparison
+    seed_arch = engine(random_weights({})[0], warm_shapes=())
+    free()
+    w0 = torch.cuda.memory_allocated()  # its weights (the K=8 peak also holds K=1's graph)
+    for k in (1, 8):
+        rep.run(f"engine_latents_only_K{k}_D8192", lambda e=seed_arch, k=k: measure(e, k, 8192, w0))
+    del seed_arch
+    free()
     rep.run("reference_sdpa_K8_D8192", lambda: eager_reference(dec, lm_head, rows, "sdpa"))
     rep.run("reference_explicit_K8_D8192", lambda: eager_reference(dec, lm_head, rows, "explicit"))
 
@@ -269,14 +278,15 @@ def engine_parts(et, decoder, lm_head, rows, tiles) -> dict:
     x = rows.cuda()[None].float()  # (1, P, d_base), in the decoder's dtype
     lens = torch.full((1,), x.shape[1], device="cuda")
     pos = torch.arange(8192, device="cuda")[None]
-    h = decoder.hidden(x, lens, pos, impl="sdpa").to(lm_head.dtype)[0]  # (D, d_base)
-    m = decoder.mixed(x, lens, pos, impl="sdpa")[0]  # (D, d_r)
+    guess = decoder.guess_embed(lm_head) if decoder.cfg.refine else None  # the eager guess
+    h = decoder.hidden(x, lens, pos, impl="sdpa", guess=guess).to(lm_head.dtype)[0]  # (D, d_base)
+    m = decoder.mixed(x, lens, pos, impl="sdpa", guess=guess)[0]  # (D, d_r)
     head = et.fused_head(lm_head, decoder.out.weight, torch.float32)
 
     def decoder_ms(stage, linears: str, impl: str) -> float:
         def run():
             with et.matmul_precision(linears), et.dot_precision("tf32"):
-                stage(x, lens, pos, impl=impl)
+                stage(x, lens, pos, impl=impl, guess=guess)
 
         return cuda_ms(run)
 

@@ -26,6 +26,7 @@ from stateblock.model.capture import lm_head_weight
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import ServingModel
 from stateblock.protocol.envelope import ModelIdentity
+from stateblock.train.recipe import DECODER_CONFIG
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)  # ids 0..3; word i is "w{i}" for i >= 4
@@ -53,6 +54,7 @@ SCALES: dict[str, Scale] = {
         vocab_size=131072,
         prompt_len=512,
         max_tokens=1014,
+        decoder=dict(DECODER_CONFIG),  # the shipped decoder's architecture, at this scale
     ),
     # the full scale's wire: a 512 x 2688 block per request, in the services' own CPU stages
     # (sign, publish, verify, ...) on a machine without a GPU; one thin layer, small vocab

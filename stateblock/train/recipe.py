@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's four stages and the
-readout decoder's four, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's seven, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -55,6 +55,14 @@ STAGES: tuple[Stage, ...] = (
           "its end, EOS weighted 10x: the long answers' only errors were a missing EOS"),
     Stage("decoder-4", READOUT, "--minutes 4.4 --lr 4e-4 --warmup 50 --reschedule --workers 8 "
           "--eos-weight 10", "a short second cosine with the EOS weight from its start"),
+    # session 9: stages 5 and 6 shared the GPU with an ablation arm (the stop loss, then EOS
+    # weight 30), so they ran at about half this pace; adds drew full-width operands more often
+    Stage("decoder-5", READOUT, "--minutes 6.0 --lr 3e-4 --warmup 50 --reschedule --workers 7 "
+          "--eos-weight 10", "a third cosine, EOS weight 10: every long bucket moved"),
+    Stage("decoder-6", READOUT, "--minutes 7.6 --lr 3e-4 --warmup 50 --reschedule --workers 7 "
+          "--eos-weight 10", "a fourth: 65-256 reached 1.00, long buckets 0.88-0.91"),
+    Stage("decoder-7", READOUT, "--minutes 5.0 --lr 2e-4 --warmup 30 --reschedule --workers 14 "
+          "--eos-weight 10", "a fifth, lower peak, alone on the GPU"),
 )  # fmt: skip
 
 
