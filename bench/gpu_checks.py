@@ -124,11 +124,11 @@ def shipped_engines(served, device: str = "cuda", **options):
     return eng, ref
 
 
-def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda", **options) -> dict:
     from stateblock.engines import LaneRequest
     from stateblock.protocol.sampling import sampling_params
 
-    eng, ref = shipped_engines(served, device)
+    eng, ref = shipped_engines(served, device, **options)
     eng.warm_up()
     depths = [1, 40, 300, 64, 16, 600, 1000, 2600, 2000]  # 9 lanes: cohorts of 8 and 1
     lanes = [LaneRequest(rows=rows[i % len(rows)], depth=d) for i, d in enumerate(depths)]

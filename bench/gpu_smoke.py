@@ -83,6 +83,7 @@ def audit_default(**options) -> dict:
         "kernel_dots": engine._kernel_precision,
         "head": engine.head,
         "head_dtype": str(engine._head.dtype),
+        "greedy_dtype": str(engine._greedy[1].dtype) if engine._greedy else None,
     }
     report["wall_s"] = time.perf_counter() - t0
     return report
@@ -195,8 +196,10 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         torch.cuda.reset_peak_memory_stats()
         res = eng.readout(lanes)  # captures the shape if warm_up did not
         assert all(len(r.token_ids) == d for r in res), "random decoder stopped early"
-        # graphs are keyed by (shape, kernel dot precision) since logprob lanes got their own
-        graph, _ = eng._graphs[eng._shape(lanes)[0], eng._kernel_precision]
+        # graphs are keyed by (shape, kernel dot precision) since logprob lanes got their own;
+        # plain greedy lanes run the greedy fast path's graph where the engine has one
+        shape = eng._shape(lanes)[0]
+        graph, _ = eng._graphs.get((shape, et.GREEDY)) or eng._graphs[shape, eng._kernel_precision]
         floor = 2 * k * d * D_BASE * V / (rate * 1e12) * 1e3
         row = {
             "readout_ms": cuda_ms(lambda: eng.readout(lanes)),
@@ -237,6 +240,8 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         ("engine_lm_head", old_head),
         ("engine_tf32_linears", {"matmul_precision": "high"}),
         ("engine_fused_bf16", {"head_dtype": torch.bfloat16}),
+        # plain greedy cohorts on a bf16 copy (decoder, fused head, guess table)
+        ("engine_greedy_bf16", {"greedy_dtype": torch.bfloat16}),
     ):
         variant = engine(warm_shapes=(), **options)
         for d in (1024, 8192):
@@ -246,6 +251,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     for prefix, options in (
         ("engine_fresh", {}),
         ("engine_lm_head_fresh", old_head),
+        ("engine_greedy_bf16_fresh", {"greedy_dtype": torch.bfloat16}),
     ):
         for k in (1, 2, 4, 8) if not options else (1, 8):
             eng = engine(warm_shapes=(), **options)
@@ -402,6 +408,10 @@ def main() -> int:
         served = load_serving_model("stateblock-reference", shipped / "base", shipped / "decoder")
         rows = shipped_rows(served)
         rep.run("check_engine_parity", lambda: check_engine_parity(served, rows))
+        rep.run(
+            "check_engine_parity_greedy_bf16",
+            lambda: check_engine_parity(served, rows, greedy_dtype=torch.bfloat16),
+        )
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
         rep.run("check_logprob_precision", lambda: check_logprob_precision(served, rows))
         rep.run("check_random_decoder_parity", lambda: check_random_decoder_parity(et))
@@ -417,6 +427,7 @@ def main() -> int:
         rep.run("audit_default", audit_default)
         rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high"))
         rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16))
+        rep.run("audit_greedy_bf16", lambda: audit_default(greedy_dtype=torch.bfloat16))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():

@@ -24,6 +24,9 @@ class ReadoutServiceConfig:
     # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
     matmul_precision: str = "highest"
     readout_head: str = ""  # torch engine only: "fused" or "lm_head"; "": the engine's default
+    # torch engine only: plain greedy cohorts on a bf16 / fp16 copy of the decoder and head
+    # (an opt-in until audited on the GPU: docs/PARITY.md); "": every cohort exact
+    greedy_dtype: str = ""
     trusted_keys_dir: Path = Path("keys")  # every *.pub in here is a trusted capture key
     # this service's own signing key for commits and rejections; generated on first run
     signing_key_dir: Path = Path("readout-keys")
@@ -60,9 +63,12 @@ class ReadoutServiceConfig:
             raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")
         if self.readout_head not in ("", "fused", "lm_head"):
             raise runtime.ConfigError("STATEBLOCK_READOUT_HEAD must be fused or lm_head")
+        if self.greedy_dtype not in ("", "bfloat16", "float16"):
+            raise runtime.ConfigError("STATEBLOCK_GREEDY_DTYPE must be bfloat16 or float16")
         if self.engine != "torch" and self.engine_options():
             raise runtime.ConfigError(
-                "STATEBLOCK_MATMUL_PRECISION and STATEBLOCK_READOUT_HEAD apply to "
+                "STATEBLOCK_MATMUL_PRECISION, STATEBLOCK_READOUT_HEAD and "
+                "STATEBLOCK_GREEDY_DTYPE apply to "
                 f"STATEBLOCK_ENGINE=torch only, not {self.engine!r}"
             )
         if self.workers < 1:
@@ -77,6 +83,8 @@ class ReadoutServiceConfig:
             options["matmul_precision"] = self.matmul_precision
         if self.readout_head:
             options["head"] = self.readout_head
+        if self.greedy_dtype:
+            options["greedy_dtype"] = self.greedy_dtype
         return options
 
     @classmethod
@@ -94,6 +102,7 @@ class ReadoutServiceConfig:
             engine=e.str("ENGINE", d.engine),
             matmul_precision=e.str("MATMUL_PRECISION", d.matmul_precision),
             readout_head=e.str("READOUT_HEAD", d.readout_head),
+            greedy_dtype=e.str("GREEDY_DTYPE", d.greedy_dtype),
             trusted_keys_dir=e.path("TRUSTED_KEYS_DIR", e.path("KEY_DIR", d.trusted_keys_dir)),
             signing_key_dir=e.path("READOUT_KEY_DIR", d.signing_key_dir),
             readout_trusted_keys_dir=e.optional_path("READOUT_TRUSTED_KEYS_DIR"),

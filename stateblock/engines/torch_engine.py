@@ -27,6 +27,11 @@ static input buffers (views of one allocation sized for the largest bucket) and 
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts.
 
+Greedy fast path (`greedy_dtype`, an opt-in until audited on the GPU: docs/PARITY.md). A
+cohort whose lanes all take the argmax and ask for no log-probabilities runs a copy of the
+decoder, the fused head and the guess table in bf16 (or fp16); any other cohort keeps the
+exact path, so log-probabilities and seeded samples stay the reference's.
+
 Sampling. Greedy lanes take the fused top-2. Lanes with temperature > 0 take, after the
 replay, the chunked top-8 + Gumbel selection of the reference on the graph's hidden
 states (correctness first; the noise is drawn per lane from its seed exactly as there).
@@ -34,6 +39,7 @@ states (correctness first; the noise is drawn per lane from its seed exactly as 
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -87,6 +93,8 @@ LANE_BUCKETS = (1, 2, 4, 8)
 PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
 WARM_PROMPT = 512  # the prompt_len profile's typical value
+GREEDY = "greedy"  # the graphs' precision key of the greedy fast path
+GREEDY_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineUnavailable(RuntimeError):
@@ -145,6 +153,7 @@ class TorchEngine:
         attention: str | None = None,
         head: str | None = None,
         head_dtype: torch.dtype = torch.float32,
+        greedy_dtype: torch.dtype | str | None = None,
     ) -> None:
         dev = require_device(device)
         on_gpu = dev.type == "cuda"
@@ -210,6 +219,8 @@ class TorchEngine:
             if decoder.cfg.refine
             else None
         )
+        # the greedy fast path: (decoder, head, guess table) in greedy_dtype, or None
+        self._greedy = self._greedy_path(greedy_dtype)
         self.identity = identity
         self._eos = eos_token_id
         self._n_chunks = decoder.cfg.n_chunks
@@ -239,12 +250,36 @@ class TorchEngine:
             p: partial(top2, n_chunks=self._n_chunks, cfg=replace(tiles, precision=p))
             for p in {self._kernel_precision, self._logprob_precision}
         }
+        if self._greedy is not None:  # low-precision inputs: the tiles of that width
+            self._top2[GREEDY] = partial(
+                top2,
+                n_chunks=self._n_chunks,
+                cfg=top2_config or default_tiles(dev, self._greedy[1].dtype),
+            )
         # one graph per (shape, dot precision)
         self._graphs: dict[tuple[Shape, str], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]]
         self._graphs = {}
         self._static: dict[str, Tensor] = {}
         self._pool = None
         self._lock = threading.Lock()  # workers call readout from a thread pool
+
+    def _greedy_path(self, dtype: torch.dtype | str | None):
+        if dtype is None:
+            return None
+        dtype = GREEDY_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in GREEDY_DTYPES.values():
+            raise ValueError(f"greedy_dtype must be one of {sorted(GREEDY_DTYPES)}, not {dtype}")
+        dec = self._decoder
+        fast = copy.deepcopy(dec).to(dtype)
+        head = (
+            fused_head(self._lm_head, dec.out.weight, dtype)
+            if self.head == "fused"
+            else self._lm_head.to(dtype)
+        )
+        table = (
+            fused_head(self._lm_head, dec.guess_in.weight.t(), dtype) if dec.cfg.refine else None
+        )
+        return fast, head, table
 
     @classmethod
     def load(cls, model: ServingModel, device: str = "cpu", **options) -> TorchEngine:
@@ -312,21 +347,26 @@ class TorchEngine:
         return rows, s["lens"][:k], s["positions"][:k, : shape.depth], s["depths"][:k]
 
     def _step(self, precision, rows, lens, positions, depths) -> tuple[Tensor, ...]:
+        fast = precision == GREEDY
+        decoder, head, table = (
+            self._greedy if fast else (self._decoder, self._head, self._guess_table)
+        )
         return readout_step(
-            self._decoder,
-            self._head,
-            rows,
+            decoder,
+            head,
+            rows.to(head.dtype) if fast else rows,
             lens,
             positions,
             depths,
             eos_token_id=self._eos,
             top2_fn=self._top2[precision],
-            autocast=self._autocast,
+            autocast=None if fast else self._autocast,
             precision=self._precision,
-            kernel_precision=precision,
-            attention=self.attention,
+            # the fused attention kernel is fp32-only: the fast path's attention is SDPA's
+            kernel_precision=self._kernel_precision if fast else precision,
+            attention="sdpa" if fast else self.attention,
             fused=self.head == "fused",
-            guess_table=self._guess_table,
+            guess_table=table,
         )
 
     # -- CUDA graphs --------------------------------------------------------------------
@@ -381,9 +421,11 @@ class TorchEngine:
         """Capture the common shapes at start-up (CPU: one throwaway readout)."""
         with self._lock:
             if self._use_graphs:
+                warm = [self._kernel_precision] + ([GREEDY] if self._greedy else [])
                 for shape in self._warm:
-                    if (shape, self._kernel_precision) not in self._graphs:
-                        self._record(shape, self._kernel_precision)
+                    for p in warm:
+                        if (shape, p) not in self._graphs:
+                            self._record(shape, p)
                 torch.cuda.synchronize(self._device)
                 return
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
@@ -403,6 +445,8 @@ class TorchEngine:
         k = len(lanes)
         wants_lp = any(lane.sampling.HasField("logprobs") for lane in lanes)
         precision = self._logprob_precision if wants_lp else self._kernel_precision
+        if self._greedy is not None and not wants_lp and not any(x.selects for x in lanes):
+            precision = GREEDY
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
                 h, top_v, top_i, eos, lse = self._replay(shape, precision, lanes)

@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--schedule-minutes", type=float, default=None,
         help="plan the cosine over this many minutes (default --minutes): later runs resume it",
     )  # fmt: skip
-    add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs only)")
+    add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs, or --init)")
     add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
     add("--max-batch", type=int, default=256, help="prompts a batch, per GPU")
     add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         init, manifest = ckpt.load_decoder(a.init, base_dir=a.base, lm_head=base.lm_head.weight)
         known = {f.name for f in fields(ReadoutConfig)} - {"d_base", "vocab_size", "eos_token_id"}
         overrides = {k: v for k, v in manifest["decoder_config"].items() if k in known}
+        # passes share their weights, so e.g. {"refine": 2} fine-tunes the same parameters
+        overrides |= json.loads(a.decoder_config)
         seen = manifest["training"].get("prompts_seen", 0)
         step = manifest["training"].get("steps", 0)
     torch.manual_seed(a.seed)

@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's four stages and the
-readout decoder's seven, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's ten, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -40,6 +40,7 @@ class Stage:
 
 _DEC = shlex.quote(json.dumps(DECODER_CONFIG, separators=(",", ":")))
 _BATCH = "--reschedule --warmup 100 --max-batch 1024"
+_WEAK = shlex.quote(json.dumps({"sort": 3, "recall": 2}, separators=(",", ":")))
 STAGES: tuple[Stage, ...] = (
     Stage("base-1", BASE, "--minutes 7.3 --lr 2e-3", "every family, uniform"),
     Stage("base-2", BASE, "--minutes 7.6 --lr 1.5e-3 --reschedule --warmup 100",
@@ -63,6 +64,14 @@ STAGES: tuple[Stage, ...] = (
           "--eos-weight 10", "a fourth: 65-256 reached 1.00, long buckets 0.88-0.91"),
     Stage("decoder-7", READOUT, "--minutes 5.0 --lr 2e-4 --warmup 30 --reschedule --workers 14 "
           "--eos-weight 10", "a fifth, lower peak, alone on the GPU"),
+    # session 10: stage 8 started from stage 7's weights with a new optimizer (--init) beside
+    # an ablation arm (refine 2), so at half this pace; 9 and 10 resumed it alone
+    Stage("decoder-8", READOUT, f"--minutes 7.2 --lr 1e-4 --warmup 30 --reschedule --workers 7 "
+          f"--eos-weight 10 --weights {_WEAK}", "sort 3x and recall 2x as often: 1-64's weak two"),
+    Stage("decoder-9", READOUT, f"--minutes 7.4 --lr 1e-4 --warmup 30 --reschedule --workers 14 "
+          f"--eos-weight 10 --weights {_WEAK}", "the same weights, a new short cosine"),
+    Stage("decoder-10", READOUT, f"--minutes 5.0 --lr 1e-4 --warmup 30 --reschedule --workers 14 "
+          f"--eos-weight 10 --weights {_WEAK}", "again: sort was still climbing (0.64 -> 0.68)"),
 )  # fmt: skip
 
 

@@ -85,6 +85,13 @@ def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
 
 
 @needs_cuda
+def test_gpu_greedy_fast_path_equals_reference_modulo_near_ties(served, captured):
+    from bench.gpu_checks import check_engine_parity
+
+    check_engine_parity(served, captured, greedy_dtype=torch.bfloat16)
+
+
+@needs_cuda
 def test_gpu_graph_replay_equals_eager(served, captured):
     from bench.gpu_checks import check_graph_vs_eager
 

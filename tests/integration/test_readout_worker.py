@@ -344,22 +344,26 @@ def test_blocks_storage_from_env():
 
 
 def test_torch_engine_settings_from_env(serving_model):
-    """STATEBLOCK_MATMUL_PRECISION / STATEBLOCK_READOUT_HEAD reach the torch engine, fail
+    """STATEBLOCK_MATMUL_PRECISION / _READOUT_HEAD / _GREEDY_DTYPE reach the torch engine, fail
     closed on a bad value or on another engine, and the factory refuses unknown settings."""
     env = {"STATEBLOCK_ENGINE": "torch", "STATEBLOCK_MATMUL_PRECISION": "high",
-           "STATEBLOCK_READOUT_HEAD": "fused"}  # fmt: skip
+           "STATEBLOCK_READOUT_HEAD": "fused", "STATEBLOCK_GREEDY_DTYPE": "bfloat16"}  # fmt: skip
     config = ReadoutServiceConfig.from_env(env)
-    assert config.engine_options() == {"matmul_precision": "high", "head": "fused"}
+    assert config.engine_options() == {
+        "matmul_precision": "high", "head": "fused", "greedy_dtype": "bfloat16"
+    }  # fmt: skip
     assert ReadoutServiceConfig.from_env({"STATEBLOCK_ENGINE": "torch"}).engine_options() == {}
     with pytest.raises(ConfigError, match="MATMUL_PRECISION"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_MATMUL_PRECISION": "medium"})
     with pytest.raises(ConfigError, match="READOUT_HEAD"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_READOUT_HEAD": "logits"})
+    with pytest.raises(ConfigError, match="GREEDY_DTYPE"):
+        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_GREEDY_DTYPE": "int8"})
     with pytest.raises(ConfigError, match="ENGINE=torch only"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_ENGINE": "reference"})
     # the CPU engine takes them (its numerics stay the reference's) ...
     eng = create_engine("torch", serving_model, "cpu", **config.engine_options())
-    assert eng.head == "fused"
+    assert eng.head == "fused" and eng._greedy[1].dtype == torch.bfloat16
     # ... and no engine takes a setting it does not know
     with pytest.raises(ValueError, match="takes no setting"):
         create_engine("reference", serving_model, "cpu", head="fused")

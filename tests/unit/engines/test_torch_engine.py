@@ -160,6 +160,37 @@ def test_a_cohort_asking_for_logprobs_runs_at_the_logprob_precision(served, capt
         TorchEngine.load(served, logprob_precision="bf16")
 
 
+def test_the_greedy_fast_path_takes_plain_greedy_cohorts_only(served, reference, captured):
+    """`greedy_dtype`: a cohort of plain greedy lanes runs the bf16 copy (its tokens the
+    reference's but where the reference's top two are within the audit's near-tie bound; its
+    margins visibly rounded); a cohort that samples or asks for log-probabilities runs the
+    exact path, so those stay the reference's."""
+    from stateblock.protocol.sampling import sampling_params
+
+    eng = TorchEngine.load(served, head="fused", greedy_dtype="bfloat16")
+    assert eng._greedy[0].out.weight.dtype == torch.bfloat16
+    assert eng._decoder.out.weight.dtype == torch.float32  # the exact path is untouched
+    ran: list[str] = []
+    step = eng._step
+    eng._step = lambda precision, *a: ran.append(precision) or step(precision, *a)
+    plain = lanes_of(captured, [1, 40, 120, 7])
+    ref, fast = reference.readout(plain), eng.readout(plain)
+    rounded = 0.0
+    for r, f in zip(ref, fast, strict=True):
+        assert f.eos_pos == r.eos_pos
+        for i, (a, b) in enumerate(zip(r.token_ids, f.token_ids, strict=True)):
+            assert a == b or r.margins[i] < 0.05, (i, a, b, r.margins[i])
+        rounded = max(rounded, max(abs(p - q) for p, q in zip(r.margins, f.margins, strict=True)))
+    assert rounded > 1e-4  # bf16 really ran
+    sampled = lanes_of(captured, [40, 12], temps=[0.0, 1.5], seeds=[None, 3])
+    asks = [LaneRequest(rows=plain[1].rows, depth=40, sampling=sampling_params(logprobs=1))]
+    assert_same(reference.readout(sampled), eng.readout(sampled))
+    assert_same(reference.readout(asks), eng.readout(asks))
+    assert ran == ["greedy", "ieee", "ieee"]
+    with pytest.raises(ValueError, match="greedy_dtype"):
+        TorchEngine.load(served, greedy_dtype="int8")
+
+
 def test_cpu_engine_runs_the_reference_numerics(served, engine):
     """On the CPU the engine computes as the reference does: fp32 matmuls, SDPA attention;
     asking for the GPU-only fused kernel fails clearly instead of falling back."""

@@ -86,11 +86,14 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
     gap = stats["train_minus_heldout_exact"]  # the train - held-out gap, bucket by bucket
     assert gap and set(gap) <= set(stats["train_split"]["exact_by_bucket"])
     # another machine's stage: no state file there, the saved decoder as its start
+    # its shape from the saved manifest, with passes (which share their weights) overridable
     args[args.index("--out") + 1] = str(tmp_path / "next")
+    args[args.index("--decoder-config") + 1] = json.dumps({"refine": 2})
     with pytest.raises(_Exited):
         readout_ddp.main([*args, "--max-steps", "1", "--init", str(tmp_path / "decoder")])
     again = json.loads((tmp_path / "next" / "stats.json").read_text())
     assert again["steps"] == 6 and again["config"]["decoder"]["row_attn"] is True
+    assert again["config"]["decoder"]["d_r"] == 32 and again["config"]["decoder"]["refine"] == 2
 
 
 def test_step_by_step_decoding_reports_every_step(base):
