@@ -217,6 +217,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch engine: the decoder's linears in fp32, or TF32 (STATEBLOCK_MATMUL_PRECISION)",
     )
     ap.add_argument(
+        "--greedy-dtype", choices=["", "bfloat16", "float16"], default="",
+        help="torch engine: plain greedy cohorts in this dtype (STATEBLOCK_GREEDY_DTYPE)",
+    )  # fmt: skip
+    ap.add_argument(
         "--processes", action="store_true", help="one process per service, not one event loop"
     )
     ap.add_argument(

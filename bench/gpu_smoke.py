@@ -13,9 +13,10 @@
    rest): K=1 at each D, K in {1, 2, 4, 8} at D=8192 with peak extra memory, the variants
    (the lm_head GEMM instead of the fused head, earlier precisions, bf16 decoder, fp16
    autocast), and the eager reference (SDPA and explicit attention) at K=8, D=8192;
-5. --audit: the parity audit of the engine as it serves (fp32 linears, TF32 dots in the
-   fused attention and the fused fp32 head), with its linears in TF32 too, and with the
-   fused head in bf16.
+5. --audit: the parity audit of the engine as it serves (plain greedy cohorts on its bf16
+   copy; the others on fp32 linears with TF32 dots in the fused attention and the fused
+   fp32 head, exact dots where log-probabilities are asked), with every cohort exact, with
+   its linears in TF32 too, and with the fused head in bf16.
 Every result is written to DIR/smoke.json as soon as it exists. Times: CUDA events, warm-up
 then the median of 20. Imports the repo, torch and triton only.
 """
@@ -240,8 +241,9 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         ("engine_lm_head", old_head),
         ("engine_tf32_linears", {"matmul_precision": "high"}),
         ("engine_fused_bf16", {"head_dtype": torch.bfloat16}),
-        # plain greedy cohorts on a bf16 copy (decoder, fused head, guess table)
-        ("engine_greedy_bf16", {"greedy_dtype": torch.bfloat16}),
+        # the default runs plain greedy cohorts on a bf16 copy (decoder, fused head, guess
+        # table); this is every cohort on the exact fp32 path
+        ("engine_exact", {"greedy_dtype": "float32"}),
     ):
         variant = engine(warm_shapes=(), **options)
         for d in (1024, 8192):
@@ -251,7 +253,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     for prefix, options in (
         ("engine_fresh", {}),
         ("engine_lm_head_fresh", old_head),
-        ("engine_greedy_bf16_fresh", {"greedy_dtype": torch.bfloat16}),
+        ("engine_exact_fresh", {"greedy_dtype": "float32"}),
     ):
         for k in (1, 2, 4, 8) if not options else (1, 8):
             eng = engine(warm_shapes=(), **options)
@@ -409,8 +411,8 @@ def main() -> int:
         rows = shipped_rows(served)
         rep.run("check_engine_parity", lambda: check_engine_parity(served, rows))
         rep.run(
-            "check_engine_parity_greedy_bf16",
-            lambda: check_engine_parity(served, rows, greedy_dtype=torch.bfloat16),
+            "check_engine_parity_exact",
+            lambda: check_engine_parity(served, rows, greedy_dtype="float32"),
         )
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
         rep.run("check_logprob_precision", lambda: check_logprob_precision(served, rows))
@@ -427,7 +429,7 @@ def main() -> int:
         rep.run("audit_default", audit_default)
         rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high"))
         rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16))
-        rep.run("audit_greedy_bf16", lambda: audit_default(greedy_dtype=torch.bfloat16))
+        rep.run("audit_exact", lambda: audit_default(greedy_dtype="float32"))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():

@@ -28,14 +28,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from stateblock.app.nats_server import free_port, nats_server_binary
 from stateblock.protocol.keys import load_or_generate_signer
 
-ENGINE_ENV = {"matmul_precision": "MATMUL_PRECISION", "head": "READOUT_HEAD"}  # readout_svc
+ENGINE_ENV = {  # readout_svc
+    "matmul_precision": "MATMUL_PRECISION",
+    "head": "READOUT_HEAD",
+    "greedy_dtype": "GREEDY_DTYPE",
+}
 
 
 def engine_options(args) -> dict[str, str]:
-    """The readout engine settings the e2e bench was asked for (--matmul-precision)."""
-    if args.matmul_precision == "highest":
-        return {}
-    return {"matmul_precision": args.matmul_precision}
+    """The readout engine settings the e2e bench was asked for (--matmul-precision,
+    --greedy-dtype)."""
+    options = {}
+    if args.matmul_precision != "highest":
+        options["matmul_precision"] = args.matmul_precision
+    if args.greedy_dtype:
+        options["greedy_dtype"] = args.greedy_dtype
+    return options
 
 
 REPO = Path(__file__).resolve().parent.parent

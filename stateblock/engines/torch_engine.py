@@ -27,10 +27,12 @@ static input buffers (views of one allocation sized for the largest bucket) and 
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts.
 
-Greedy fast path (`greedy_dtype`, an opt-in until audited on the GPU: docs/PARITY.md). A
-cohort whose lanes all take the argmax and ask for no log-probabilities runs a copy of the
-decoder, the fused head and the guess table in bf16 (or fp16); any other cohort keeps the
-exact path, so log-probabilities and seeded samples stay the reference's.
+Greedy fast path (`greedy_dtype`: bf16 by default on a GPU, audited there with the shipped
+decoder, docs/PARITY.md; "float32" turns it off; off on the CPU). A cohort whose lanes all
+take the argmax and ask for no log-probabilities runs a copy of the decoder, the fused head
+and the guess table in bf16 (or fp16); any other cohort keeps the exact path, so
+log-probabilities and seeded samples stay the reference's. The audit is what licenses it:
+a decoder whose bf16 copy flips a token outside the near-ties fails the gate as served.
 
 Sampling. Greedy lanes take the fused top-2. Lanes with temperature > 0 take, after the
 replay, the chunked top-8 + Gumbel selection of the reference on the graph's hidden
@@ -95,6 +97,7 @@ DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
 WARM_PROMPT = 512  # the prompt_len profile's typical value
 GREEDY = "greedy"  # the graphs' precision key of the greedy fast path
 GREEDY_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+GREEDY_OFF = "float32"  # greedy_dtype that keeps every cohort on the exact path
 
 
 class EngineUnavailable(RuntimeError):
@@ -219,8 +222,12 @@ class TorchEngine:
             if decoder.cfg.refine
             else None
         )
-        # the greedy fast path: (decoder, head, guess table) in greedy_dtype, or None
-        self._greedy = self._greedy_path(greedy_dtype)
+        # the greedy fast path: (decoder, head, guess table) in greedy_dtype, or None. The
+        # GPU default since its audit (bf16: exact at every depth, docs/PARITY.md; 1.11x the
+        # lm_head floor at D=8192 against 1.97x exact); the CPU keeps the reference's numerics
+        self._greedy = self._greedy_path(
+            greedy_dtype if greedy_dtype is not None else ("bfloat16" if on_gpu else None)
+        )
         self.identity = identity
         self._eos = eos_token_id
         self._n_chunks = decoder.cfg.n_chunks
@@ -264,11 +271,14 @@ class TorchEngine:
         self._lock = threading.Lock()  # workers call readout from a thread pool
 
     def _greedy_path(self, dtype: torch.dtype | str | None):
-        if dtype is None:
+        if dtype is None or dtype in (GREEDY_OFF, torch.float32):
             return None
         dtype = GREEDY_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if dtype not in GREEDY_DTYPES.values():
-            raise ValueError(f"greedy_dtype must be one of {sorted(GREEDY_DTYPES)}, not {dtype}")
+            raise ValueError(
+                f"greedy_dtype must be one of {sorted(GREEDY_DTYPES)} or {GREEDY_OFF!r}, "
+                f"not {dtype}"
+            )
         dec = self._decoder
         fast = copy.deepcopy(dec).to(dtype)
         head = (

@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's four stages and the
-readout decoder's ten, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's twelve, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -72,6 +72,12 @@ STAGES: tuple[Stage, ...] = (
           f"--eos-weight 10 --weights {_WEAK}", "the same weights, a new short cosine"),
     Stage("decoder-10", READOUT, f"--minutes 5.0 --lr 1e-4 --warmup 30 --reschedule --workers 14 "
           f"--eos-weight 10 --weights {_WEAK}", "again: sort was still climbing (0.64 -> 0.68)"),
+    # session 11: each from the previous stage's weights (--init, a new optimizer) beside
+    # ablation arms on the same GPU (the trainer is host-bound: 20-30 % GPU a run)
+    Stage("decoder-11", READOUT, f"--minutes 7.0 --lr 1e-4 --warmup 30 --reschedule --workers 7 "
+          f"--eos-weight 10 --weights {_WEAK}", "the same weights: sort 0.68 -> 0.72, 1-64 0.91"),
+    Stage("decoder-12", READOUT, f"--minutes 8.0 --lr 1e-4 --warmup 30 --reschedule --workers 4 "
+          f"--eos-weight 10 --weights {_WEAK}", "and once more: sort 0.84, 1-64 0.94 (trainer)"),
 )  # fmt: skip
 
 

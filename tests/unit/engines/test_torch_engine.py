@@ -189,6 +189,9 @@ def test_the_greedy_fast_path_takes_plain_greedy_cohorts_only(served, reference,
     assert ran == ["greedy", "ieee", "ieee"]
     with pytest.raises(ValueError, match="greedy_dtype"):
         TorchEngine.load(served, greedy_dtype="int8")
+    # "float32" keeps every cohort exact; the CPU's default is that too (the GPU's is bf16)
+    assert TorchEngine.load(served, greedy_dtype="float32")._greedy is None
+    assert TorchEngine.load(served)._greedy is None
 
 
 def test_cpu_engine_runs_the_reference_numerics(served, engine):
