@@ -24,7 +24,8 @@ fi
 give_back() {
   [ -n "${OUT:-}" ] && [ -d "$out/decoder" ] || return 0
   mkdir -p "$OUT/decoder"
-  cp "$out/decoder/manifest.json" "$out/stats.json" "$OUT/decoder/" 2>/dev/null
+  cp "$out/decoder/manifest.json" "$out/stats.json" "$OUT/decoder/" 2>/dev/null || true
+  cp "$out/profile.txt" "$OUT/decoder/" 2>/dev/null || true  # --profile-steps
   split -b 15M "$out/decoder/decoder.safetensors" "$OUT/decoder/decoder.safetensors.part."
 }
 trap give_back EXIT

@@ -50,6 +50,7 @@ from stateblock.train.base_ddp import (
     lr_at,
 )
 from stateblock.train.batching import budget_batches
+from stateblock.train.step_profile import StepProfile
 
 FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
 
@@ -217,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
+    add("--profile-steps", type=int, default=0, help="profile this many steps: OUT/profile.txt")
+    add("--profile-from", type=int, default=50, help="the run's step the profile starts at")
     add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
     return ap.parse_args(argv)
 
@@ -282,8 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     start = step
     plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000), a.schedule_minutes)
     dev_count = 0
+    prof = StepProfile(a.profile_steps if rank == 0 else 0, out / "profile.txt", a.profile_from)
     decoder.train()
     for ids, lab in dl:
+        prof.before(step - start)
         steps = plan.steps(step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step - origin, steps - origin, a.lr, a.warmup)
