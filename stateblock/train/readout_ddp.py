@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         plan.update(opt, decoder.parameters(), loss, step, note)
         if plan.done(step):
             break
+    prof.close(step - start)
     train_s = time.perf_counter() - plan.t0
     total, losses = plan.total, plan.losses
     if rank == 0:

@@ -29,7 +29,9 @@ def _device_us(evt) -> float:
 
 
 class StepProfile:
-    """Call `before(i)` ahead of each step, i = the steps this run has done."""
+    """Call `before(i)` ahead of each step, i = the steps this run has done, and `close(i)`
+    after the last: a run that ends inside the window still stops the profiler (one left
+    running crashes the interpreter at exit) and reports the steps it saw."""
 
     def __init__(self, n_steps: int, out: Path, start: int = 50) -> None:
         self.n, self.out, self.start = n_steps, out, start
@@ -47,21 +49,27 @@ class StepProfile:
             self._prof = profile(activities=acts)
             self._prof.__enter__()
             self._t0 = time.perf_counter()
-        elif i == self.start + self.n and self._prof is not None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - self._t0
-            self._prof.__exit__(None, None, None)
-            self.out.write_text(self.report(self._prof, wall))
-            self._prof, self.done = None, True
+        elif i == self.start + self.n:
+            self.close(i)
 
-    def report(self, prof: profile, wall: float) -> str:
+    def close(self, i: int) -> None:
+        if self._prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        steps = max(1, i - self.start)
+        self.out.write_text(self.report(self._prof, wall, steps))
+        self._prof, self.done = None, True
+
+    def report(self, prof: profile, wall: float, steps: int) -> str:
         events = prof.key_averages()
         busy = sum(_device_us(e) for e in events) / 1e3  # ms, kernels' self time
-        per = 1e3 * wall / self.n
+        per = 1e3 * wall / steps
         lines = [
-            f"{self.n} steps from step {self.start} of this run: {per:.1f} ms/step wall, "
-            f"device busy {busy / self.n:.1f} ms/step ({busy / (1e3 * wall):.0%} of the wall)",
+            f"{steps} steps from step {self.start} of this run: {per:.1f} ms/step wall, "
+            f"device busy {busy / steps:.1f} ms/step ({busy / (1e3 * wall):.0%} of the wall)",
             "",
         ]
         sorts = ["self_cpu_time_total"]

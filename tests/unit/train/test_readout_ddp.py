@@ -71,13 +71,16 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
         raise _Exited(code)
 
     monkeypatch.setattr(os, "_exit", no_exit)  # base_ddp.leave ends the run with it
-    for steps in ("3", "2"):
-        with pytest.raises(_Exited):  # each run also profiles its second step
-            readout_ddp.main([*args, "--max-steps", steps, "--profile-steps", "1",
+    for steps in ("3", "2"):  # each run also profiles from its second step, for 2 steps
+        with pytest.raises(_Exited):
+            readout_ddp.main([*args, "--max-steps", steps, "--profile-steps", "2",
                               "--profile-from", "1"])  # fmt: skip
-    profile = (tmp_path / "profile.txt").read_text()
-    assert profile.startswith("1 steps from step 1 of this run:") and "ms/step wall" in profile
-    assert "top operators by self_cpu_time_total" in profile and "aten::" in profile
+        profile = (tmp_path / "profile.txt").read_text()
+        # the second run ends inside its window: the profiler stops with it, one step seen
+        seen = {"3": 2, "2": 1}[steps]
+        assert profile.startswith(f"{seen} steps from step 1 of this run:"), profile[:80]
+        assert "ms/step wall" in profile and "top operators by self_cpu_time_total" in profile
+        assert "aten::" in profile
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["steps"] == 5 and stats["steps_this_run"] == 2  # the second run resumed
     state = torch.load(tmp_path / "state.pt")
