@@ -217,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch engine: the decoder's linears in fp32, or TF32 (STATEBLOCK_MATMUL_PRECISION)",
     )
     ap.add_argument(
-        "--greedy-dtype", choices=["", "bfloat16", "float16"], default="",
+        "--greedy-dtype", choices=["", "bfloat16", "float32"], default="",
         help="torch engine: plain greedy cohorts in this dtype (STATEBLOCK_GREEDY_DTYPE)",
     )  # fmt: skip
     ap.add_argument(

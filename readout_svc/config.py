@@ -24,7 +24,7 @@ class ReadoutServiceConfig:
     # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
     matmul_precision: str = "highest"
     readout_head: str = ""  # torch engine only: "fused" or "lm_head"; "": the engine's default
-    # torch engine only: plain greedy cohorts on a bf16 / fp16 copy of the decoder and head;
+    # torch engine only: plain greedy cohorts on a bf16 copy of the decoder and head;
     # "float32": every cohort exact; "": the engine's default (bf16 on a GPU, audited:
     # docs/PARITY.md; exact on the CPU)
     greedy_dtype: str = ""
@@ -64,10 +64,8 @@ class ReadoutServiceConfig:
             raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")
         if self.readout_head not in ("", "fused", "lm_head"):
             raise runtime.ConfigError("STATEBLOCK_READOUT_HEAD must be fused or lm_head")
-        if self.greedy_dtype not in ("", "bfloat16", "float16", "float32"):
-            raise runtime.ConfigError(
-                "STATEBLOCK_GREEDY_DTYPE must be bfloat16, float16 or float32 (off)"
-            )
+        if self.greedy_dtype not in ("", "bfloat16", "float32"):
+            raise runtime.ConfigError("STATEBLOCK_GREEDY_DTYPE must be bfloat16 or float32 (off)")
         if self.engine != "torch" and self.engine_options():
             raise runtime.ConfigError(
                 "STATEBLOCK_MATMUL_PRECISION, STATEBLOCK_READOUT_HEAD and "

@@ -30,9 +30,11 @@ replay's outputs are read before the next replay starts.
 Greedy fast path (`greedy_dtype`: bf16 by default on a GPU, audited there with the shipped
 decoder, docs/PARITY.md; "float32" turns it off; off on the CPU). A cohort whose lanes all
 take the argmax and ask for no log-probabilities runs a copy of the decoder, the fused head
-and the guess table in bf16 (or fp16); any other cohort keeps the exact path, so
-log-probabilities and seeded samples stay the reference's. The audit is what licenses it:
-a decoder whose bf16 copy flips a token outside the near-ties fails the gate as served.
+and the guess table in bf16; any other cohort keeps the exact path, so log-probabilities
+and seeded samples stay the reference's. The audit is what licenses it: a decoder whose
+bf16 copy flips a token outside the near-ties fails the gate as served. fp16 is refused:
+the shipped decoder's residual stream reaches about 350, whose square overflows fp16 in
+the norms (319 of 4,947 tokens flipped at high margins on the CPU).
 
 Sampling. Greedy lanes take the fused top-2. Lanes with temperature > 0 take, after the
 replay, the chunked top-8 + Gumbel selection of the reference on the graph's hidden
@@ -96,7 +98,7 @@ PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
 WARM_PROMPT = 512  # the prompt_len profile's typical value
 GREEDY = "greedy"  # the graphs' precision key of the greedy fast path
-GREEDY_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+GREEDY_DTYPES = {"bfloat16": torch.bfloat16}  # fp16: see "Greedy fast path" above
 GREEDY_OFF = "float32"  # greedy_dtype that keeps every cohort on the exact path
 
 

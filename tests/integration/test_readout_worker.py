@@ -359,6 +359,8 @@ def test_torch_engine_settings_from_env(serving_model):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_READOUT_HEAD": "logits"})
     with pytest.raises(ConfigError, match="GREEDY_DTYPE"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_GREEDY_DTYPE": "int8"})
+    with pytest.raises(ConfigError, match="GREEDY_DTYPE"):  # its norms overflow fp16
+        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_GREEDY_DTYPE": "float16"})
     with pytest.raises(ConfigError, match="ENGINE=torch only"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_ENGINE": "reference"})
     # the CPU engine takes them (its numerics stay the reference's) ...

@@ -189,6 +189,8 @@ def test_the_greedy_fast_path_takes_plain_greedy_cohorts_only(served, reference,
     assert ran == ["greedy", "ieee", "ieee"]
     with pytest.raises(ValueError, match="greedy_dtype"):
         TorchEngine.load(served, greedy_dtype="int8")
+    with pytest.raises(ValueError, match="greedy_dtype"):  # the norms' squares overflow it
+        TorchEngine.load(served, greedy_dtype=torch.float16)
     # "float32" keeps every cohort exact; the CPU's default is that too (the GPU's is bf16)
     assert TorchEngine.load(served, greedy_dtype="float32")._greedy is None
     assert TorchEngine.load(served)._greedy is None
