@@ -223,10 +223,13 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     del eng
     free()
     # the trades the engine does not take (docs/PARITY.md): its decoder in bf16, or under
-    # fp16 autocast; each on a copy, since the engine converts its decoder in place
+    # fp16 autocast; each on a copy, since the engine converts its decoder in place. These
+    # and the variants below change the exact path, so they turn the greedy fast path off
+    # (the default engine would run their plain greedy lanes on its bf16 copy instead)
+    exact = {"greedy_dtype": "float32"}
     for key, precision in (
-        ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16}),
-        ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16}),
+        ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16, **exact}),
+        ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16, **exact}),
     ):
         variant = engine(copy.deepcopy(dec), warm_shapes=(), **precision)
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
@@ -235,15 +238,15 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     # session 3's engine (the lm_head GEMM after an fp32 decoder with SDPA), the lm_head GEMM
     # after today's decoder, the decoder's linears in TF32 too (session 4's measured run:
     # process-wide switch), and the fused head in bf16
-    old_head = {"head": "lm_head"}
+    old_head = {"head": "lm_head", **exact}
     for key, options in (
         ("engine_lm_head_fp32_sdpa", {**old_head, "attention": "sdpa", "kernel_precision": "ieee"}),
         ("engine_lm_head", old_head),
-        ("engine_tf32_linears", {"matmul_precision": "high"}),
-        ("engine_fused_bf16", {"head_dtype": torch.bfloat16}),
+        ("engine_tf32_linears", {"matmul_precision": "high", **exact}),
+        ("engine_fused_bf16", {"head_dtype": torch.bfloat16, **exact}),
         # the default runs plain greedy cohorts on a bf16 copy (decoder, fused head, guess
         # table); this is every cohort on the exact fp32 path
-        ("engine_exact", {"greedy_dtype": "float32"}),
+        ("engine_exact", exact),
     ):
         variant = engine(warm_shapes=(), **options)
         for d in (1024, 8192):
@@ -253,7 +256,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     for prefix, options in (
         ("engine_fresh", {}),
         ("engine_lm_head_fresh", old_head),
-        ("engine_exact_fresh", {"greedy_dtype": "float32"}),
+        ("engine_exact_fresh", exact),
     ):
         for k in (1, 2, 4, 8) if not options else (1, 8):
             eng = engine(warm_shapes=(), **options)
@@ -266,7 +269,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         if "readout_ms" in one and "readout_ms" in eight:
             rep.put(f"{prefix}_k8_over_k1", eight["readout_ms"] / one["readout_ms"])
     # the latents-only decoder every GPU figure before session 9 measured, for comparison
-    seed_arch = engine(random_weights({})[0], warm_shapes=())
+    seed_arch = engine(random_weights({})[0], warm_shapes=(), **exact)  # as measured before
     free()
     w0 = torch.cuda.memory_allocated()  # its weights (the K=8 peak also holds K=1's graph)
     for k in (1, 8):
@@ -427,9 +430,11 @@ def main() -> int:
     time_engine(rep, et, rate, tiles)
     if args.audit:
         rep.run("audit_default", audit_default)
-        rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high"))
-        rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16))
-        rep.run("audit_exact", lambda: audit_default(greedy_dtype="float32"))
+        # the trades of the exact path, audited on it (plain lanes would take the bf16 copy)
+        exact = {"greedy_dtype": "float32"}
+        rep.run("audit_exact", lambda: audit_default(**exact))
+        rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high", **exact))
+        rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16, **exact))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():
