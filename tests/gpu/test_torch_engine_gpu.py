@@ -91,7 +91,7 @@ def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
     "reference margin of 0.28 (one of 223 positions); the bf16 default passes the same "
     "check, and the audit of the exact path on 32 held-out prompts passes at every depth. "
     "Suspected: a near-tie in the refinement's first guess, which the final margin does not "
-    "show (docs/PARITY.md)",
+    "show; the check's failure now counts real_after_a_first_guess_near_tie (docs/PARITY.md)",
     strict=False,
 )
 def test_gpu_exact_path_equals_reference_modulo_near_ties(served, captured):

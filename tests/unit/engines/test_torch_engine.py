@@ -345,3 +345,23 @@ def test_refining_decoder_equals_reference(head, rope):
     lp = got[1].logprobs  # a sampled lane: its tokens are not all the top-1, nor their logprobs
     assert len(lp.token) == len(got[1].margins) and max(lp.token) <= 0.0
     assert any(t != a for t, a in zip(lp.token, lp.top1, strict=True))
+
+
+def test_the_parity_check_counts_real_mismatches_after_a_first_guess_near_tie(reference, captured):
+    """bench.gpu_checks (the GPU parity check): a real mismatch still fails it, and with a
+    refining decoder's first-guess margins it also says whether a first-guess near-tie came
+    at or before it; the margins are the first pass's, one per read position."""
+    from bench.gpu_checks import compare_near_ties, first_pass_margins
+    from stateblock.engines.base import LaneResult
+
+    lane = lanes_of(captured, [30])[0]
+    margins = first_pass_margins(reference._decoder, reference._lm_head, lane)
+    assert len(margins) == 30 and min(margins) >= 0.0
+    ref = [LaneResult((5, 6, 7), NO_EOS, (1.0, 0.01, 2.0))]
+    near = [LaneResult((5, 9, 7), NO_EOS, (1.0, 0.01, 2.0))]  # differs where the margin is 0.01
+    real = [LaneResult((5, 6, 8), NO_EOS, (1.0, 0.01, 2.0))]  # ... where it is 2.0
+    assert compare_near_ties(ref, near)["near_tie_mismatches"] == 1
+    for first_guess, after in (([1.0, 0.02, 3.0], 1), ([1.0, 0.9, 3.0], 0)):
+        with pytest.raises(AssertionError) as e:
+            compare_near_ties(ref, real, first=lambda i, m=first_guess: m)
+        assert e.value.args[0]["real_after_a_first_guess_near_tie"] == after
