@@ -4,6 +4,8 @@ AssertionError on a failure and returns what it compared."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NEAR_TIE = (
@@ -156,12 +158,7 @@ def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda", 
     lanes = [LaneRequest(rows=rows[i % len(rows)], depth=d) for i, d in enumerate(depths)]
     first = None
     if eng._decoder.cfg.refine:  # computed only for a real mismatch, once a lane
-        cache: dict[int, list[float]] = {}
-
-        def first(i: int, lanes=lanes) -> list[float]:
-            if i not in cache:
-                cache[i] = first_pass_margins(eng._decoder, eng._lm_head, lanes[i])
-            return cache[i]
+        first = functools.cache(lambda i: first_pass_margins(eng._decoder, eng._lm_head, lanes[i]))
 
     greedy = compare_near_ties(ref.readout(lanes), eng.readout(lanes), first)
     single = compare_near_ties(ref.readout(lanes[7:8]), eng.readout(lanes[7:8]))

@@ -51,6 +51,10 @@ from bench.gpu_checks import (
 from bench.machine import copy_gbs, cuda_ms, gemm_tflops, host_costs
 from stateblock.model.kernels.top2 import Top2Config, default_tiles
 
+# every cohort on the exact fp32 path: the default engine runs plain greedy lanes on its bf16
+# copy, so the exact path's own variants and audits turn that off to measure what they name
+EXACT = {"greedy_dtype": "float32"}
+
 
 def import_engine():
     """stateblock.engines.torch_engine: the service stack must be importable (on the GPU machine,
@@ -224,12 +228,10 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     free()
     # the trades the engine does not take (docs/PARITY.md): its decoder in bf16, or under
     # fp16 autocast; each on a copy, since the engine converts its decoder in place. These
-    # and the variants below change the exact path, so they turn the greedy fast path off
-    # (the default engine would run their plain greedy lanes on its bf16 copy instead)
-    exact = {"greedy_dtype": "float32"}
+    # and the variants below change the exact path, so they run on it (EXACT)
     for key, precision in (
-        ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16, **exact}),
-        ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16, **exact}),
+        ("engine_bf16_decoder_K1_D8192", {"decoder_dtype": torch.bfloat16, **EXACT}),
+        ("engine_fp16_autocast_K1_D8192", {"autocast": torch.float16, **EXACT}),
     ):
         variant = engine(copy.deepcopy(dec), warm_shapes=(), **precision)
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
@@ -238,15 +240,15 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     # session 3's engine (the lm_head GEMM after an fp32 decoder with SDPA), the lm_head GEMM
     # after today's decoder, the decoder's linears in TF32 too (session 4's measured run:
     # process-wide switch), and the fused head in bf16
-    old_head = {"head": "lm_head", **exact}
+    old_head = {"head": "lm_head", **EXACT}
     for key, options in (
         ("engine_lm_head_fp32_sdpa", {**old_head, "attention": "sdpa", "kernel_precision": "ieee"}),
         ("engine_lm_head", old_head),
-        ("engine_tf32_linears", {"matmul_precision": "high", **exact}),
-        ("engine_fused_bf16", {"head_dtype": torch.bfloat16, **exact}),
+        ("engine_tf32_linears", {"matmul_precision": "high", **EXACT}),
+        ("engine_fused_bf16", {"head_dtype": torch.bfloat16, **EXACT}),
         # the default runs plain greedy cohorts on a bf16 copy (decoder, fused head, guess
         # table); this is every cohort on the exact fp32 path
-        ("engine_exact", exact),
+        ("engine_exact", EXACT),
     ):
         variant = engine(warm_shapes=(), **options)
         for d in (1024, 8192):
@@ -256,7 +258,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     for prefix, options in (
         ("engine_fresh", {}),
         ("engine_lm_head_fresh", old_head),
-        ("engine_exact_fresh", exact),
+        ("engine_exact_fresh", EXACT),
     ):
         for k in (1, 2, 4, 8) if not options else (1, 8):
             eng = engine(warm_shapes=(), **options)
@@ -269,7 +271,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         if "readout_ms" in one and "readout_ms" in eight:
             rep.put(f"{prefix}_k8_over_k1", eight["readout_ms"] / one["readout_ms"])
     # the latents-only decoder every GPU figure before session 9 measured, for comparison
-    seed_arch = engine(random_weights({})[0], warm_shapes=(), **exact)  # as measured before
+    seed_arch = engine(random_weights({})[0], warm_shapes=(), **EXACT)  # as measured before
     free()
     w0 = torch.cuda.memory_allocated()  # its weights (the K=8 peak also holds K=1's graph)
     for k in (1, 8):
@@ -415,7 +417,7 @@ def main() -> int:
         rep.run("check_engine_parity", lambda: check_engine_parity(served, rows))
         rep.run(
             "check_engine_parity_exact",
-            lambda: check_engine_parity(served, rows, greedy_dtype="float32"),
+            lambda: check_engine_parity(served, rows, **EXACT),
         )
         rep.run("check_graph_vs_eager", lambda: check_graph_vs_eager(served, rows))
         rep.run("check_logprob_precision", lambda: check_logprob_precision(served, rows))
@@ -431,10 +433,9 @@ def main() -> int:
     if args.audit:
         rep.run("audit_default", audit_default)
         # the trades of the exact path, audited on it (plain lanes would take the bf16 copy)
-        exact = {"greedy_dtype": "float32"}
-        rep.run("audit_exact", lambda: audit_default(**exact))
-        rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high", **exact))
-        rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16, **exact))
+        rep.run("audit_exact", lambda: audit_default(**EXACT))
+        rep.run("audit_tf32_linears", lambda: audit_default(matmul_precision="high", **EXACT))
+        rep.run("audit_fused_bf16", lambda: audit_default(head_dtype=torch.bfloat16, **EXACT))
     rep.put("wall_s", time.perf_counter() - t0)
     print("\nsummary (ms)")
     for key, row in rep.data.items():
