@@ -27,8 +27,8 @@ static input buffers (views of one allocation sized for the largest bucket) and 
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts.
 
-Greedy fast path (`greedy_dtype`: bf16 by default on a GPU, audited there with the shipped
-decoder, docs/PARITY.md; "float32" turns it off; off on the CPU). A cohort whose lanes all
+Greedy fast path (`greedy_dtype`: bf16 by default on a GPU, audited with the shipped
+decoders, docs/PARITY.md; "float32" turns it off; off on the CPU). A cohort whose lanes all
 take the argmax and ask for no log-probabilities runs a copy of the decoder, the fused head
 and the guess table in bf16; any other cohort keeps the exact path, so log-probabilities
 and seeded samples stay the reference's. The audit is what licenses it: a decoder whose

@@ -88,6 +88,40 @@ def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], 
     }
 
 
+def miss(
+    ex: tasks.Example,
+    teacher: list[int],
+    readout: tuple[list[int], int],
+    tok,
+    eos: int,
+    context: int = 12,
+) -> dict:
+    """One prompt the readout got wrong, to be read: where its answer first leaves the
+    teacher's, how (a wrong token, or a stop before or after the teacher's), and who is right."""
+    t_ans = teacher[:-1] if teacher and teacher[-1] == eos else teacher
+    r_toks, r_eos = readout
+    r_ans = r_toks[:r_eos] if r_eos != NO_EOS else r_toks
+    both = min(len(r_ans), len(t_ans))
+    at = next((i for i in range(both) if r_ans[i] != t_ans[i]), both)
+    kind = "token" if at < both else "eos_early" if len(r_ans) < len(t_ans) else "eos_late"
+    lo = max(0, at - context)
+    text = lambda ids: tok.decode(ids[lo : at + context], skip_special_tokens=True)  # noqa: E731
+    truth = tasks.solve(ex.prompt)
+    return {
+        "prompt": ex.prompt if len(ex.prompt) <= 80 else ex.prompt[:77] + "...",
+        "family": ex.family,
+        "bucket": bucket_of(max(1, len(t_ans))),
+        "kind": kind,
+        "at": at,
+        "teacher_len": len(t_ans),
+        "readout_len": len(r_ans) if r_eos != NO_EOS else None,  # None: no EOS within the read
+        "teacher_right": tok.decode(t_ans, skip_special_tokens=True) == truth,
+        "readout_right": r_eos != NO_EOS and tok.decode(r_ans, skip_special_tokens=True) == truth,
+        "teacher": text(t_ans),
+        "readout": text(r_ans),
+    }
+
+
 def _summary(rows: list[dict]) -> dict:
     def mean(xs):
         xs = [x for x in xs if x is not None]
@@ -144,9 +178,15 @@ def evaluate(
     for ex, s in zip(examples, scored, strict=True):
         by_bucket[bucket_of(max(1, s["len"]))].append(s)
         by_family[ex.family].append(s)
+    wrong = [
+        miss(ex, t, r, tok, tok.eos_token_id)
+        for ex, t, r, s in zip(examples, teacher, readouts, scored, strict=True)
+        if not s["exact"]
+    ]
     return {
         "buckets": {f"{lo}-{hi}": _summary(by_bucket[f"{lo}-{hi}"]) for lo, hi in BUCKETS},
         "families": {f: _summary(by_family[f]) for f in names},
+        "misses": wrong,
         "settings": {
             "n_each": n_each,
             "seed": seed,

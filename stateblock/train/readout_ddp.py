@@ -245,7 +245,14 @@ def main(argv: list[str] | None = None) -> None:
     overrides = st["decoder_config"] if st else json.loads(a.decoder_config)
     init = None
     if not st and a.init:  # another machine's stage: its bf16 weights, a fresh optimizer
-        init, manifest = ckpt.load_decoder(a.init, base_dir=a.base, lm_head=base.lm_head.weight)
+        manifest = ckpt.read_manifest(a.init)
+        try:
+            ckpt.check_identity(manifest, a.base, base.lm_head.weight)
+        except ckpt.DecoderMismatch as e:
+            # a decoder of an earlier base (a base stage ran since): a start, not a binding;
+            # the decoder this run saves is bound to --base
+            log(f"init from a decoder of another base ({e}): its weights are a start only")
+        init = ckpt.build_decoder(a.init, manifest)
         known = {f.name for f in fields(ReadoutConfig)} - {"d_base", "vocab_size", "eos_token_id"}
         overrides = {k: v for k, v in manifest["decoder_config"].items() if k in known}
         # passes share their weights, so e.g. {"refine": 2} fine-tunes the same parameters

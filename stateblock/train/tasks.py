@@ -14,7 +14,7 @@ from a wider mixture that also has short answers.
 Families (answer lengths):
   copy      copy: <s>            s, 1-1024 chars (held-out: 65-256 and 257-1024)
   reverse   reverse: <s>         s reversed, 1-32
-  sort      sort: <s>            s sorted, 1-32
+  sort      sort: <s>            s sorted, 1-32 (train: 17-32 half the time)
   add       add: AAAAA+BBBBB     the 6-digit zero-padded sum written least-significant digit
                                  first (LSB-first makes every output digit a local function)
   recall    recall: k=v;... ?k   v, 1-3 digits, 2-10 keys
@@ -43,6 +43,10 @@ LONG_EVAL = (C_MID, C_LONG, C_XL, C_XXL, C_XL, C_XXL)
 LONG_TRAIN = (C_SHORT, C_MID, C_LONG, C_XL, C_XXL, C_XL, C_XXL)
 COPY_EVAL = (C_MID, C_LONG)
 COPY_TRAIN = (C_SHORT, C_MID, C_LONG)
+# sort's train strings: 1-32 letters half the time, 17-32 the other half. Every sort miss
+# (the base's and the readout's) is one letter count off by one, and they grow with length:
+# held-out 25-32-letter strings were 0.69 exact for the base, 0.27 readout vs teacher
+SORT_TRAIN = ((1, 32), (17, 32))
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def reverse(rng: random.Random, slot: int | None = None) -> Example:
 
 
 def sort(rng: random.Random, slot: int | None = None) -> Example:
-    s = _word(rng, 1, 32)
+    s = _word(rng, *((1, 32) if slot is not None else rng.choice(SORT_TRAIN)))
     return Example("sort", f"sort: {s}", "".join(sorted(s)))
 
 

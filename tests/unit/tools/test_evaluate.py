@@ -4,7 +4,8 @@ import json
 
 from stateblock.app.cli import main
 from stateblock.model.vocab import NO_EOS
-from stateblock.tools.evaluate import BUCKETS, METRICS, bucket_of, score
+from stateblock.tools.evaluate import BUCKETS, METRICS, bucket_of, miss, score
+from stateblock.train.tasks import Example
 from tests.helpers import REFERENCE_BASE, REFERENCE_DECODER
 
 EOS = 2
@@ -65,5 +66,34 @@ def test_eval_command_reports_every_bucket_and_family(tmp_path):
     assert sum(b["n"] for b in report["buckets"].values()) == 6
     for fam in report["families"].values():
         assert fam["n"] == 2 and 0.0 <= fam["token_agreement_vs_teacher"] <= 1.0
+    wrong = sum(
+        round((1 - f["exact_match_vs_teacher"]) * f["n"]) for f in report["families"].values()
+    )
+    assert len(report["misses"]) == wrong  # every prompt not exact, listed once
+    assert all(m["kind"] in ("token", "eos_early", "eos_late") for m in report["misses"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "| copy | 2 |" in md.read_text()
+
+
+def test_a_miss_says_where_and_how_the_readout_left_the_teacher():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(REFERENCE_BASE), local_files_only=True)
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    ex = Example("copy", "copy: hello", "hello")
+    teacher = ids("hello") + [eos]
+    m = miss(ex, teacher, (ids("hallo") + [eos], 5), tok, eos)
+    assert (m["kind"], m["at"], m["teacher_right"], m["readout_right"]) == ("token", 1, True, False)
+    assert (m["teacher"], m["readout"], m["readout_len"]) == ("hello", "hallo", 5)
+    m = miss(ex, teacher, (ids("hel") + [eos, 5, 5], 3), tok, eos)
+    assert (m["kind"], m["at"], m["readout_len"]) == ("eos_early", 3, 3)
+    m = miss(ex, teacher, (ids("hellooo"), NO_EOS), tok, eos)  # never stopped within the read
+    assert (m["kind"], m["at"], m["readout_len"], m["readout_right"]) == (
+        "eos_late",
+        5,
+        None,
+        False,
+    )
+    m = miss(ex, ids("hellp") + [eos], (ids("hello") + [eos], 5), tok, eos)  # the teacher wrong
+    assert not m["teacher_right"] and m["readout_right"] and m["bucket"] == "1-64"

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from stateblock.model.capture import capture
-from stateblock.model.checkpoint import load_decoder
+from stateblock.model.checkpoint import DecoderMismatch, load_decoder
 from stateblock.model.loading import load_base
 from stateblock.train import readout_ddp, tasks
 from stateblock.train.base_ddp import FastEnc
@@ -101,6 +103,22 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
     again = json.loads((tmp_path / "next" / "stats.json").read_text())
     assert again["steps"] == 6 and again["config"]["decoder"]["row_attn"] is True
     assert again["config"]["decoder"]["d_r"] == 32 and again["config"]["decoder"]["refine"] == 2
+    # a base stage ran since: the last decoder starts the next one on the new base, and what
+    # that run saves is bound to the new base, not the old
+    other = tmp_path / "base6"
+    shutil.copytree(BASE, other)
+    weights = load_file(str(other / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[key] = weights[key] * 1.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    args[args.index("--base") + 1] = str(other)
+    args[args.index("--out") + 1] = str(tmp_path / "rebased")
+    with pytest.raises(_Exited):
+        readout_ddp.main([*args, "--max-steps", "1", "--init", str(tmp_path / "decoder")])
+    lm_head = load_base(other, "cpu")[0].lm_head.weight
+    load_decoder(tmp_path / "rebased" / "decoder", base_dir=other, lm_head=lm_head)
+    with pytest.raises(DecoderMismatch):
+        load_decoder(tmp_path / "rebased" / "decoder", base_dir=BASE, lm_head=lm_head)
 
 
 def test_step_by_step_decoding_reports_every_step(base):
@@ -135,6 +153,33 @@ def test_a_schedule_longer_than_its_run_is_planned_long_and_stops_on_the_clock(m
     assert 5900 <= plan.total <= 6000  # 10 minutes at 100 ms a step
     assert 590 <= step <= 610  # but this run ended after its one minute
     assert plan.bar.total == plan.total  # the progress bar shows the planned length
+
+
+def test_a_run_whose_pace_falls_after_its_plan_still_stops_on_the_clock(monkeypatch, tmp_path):
+    """Under torchrun too (a process group, here of one rank over gloo): a pace measured at
+    steps 100-300 that falls later (runs sharing a GPU) must not carry a run past its call."""
+    import torch.distributed as dist
+
+    from stateblock.train import base_ddp
+
+    clock = [0.0]
+    monkeypatch.setattr(base_ddp.time, "perf_counter", lambda: clock[0])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        r = base_ddp.Ranks(ddp=True, rank=0, world=1, device="cpu")
+        plan = base_ddp.Plan(r, 0, None, minutes=1.0, max_steps=10**9, fallback=4000)
+        step = 0
+        while True:
+            plan.steps(step)
+            clock[0] += 0.1 if step < 300 else 0.3  # the pace falls 3x after the plan
+            step += 1
+            if plan.done(step):
+                break
+    finally:
+        dist.destroy_process_group()
+    assert 550 <= plan.total <= 620  # planned to fill the minute at 100 ms a step
+    # stopped 30 s past it (rank 0's clock is read every 10th step), not at 2.2 minutes
+    assert step < plan.total and 90 <= clock[0] <= 93.1
 
 
 def test_the_answer_loss_weights_eos_and_skips_unscored_positions():

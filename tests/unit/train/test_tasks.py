@@ -4,6 +4,7 @@ import hashlib
 import random
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from stateblock.train import tasks
@@ -116,6 +117,16 @@ def test_the_base_trainer_runs_and_writes_a_loadable_model(tmp_path):
     assert list(tmp_path.glob("fp32.part*.safetensors"))
     model, tok = load_base(tmp_path / "base")
     assert model.config.hidden_size == 32 and tok("copy: a")["input_ids"][0] == tok.bos_token_id
+    # a later stage on another machine starts from the saved base itself (its bf16 weights)
+    nxt = tmp_path / "next"
+    args[args.index("--out") + 1] = str(nxt)
+    args[args.index("--max-steps") + 1] = "1"
+    done = subprocess.run([*args, "--init", str(tmp_path / "base"), "--lr", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    again, _ = load_base(nxt / "base")
+    for (name, w), w2 in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(w, w2), name  # lr 0: the step kept the weights it started from
 
 
 def test_solve_reads_every_family_s_answer_from_the_prompt_alone():
@@ -136,3 +147,12 @@ def test_train_adds_draw_full_width_operands_often_and_heldout_prompts_stay_put(
     ex = tasks.per_family(30, split="heldout", seed=1234)
     digest = hashlib.sha256("\n".join(e.prompt for e in ex).encode()).hexdigest()
     assert digest.startswith("0c1429cb5d427261")
+
+
+def test_train_sorts_draw_long_strings_half_the_time_and_heldout_ones_stay_uniform():
+    def long_share(split: str) -> float:
+        exs = tasks.generate(2000, split=split, seed=8, families=("sort",))
+        return sum(len(e.answer) >= 17 for e in exs) / len(exs)
+
+    assert long_share("train") > 0.68  # 1/2 + 1/2 * 16/32 = 0.75: the misses are the long ones
+    assert 0.42 < long_share("heldout") < 0.58  # uniform in 1-32, as every table measured
