@@ -156,3 +156,34 @@ def test_train_sorts_draw_long_strings_half_the_time_and_heldout_ones_stay_unifo
 
     assert long_share("train") > 0.68  # 1/2 + 1/2 * 16/32 = 0.75: the misses are the long ones
     assert 0.42 < long_share("heldout") < 0.58  # uniform in 1-32, as every table measured
+
+
+def test_a_base_build_stage_returns_split_weights_and_the_next_starts_from_them(tmp_path):
+    """scripts/build_base.sh, as a device call runs it (here torchrun over one CPU process):
+    the weights come back in parts under 16 MiB, and a stage elsewhere starts from them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import REPO
+
+    tiny = ["--device", "cpu", "--dim", "32", "--mlp-dim", "64", "--n-layers", "1",
+            "--n-heads", "2", "--max-steps", "2", "--workers", "0", "--pool", "40",
+            "--budget", "8192", "--max-batch", "8", "--eval-each", "1", "--final-eval-each", "0"]  # fmt: skip
+    for run, init in (("one", "-"), ("two", str(tmp_path / "one" / "base"))):
+        env = {
+            **os.environ,
+            "OUT": str(tmp_path / run),
+            "STATEBLOCK_BUILD_DIR": str(tmp_path / f"w-{run}"),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # this python's torchrun
+        }
+        done = subprocess.run(["bash", "scripts/build_base.sh", "1", init, *tiny], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        parts = sorted((tmp_path / run / "base").glob("model.safetensors.part.*"))
+        assert parts and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+        stats = json.loads((tmp_path / run / "base" / "base_stats.json").read_text())
+        assert stats["steps"] == 2  # the second run starts from weights, not from a step count
+    assert "init from" in done.stdout
