@@ -105,8 +105,7 @@ def miss(
     at = next((i for i in range(both) if r_ans[i] != t_ans[i]), both)
     kind = "token" if at < both else "eos_early" if len(r_ans) < len(t_ans) else "eos_late"
     lo = max(0, at - context)
-    text = lambda ids: tok.decode(ids[lo : at + context], skip_special_tokens=True)  # noqa: E731
-    truth = tasks.solve(ex.prompt)
+    said = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     return {
         "prompt": ex.prompt if len(ex.prompt) <= 80 else ex.prompt[:77] + "...",
         "family": ex.family,
@@ -115,10 +114,10 @@ def miss(
         "at": at,
         "teacher_len": len(t_ans),
         "readout_len": len(r_ans) if r_eos != NO_EOS else None,  # None: no EOS within the read
-        "teacher_right": tok.decode(t_ans, skip_special_tokens=True) == truth,
-        "readout_right": r_eos != NO_EOS and tok.decode(r_ans, skip_special_tokens=True) == truth,
-        "teacher": text(t_ans),
-        "readout": text(r_ans),
+        "teacher_right": said(t_ans) == ex.answer,
+        "readout_right": r_eos != NO_EOS and said(r_ans) == ex.answer,
+        "teacher": said(t_ans[lo : at + context]),
+        "readout": said(r_ans[lo : at + context]),
     }
 
 
