@@ -95,7 +95,9 @@ def teacher_batch(base, ids: Tensor, lab: Tensor, amp) -> tuple[Tensor, Tensor, 
     return hidden[:, :p].float(), lens, target, stats
 
 
-def answer_loss(logits: Tensor, target: Tensor, eos: int, eos_weight: float = 1.0) -> Tensor:
+def answer_loss(
+    logits: Tensor, target: Tensor, eos: int, eos_weight: float = 1.0, extra: Tensor | None = None
+) -> Tensor:
     """Cross-entropy over the scored positions (target -100 is not scored), the EOS targets
     weighted `eos_weight` times: an answer of 3,000 tokens has one EOS, whose gradient is
     otherwise a 3,000th of the answer's, and a readout that never stops is wrong however
@@ -104,7 +106,37 @@ def answer_loss(logits: Tensor, target: Tensor, eos: int, eos_weight: float = 1.
                          reduction="none")  # fmt: skip
     flat = target.flatten()
     w = torch.where(flat == eos, eos_weight, 1.0) * (flat != -100)
+    if extra is not None:  # (B, D) per-position weights, e.g. near_end_weights
+        w = w * extra.flatten()
     return (ce * w).sum() / w.sum().clamp_min(1.0)
+
+
+def near_end_weights(
+    target: Tensor, eos: int, sep: int, weight: float, max_item: int = 12
+) -> Tensor:
+    """(B, D) loss weights: `weight` on every separator that follows an item one character
+    away from the answer's last item, 1 elsewhere (and on lanes without a known end).
+
+    The long answers' misses are early stops right after such an item (`alpha: hmw hzc`
+    stopped after `hnc`, `countdown: 640 533` after `633`): there the separator and EOS are
+    the confusable pair, as the end was before EOS was weighted. Items are the runs between
+    separators; only items of the last item's length (at most `max_item`) are compared."""
+    b, d = target.shape
+    idx = torch.arange(d, device=target.device)
+    is_end, is_sep = target == eos, target == sep
+    e = is_end.float().argmax(-1)  # (B,) the first end (0 where none)
+    last_sep = torch.where(is_sep & (idx < e[:, None]), idx, -1).max(-1).values  # (B,)
+    n = e - last_sep - 1  # (B,) the last item's length
+    lane = is_end.any(-1) & (last_sep >= 0) & (n >= 1) & (n <= max_item)
+    start = idx[None, :] - n[:, None]  # (B, D) where the item ending before each position starts
+    after_sep = is_sep.gather(1, (start - 1).clamp(min=0)) & (start >= 1)
+    cand = is_sep & (idx < e[:, None]) & lane[:, None] & ((start == 0) | after_sep)
+    diff = torch.zeros(b, d, dtype=torch.int32, device=target.device)
+    for j in range(max_item):
+        here = target.gather(1, (start + j).clamp(0, d - 1))  # (B, D) item char j
+        last = target.gather(1, (e - n + j).clamp(0, d - 1).unsqueeze(1))  # (B, 1)
+        diff += ((j < n)[:, None] & (here != last)).int()
+    return torch.where(cand & (diff == 1), weight, 1.0)
 
 
 def stop_loss(logits: Tensor, target: Tensor, eos: int) -> Tensor:
@@ -215,6 +247,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
     add("--eos-weight", type=float, default=1.0, help="loss weight of the EOS targets")
     add("--stop-weight", type=float, default=0.0, help="weight of the per-lane stop loss")
+    add(
+        "--near-end-weight", type=float, default=1.0,
+        help="loss weight of separators after an item one character from the last item",
+    )  # fmt: skip
     add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
@@ -305,7 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         pos = torch.arange(target.shape[1], device=device).expand(target.shape[0], -1)
         with amp:
             logits = dmodel(rows, lens, pos, lm_head)
-        loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight) for lg in logits)
+        extra = None
+        if a.near_end_weight != 1.0:
+            extra = near_end_weights(target, tok.eos_token_id, enc.char[" "], a.near_end_weight)
+        loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight, extra) for lg in logits)
         if a.stop_weight:
             loss = loss + a.stop_weight * sum(
                 stop_loss(lg, target, tok.eos_token_id) for lg in logits

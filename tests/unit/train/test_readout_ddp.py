@@ -66,6 +66,7 @@ def test_a_run_writes_a_bound_decoder_and_resumes(tmp_path, base, monkeypatch):
     model, _ = base
     args = ["--base", str(BASE), "--out", str(tmp_path), "--device", "cpu", "--workers", "0",
             "--budget", "2048", "--max-batch", "8", "--pool", "64", "--eval-each", "1",
+            "--near-end-weight", "3",  # the hard-negative weights' path, exercised
             "--decoder-config", json.dumps({"d_r": 32, "n_latent": 4, "n_heads": 4,
                                             "n_mixer": 1, "row_attn": True, "refine": 1})]  # fmt: skip
 
@@ -216,3 +217,29 @@ def test_the_stop_loss_compares_a_lanes_positions_and_skips_lanes_without_an_end
     grad = torch.zeros(2, 4, v, requires_grad=True)
     readout_ddp.stop_loss(grad, none, eos).backward()  # nothing scored, a graph all the same
     assert float(grad.grad.abs().sum()) == 0.0
+
+
+def test_near_end_weights_mark_separators_after_items_one_character_from_the_last():
+    sep, eos = 1, 2
+    ids = {c: 10 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789")}
+
+    def lane(text: str, end: bool = True, width: int = 24) -> list[int]:
+        toks = [sep if c == " " else ids[c] for c in text] + ([eos] if end else [])
+        return toks + [-100] * (width - len(toks))
+
+    target = torch.tensor([
+        lane("hnc hzb hzc"),  # hnc and hzb are one character from hzc: both their separators
+        lane("abc xyd abd"),  # xyd is two away; abc is one away
+        lane("hnc hzb hzc", end=False),  # no known end: nothing weighted
+        lane("ab001 ab011 ab003"),  # longer items (repeat): ab001 is one away, ab011 two
+    ])  # fmt: skip
+    w = readout_ddp.near_end_weights(target, eos, sep, 5.0)
+    marked = [(w[r] == 5.0).nonzero().flatten().tolist() for r in range(4)]
+    assert marked == [[3, 7], [3], [], [5]]
+    assert bool((w[w != 5.0] == 1.0).all())
+    logits = torch.randn(4, 24, 50)
+    base = readout_ddp.answer_loss(logits, target, eos)
+    assert torch.allclose(
+        readout_ddp.answer_loss(logits, target, eos, extra=torch.ones(4, 24)), base
+    )
+    assert not torch.allclose(readout_ddp.answer_loss(logits, target, eos, extra=w), base)
