@@ -67,11 +67,19 @@ def read_out(
     return out
 
 
-def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], eos: int) -> dict:
+def answers(teacher: list[int], readout: tuple[list[int], int], eos: int):
+    """(teacher answer, its EOS position, readout answer, its EOS position): each cut at its
+    EOS (NO_EOS: none, the whole read)."""
     t_eos = len(teacher) - 1 if teacher and teacher[-1] == eos else NO_EOS
     t_ans = teacher[:t_eos] if t_eos != NO_EOS else teacher
     r_toks, r_eos = readout
     r_ans = r_toks[:r_eos] if r_eos != NO_EOS else r_toks
+    return t_ans, t_eos, r_ans, r_eos
+
+
+def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], eos: int) -> dict:
+    t_ans, t_eos, r_ans, r_eos = answers(teacher, readout, eos)
+    r_toks = readout[0]
     agree = sum(int(a == b) for a, b in zip(r_toks, teacher, strict=False))
     return {
         "len": len(t_ans),
@@ -90,34 +98,34 @@ def score(teacher: list[int], readout: tuple[list[int], int], truth: list[int], 
 
 def miss(
     ex: tasks.Example,
+    scored: dict,
     teacher: list[int],
     readout: tuple[list[int], int],
     tok,
     eos: int,
     context: int = 12,
 ) -> dict:
-    """One prompt the readout got wrong, to be read: where its answer first leaves the
-    teacher's, how (a wrong token, or a stop before or after the teacher's), and who is right."""
-    t_ans = teacher[:-1] if teacher and teacher[-1] == eos else teacher
-    r_toks, r_eos = readout
-    r_ans = r_toks[:r_eos] if r_eos != NO_EOS else r_toks
+    """One prompt the readout got wrong (`scored` is its `score`), to be read: where its
+    answer first leaves the teacher's, how (a wrong token, or a stop before or after the
+    teacher's), and who is right."""
+    t_ans, _, r_ans, r_eos = answers(teacher, readout, eos)
     both = min(len(r_ans), len(t_ans))
     at = next((i for i in range(both) if r_ans[i] != t_ans[i]), both)
     kind = "token" if at < both else "eos_early" if len(r_ans) < len(t_ans) else "eos_late"
     lo = max(0, at - context)
-    said = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    said = lambda ids: tok.decode(ids[lo : at + context], skip_special_tokens=True)  # noqa: E731
     return {
         "prompt": ex.prompt if len(ex.prompt) <= 80 else ex.prompt[:77] + "...",
         "family": ex.family,
-        "bucket": bucket_of(max(1, len(t_ans))),
+        "bucket": bucket_of(max(1, scored["len"])),
         "kind": kind,
         "at": at,
-        "teacher_len": len(t_ans),
+        "teacher_len": scored["len"],
         "readout_len": len(r_ans) if r_eos != NO_EOS else None,  # None: no EOS within the read
-        "teacher_right": said(t_ans) == ex.answer,
-        "readout_right": r_eos != NO_EOS and said(r_ans) == ex.answer,
-        "teacher": said(t_ans[lo : at + context]),
-        "readout": said(r_ans[lo : at + context]),
+        "teacher_right": scored["t_truth"],
+        "readout_right": scored["r_truth"],
+        "teacher": said(t_ans),
+        "readout": said(r_ans),
     }
 
 
@@ -178,7 +186,7 @@ def evaluate(
         by_bucket[bucket_of(max(1, s["len"]))].append(s)
         by_family[ex.family].append(s)
     wrong = [
-        miss(ex, t, r, tok, tok.eos_token_id)
+        miss(ex, s, t, r, tok, tok.eos_token_id)
         for ex, t, r, s in zip(examples, teacher, readouts, scored, strict=True)
         if not s["exact"]
     ]

@@ -82,18 +82,19 @@ def test_a_miss_says_where_and_how_the_readout_left_the_teacher():
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     eos = tok.eos_token_id
     ex = Example("copy", "copy: hello", "hello")
-    teacher = ids("hello") + [eos]
-    m = miss(ex, teacher, (ids("hallo") + [eos], 5), tok, eos)
+    truth = ids("hello")
+    teacher = truth + [eos]
+
+    def miss_of(teacher, readout):
+        return miss(ex, score(teacher, readout, truth, eos), teacher, readout, tok, eos)
+
+    m = miss_of(teacher, (ids("hallo") + [eos], 5))
     assert (m["kind"], m["at"], m["teacher_right"], m["readout_right"]) == ("token", 1, True, False)
     assert (m["teacher"], m["readout"], m["readout_len"]) == ("hello", "hallo", 5)
-    m = miss(ex, teacher, (ids("hel") + [eos, 5, 5], 3), tok, eos)
+    m = miss_of(teacher, (ids("hel") + [eos, 5, 5], 3))
     assert (m["kind"], m["at"], m["readout_len"]) == ("eos_early", 3, 3)
-    m = miss(ex, teacher, (ids("hellooo"), NO_EOS), tok, eos)  # never stopped within the read
-    assert (m["kind"], m["at"], m["readout_len"], m["readout_right"]) == (
-        "eos_late",
-        5,
-        None,
-        False,
-    )
-    m = miss(ex, ids("hellp") + [eos], (ids("hello") + [eos], 5), tok, eos)  # the teacher wrong
+    m = miss_of(teacher, (ids("hellooo"), NO_EOS))  # never stopped within the read
+    assert (m["kind"], m["at"], m["readout_len"]) == ("eos_late", 5, None)
+    assert not m["readout_right"]
+    m = miss_of(ids("hellp") + [eos], (ids("hello") + [eos], 5))  # the teacher wrong
     assert not m["teacher_right"] and m["readout_right"] and m["bucket"] == "1-64"
