@@ -43,13 +43,22 @@ _BATCH = "--reschedule --warmup 100 --max-batch 1024"
 _WEAK = shlex.quote(json.dumps({"sort": 3, "recall": 2}, separators=(",", ":")))
 _SORT = shlex.quote(json.dumps({"sort": 4, "copy": 2}, separators=(",", ":")))
 _FINE = "--reschedule --warmup 50 --max-batch 1024 --workers 5"
+
+
+def _weak(minutes: float, workers: int) -> str:
+    """Sessions 10-12's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
+    and recall 2x as often."""
+    return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers {workers} "
+            f"--eos-weight 10 --weights {_WEAK}")  # fmt: skip
+
+
 STAGES: tuple[Stage, ...] = (
     Stage("base-1", BASE, "--minutes 7.3 --lr 2e-3", "every family, uniform"),
     Stage("base-2", BASE, "--minutes 7.6 --lr 1.5e-3 --reschedule --warmup 100",
           "a second cosine: the long families flip late"),
     Stage("base-3", BASE, f"--minutes 8.2 --lr 1e-3 {_BATCH} --weights '{{\"sort\":2,\"recall\":2}}'",
           "the two weakest families twice as often"),
-    Stage("base-4", BASE, f"--minutes 6.8 --lr 7e-4 {_BATCH} --weights '{{\"sort\":4,\"copy\":2}}'",
+    Stage("base-4", BASE, f"--minutes 6.8 --lr 7e-4 {_BATCH} --weights {_SORT}",
           "sort, still under 0.95, four times as often"),
     # session 12, on one H200 beside two decoder arms: each started from the last base's
     # weights with a new optimizer; the train split draws 17-32-letter sort strings half the time
@@ -74,27 +83,19 @@ STAGES: tuple[Stage, ...] = (
           "--eos-weight 10", "a fifth, lower peak, alone on the GPU"),
     # session 10: stage 8 started from stage 7's weights with a new optimizer (--init) beside
     # an ablation arm (refine 2), so at half this pace; 9 and 10 resumed it alone
-    Stage("decoder-8", READOUT, f"--minutes 7.2 --lr 1e-4 --warmup 30 --reschedule --workers 7 "
-          f"--eos-weight 10 --weights {_WEAK}", "sort 3x and recall 2x as often: 1-64's weak two"),
-    Stage("decoder-9", READOUT, f"--minutes 7.4 --lr 1e-4 --warmup 30 --reschedule --workers 14 "
-          f"--eos-weight 10 --weights {_WEAK}", "the same weights, a new short cosine"),
-    Stage("decoder-10", READOUT, f"--minutes 5.0 --lr 1e-4 --warmup 30 --reschedule --workers 14 "
-          f"--eos-weight 10 --weights {_WEAK}", "again: sort was still climbing (0.64 -> 0.68)"),
+    Stage("decoder-8", READOUT, _weak(7.2, 7), "sort 3x and recall 2x as often: 1-64's weak two"),
+    Stage("decoder-9", READOUT, _weak(7.4, 14), "the same weights, a new short cosine"),
+    Stage("decoder-10", READOUT, _weak(5.0, 14), "again: sort was still climbing (0.64 -> 0.68)"),
     # session 11: each from the previous stage's weights (--init, a new optimizer) beside
     # ablation arms on the same GPU (the trainer was host-bound then: 20-30 % GPU a run)
-    Stage("decoder-11", READOUT, f"--minutes 7.0 --lr 1e-4 --warmup 30 --reschedule --workers 7 "
-          f"--eos-weight 10 --weights {_WEAK}", "the same weights: sort 0.68 -> 0.72, 1-64 0.91"),
-    Stage("decoder-12", READOUT, f"--minutes 8.0 --lr 1e-4 --warmup 30 --reschedule --workers 4 "
-          f"--eos-weight 10 --weights {_WEAK}", "and once more: sort 0.84, 1-64 0.94 (trainer)"),
+    Stage("decoder-11", READOUT, _weak(7.0, 7), "the same weights: sort 0.68 -> 0.72, 1-64 0.91"),
+    Stage("decoder-12", READOUT, _weak(8.0, 4), "and once more: sort 0.84, 1-64 0.94 (trainer)"),
     # session 12: stage 13 ran on base 4, 14 on base 5 and 15 on base 6, each from the last
     # stage's weights (--init: a decoder of the previous base is a start); 13 and 14 beside
     # two other runs. From 14 on cuDNN attention was off: 2.6x the steps a second
-    Stage("decoder-13", READOUT, f"--minutes 7.3 --lr 1e-4 --warmup 30 --reschedule --workers 5 "
-          f"--eos-weight 10 --weights {_WEAK}", "long sort strings half the time: sort 0.80 (trainer)"),
-    Stage("decoder-14", READOUT, f"--minutes 7.3 --lr 1e-4 --warmup 30 --reschedule --workers 5 "
-          f"--eos-weight 10 --weights {_WEAK}", "on base 5 (2,601 steps): 1-64 0.975, sort 1.00"),
-    Stage("decoder-15", READOUT, f"--minutes 4.6 --lr 1e-4 --warmup 30 --reschedule --workers 12 "
-          f"--eos-weight 10 --weights {_WEAK}", "on base 6, alone (3,143 steps): 1-64 0.966, sort 0.97"),
+    Stage("decoder-13", READOUT, _weak(7.3, 5), "long sort strings half the time: sort 0.80 (trainer)"),
+    Stage("decoder-14", READOUT, _weak(7.3, 5), "on base 5 (2,601 steps): 1-64 0.975, sort 1.00"),
+    Stage("decoder-15", READOUT, _weak(4.6, 12), "on base 6, alone (3,143 steps): 1-64 0.966, sort 0.97"),
 )  # fmt: skip
 
 
