@@ -326,6 +326,15 @@ class TorchEngine:
         kb, pb, db = bucket(k, self._lane_b), bucket(p, self._prompt_b), bucket(d, self._depth_b)
         return Shape(kb or k, pb or p, db or d), None not in (kb, pb, db)
 
+    def _path(self, lanes: Sequence[LaneRequest]) -> str:
+        """The precision key a cohort runs on: exact dots when a lane asks for
+        log-probabilities, the greedy fast path when every lane is plain greedy."""
+        if any(lane.sampling.HasField("logprobs") for lane in lanes):
+            return self._logprob_precision
+        if self._greedy is not None and not any(x.selects for x in lanes):
+            return GREEDY
+        return self._kernel_precision
+
     def _stage(
         self, lanes: Sequence[LaneRequest], rows: Tensor, lens: Tensor, depths: Tensor
     ) -> None:
@@ -456,9 +465,7 @@ class TorchEngine:
         shape, bucketed = self._shape(lanes)
         k = len(lanes)
         wants_lp = any(lane.sampling.HasField("logprobs") for lane in lanes)
-        precision = self._logprob_precision if wants_lp else self._kernel_precision
-        if self._greedy is not None and not wants_lp and not any(x.selects for x in lanes):
-            precision = GREEDY
+        precision = self._path(lanes)
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
                 h, top_v, top_i, eos, lse = self._replay(shape, precision, lanes)

@@ -85,15 +85,6 @@ def test_gpu_engine_equals_reference_modulo_near_ties(served, captured):
 
 
 @needs_cuda
-@pytest.mark.xfail(
-    reason="seen failing on the H200 (2026-12-01, session-11 decoder): with the greedy fast "
-    "path off, the TF32 kernel dots flip one token of these out-of-format prompts at a "
-    "reference margin of 0.28 (one of 223 positions); the bf16 default passes the same "
-    "check, and the audit of the exact path on 32 held-out prompts passes at every depth. "
-    "Suspected: a near-tie in the refinement's first guess, which the final margin does not "
-    "show; the check's failure now counts real_after_a_first_guess_near_tie (docs/PARITY.md)",
-    strict=False,
-)
 def test_gpu_exact_path_equals_reference_modulo_near_ties(served, captured):
     """The default engine runs plain greedy cohorts in bf16; with it off (float32) every
     cohort takes the exact path, which must hold as well."""
