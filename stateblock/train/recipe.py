@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's six stages and the
-readout decoder's fifteen, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's seventeen, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -52,6 +52,14 @@ def _weak(minutes: float, workers: int) -> str:
             f"--eos-weight 10 --weights {_WEAK}")  # fmt: skip
 
 
+def _near_end(minutes: float, weights: dict[str, int]) -> str:
+    """Session 13's: `_weak`'s cosine with the separators after an item one character from
+    the answer's last item weighted 3x (the long answers' early stops all followed one)."""
+    w = shlex.quote(json.dumps(weights, separators=(",", ":")))
+    return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers 5 "
+            f"--eos-weight 10 --weights {w} --near-end-weight 3")  # fmt: skip
+
+
 STAGES: tuple[Stage, ...] = (
     Stage("base-1", BASE, "--minutes 7.3 --lr 2e-3", "every family, uniform"),
     Stage("base-2", BASE, "--minutes 7.6 --lr 1.5e-3 --reschedule --warmup 100",
@@ -96,6 +104,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("decoder-13", READOUT, _weak(7.3, 5), "long sort strings half the time: sort 0.80 (trainer)"),
     Stage("decoder-14", READOUT, _weak(7.3, 5), "on base 5 (2,601 steps): 1-64 0.975, sort 1.00"),
     Stage("decoder-15", READOUT, _weak(4.6, 12), "on base 6, alone (3,143 steps): 1-64 0.966, sort 0.97"),
+    # session 13, each beside two other arms on one H200 (about 2,200 steps a run)
+    Stage("decoder-16", READOUT, _near_end(7.8, {"sort": 3, "recall": 2}),
+          "near-end separators 3x: 1-64 0.983, EOS agreement 1.00 but the teacher's runaway"),
+    Stage("decoder-17", READOUT, _near_end(7.8, {"sort": 3, "recall": 4}),
+          "recall 4x: 1-64 0.992 (seed 1234), 0.983 (seed 7), every family >= 0.967"),
 )  # fmt: skip
 
 
