@@ -160,37 +160,44 @@ def first_pass(decoder, lm_head: torch.Tensor, lane) -> tuple[list[int], list[fl
 
 @torch.inference_mode()
 def engine_first_guess(eng, lanes) -> list[list[int]]:
-    """The torch engine's own first guess for each lane (top-1 ids up to its depth), on the
-    path its readout picks for this cohort, run eagerly (a graph replays the same step:
-    check_graph_vs_eager). The guess is the first of the step's two top-2 calls."""
-    shape, _ = eng._shape(lanes)
-    precision = eng._path(lanes)
-    top2, calls = eng._top2[precision], []
+    """The torch engine's own first guess for each lane (top-1 ids up to its depth), in the
+    cohorts its readout makes of these lanes and on the path it picks for each, run eagerly
+    at the same padded shape (a graph replays the same step: check_graph_vs_eager). The
+    guess is the first of the step's two top-2 calls."""
+    guesses: list[list[int]] = []
+    for lo in range(0, len(lanes), eng._k_max):
+        cohort = lanes[lo : lo + eng._k_max]
+        shape, _ = eng._shape(cohort)
+        precision = eng._path(cohort)
+        top2, calls = eng._top2[precision], []
 
-    def recording(x, head, **kw):
-        out = top2(x, head, **kw)
-        calls.append(out[1])
-        return out
+        def recording(x, head, top2=top2, calls=calls, **kw):
+            out = top2(x, head, **kw)
+            calls.append(out[1])
+            return out
 
-    eng._top2[precision] = recording
-    try:
-        eng._eager(shape, precision, lanes)
-    finally:
-        eng._top2[precision] = top2
-    ids = calls[0][:, 0].view(shape.lanes, shape.depth).cpu()
-    return [ids[i, : lane.depth].tolist() for i, lane in enumerate(lanes)]
+        eng._top2[precision] = recording
+        try:
+            eng._eager(shape, precision, cohort)
+        finally:
+            eng._top2[precision] = top2
+        ids = calls[0][:, 0].view(shape.lanes, shape.depth).cpu()
+        guesses += [ids[i, : lane.depth].tolist() for i, lane in enumerate(cohort)]
+    return guesses
 
 
 def first_guesses(eng, ref_lm_head: torch.Tensor, lanes):
     """`compare_near_ties`' `first` for a refining decoder (None otherwise): lane i's
-    FirstGuess, computed once a lane and only for a lane with a real mismatch."""
+    FirstGuess, computed only once a lane has a real mismatch (the engine's for every lane
+    at once, in the cohorts its readout ran)."""
     if not eng._decoder.cfg.refine:
         return None
+    engine = functools.cache(lambda: engine_first_guess(eng, lanes))
 
     @functools.cache
     def first(i: int) -> FirstGuess:
         ids, margins = first_pass(eng._decoder, ref_lm_head, lanes[i])
-        return FirstGuess(ids, margins, engine_first_guess(eng, [lanes[i]])[0])
+        return FirstGuess(ids, margins, engine()[i])
 
     return first
 

@@ -356,10 +356,12 @@ def test_the_parity_check_excuses_a_real_mismatch_only_after_a_first_guess_near_
     from bench.gpu_checks import FirstGuess, compare_near_ties, engine_first_guess, first_pass
     from stateblock.engines.base import LaneResult
 
-    lane = lanes_of(captured, [30])[0]
-    ids, margins = first_pass(reference._decoder, reference._lm_head, lane)
+    lanes = lanes_of(captured, [30, 12])
+    ids, margins = first_pass(reference._decoder, reference._lm_head, lanes[0])
     assert len(ids) == len(margins) == 30 and min(margins) >= 0.0
-    assert engine_first_guess(engine, [lane]) == [ids]  # fp32 both: the same first guess
+    # fp32 both: the same first guess, lane by lane, out of the cohort the readout makes
+    other = first_pass(reference._decoder, reference._lm_head, lanes[1])[0]
+    assert engine_first_guess(engine, lanes) == [ids, other]
     ref = [LaneResult((5, 6, 7), NO_EOS, (1.0, 2.0, 0.01))]
     assert compare_near_ties(ref, [LaneResult((5, 6, 9), NO_EOS, (1.0, 2.0, 0.01))]) == {
         "positions": 3, "mismatches": 1, "near_tie_mismatches": 1, "worst_margin": 0.01,
