@@ -38,33 +38,33 @@ class Stage:
         return shlex.split(self.line)
 
 
-_DEC = shlex.quote(json.dumps(DECODER_CONFIG, separators=(",", ":")))
+def _arg(value) -> str:
+    """A JSON option value as one shell word."""
+    return shlex.quote(json.dumps(value, separators=(",", ":")))
+
+
+_DEC = _arg(DECODER_CONFIG)
 _BATCH = "--reschedule --warmup 100 --max-batch 1024"
-_WEAK = shlex.quote(json.dumps({"sort": 3, "recall": 2}, separators=(",", ":")))
-_SORT = shlex.quote(json.dumps({"sort": 4, "copy": 2}, separators=(",", ":")))
+_WEAK = _arg({"sort": 3, "recall": 2})
+_SORT = _arg({"sort": 4, "copy": 2})
 _FINE = "--reschedule --warmup 50 --max-batch 1024 --workers 5"
+# session 13: the separators after an item one character from the answer's last item weighted
+# 3x (the long answers' early stops all followed one)
+_NEAR_END = "--near-end-weight 3"
 
 
-def _weak(minutes: float, workers: int) -> str:
-    """Sessions 10-12's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
-    and recall 2x as often."""
+def _weak(minutes: float, workers: int, weights: str = _WEAK, extra: str = "") -> str:
+    """Sessions 10-13's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
+    and recall 2x as often unless `weights` says otherwise, then any `extra` options."""
     return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers {workers} "
-            f"--eos-weight 10 --weights {_WEAK}")  # fmt: skip
-
-
-def _near_end(minutes: float, weights: dict[str, int]) -> str:
-    """Session 13's: `_weak`'s cosine with the separators after an item one character from
-    the answer's last item weighted 3x (the long answers' early stops all followed one)."""
-    w = shlex.quote(json.dumps(weights, separators=(",", ":")))
-    return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers 5 "
-            f"--eos-weight 10 --weights {w} --near-end-weight 3")  # fmt: skip
+            f"--eos-weight 10 --weights {weights} {extra}").rstrip()  # fmt: skip
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("base-1", BASE, "--minutes 7.3 --lr 2e-3", "every family, uniform"),
     Stage("base-2", BASE, "--minutes 7.6 --lr 1.5e-3 --reschedule --warmup 100",
           "a second cosine: the long families flip late"),
-    Stage("base-3", BASE, f"--minutes 8.2 --lr 1e-3 {_BATCH} --weights '{{\"sort\":2,\"recall\":2}}'",
+    Stage("base-3", BASE, f"--minutes 8.2 --lr 1e-3 {_BATCH} --weights {_arg({'sort': 2, 'recall': 2})}",
           "the two weakest families twice as often"),
     Stage("base-4", BASE, f"--minutes 6.8 --lr 7e-4 {_BATCH} --weights {_SORT}",
           "sort, still under 0.95, four times as often"),
@@ -105,9 +105,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("decoder-14", READOUT, _weak(7.3, 5), "on base 5 (2,601 steps): 1-64 0.975, sort 1.00"),
     Stage("decoder-15", READOUT, _weak(4.6, 12), "on base 6, alone (3,143 steps): 1-64 0.966, sort 0.97"),
     # session 13, each beside two other arms on one H200 (about 2,200 steps a run)
-    Stage("decoder-16", READOUT, _near_end(7.8, {"sort": 3, "recall": 2}),
+    Stage("decoder-16", READOUT, _weak(7.8, 5, extra=_NEAR_END),
           "near-end separators 3x: 1-64 0.983, EOS agreement 1.00 but the teacher's runaway"),
-    Stage("decoder-17", READOUT, _near_end(7.8, {"sort": 3, "recall": 4}),
+    Stage("decoder-17", READOUT, _weak(7.8, 5, _arg({"sort": 3, "recall": 4}), _NEAR_END),
           "recall 4x: 1-64 0.992 (seed 1234), 0.983 (seed 7), every family >= 0.967"),
 )  # fmt: skip
 
