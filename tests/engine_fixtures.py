@@ -28,14 +28,18 @@ def engine(served):
     return TorchEngine.load(served)
 
 
-# prompts in the shipped model's formats, short of the tests' smallest prompt bucket (128):
-# real states, so answers end in EOS; fixed here, not drawn from the suite, which moves on
+# prompts in the shipped model's formats (the generator's: letters only, zero-padded counts
+# and operands), short of the tests' smallest prompt bucket (128): real states, so answers
+# end in EOS; fixed here, not drawn from the suite, which moves on. Out of format, the states
+# are off the training distribution and bf16 moves the final margins by up to 5.9 nats
+# (`repeat: ab 40`, against 0.24 for `repeat: ab 040`: docs/PARITY.md), which a parity test
+# cannot tell from an engine fault
 PROMPTS = (
-    "copy: hello world",
+    "copy: helloworld",
     "reverse: stateblock",
     "sort: banana",
-    "repeat: ab 40",  # lane 3 of the sampling test: long enough to sample apart from greedy
-    "add: 12+30",
+    "repeat: ab 040",  # lane 3 of the sampling test: long enough to sample apart from greedy
+    "add: 00012+00030",
 )
 
 
