@@ -367,8 +367,10 @@ def test_the_parity_check_excuses_a_real_mismatch_only_after_a_first_guess_near_
         "positions": 3, "mismatches": 1, "near_tie_mismatches": 1, "worst_margin": 0.01,
     }  # fmt: skip
     real = [LaneResult((5, 8, 7), NO_EOS, (1.0, 2.0, 0.01))]  # differs where the margin is 2.0
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as failed:
         compare_near_ties(ref, real)
+    # the failure names the position, both margins and (no first guess given) no splits
+    assert "'t': 1, 'ref_margin': 2.0, 'out_margin': 2.0" in str(failed.value)
     guess = [1, 2, 3]
     excused = FirstGuess(guess, [1.0, 0.02, 3.0], [1, 4, 3])  # split at 1, a near-tie
     stats = compare_near_ties(ref, real, first=lambda i: excused)
@@ -379,5 +381,7 @@ def test_the_parity_check_excuses_a_real_mismatch_only_after_a_first_guess_near_
         FirstGuess(guess, [1.0, 2.0, 0.01], [1, 2, 4]),  # split after the mismatch only
         FirstGuess(guess, [0.01, 0.9, 3.0], [4, 4, 3]),  # split at 0 (near) and 1 (not)
     ):
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError) as failed:
             compare_near_ties(ref, real, first=lambda i, f=first: f)
+        assert f"'first_guess_splits': {first.splits(1)}" in str(failed.value)
+    assert FirstGuess(guess, [0.01, 0.9, 3.0], [4, 4, 3]).splits(1) == [(0, 0.01), (1, 0.9)]
