@@ -51,7 +51,7 @@ elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
   timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1
   echo "smoke rc=$?"
-  timeout 150 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1
+  timeout 200 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"; grep -A60 '^summary' "$OUT/smoke.log"
 elif [ "$STAGE" = checks ]; then
   timeout 240 python3 -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/smoke.log"

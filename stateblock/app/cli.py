@@ -216,6 +216,13 @@ def cmd_audit(a: argparse.Namespace) -> int:
     except UnknownEngine as e:
         print(f"stateblock audit: {e}", file=sys.stderr)
         return 2
+    # the serving setting the readout service reads from STATEBLOCK_GREEDY_DTYPE: the GPU's
+    # bf16 fast path can then be audited where it serves, or its numerics on the CPU
+    options = {"greedy_dtype": a.greedy_dtype} if a.greedy_dtype else {}
+    if options and (engine_name != "torch" or a.determinism):
+        print("stateblock audit: --greedy-dtype applies to the torch engine's parity audit only",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if a.determinism:
         import asyncio
         import tempfile
@@ -254,7 +261,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
             print(f"stateblock audit: exported {graph}", file=sys.stderr)
         model = load_serving_model(DEFAULT_MODEL_NAME, a.base, a.decoder, device=device)
         try:
-            engine = create_engine(engine_name, model, device)
+            engine = create_engine(engine_name, model, device, **options)
         except Exception as e:  # a missing export or runtime: one clear line, not a traceback
             print(f"stateblock audit: engine {engine_name!r} did not load: {e}", file=sys.stderr)
             return 1
@@ -267,6 +274,7 @@ def cmd_audit(a: argparse.Namespace) -> int:
             seed=a.seed,
             lanes=a.lanes,
         )
+        report["settings"]["engine_options"] = options
         if a.plot:
             audit.plot(report, a.plot)
         if a.markdown:
@@ -393,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--n-prompts", type=int, default=None, help="held-out prompts (32; 8)")
     au.add_argument("--seed", type=int, default=4321, help="seed of the audited prompts")
     au.add_argument("--lanes", type=int, default=8, help="lanes per packed enqueue")
+    au.add_argument(
+        "--greedy-dtype", choices=["bfloat16", "float32"], default=None,
+        help="torch: plain greedy cohorts in this dtype (default: bf16 on a GPU, exact on a CPU)",
+    )  # fmt: skip
     au.add_argument("--json", help="write the JSON report here")
     au.add_argument("--plot", help="write the PNG plot here (parity)")
     au.add_argument("--markdown", help="write the markdown table here (parity)")

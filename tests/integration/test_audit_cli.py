@@ -1,5 +1,5 @@
-"""`stateblock audit --engine onnx` from the command line: one command with `--export`, and
-fail-closed without a graph."""
+"""`stateblock audit` from the command line: `--engine onnx` in one command with `--export`,
+and fail-closed without a graph; the torch engine's bf16 fast path by `--greedy-dtype`."""
 
 from __future__ import annotations
 
@@ -26,3 +26,14 @@ def test_onnx_audit_exports_when_asked_and_fails_closed_otherwise(decoder_dir, t
     assert set(report["depths"]) == {"8", "24"}
     assert (decoder / "readout.onnx").exists() and (decoder / "readout.onnx.json").exists()
     assert "exported" in captured.err
+
+
+def test_the_torch_fast_path_is_audited_by_its_serving_setting(capsys):
+    args = ["audit", "--device", "cpu", "--depths", "16", "--n-prompts", "2", "--lanes", "2"]
+    assert main([*args, "--engine", "onnx", "--greedy-dtype", "bfloat16"]) == 2  # torch only
+    assert "--greedy-dtype applies to the torch engine" in capsys.readouterr().err
+
+    assert main([*args, "--engine", "torch", "--greedy-dtype", "bfloat16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "torch" and report["gate"] == "PASS", report["blockers"]
+    assert report["settings"]["engine_options"] == {"greedy_dtype": "bfloat16"}
