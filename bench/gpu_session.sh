@@ -9,9 +9,10 @@
 #   bash bench/gpu_session.sh final [ARGS]  # smoke (no checks, TF32 audit), e2e (no NemotronH)
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
-# The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory; in one
-# process that compile beside the engine's CUDA graphs segfaulted once (docs/BENCHMARKS.md,
-# session 14), so e2e-procs (one process per service) is the safer stage for them.
+# The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
+# --greedy-dtype bfloat16. In one process with them the bench once died (SIGSEGV) after its
+# timed requests, before the AR decode (docs/BENCHMARKS.md, session 14): e2e-procs times the
+# stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
 STAGE=${1:?checks, smoke, final, e2e, e2e-both or e2e-procs}
