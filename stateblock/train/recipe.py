@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's six stages and the
-readout decoder's seventeen, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's eighteen, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -109,6 +109,9 @@ STAGES: tuple[Stage, ...] = (
           "near-end separators 3x: 1-64 0.983, EOS agreement 1.00 but the teacher's runaway"),
     Stage("decoder-17", READOUT, _weak(7.8, 5, _arg({"sort": 3, "recall": 4}), _NEAR_END),
           "recall 4x: 1-64 0.992 (seed 1234), 0.983 (seed 7), every family >= 0.967"),
+    # session 14, beside two other arms on one H200 (2,394 steps), picked on seeds 7 and 99
+    Stage("decoder-18", READOUT, _weak(7.8, 5, _arg({"sort": 5, "recall": 6}), _NEAR_END),
+          "sort 5x, recall 6x: seed 7 at 100 a family 15 misses -> 10, sort 0.91 -> 0.95"),
 )  # fmt: skip
 
 
