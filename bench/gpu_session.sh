@@ -3,6 +3,8 @@
 # on the H200 with `.whl` carried (bash bench/prepare_wheels.sh first, here):
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
 #   bash bench/gpu_session.sh smoke    # timings (no checks), the audit, the GPU tests
+#   bash bench/gpu_session.sh measure  # a new shipped decoder: the held-out eval on the GPU,
+#                                      # then smoke (docs/QUALITY.md, docs/PARITY.md)
 #   bash bench/gpu_session.sh e2e-both [ARGS]  # the e2e in one process (+ AR), then per service
 #   bash bench/gpu_session.sh e2e-procs [ARGS] # the e2e per service (+ compiled AR), then in
 #                                              # one process (no AR)
@@ -15,7 +17,7 @@
 # stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, final, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, e2e, e2e-both or e2e-procs}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -48,6 +50,15 @@ elif [ "$STAGE" = e2e-procs ]; then  # the deployment's shape with AR, then one 
     > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"
   tail -c 2600 "$OUT/e2e-procs.log"; tail -c 1800 "$OUT/e2e.log"
+elif [ "$STAGE" = measure ]; then  # the eval (about 25 s), then what smoke runs
+  timeout 130 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
+    --json "$OUT/eval-cuda.json" --markdown "$OUT/eval-cuda.md" > "$OUT/eval.log" 2>&1
+  echo "eval rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-cuda.md" | head -5
+  timeout 215 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
+    > "$OUT/smoke.log" 2>&1
+  echo "smoke rc=$?"
+  timeout 200 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1
+  echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"; grep -A40 '^summary' "$OUT/smoke.log"
 elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
   timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1

@@ -25,7 +25,7 @@ def test_the_plan_is_the_recorded_stages_on_every_gpu_or_the_cpu(tmp_path):
     # the decoder stages read the base the base stages wrote, or, alone, the one in --out
     assert every[6][every[6].index("--base") + 1] == str(work / "base-run" / "base")
     alone = recipe.plan(out, work, "decoder", 3, ngpu=0)
-    assert len(alone) == 15 and alone[0][1:3] == ["-m", recipe.READOUT]
+    assert len(alone) == 16 and alone[0][1:3] == ["-m", recipe.READOUT]
     assert alone[0][alone[0].index("--base") + 1] == str(out / "base")
     assert "--device" in alone[0] and "--eos-weight" in alone[0]
     cfg = json.loads(every[6][every[6].index("--decoder-config") + 1])
