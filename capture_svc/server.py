@@ -28,7 +28,7 @@ from capture_svc.service import (
     InvalidCapture,
 )
 from stateblock import runtime
-from stateblock.model.capture import compile_backbone
+from stateblock.model.capture import compile_backbone, release_cuda_graphs
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
 from stateblock.nats_client import NatsOptions, NatsState, connect, follow_in_health
 from stateblock.protocol import streams
@@ -118,6 +118,10 @@ async def running_capture(
         if config.compile != "off":
             compile_backbone(model.model, config.compile)
             log.info("base forward compiled lazily per shape", backend=config.compile)
+            # after the batcher drains and before the forward thread exits (exit order): its
+            # CUDA graph trees are released by the thread that holds them
+            loop = asyncio.get_running_loop()
+            stack.push_async_callback(loop.run_in_executor, executor, release_cuda_graphs)
         forward = CohortForward(
             model.model,
             plans,
