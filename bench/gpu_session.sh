@@ -50,17 +50,15 @@ elif [ "$STAGE" = e2e-procs ]; then  # the deployment's shape with AR, then one 
     > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"
   tail -c 2600 "$OUT/e2e-procs.log"; tail -c 1800 "$OUT/e2e.log"
-elif [ "$STAGE" = measure ]; then  # the eval (about 25 s), then what smoke runs
-  timeout 130 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
-    --json "$OUT/eval-cuda.json" --markdown "$OUT/eval-cuda.md" > "$OUT/eval.log" 2>&1
-  echo "eval rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-cuda.md" | head -5
-  timeout 215 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
-    > "$OUT/smoke.log" 2>&1
-  echo "smoke rc=$?"
-  timeout 200 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1
-  echo "pytest rc=$?"; tail -5 "$OUT/pytest-gpu.log"; grep -A40 '^summary' "$OUT/smoke.log"
-elif [ "$STAGE" = smoke ]; then  # timings, the TF32 audit, the GPU tests
-  timeout 300 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
+elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests
+  smoke_s=300
+  if [ "$STAGE" = measure ]; then  # the eval first (about 25 s); the whole under 10 minutes
+    timeout 130 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
+      --json "$OUT/eval-cuda.json" --markdown "$OUT/eval-cuda.md" > "$OUT/eval.log" 2>&1
+    echo "eval rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-cuda.md" | head -5
+    smoke_s=215
+  fi
+  timeout $smoke_s python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
     > "$OUT/smoke.log" 2>&1
   echo "smoke rc=$?"
   timeout 200 python3 -m pytest -q -rs tests/gpu tests/unit/engines/test_torch_engine.py > "$OUT/pytest-gpu.log" 2>&1

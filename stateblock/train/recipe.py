@@ -54,7 +54,7 @@ _NEAR_END = "--near-end-weight 3"
 
 
 def _weak(minutes: float, workers: int, weights: str = _WEAK, extra: str = "") -> str:
-    """Sessions 10-13's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
+    """Sessions 10-14's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
     and recall 2x as often unless `weights` says otherwise, then any `extra` options."""
     return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers {workers} "
             f"--eos-weight 10 --weights {weights} {extra}").rstrip()  # fmt: skip
