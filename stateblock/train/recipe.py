@@ -54,7 +54,7 @@ _NEAR_END = "--near-end-weight 3"
 
 
 def _weak(minutes: float, workers: int, weights: str = _WEAK, extra: str = "") -> str:
-    """Sessions 10-14's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
+    """Sessions 10-15's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
     and recall 2x as often unless `weights` says otherwise, then any `extra` options."""
     return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers {workers} "
             f"--eos-weight 10 --weights {weights} {extra}").rstrip()  # fmt: skip
@@ -112,6 +112,9 @@ STAGES: tuple[Stage, ...] = (
     # session 14, beside two other arms on one H200 (2,394 steps), picked on seeds 7 and 99
     Stage("decoder-18", READOUT, _weak(7.8, 5, _arg({"sort": 5, "recall": 6}), _NEAR_END),
           "sort 5x, recall 6x: seed 7 at 100 a family 15 misses -> 10, sort 0.91 -> 0.95"),
+    # session 15, beside two other arms on one H200 (2,388 steps), picked on seeds 7 and 99
+    Stage("decoder-19", READOUT, _weak(7.8, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
+          "sort 7x, recall 7x: at 100 a family seed 7 10 misses -> 8, seed 99 16 -> 13"),
 )  # fmt: skip
 
 
