@@ -25,6 +25,7 @@ then carry ".whl" and run
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
@@ -383,6 +384,9 @@ def measure_ar(args, base, device: str, report: Report, deadline: float, left) -
 
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
+    # one process crashed once (SIGSEGV) between its timed requests and the AR decode: a
+    # crash prints every thread's Python stack to stderr (the log a device run returns)
+    faulthandler.enable()
     args = parse_args(argv)
     deadline = t_start + args.budget_s
 

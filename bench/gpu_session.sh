@@ -14,8 +14,8 @@
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench once died (SIGSEGV) after its
 # timed requests, before the AR decode (docs/BENCHMARKS.md, session 14); since the capture
-# service releases its CUDA graph trees on the forward thread it ran cleanly (session 15).
-# e2e-procs times the stack per service first.
+# service releases its CUDA graph trees on the forward thread it ran cleanly once, and hung
+# once in the stack's stop (session 15). e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
 STAGE=${1:?checks, smoke, measure, final, e2e, e2e-both or e2e-procs}

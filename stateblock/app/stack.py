@@ -10,6 +10,8 @@ entry point uses.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -267,4 +269,7 @@ class StackThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
         if self._thread.is_alive():
+            # a hang here has only been seen on a GPU, where a second look costs device time:
+            # every thread's stack goes to stderr first, so the one run explains itself
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             raise RuntimeError(f"stack did not stop within {timeout:g} s")
