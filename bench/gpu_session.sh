@@ -3,8 +3,9 @@
 # on the H200 with `.whl` carried (bash bench/prepare_wheels.sh first, here):
 #   bash bench/gpu_session.sh checks   # kernel + engine checks and timings, torch audit, GPU tests
 #   bash bench/gpu_session.sh smoke    # timings (no checks), the audit, the GPU tests
-#   bash bench/gpu_session.sh measure  # a new shipped decoder: the held-out eval on the GPU,
-#                                      # then smoke (docs/QUALITY.md, docs/PARITY.md)
+#   bash bench/gpu_session.sh measure  # a new shipped decoder: the held-out eval on the GPU
+#                                      # (30 a family; 100 a family on seeds 1234, 7, 99 into
+#                                      # eval-cuda-100.tgz), then smoke (QUALITY.md, PARITY.md)
 #   bash bench/gpu_session.sh e2e-both [ARGS]  # the e2e in one process (+ AR), then per service
 #   bash bench/gpu_session.sh e2e-procs [ARGS] # the e2e per service (+ compiled AR), then in
 #                                              # one process (no AR)
@@ -14,7 +15,7 @@
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench once died (SIGSEGV) after its
 # timed requests, before the AR decode (docs/BENCHMARKS.md, session 14); since the capture
-# service releases its CUDA graph trees on the forward thread it ran cleanly once, and hung
+# service releases its CUDA graph trees on the forward thread it ran cleanly twice, and hung
 # once in the stack's stop (session 15). e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
@@ -57,6 +58,14 @@ elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit,
     timeout 130 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
       --json "$OUT/eval-cuda.json" --markdown "$OUT/eval-cuda.md" > "$OUT/eval.log" 2>&1
     echo "eval rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-cuda.md" | head -5
+    mkdir -p "$OUT/eval100"  # about 75 s for the three (session 15); one archive: 8 files
+    for seed in 1234 7 99; do
+      timeout 90 python3 -m stateblock.app.cli eval --device cuda --n-each 100 --seed $seed \
+        --json "$OUT/eval100/s$seed.json" --markdown "$OUT/eval100/s$seed.md" \
+        > "$OUT/eval100-s$seed.log" 2>&1
+      echo "eval seed $seed, 100 a family: rc=$?"
+    done
+    tar czf "$OUT/eval-cuda-100.tgz" -C "$OUT" eval100 && rm -r "$OUT/eval100"
     smoke_s=215
   fi
   timeout $smoke_s python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
