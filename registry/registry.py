@@ -333,16 +333,29 @@ class Registry:
 
     async def history(self, block_id: str) -> list[pb.RegistryEntry]:
         """The key's stored revisions, newest first ([] if none): a genuine outcome that a
-        forger's later write replaced is still among them (HISTORY deep)."""
-        key = _key(block_id)
+        forger's later write replaced is still among them (HISTORY deep).
+
+        Read message by message from the bucket's stream (next by subject), not through
+        nats-py's `KeyValue.history`: that watch can signal "no more" before the stored
+        revisions reach it, and under load (CI's 2 cores) returned none at all, so a
+        redelivery over a forged overwrite was claimed and read again."""
+        if self._js is None:
+            raise RuntimeError("history needs a Registry made by Registry.open")
+        subject = f"$KV.{self._bucket}.{_key(block_id)}"
+        stored: list[pb.RegistryEntry] = []
+        seq = 1
         with _nats_errors(f"history {block_id}"):
-            try:
-                entries = await self._kv_call(lambda: self._kv.history(key))
-            except (js_errors.NoKeysError, js_errors.KeyNotFoundError):
-                return []
-        return [
-            _decode(block_id, e.value) for e in reversed(entries) if e.value and e.operation is None
-        ]
+            for _ in range(4 * HISTORY):  # bounded: a key keeps at most HISTORY revisions
+                try:
+                    msg = await self._kv_call(
+                        partial(self._js.get_msg, f"KV_{self._bucket}", seq, subject, next=True)
+                    )
+                except js_errors.NotFoundError:
+                    break  # no later revision of the key
+                seq = msg.seq + 1
+                if msg.data and not (msg.headers and msg.headers.get("KV-Operation")):
+                    stored.append(_decode(block_id, msg.data))  # deletes are released claims
+        return stored[::-1]
 
     async def get(self, block_id: str) -> pb.RegistryEntry | None:
         """The block's entry, or None if it was never claimed (or was released)."""
