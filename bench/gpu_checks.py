@@ -131,7 +131,8 @@ def compare_near_ties(ref, out, first=None) -> dict:
             real.append({"lane": i, "t": t, "ref_margin": round(m, 4),
                          "out_margin": round(b.margins[t], 4) if t < len(b.margins) else None,
                          "eos": (a.eos_pos, b.eos_pos),
-                         "first_guess_splits": fg.splits(t)[:8] if fg else None})  # fmt: skip
+                         "first_guess_splits": [(s, round(fm, 4)) for s, fm in fg.splits(t)[:8]]
+                         if fg else None})  # fmt: skip
     assert not real, {**stats, "real": real[:6]}
     return stats
 
@@ -148,7 +149,7 @@ class FirstGuess:
     def splits(self, t: int) -> list[tuple[int, float]]:
         """(position, reference first-pass margin) of every split at or before t."""
         n = min(t + 1, len(self.ref_ids), len(self.engine_ids))
-        return [(s, round(self.margins[s], 4)) for s in range(n)
+        return [(s, self.margins[s]) for s in range(n)
                 if self.ref_ids[s] != self.engine_ids[s]]  # fmt: skip
 
     def splits_at_a_near_tie(self, t: int) -> bool:

@@ -353,8 +353,10 @@ class Registry:
                 except js_errors.NotFoundError:
                     break  # no later revision of the key
                 seq = msg.seq + 1
-                if msg.data and not (msg.headers and msg.headers.get("KV-Operation")):
-                    stored.append(_decode(block_id, msg.data))  # deletes are released claims
+                if msg.data:  # an empty write is nobody's entry
+                    _, entry = parse_update(subject, msg.data, msg.headers)
+                    if entry is not None:  # a delete: a released claim
+                        stored.append(entry)
         return stored[::-1]
 
     async def get(self, block_id: str) -> pb.RegistryEntry | None:
