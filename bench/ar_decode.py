@@ -4,8 +4,10 @@ HF `generate`, greedy, exactly `new_tokens` tokens (min_new_tokens = max_new_tok
 - eager: dynamic cache, compilation disabled;
 - compiled: static cache, and generate compiles the decode step itself (transformers'
   auto-compile for a static cache; torch.compile, mode reduce-overhead on CUDA).
-The compiled variant runs in its own process (`python -m bench.ar_decode`) so the caller can
-cap the compile time with a timeout and record a skip instead of running out the clock.
+Both run in their own process (`python -m bench.ar_decode`): the caller caps the compile
+time with a timeout and records a skip instead of running out the clock, and the eager decode
+never touches a model that an in-process stack compiled on another thread (its CUDA graph
+trees belong to that thread; reusing the model after such a stack crashed a bench once).
 """
 
 from __future__ import annotations
@@ -141,8 +143,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="no timed answer that would end past this many seconds from the start")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="JSON result")
     args = ap.parse_args()
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
     scale = SCALES[args.scale]
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(1)
@@ -164,6 +169,7 @@ def main() -> None:
         compiled=args.mode == "compiled",
         repeats=args.repeats,
         seed=args.seed,
+        deadline=deadline,
         progress=write,
     )
     write(result)

@@ -28,7 +28,7 @@ from capture_svc.service import (
     InvalidCapture,
 )
 from stateblock import runtime
-from stateblock.model.capture import compile_backbone, release_cuda_graphs
+from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
 from stateblock.nats_client import NatsOptions, NatsState, connect, follow_in_health
 from stateblock.protocol import streams
@@ -117,11 +117,11 @@ async def running_capture(
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
         if config.compile != "off":
             compile_backbone(model.model, config.compile)
+            # Its CUDA graph trees (reduce-overhead) live until the process exits. Releasing
+            # them at stop on the forward thread hung an in-process stack's stop in two of
+            # four H200 runs (the thread dump: the loop idle, waiting on that call, and uvloop
+            # had run a garbage handle); the one run without the release stopped cleanly.
             log.info("base forward compiled lazily per shape", backend=config.compile)
-            # after the batcher drains and before the forward thread exits (exit order): its
-            # CUDA graph trees are released by the thread that holds them
-            loop = asyncio.get_running_loop()
-            stack.push_async_callback(loop.run_in_executor, executor, release_cuda_graphs)
         forward = CohortForward(
             model.model,
             plans,

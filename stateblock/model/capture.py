@@ -67,18 +67,6 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     bb._stateblock_compiled = backend
 
 
-def release_cuda_graphs() -> None:
-    """Free the CUDA graph trees (inductor's "reduce-overhead", "max-autotune") that the
-    calling thread recorded. Inductor keeps them in that thread's state, so `torch._dynamo
-    .reset()` elsewhere does not reach them: the thread that ran the compiled forward calls
-    this before it exits, while the process may still use the GPU (an in-process stack
-    stopped under a bench; the readout engine's own graphs are not inductor's and stay)."""
-    if torch.cuda.is_available():
-        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-        reset_cudagraph_trees()
-
-
 def uncompile_backbone(model: nn.Module) -> None:
     """Undo `compile_backbone` (a no-op on an eager backbone) and drop dynamo's caches: a
     model whose CUDA graphs were recorded on one thread (a capture service's forward
