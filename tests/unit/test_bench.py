@@ -111,3 +111,16 @@ def test_api_fidelity_draws_its_own_prompts_of_every_family():
     assert {p.split(":")[0] for p in prompts} == set(tasks.FAMILIES)
     assert all(tasks.solve(p) for p in prompts)
     assert any(len(tasks.solve(p)) > 1024 for p in prompts)  # long answers included
+
+
+def test_ar_decode_process_begins_no_answer_past_its_budget(tmp_path):
+    """The e2e bench runs each AR decode as its own process with the time it has left: at
+    no budget the child warms up, estimates, and says it skipped rather than run over."""
+    out = tmp_path / "ar.json"
+    cmd = [sys.executable, "-m", "bench.ar_decode", "--scale", "tiny", "--device", "cpu",
+           "--mode", "eager", "--repeats", "2", "--budget-s", "0", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["warmup_s"] > 0 and "answer_s" not in result
+    assert "past the time budget" in result["skipped"]
