@@ -13,10 +13,10 @@
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
-# --greedy-dtype bfloat16. In one process with them the bench once died (SIGSEGV) after its
-# timed requests, before the AR decode (docs/BENCHMARKS.md, session 14); since the capture
-# service releases its CUDA graph trees on the forward thread it ran cleanly twice, and hung
-# once in the stack's stop (session 15). e2e-procs times the stack per service first.
+# --greedy-dtype bfloat16. In one process with them the bench died once (SIGSEGV, session 14:
+# it reused the compiled model for the eager AR) and hung twice in the stack's stop (sessions
+# 15-16: the capture service freeing its CUDA graph trees); neither step exists since session
+# 16 (docs/BENCHMARKS.md). e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
 STAGE=${1:?checks, smoke, measure, final, e2e, e2e-both or e2e-procs}
