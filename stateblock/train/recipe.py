@@ -6,7 +6,10 @@ the results into the model directory; docs/QUALITY.md has each stage's figures.
 
 Base stages 1-4 ran on two H200s, 5-6 and the decoder stages on one; the step counts follow the
 machine's pace (each run plans its cosine from its measured pace to fill its minutes), so a
-rebuild on other hardware is the same recipe, not the same bytes.
+rebuild on other hardware is the same recipe, not the same bytes. Nor quite the same data:
+the train split's generator (`tasks.py`) changed between stages (session 9: wider `add`
+operands; session 12: longer `sort` strings; session 16: `sort` strings of few letters), and
+a rebuild draws today's mixture in every stage.
 """
 
 from __future__ import annotations
