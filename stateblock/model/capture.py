@@ -69,8 +69,8 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
 
 def uncompile_backbone(model: nn.Module) -> None:
     """Undo `compile_backbone` (a no-op on an eager backbone) and drop dynamo's caches: a
-    model whose CUDA graphs were recorded on one thread (a capture service's forward
-    thread) then runs eagerly on another."""
+    model compiled on one thread (a bench's prefill, without CUDA graphs) that a stack then
+    compiles again on its capture service's forward thread."""
     import torch._dynamo
 
     bb = backbone(model)

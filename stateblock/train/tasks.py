@@ -47,8 +47,8 @@ COPY_TRAIN = (C_SHORT, C_MID, C_LONG)
 # 8-32 of 2-8 letters, a third of the time each. Every sort miss (the base's and the
 # readout's) is one letter count off by one, and they grow with the count: on uniform 17-32
 # strings the base was exact 1.00 where no letter repeats more than twice, 0.91 with four of
-# one letter, 0.61 with five, 0.38 with six; on strings of 2-8 letters, 0.09. Uniform strings
-# rarely repeat a letter five times (7 % of 17-32 ones, 79 % of few-letter ones).
+# one letter, 0.61 with five, 0.38 with six; on strings of 2-8 letters, 0.09. A letter
+# repeats five times in 7 % of uniform 17-32 strings, and in 79 % of few-letter ones.
 SORT_TRAIN = (((1, 32), (26, 26)), ((17, 32), (26, 26)), ((8, 32), (2, 8)))
 
 
