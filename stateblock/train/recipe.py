@@ -1,10 +1,10 @@
-"""How the shipped reference pair was built, as data: the base model's six stages and the
-readout decoder's nineteen, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+"""How the shipped reference pair was built, as data: the base model's eight stages and the
+readout decoder's twenty-two, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
 
-Base stages 1-4 ran on two H200s, 5-6 and the decoder stages on one; the step counts follow the
+Base stages 1-4 ran on two H200s, 5-8 and the decoder stages on one; the step counts follow the
 machine's pace (each run plans its cosine from its measured pace to fill its minutes), so a
 rebuild on other hardware is the same recipe, not the same bytes. Nor quite the same data:
 the train split's generator (`tasks.py`) changed between stages (session 9: wider `add`
@@ -77,6 +77,12 @@ STAGES: tuple[Stage, ...] = (
           "long sort strings: sort 0.92 -> 0.94 (seed 99), 0.83 -> 0.93 (seed 1234)"),
     Stage("base-6", BASE, f"--minutes 6.3 --lr 2e-4 {_FINE} --weights {_SORT}",
           "again: sort 0.96 / 0.97, every family at or above 0.96"),
+    # session 16, each beside two other runs: the train split's sort strings now a third of
+    # the time from 2-8 letters (base 6 was exact on 0.38 of strings repeating a letter 6x)
+    Stage("base-7", BASE, f"--minutes 7.3 --lr 3e-4 {_FINE} --weights {_arg({'sort': 6, 'copy': 2})}",
+          "few-letter sort strings: held-out sort 0.978 / 0.966 / 0.976 (seeds 7 / 99 / 1234)"),
+    Stage("base-8", BASE, f"--minutes 7.3 --lr 3e-4 {_FINE} --weights {_arg({'sort': 8, 'copy': 2})}",
+          "sort 8x: 0.988 / 0.990 / 0.986, sort errors 2.9 % -> 1.2 % of 1,500 prompts"),
     Stage("decoder-1", READOUT, f"--minutes 8.2 --schedule-minutes 21.4 --lr 1e-3 --workers 8 "
           f"--decoder-config {_DEC}", "one warm-up + cosine planned over three runs"),
     Stage("decoder-2", READOUT, "--minutes 8.2 --lr 1e-3 --workers 8", "the same cosine, resumed"),
@@ -118,6 +124,14 @@ STAGES: tuple[Stage, ...] = (
     # session 15, beside two other arms on one H200 (2,388 steps), picked on seeds 7 and 99
     Stage("decoder-19", READOUT, _weak(7.8, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
           "sort 7x, recall 7x: at 100 a family seed 7 10 misses -> 8, seed 99 16 -> 13"),
+    # sessions 16-17, each beside two other arms on one H200, on the new train split: 20 on
+    # base 6, 21 on base 7, 22 on base 8 (the shipped one), picked on seeds 7 and 99
+    Stage("decoder-20", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
+          "few-letter sort strings, on base 6 (2,283 steps): seed 7 9 misses, level"),
+    Stage("decoder-21", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
+          "on base 7 (2,246 steps): 12 misses, 7 of them the teacher's own"),
+    Stage("decoder-22", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 9}), _NEAR_END),
+          "on base 8, recall 9x (2,603 steps): seed 7 9 misses against E1's 13 at recall 7x"),
 )  # fmt: skip
 
 
