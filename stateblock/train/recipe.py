@@ -1,5 +1,5 @@
 """How the shipped reference pair was built, as data: the base model's eight stages and the
-readout decoder's twenty-two, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
+readout decoder's twenty-four, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
 from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
@@ -132,6 +132,12 @@ STAGES: tuple[Stage, ...] = (
           "on base 7 (2,246 steps): 12 misses, 7 of them the teacher's own"),
     Stage("decoder-22", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 9}), _NEAR_END),
           "on base 8, recall 9x (2,603 steps): seed 7 9 misses against E1's 13 at recall 7x"),
+    # session 18, each beside two other arms on one H200, picked at 100 a family on seeds
+    # 7, 99, 1234 and 5: 23 from stage 22, 24 (the shipped one) from 23
+    Stage("decoder-23", READOUT, _weak(5.5, 5, _arg({"sort": 9, "recall": 9, "alpha": 2, "copy": 2}), _NEAR_END),
+          "alpha and copy 2x, sort 9x (1,726 steps): 37 misses -> 27 over four seeds"),
+    Stage("decoder-24", READOUT, _weak(5.5, 5, _arg({"sort": 9, "recall": 12, "alpha": 3, "copy": 2}), _NEAR_END),
+          "recall 12x, alpha 3x (1,665 steps): 27 -> 24, every target met on the four seeds"),
 )  # fmt: skip
 
 

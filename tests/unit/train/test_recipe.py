@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_the_plan_is_the_recorded_stages_on_every_gpu_or_the_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     every = recipe.plan(out, work, "all", 1, ngpu=2)
-    assert len(every) == len(recipe.STAGES) == 30
+    assert len(every) == len(recipe.STAGES) == 32
     assert all(c[:3] == ["torchrun", "--standalone", "--nproc_per_node=2"] for c in every)
     # the decoder stages read the base the base stages wrote, or, alone, the one in --out
     assert every[8][every[8].index("--base") + 1] == str(work / "base-run" / "base")
     alone = recipe.plan(out, work, "decoder", 3, ngpu=0)
-    assert len(alone) == 20 and alone[0][1:3] == ["-m", recipe.READOUT]
+    assert len(alone) == 22 and alone[0][1:3] == ["-m", recipe.READOUT]
     assert alone[0][alone[0].index("--base") + 1] == str(out / "base")
     assert "--device" in alone[0] and "--eos-weight" in alone[0]
     cfg = json.loads(every[8][every[8].index("--decoder-config") + 1])
@@ -44,12 +44,12 @@ def test_a_smoke_build_runs_every_stage_and_binds_the_decoder_to_its_base(tmp_pa
            "--work-dir", str(tmp_path / "work"), "--smoke", "1"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("+ ") == 30  # every stage ran
+    assert run.stdout.count("+ ") == 32  # every stage ran
     base, _ = load_base(out / "base", "cpu")
     dec, manifest = load_decoder(
         out / "decoder", base_dir=out / "base", lm_head=base.lm_head.weight
     )
-    assert manifest["training"]["steps"] == 22  # the twenty-two decoder stages, one step each
+    assert manifest["training"]["steps"] == 24  # the twenty-four decoder stages, one step each
     assert dec.cfg.rope and dec.cfg.refine == 1 and dec.cfg.row_attn
     assert all(torch.isfinite(p).all() for p in dec.parameters())
 
