@@ -8,7 +8,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import ObjectStore
 
-from stateblock.nats_client import retry_transient
+from stateblock.nats_client import describe, retry_transient
 from stateblock.protocol import envelope, streams
 
 # Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
@@ -71,5 +71,5 @@ class BlockPublisher:
             # window), and the object of a block is the same bytes under the same name.
             await retry_transient(once, within_s=self._timeout, what="publish block")
         except (TimeoutError, nats.errors.Error) as e:
-            raise PublishError(f"publish block {block_id}: {e!r}") from e
+            raise PublishError(f"publish block {block_id}: {describe(e)}") from e
         return via_object

@@ -125,6 +125,13 @@ TRANSIENT = (
     nats.js.errors.NoStreamResponseError,
 )
 
+# JetStream's err_code 10158 (HTTP-like code 409), "duplicate message id is in process": a
+# publish repeated under the same Nats-Msg-Id while a clustered stream's leader is still
+# applying the first copy, whose ack was lost to an election. The first copy lands (the
+# chaos test saw its block committed while the retry was refused), and the same publish
+# a moment later gets the duplicate ack: a delay, not an answer.
+DUPLICATE_IN_PROCESS = 10158
+
 T = TypeVar("T")
 
 
@@ -132,14 +139,24 @@ def transient(e: BaseException) -> bool:
     """A failure the same call may not meet a moment later: TRANSIENT, or a bare JetStream API
     error from a server mid-election (the 3-node chaos test saw a publish answered
     `APIError()` while the stream's leader was being killed): a plain APIError or ServerError
-    without a code, or with a 5xx / 408. Its subclasses are answers about the caller's request
-    (bad request, not found, every key-value error: a lost compare-and-swap, a missing key)
-    and are never retried."""
+    without a code, with a 5xx / 408, or DUPLICATE_IN_PROCESS. Its subclasses are answers
+    about the caller's request (bad request, not found, every key-value error: a lost
+    compare-and-swap, a missing key) and are never retried."""
     if isinstance(e, TRANSIENT):
         return True
     if type(e) in (nats.js.errors.APIError, nats.js.errors.ServerError):
+        if e.err_code == DUPLICATE_IN_PROCESS:
+            return True
         return e.code is None or e.code >= 500 or e.code == 408
     return False
+
+
+def describe(e: BaseException) -> str:
+    """An error for a log line or a status reason: a JetStream API error's repr is a bare
+    `APIError()`, its str carries the code, err_code and description."""
+    if isinstance(e, nats.js.errors.APIError):
+        return str(e)
+    return repr(e)
 
 
 async def retry_transient(

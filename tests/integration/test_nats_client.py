@@ -123,10 +123,16 @@ async def test_a_bare_api_error_is_retried_and_an_answer_about_the_request_is_no
     compare-and-swap or a missing key (APIError subclasses) is the answer, at once."""
     import nats.js.errors as jse
 
-    from stateblock.nats_client import retry_transient, transient
+    from stateblock.nats_client import describe, retry_transient, transient
 
     assert transient(jse.APIError()) and transient(jse.APIError(code=503))
     assert transient(jse.ServerError(code=500))
+    # a publish repeated while the first copy is still being applied (its ack lost)
+    in_process = jse.APIError(
+        code=409, err_code=10158, description="duplicate message id is in process"
+    )
+    assert transient(in_process) and "10158" in describe(in_process)
+    assert not transient(jse.APIError(code=409, err_code=10071))
     for answer in (jse.APIError(code=400), jse.KeyWrongLastSequenceError(), jse.KeyNotFoundError(),
                    jse.BadRequestError(code=400), jse.NotFoundError(code=404)):  # fmt: skip
         assert not transient(answer), answer
