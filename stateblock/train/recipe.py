@@ -1,6 +1,6 @@
 """How the shipped reference pair was built, as data: the base model's eight stages and the
-readout decoder's twenty-four, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the last
-from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
+readout decoder's twenty-four, each one trainer run (`base_ddp`, `readout_ddp`) that resumes the
+last from its state file, sized to fit one 10-minute device call. `stateblock build-reference` runs
 them in order (under torchrun on every GPU of the machine, or in-process on the CPU) and copies
 the results into the model directory; docs/QUALITY.md has each stage's figures.
 

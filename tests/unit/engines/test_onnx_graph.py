@@ -95,8 +95,8 @@ def run_both(decoder, session, rows, lens, depths, lm_head, temperature, noise, 
 def assert_parity(ref, got, depths, tie: float = 1e-3) -> None:
     tokens, top1, top2, margin, eos_pos, top1_lp, token_lp = got
     # exact log-probabilities: the in-graph online log-sum-exp equals the eager one, to fp32
-    # rounding (a filtered-out token's log-probability is some -400 nats, where one ulp is
-    # 3e-5 and the summation order of the host's kernels moves it a few ulps)
+    # rounding (a sampled token can sit some -400 nats down, where one ulp is 3e-5 and the
+    # summation order of the host's kernels moves it a few ulps)
     torch.testing.assert_close(top1_lp, ref.top1_logprob, atol=1e-4, rtol=1e-6)
     same = tokens == ref.tokens
     torch.testing.assert_close(token_lp[same], ref.token_logprob[same], atol=1e-4, rtol=1e-6)
