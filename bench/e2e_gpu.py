@@ -64,7 +64,9 @@ NOTES = [
     "observes a histogram, with no per-request time or exemplar).",
     "The HTTP response carries no timing fields (no server-timing header, no block id).",
     "'gateway', 'http_overhead', 'claim_to_readout' and 'readout_histogram' are other views "
-    "of the same requests, not part of the partition.",
+    "of the same requests, not part of the partition. 'claim_to_readout' is the readout's "
+    "start less the claim's KV write: negative when the readout (begun beside the claim) "
+    "starts before the claim is stored.",
     "Requests set ignore_eos (vLLM's extension) so every answer reads all max_tokens "
     "positions; every answer is checked to hold max_tokens tokens.",
 ]
@@ -218,6 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument(
+        "--forward-state-digest",
+        choices=["blake3", "sha256"],
+        default="blake3",
+        help="the capture's row hash (sha256: the digest before session 19)",
+    )
+    ap.add_argument(
         "--matmul-precision",
         choices=["highest", "high"],
         default="highest",
@@ -320,6 +328,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         effective_batch_window_ms=window_ms,
         capture_compile=args.capture_compile,
         blocks_storage=args.blocks_storage,
+        forward_state_digest=args.forward_state_digest,
     )
     metrics, probe = CollectorRegistry(), KvProbe()
     stack_cfg = bench_stack_config(
@@ -330,6 +339,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         nats_max_payload=args.nats_max_payload,
         capture_compile=args.capture_compile,
         blocks_storage=args.blocks_storage,
+        forward_state_digest=args.forward_state_digest,
     )
     t0 = time.perf_counter()
     stack = StackThread(stack_cfg, metrics=metrics, model=serving, engine=engine)

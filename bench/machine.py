@@ -102,6 +102,7 @@ def host_costs() -> dict:
     trust = TrustStore([signer.public_key])
     return {
         "sha256_block": ms(lambda: hashlib.sha256(data).digest()),
+        "blake3_block": ms(lambda: envelope.forward_state_digest(data)),  # the default digest
         "rows_to_bytes": ms(lambda: rows_to_bytes(rows)),
         "seal_and_wire": ms(lambda: seal().wire()),  # the capture's sign stage and framing
         "parse_wire_and_verify": ms(lambda: verify_wire(wire, trust)),  # the worker's verify

@@ -22,7 +22,7 @@ names=(
   typing-inspection typing-extensions anyio sniffio h11 click
   grpcio grpcio-health-checking grpcio-reflection protobuf
   structlog prometheus-client uvloop
-  cryptography cffi pycparser
+  cryptography cffi pycparser blake3
   httpx httpcore certifi idna
 )
 

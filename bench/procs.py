@@ -341,9 +341,11 @@ def serve_processes(args, scale, base, device: str, report, model_name: str) -> 
         blocks_storage=args.blocks_storage,
         engine_options=engine_options(args),
         nats_max_payload=args.nats_max_payload,
+        extra_env={"STATEBLOCK_FORWARD_STATE_DIGEST": args.forward_state_digest},
     )
     report.doc["config"].update(stack="processes", capture_compile=args.capture_compile,
-                                blocks_storage=args.blocks_storage)  # fmt: skip
+                                blocks_storage=args.blocks_storage,
+                                forward_state_digest=args.forward_state_digest)  # fmt: skip
     stack = ProcStack(config)
     t0 = time.perf_counter()
     url = stack.start()

@@ -80,6 +80,7 @@ def bench_stack_config(
     capture_compile: str = "off",
     nats_max_payload: int | None = 8 << 20,  # None: the server's 1 MiB default
     blocks_storage: str = "file",
+    forward_state_digest: str = "blake3",
 ) -> UpConfig:
     """The embedded stack as the benches run it: free ports, a connection per service."""
     return UpConfig(
@@ -92,6 +93,7 @@ def bench_stack_config(
         capture_compile=capture_compile,
         nats_max_payload=nats_max_payload,
         blocks_storage=blocks_storage,
+        forward_state_digest=forward_state_digest,
         request_timeout_s=120.0,
         grace_s=2.0,
         connection_per_service=True,

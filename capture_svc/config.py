@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime
+from stateblock.protocol import envelope
 from stateblock.protocol.sampling import Limits
 from stateblock.runtime import Env
 
@@ -35,6 +36,8 @@ class CaptureConfig:
     block_ttl_s: float = 120.0
     duplicate_window_s: float = 120.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory" (streams.py)
+    # the hash the block's forward_state_digest is signed as: "blake3" or "sha256"
+    forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM
     # a publish is retried within this (a leader election takes seconds); well inside the
     # request deadline
     publish_timeout_s: float = 20.0
@@ -47,6 +50,10 @@ class CaptureConfig:
     def __post_init__(self) -> None:
         runtime.model_name(self.model_name)
         runtime.blocks_storage(self.blocks_storage)
+        try:
+            envelope.forward_state_algorithm(self.forward_state_digest)
+        except ValueError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_FORWARD_STATE_DIGEST: {e}") from None
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
 
@@ -72,6 +79,7 @@ class CaptureConfig:
             block_ttl_s=e.float("BLOCK_TTL_S", d.block_ttl_s),
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
             blocks_storage=e.str("BLOCKS_STORAGE", d.blocks_storage),
+            forward_state_digest=e.str("FORWARD_STATE_DIGEST", d.forward_state_digest),
             publish_timeout_s=e.float("PUBLISH_TIMEOUT_S", d.publish_timeout_s),
             metrics_port=None if metrics < 0 else metrics,
             metrics_host=e.str("METRICS_HOST", d.metrics_host),

@@ -105,6 +105,7 @@ class CaptureService:
         self._signer = signer
         self._metrics = metrics
         self._config = config
+        self._digest_algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         self._encode = PromptEncoder(model.tokenizer)
 
     def tokenize(self, lane: capture_pb2.CaptureLane, index: int) -> list[int]:
@@ -216,6 +217,7 @@ class CaptureService:
             sampling=[lane.sampling for lane in lanes],
             signer=self._signer,
             ttl_s=self._config.block_ttl_s,
+            digest_algorithm=self._digest_algorithm,
         )
         t3 = time.perf_counter()
         stage.labels("sign").observe(t3 - t2)

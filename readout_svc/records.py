@@ -49,6 +49,7 @@ def commit_record(
         lanes=lanes,
         output_digest=output_digest(lanes),
         forward_state_digest=header.forward_state_digest,
+        forward_state_algorithm=header.forward_state_algorithm,
         worker_id=worker_id,
         committed_at=now,
     )

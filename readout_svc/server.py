@@ -79,7 +79,7 @@ async def running_readout(
         executor = stack.enter_context(
             ThreadPoolExecutor(config.workers, thread_name_prefix="readout")
         )
-        # the rows' SHA-256 runs beside the claim and the readout, not after them
+        # the rows' digest runs beside the claim and the readout, not after them
         digests = stack.enter_context(
             ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
         )

@@ -5,10 +5,13 @@ A block that fails verification is terminated (retrying cannot make it valid), p
 whose registry entry is committed is acked and dropped. Anything transient (NATS, a live
 claim elsewhere, a failed readout) naks the message so JetStream redelivers it.
 
-The header checks (signature, expiry, layout, model) come before the claim. The rows'
-SHA-256 (milliseconds at full scale: docs/BENCHMARKS.md) runs in a thread of its own while the worker claims
-and reads out, and the commit waits for it: a block whose rows do not match its signed
-digest releases its claim before it is rejected, and its answer is dropped.
+The header checks (signature, expiry, layout, model) come before the claim. Then three
+things run at once: the claim (a KV round trip), the readout (in the engine's thread) and
+the rows' digest (in a thread of its own; milliseconds at full scale, docs/BENCHMARKS.md).
+Nothing built from the block leaves the worker before both the claim and the digest
+succeed: a readout whose claim is refused is dropped unread (a duplicate delivery costs one
+wasted readout, the reply path loses a round trip), and a block whose rows do not match
+its signed digest releases its claim before it is rejected, its answer dropped.
 """
 
 from __future__ import annotations
@@ -93,8 +96,9 @@ class WorkerMetrics:
         self.stage_seconds = Histogram(
             "stateblock_readout_stage_seconds",
             "Worker time per committed block by stage: verify (parse, signature, rows), "
-            "claim, readout, digest (the rows' SHA-256, in a thread beside claim and "
-            "readout), digest_wait (what the commit waited for it), commit, ack.",
+            "claim, readout (begun beside the claim), digest (the rows' hash, in a thread "
+            "beside claim and readout), digest_wait (what the commit waited for it), "
+            "commit, ack.",
             ["stage"],
             buckets=runtime.STAGE_BUCKETS_S,
             registry=metrics,
@@ -129,6 +133,14 @@ class WorkerMetrics:
 def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
     t0 = time.perf_counter()
     return checked.confirm(), time.perf_counter() - t0
+
+
+def _timed_readout(
+    engine: ReadoutEngine, checked: envelope.HeaderVerified
+) -> tuple[list[LaneResult], float]:
+    t0 = time.perf_counter()
+    results = engine.readout(lane_requests(checked))
+    return results, time.perf_counter() - t0
 
 
 def _discard_outcome(future: asyncio.Future) -> None:
@@ -257,9 +269,13 @@ class ReadoutWorker:
     ) -> str:
         header = checked.header
         t_verified = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        # Beside the claim: its answer is used only once the claim is ours.
+        readout = loop.run_in_executor(self._executor, _timed_readout, self._engine, checked)
         try:
             claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
+            readout.add_done_callback(_discard_outcome)  # not ours: dropped unread
             # Rows that fail their digest are rejected as such, as when the digest came
             # before the claim; a block's own outcome comes only after that.
             try:
@@ -276,16 +292,17 @@ class ReadoutWorker:
                 return "claimed_elsewhere"
             # a block id that cannot be a registry key: no entry can say anything of it
             return await self._drop_unverified(msg, "malformed", str(e))
-        lanes = lane_requests(checked)
-        t0 = time.perf_counter()
+        except BaseException:  # NATS trouble mid-claim: the block is redelivered
+            readout.add_done_callback(_discard_outcome)
+            raise
         stage = self._m.stage_seconds
-        claimed_s = t0 - t_verified
-        loop = asyncio.get_running_loop()
+        claimed_s = time.perf_counter() - t_verified
         held = [claim]
         keepalive = asyncio.create_task(self._keep_alive(held, msg))
         results: list[LaneResult] | None = None
+        readout_s = 0.0
         try:
-            results = await loop.run_in_executor(self._executor, self._engine.readout, lanes)
+            results, readout_s = await readout
             self._engine_health.record(True)
         except Exception:
             self._engine_health.record(False)
@@ -309,7 +326,7 @@ class ReadoutWorker:
             await self._release(claim)
             await self._nak(READOUT_FAILED, msg)
             return READOUT_FAILED
-        self._m.readout_seconds.observe(t1 - t0)
+        self._m.readout_seconds.observe(readout_s)
         record = commit_record(header, results, self.worker_id)
         outcomes.sign(record, self._signer)
         try:
@@ -326,7 +343,7 @@ class ReadoutWorker:
         for name, seconds in (
             ("verify", t_verified - t_start),
             ("claim", claimed_s),
-            ("readout", t1 - t0),
+            ("readout", readout_s),
             ("digest", digest_s),
             ("digest_wait", t_digest - t1),
             ("commit", t2 - t_digest),
@@ -335,7 +352,7 @@ class ReadoutWorker:
             stage.labels(name).observe(seconds)
         self._m.committed.inc()
         await self._cleanup_object(block)
-        log.info("block committed", lanes=len(lanes))
+        log.info("block committed", lanes=len(header.layout.lanes))
         return "committed"
 
     async def _release(self, claim: Claim) -> None:

@@ -54,6 +54,7 @@ class UpConfig:
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
+    forward_state_digest: str = "blake3"  # the blocks' row hash: "blake3" or "sha256"
     batch_window_s: float | None = None  # None: the capture service's default
     capture_compile: str = "off"  # torch.compile backend for the base forward
     # One NATS connection per service, as separate processes have (the benches): on a
@@ -146,6 +147,7 @@ async def running_stack(
             port=config.capture_port,
             key_dir=key_dir,
             blocks_storage=config.blocks_storage,
+            forward_state_digest=config.forward_state_digest,
             compile=config.capture_compile,
             **window,
             **common,

@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from stateblock.v1 import block_pb2 as stateblock_dot_v1_dot_block__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astateblock/v1/commit.proto\x12\rstateblock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc4\x01\n\nLaneAnswer\x12\x12\n\nlane_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x65os_pos\x18\x03 \x01(\r\x12\x14\n\x0ctop2_margins\x18\x04 \x03(\x02\x12\x16\n\x0etoken_logprobs\x18\x05 \x03(\x02\x12\x10\n\x08top1_ids\x18\x06 \x03(\r\x12\x15\n\rtop1_logprobs\x18\x07 \x03(\x02\x12\x10\n\x08top2_ids\x18\x08 \x03(\r\x12\x15\n\rtop2_logprobs\x18\t \x03(\x02\"\xf5\x01\n\x06\x43ommit\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12(\n\x05lanes\x18\x03 \x03(\x0b\x32\x19.stateblock.v1.LaneAnswer\x12\x15\n\routput_digest\x18\x04 \x01(\x0c\x12\x1c\n\x14\x66orward_state_digest\x18\x05 \x01(\x0c\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\"\xb8\x01\n\tRejection\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12/\n\x0brejected_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\"\xf9\x01\n\rRegistryEntry\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.stateblock.v1.ClaimState\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x34\n\x10lease_expires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12%\n\x06\x63ommit\x18\x06 \x01(\x0b\x32\x15.stateblock.v1.Commit\x12+\n\trejection\x18\x07 \x01(\x0b\x32\x18.stateblock.v1.Rejection*w\n\nClaimState\x12\x1b\n\x17\x43LAIM_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43LAIM_STATE_CLAIMED\x10\x01\x12\x19\n\x15\x43LAIM_STATE_COMMITTED\x10\x02\x12\x18\n\x14\x43LAIM_STATE_REJECTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astateblock/v1/commit.proto\x12\rstateblock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stateblock/v1/block.proto\"\xc4\x01\n\nLaneAnswer\x12\x12\n\nlane_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x65os_pos\x18\x03 \x01(\r\x12\x14\n\x0ctop2_margins\x18\x04 \x03(\x02\x12\x16\n\x0etoken_logprobs\x18\x05 \x03(\x02\x12\x10\n\x08top1_ids\x18\x06 \x03(\r\x12\x15\n\rtop1_logprobs\x18\x07 \x03(\x02\x12\x10\n\x08top2_ids\x18\x08 \x03(\r\x12\x15\n\rtop2_logprobs\x18\t \x03(\x02\"\xb6\x02\n\x06\x43ommit\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12(\n\x05lanes\x18\x03 \x03(\x0b\x32\x19.stateblock.v1.LaneAnswer\x12\x15\n\routput_digest\x18\x04 \x01(\x0c\x12\x1c\n\x14\x66orward_state_digest\x18\x05 \x01(\x0c\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\x12?\n\x17\x66orward_state_algorithm\x18\n \x01(\x0e\x32\x1e.stateblock.v1.DigestAlgorithm\"\xb8\x01\n\tRejection\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12/\n\x0brejected_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x07 \x01(\t\x12\x11\n\tsignature\x18\x08 \x01(\x0c\"\xf9\x01\n\rRegistryEntry\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.stateblock.v1.ClaimState\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x34\n\x10lease_expires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12%\n\x06\x63ommit\x18\x06 \x01(\x0b\x32\x15.stateblock.v1.Commit\x12+\n\trejection\x18\x07 \x01(\x0b\x32\x18.stateblock.v1.Rejection*w\n\nClaimState\x12\x1b\n\x17\x43LAIM_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43LAIM_STATE_CLAIMED\x10\x01\x12\x19\n\x15\x43LAIM_STATE_COMMITTED\x10\x02\x12\x18\n\x14\x43LAIM_STATE_REJECTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stateblock.v1.commit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CLAIMSTATE']._serialized_start=964
-  _globals['_CLAIMSTATE']._serialized_end=1083
-  _globals['_LANEANSWER']._serialized_start=79
-  _globals['_LANEANSWER']._serialized_end=275
-  _globals['_COMMIT']._serialized_start=278
-  _globals['_COMMIT']._serialized_end=523
-  _globals['_REJECTION']._serialized_start=526
-  _globals['_REJECTION']._serialized_end=710
-  _globals['_REGISTRYENTRY']._serialized_start=713
-  _globals['_REGISTRYENTRY']._serialized_end=962
+  _globals['_CLAIMSTATE']._serialized_start=1056
+  _globals['_CLAIMSTATE']._serialized_end=1175
+  _globals['_LANEANSWER']._serialized_start=106
+  _globals['_LANEANSWER']._serialized_end=302
+  _globals['_COMMIT']._serialized_start=305
+  _globals['_COMMIT']._serialized_end=615
+  _globals['_REJECTION']._serialized_start=618
+  _globals['_REJECTION']._serialized_end=802
+  _globals['_REGISTRYENTRY']._serialized_start=805
+  _globals['_REGISTRYENTRY']._serialized_end=1054
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stateblock.v1 import block_pb2 as _block_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -44,7 +45,7 @@ class LaneAnswer(_message.Message):
     def __init__(self, lane_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., eos_pos: _Optional[int] = ..., top2_margins: _Optional[_Iterable[float]] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top1_ids: _Optional[_Iterable[int]] = ..., top1_logprobs: _Optional[_Iterable[float]] = ..., top2_ids: _Optional[_Iterable[int]] = ..., top2_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("block_id", "request_id", "lanes", "output_digest", "forward_state_digest", "worker_id", "committed_at", "key_id", "signature")
+    __slots__ = ("block_id", "request_id", "lanes", "output_digest", "forward_state_digest", "worker_id", "committed_at", "key_id", "signature", "forward_state_algorithm")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +55,7 @@ class Commit(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_STATE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     request_id: str
     lanes: _containers.RepeatedCompositeFieldContainer[LaneAnswer]
@@ -63,7 +65,8 @@ class Commit(_message.Message):
     committed_at: _timestamp_pb2.Timestamp
     key_id: str
     signature: bytes
-    def __init__(self, block_id: _Optional[str] = ..., request_id: _Optional[str] = ..., lanes: _Optional[_Iterable[_Union[LaneAnswer, _Mapping]]] = ..., output_digest: _Optional[bytes] = ..., forward_state_digest: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    forward_state_algorithm: _block_pb2.DigestAlgorithm
+    def __init__(self, block_id: _Optional[str] = ..., request_id: _Optional[str] = ..., lanes: _Optional[_Iterable[_Union[LaneAnswer, _Mapping]]] = ..., output_digest: _Optional[bytes] = ..., forward_state_digest: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., forward_state_algorithm: _Optional[_Union[_block_pb2.DigestAlgorithm, str]] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("block_id", "request_id", "reason", "detail", "worker_id", "rejected_at", "key_id", "signature")

@@ -260,6 +260,7 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
     assert header.request_id == "req-1" and header.block_id == captured.block_id
     assert [lane.answer_depth for lane in header.layout.lanes] == [12, 7]
     assert header.sampling[1].seed == 3 and header.sampling[1].temperature == 0.5
+    assert header.forward_state_algorithm == pb.DIGEST_ALGORITHM_BLAKE3  # the default
     a, b = block_lanes(verified)
     assert torch.equal(a, b)  # the chat template renders a lone user turn like the prompt
     assert (
@@ -372,6 +373,14 @@ def test_blocks_storage_from_env():
     assert CaptureConfig.from_env(env).blocks_storage == "memory"
     with pytest.raises(ConfigError, match="STATEBLOCK_BLOCKS_STORAGE='disk' must be 'file' or"):
         CaptureConfig.from_env({"STATEBLOCK_BLOCKS_STORAGE": "disk"})
+
+
+def test_forward_state_digest_from_env():
+    assert CaptureConfig.from_env({}).forward_state_digest == "blake3"
+    env = {"STATEBLOCK_FORWARD_STATE_DIGEST": "sha256"}
+    assert CaptureConfig.from_env(env).forward_state_digest == "sha256"
+    with pytest.raises(ConfigError, match="FORWARD_STATE_DIGEST: .*'md5' is not one of"):
+        CaptureConfig.from_env({"STATEBLOCK_FORWARD_STATE_DIGEST": "md5"})
 
 
 async def test_capture_serves_the_standard_grpc_health_service(capture_service):

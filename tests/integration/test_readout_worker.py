@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 
 import nats
@@ -14,9 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.publisher import BlockPublisher
 from readout_svc.config import ReadoutServiceConfig
+from readout_svc.records import commit_record
 from readout_svc.server import running_readout
 from registry import Registry
-from stateblock.engines import LaneRequest, UnknownEngine, create_engine
+from stateblock.engines import LaneRequest, UnknownEngine, create_engine, lane_requests
 from stateblock.model.rows import block_lanes, rows_view
 from stateblock.protocol import envelope, outcomes, streams, wire
 from stateblock.protocol.keys import Signer, TrustStore
@@ -35,7 +37,7 @@ def make_block(serving_model, **kw) -> pb.StateBlock:
 
 
 def make_sealed(
-    serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0
+    serving_model, *, rows_per_lane=(6,), depth=16, ttl_s=60.0, now=None, seed=0, **seal_kw
 ) -> envelope.SealedBlock:
     gen = torch.Generator().manual_seed(seed)
     d = serving_model.hidden_size
@@ -54,6 +56,7 @@ def make_sealed(
         signer=SIGNER,
         ttl_s=ttl_s,
         now=now,
+        **seal_kw,
     )
 
 
@@ -94,6 +97,16 @@ async def settled(metrics: CollectorRegistry, name: str, want: float, **labels) 
     return value(metrics, name, **labels)
 
 
+async def test_a_sha256_block_is_read_and_its_commit_says_so(nc, readout, serving_model):
+    """A capture configured (or built) for SHA-256: the worker checks the hash its header names."""
+    block = make_block(serving_model, seed=5, digest_algorithm=pb.DIGEST_ALGORITHM_SHA256)
+    await publish(nc, block)
+    registry = await Registry.open(nc.jetstream())
+    commit = await registry.watch_commit(block.header.block_id, timeout=20)
+    assert commit.forward_state_algorithm == pb.DIGEST_ALGORITHM_SHA256
+    assert commit.forward_state_digest == hashlib.sha256(block.payload.inline_rows).digest()
+
+
 async def test_block_committed_with_the_engine_answer(nc, readout, engine, serving_model):
     _, metrics = readout
     block = make_block(serving_model, rows_per_lane=(5, 9), depth=24)
@@ -105,6 +118,7 @@ async def test_block_committed_with_the_engine_answer(nc, readout, engine, servi
     assert [list(lane.token_ids) for lane in commit.lanes] == [list(e.token_ids) for e in expected]
     assert [lane.eos_pos for lane in commit.lanes] == [e.eos_pos for e in expected]
     assert commit.forward_state_digest == block.header.forward_state_digest
+    assert commit.forward_state_algorithm == pb.DIGEST_ALGORITHM_BLAKE3
     assert len(commit.output_digest) == 32 and commit.request_id == block.header.request_id
     assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
     # the rows' digest was checked (in its thread) before this commit, once
@@ -308,6 +322,59 @@ class SlowEngine:
 
     def warm_up(self) -> None:
         pass
+
+
+class CountingEngine:
+    """The reference engine, counting the blocks it was asked to read."""
+
+    name = "counting"
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.identity = inner.identity
+        self.calls = 0
+
+    def readout(self, lanes):
+        self.calls += 1
+        return self._inner.readout(lanes)
+
+    def warm_up(self) -> None:
+        pass
+
+
+async def test_the_readout_runs_beside_the_claim_and_a_refused_claim_commits_nothing(
+    nc, engine, serving_model
+):
+    """The readout starts before the claim's answer (a KV round trip off the reply path): a
+    block another worker holds is read here too, and its answer dropped unused."""
+    counting = CountingEngine(engine)
+    metrics = CollectorRegistry()
+    config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.1)
+    block = make_block(serving_model, seed=8)
+    registry = await Registry.open(nc.jetstream())
+    held = await registry.claim(block.header.block_id, "elsewhere", lease_s=30.0)
+    async with running_readout(
+        config,
+        nc=nc,
+        engine=counting,
+        trust=TrustStore([SIGNER.public_key]),
+        signer=READOUT_SIGNER,
+        metrics=metrics,
+    ):
+        await publish(nc, block)
+        cause = {"cause": "claimed_elsewhere"}
+        assert await settled(metrics, "stateblock_blocks_retried_total", 1, **cause) == 1
+        assert counting.calls >= 1  # it read without waiting for the claim
+        entry = await registry.get(block.header.block_id)
+        assert entry.worker_id == "elsewhere" and not entry.HasField("commit")
+        assert value(metrics, "stateblock_blocks_committed_total") == 0
+        # the holder's own commit is the block's one outcome
+        verified = envelope.verify(block, TrustStore([SIGNER.public_key]))
+        record = commit_record(block.header, engine.readout(lane_requests(verified)), "elsewhere")
+        outcomes.sign(record, READOUT_SIGNER)
+        await registry.commit(held, record)
+    assert (await registry.get(block.header.block_id)).commit.worker_id == "elsewhere"
+    assert value(metrics, "stateblock_blocks_committed_total") == 0
 
 
 async def test_a_readout_longer_than_the_lease_keeps_its_claim(nc, engine, serving_model):

@@ -37,8 +37,10 @@ def test_e2e_bench_tiny_dry_run(tmp_path):
     assert e2e["prompt_tokens"] == [prompt_len]
     for key in ("p50_ms", "p90_ms", "mean_ms"):
         assert e2e["latency"][key] > 0
-    for span in (*PARTITION, "gateway", "claim_to_readout", "readout_histogram"):
+    for span in (*PARTITION, "gateway", "readout_histogram"):
         assert e2e["breakdown"][span]["p50_ms"] > 0, span
+    # the readout starts beside the claim, so it may begin before the claim is stored
+    assert math.isfinite(e2e["breakdown"]["claim_to_readout"]["p50_ms"])
     # the spans partition each request's latency, so their means add up to the e2e mean
     total = sum(e2e["breakdown"][span]["mean_ms"] for span in PARTITION)
     assert math.isclose(total, e2e["latency"]["mean_ms"], rel_tol=1e-6)

@@ -6,6 +6,7 @@ import hashlib
 import os
 import stat
 
+import blake3
 import pytest
 import torch
 
@@ -48,7 +49,7 @@ def lanes_of(dtype=torch.float32, counts=(3, 5)) -> list[torch.Tensor]:
 
 
 def seal(
-    signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16)
+    signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16), **kw
 ) -> envelope.SealedBlock:
     layout = envelope.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
     return envelope.seal_block(
@@ -60,6 +61,7 @@ def seal(
         signer=signer,
         ttl_s=30,
         now=NOW,
+        **kw,
     )
 
 
@@ -91,6 +93,49 @@ def test_round_trip_through_bytes(signer, trust, dtype):
     assert h.key_id == signer.key_id and h.block_id and h.model == "tiny"
     assert h.forward_state_digest == envelope.forward_state_digest(rows_to_bytes(torch.cat(lanes)))
     assert h.expires_at.ToSeconds() == NOW + 30
+
+
+def test_forward_state_digest_is_blake3_by_default_and_names_its_hash(signer, trust):
+    block, lanes = make_block(signer)
+    data = rows_to_bytes(torch.cat(lanes))
+    assert block.header.forward_state_algorithm == pb.DIGEST_ALGORITHM_BLAKE3
+    assert block.header.forward_state_digest == blake3.blake3(data).digest()
+    # the same rows sealed as SHA-256 verify too, and their digest is SHA-256's
+    sha = seal(signer, digest_algorithm=pb.DIGEST_ALGORITHM_SHA256).message()
+    assert sha.header.forward_state_digest == hashlib.sha256(data).digest()
+    assert envelope.verify(sha, trust, NOW + 1).header.forward_state_algorithm == (
+        pb.DIGEST_ALGORITHM_SHA256
+    )
+    # BLAKE3 over a large input spreads over cores; the digest is the one-core one
+    big = os.urandom(3 << 20)
+    assert envelope.forward_state_digest(big) == blake3.blake3(big).digest()
+    assert envelope.forward_state_algorithm(" SHA256 ") == pb.DIGEST_ALGORITHM_SHA256
+    with pytest.raises(ValueError, match="not one of: blake3, sha256"):
+        envelope.forward_state_algorithm("md5")
+
+
+def test_a_header_without_the_algorithm_is_sha256(signer, trust):
+    # headers from before the field: UNSPECIFIED reads as SHA-256
+    block = seal(signer, digest_algorithm=pb.DIGEST_ALGORITHM_SHA256).message()
+    block.header.ClearField("forward_state_algorithm")
+    resign(block, signer)
+    assert envelope.verify(block, trust, NOW + 1).header.forward_state_algorithm == 0
+    # a BLAKE3 digest under no algorithm is a SHA-256 mismatch, not accepted
+    b3 = seal(signer).message()
+    b3.header.ClearField("forward_state_algorithm")
+    resign(b3, signer)
+    assert reject_reason(b3, trust) == RejectReason.FORWARD_STATE_DIGEST
+
+
+def test_the_algorithm_is_signed_and_an_unknown_one_is_malformed(signer, trust):
+    block, _ = make_block(signer)
+    block.header.forward_state_algorithm = pb.DIGEST_ALGORITHM_SHA256
+    assert reject_reason(block, trust) == RejectReason.BAD_SIGNATURE
+    block.header.forward_state_algorithm = 7  # a value this build does not know
+    resign(block, signer)
+    with pytest.raises(BlockRejected, match="unknown forward_state_algorithm 7") as info:
+        envelope.verify(block, trust, NOW + 1)
+    assert info.value.reason == RejectReason.MALFORMED
 
 
 def test_serialisation_is_deterministic(signer):
@@ -237,7 +282,7 @@ def test_object_payload(signer, trust):
     assert data.header == sealed.header and not data.payload.HasField("inline_rows")
     ref = data.payload.object_ref
     assert ref.name == sealed.header.block_id and ref.size == len(sealed.rows)
-    assert ref.digest == hashlib.sha256(sealed.rows).digest()  # the forward-state digest
+    assert ref.digest == blake3.blake3(sealed.rows).digest()  # the forward-state digest
     rows = sealed.rows.tobytes()
     verified = envelope.verify(data, trust, NOW + 1, payload=rows)
     assert torch.equal(block_rows(verified), rows_from_bytes(rows, sealed.header.layout))

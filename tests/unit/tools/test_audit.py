@@ -281,6 +281,15 @@ def test_classify_is_origin_aware():
     assert (
         det.classify(commit(b"a", b"s"), commit(b"b", b"s")) == det.Outcome.READOUT_NONDETERMINISM
     )
+    # digests of two hashes say nothing about the rows: neither a pass nor a readout failure
+    sha = commit(b"b", b"t")
+    sha.forward_state_algorithm = block_pb2.DIGEST_ALGORITHM_SHA256
+    blake = commit(b"a", b"s")
+    blake.forward_state_algorithm = block_pb2.DIGEST_ALGORITHM_BLAKE3
+    assert det.classify(blake, sha) == det.Outcome.INCOMPARABLE
+    assert det.classify(commit(b"a", b"s"), sha) == det.Outcome.UPSTREAM  # unset is SHA-256
+    report = det.gate([det.check("resubmit", blake, sha)])
+    assert report["gate"] == "FAIL" and "nothing shows" in report["blockers"][0]
 
 
 def _block(model, prompt: str, signer: Signer, depth: int = 32) -> envelope.VerifiedBlock:

@@ -55,7 +55,9 @@ def test_one_forward_teacher_equals_verified_prefix_and_rows_equal_capture(base)
     assert plens.tolist() == [len(p) for p, _ in pairs]
     for r, (p, _) in enumerate(pairs[:4]):  # the serving capture of the prompt alone
         alone = capture(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-        assert torch.allclose(rows[r, : len(p)], alone[0], atol=1e-4)
+        # fp32 rounding of a padded batch against one prompt, through 8 layers: up to 1.3e-4
+        # on rows of magnitude 6 with AVX-512 kernels; a wrong offset or a leak is O(1)
+        torch.testing.assert_close(rows[r, : len(p)], alone[0], atol=5e-4, rtol=0)
 
 
 class _Exited(BaseException):
