@@ -22,6 +22,7 @@ import nats
 from registry import parse_update, updates_subject
 from stateblock.app.stack import UpConfig
 from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
+from stateblock.protocol import envelope
 from stateblock.v1 import commit_pb2
 
 
@@ -80,7 +81,7 @@ def bench_stack_config(
     capture_compile: str = "off",
     nats_max_payload: int | None = 8 << 20,  # None: the server's 1 MiB default
     blocks_storage: str = "file",
-    forward_state_digest: str = "blake3",
+    forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM,
 ) -> UpConfig:
     """The embedded stack as the benches run it: free ports, a connection per service."""
     return UpConfig(

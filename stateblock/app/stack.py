@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from stateblock import runtime
 from stateblock.app.nats_server import nats_server
 from stateblock.nats_client import NatsOptions, NatsState, connect
+from stateblock.protocol import envelope
 
 if TYPE_CHECKING:
     from stateblock.engines import ReadoutEngine
@@ -54,7 +55,8 @@ class UpConfig:
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
     blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
-    forward_state_digest: str = "blake3"  # the blocks' row hash: "blake3" or "sha256"
+    # the blocks' row hash: "blake3" or "sha256"
+    forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM
     batch_window_s: float | None = None  # None: the capture service's default
     capture_compile: str = "off"  # torch.compile backend for the base forward
     # One NATS connection per service, as separate processes have (the benches): on a

@@ -44,6 +44,7 @@ FORWARD_STATE_ALGORITHMS: dict[str, int] = {
     "sha256": pb.DIGEST_ALGORITHM_SHA256,
 }
 DEFAULT_FORWARD_STATE_ALGORITHM = "blake3"
+_DEFAULT_ALGORITHM = FORWARD_STATE_ALGORITHMS[DEFAULT_FORWARD_STATE_ALGORITHM]
 # BLAKE3 spreads an input this large over the cores (rayon); below it one core is faster.
 _BLAKE3_THREADS_FROM = 1 << 20
 # Domain separation: a header signature can never be replayed as a signature over
@@ -175,9 +176,7 @@ def forward_state_algorithm(name: str) -> int:
         raise ValueError(f"forward-state digest {name!r} is not one of: {known}") from None
 
 
-def forward_state_digest(
-    data: bytes | memoryview, algorithm: int = pb.DIGEST_ALGORITHM_BLAKE3
-) -> bytes:
+def forward_state_digest(data: bytes | memoryview, algorithm: int = _DEFAULT_ALGORITHM) -> bytes:
     """The captured rows' bytes in layout order under `algorithm` (a DigestAlgorithm;
     UNSPECIFIED is SHA-256, what headers from before the field carry). Both hashes release
     the GIL, so a worker may run this in a thread beside its claim and readout."""
@@ -273,7 +272,7 @@ def seal_block(
     ttl_s: float,
     block_id: str | None = None,
     now: float | None = None,
-    digest_algorithm: int = pb.DIGEST_ALGORITHM_BLAKE3,
+    digest_algorithm: int = _DEFAULT_ALGORITHM,
 ) -> SealedBlock:
     """Digest and sign the rows; they stay where they are (see `SealedBlock`)."""
     check_layout(layout, request_id)
