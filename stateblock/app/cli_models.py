@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -75,25 +76,47 @@ def _train_suite(a: argparse.Namespace) -> int:
 def cmd_eval(a: argparse.Namespace) -> int:
     from stateblock.tools import evaluate
 
+    decoders = a.decoder or [str(REFERENCE / "decoder")]
+    if len(decoders) > 1 and a.plot:
+        print("stateblock eval: --plot takes one --decoder", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    report = evaluate.evaluate(
+    reports = evaluate.evaluate_many(
         a.base,
-        a.decoder,
+        decoders,
         n_each=a.n_each,
         seed=a.seed,
         device=device_of(a.device),
         families=tuple(a.families.split(",")) if a.families else None,
         max_answer=a.max_answer,
     )
-    report["settings"]["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(report, indent=2)
+    seconds = round(time.perf_counter() - t0, 1)
+    for report, d in zip(reports, decoders, strict=True):
+        report["settings"]["seconds"] = seconds
+        if len(decoders) > 1:
+            report["settings"]["decoder"] = d
+    command = "stateblock " + shlex.join(a.argv)
+    if len(decoders) == 1:
+        report = reports[0]
+        if a.json:
+            evaluate.write_json(report, a.json)
+        if a.plot:
+            evaluate.plot(report, a.plot)
+        if a.markdown:
+            Path(a.markdown).write_text(evaluate.markdown(report, command))
+        print(json.dumps(report, indent=2))
+        return 0
+    # several decoders on one teacher pass: the JSON holds a list, stdout the comparison
+    table = evaluate.comparison(reports, decoders)
     if a.json:
-        evaluate.write_json(report, a.json)
-    if a.plot:
-        evaluate.plot(report, a.plot)
+        Path(a.json).write_text(json.dumps(reports, indent=2) + "\n")
     if a.markdown:
-        Path(a.markdown).write_text(evaluate.markdown(report, "stateblock " + shlex.join(a.argv)))
-    print(text)
+        sections = [
+            f"## {d}\n\n" + evaluate.markdown(r, command)
+            for d, r in zip(decoders, reports, strict=True)
+        ]
+        Path(a.markdown).write_text(table + "\n" + "\n".join(sections))
+    print(table, end="")
     return 0
 
 
@@ -162,7 +185,12 @@ def add_parsers(sub) -> None:
 
     e = sub.add_parser("eval", formatter_class=DEFAULTS, help="quality report on held-out prompts")
     e.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
-    e.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
+    e.add_argument(
+        "--decoder",
+        action="append",
+        help="decoder directory (default: the shipped one); given more than once, every "
+        "decoder is judged against one teacher pass and stdout is their comparison table",
+    )
     e.add_argument("--n-each", type=int, default=40, help="held-out prompts per family")
     e.add_argument("--seed", type=int, default=1234, help="seed of the held-out prompts")
     e.add_argument("--families", default="", help="comma-separated subset")

@@ -161,22 +161,68 @@ def evaluate(
     families: tuple[str, ...] | None = None,
     max_answer: int | None = None,
 ) -> dict:
+    """The report of one decoder (`evaluate_many` of one)."""
+    return evaluate_many(
+        base_dir,
+        [decoder_dir],
+        n_each=n_each,
+        seed=seed,
+        device=device,
+        families=families,
+        max_answer=max_answer,
+    )[0]
+
+
+def evaluate_many(
+    base_dir,
+    decoder_dirs: list,
+    *,
+    n_each: int = 40,
+    seed: int = 1234,
+    device: str = "cpu",
+    families: tuple[str, ...] | None = None,
+    max_answer: int | None = None,
+) -> list[dict]:
+    """One report per decoder, all against one teacher pass on the same prompts: comparing
+    decoder arms costs one teacher (most of an eval's time on the CPU) and not one each.
+    Every decoder is checked against the base before the teacher runs."""
+    if not decoder_dirs:
+        raise ValueError("evaluate_many needs at least one decoder")
     base, tok = load_base(base_dir, device)
     lm_head = lm_head_weight(base)
-    decoder, manifest = load_decoder(decoder_dir, base_dir=base_dir, lm_head=lm_head, device=device)
+    loaded = [
+        load_decoder(d, base_dir=base_dir, lm_head=lm_head, device=device) for d in decoder_dirs
+    ]
     names = families or tuple(tasks.FAMILIES)
     examples = [
         e for f in names for e in tasks.generate(n_each, split="heldout", seed=seed, families=(f,))
     ]
     pairs = encode_examples(tok, examples)
-    max_answer = max_answer or manifest["training"]["config"]["max_answer"]
+    # the longest envelope any of them was trained under: a shorter one would cut the teacher
+    max_answer = max_answer or max(m["training"]["config"]["max_answer"] for _, m in loaded)
     teacher = greedy_answers(
         base, pairs, eos=tok.eos_token_id, pad=tok.pad_token_id, max_new=max_answer, device=device
     )
     depths = [min(8192, len(t) + 64) for t in teacher]
-    readouts = read_out(
-        base, decoder, lm_head, [p for p, _ in pairs], depths, tok.pad_token_id, device
-    )
+    reports = []
+    for decoder, manifest in loaded:
+        readouts = read_out(
+            base, decoder, lm_head, [p for p, _ in pairs], depths, tok.pad_token_id, device
+        )
+        report = _report(examples, pairs, teacher, readouts, tok, names)
+        report["settings"] = {
+            "n_each": n_each,
+            "seed": seed,
+            "split": "heldout",
+            "decoder_digest": manifest["decoder_digest"],
+            "max_answer": max_answer,
+        }
+        reports.append(report)
+    return reports
+
+
+def _report(examples, pairs, teacher, readouts, tok, names) -> dict:
+    """Scores of one decoder's readouts against the teacher: by bucket, by family, misses."""
     scored = [
         score(t, r, a, tok.eos_token_id)
         for t, r, (_, a) in zip(teacher, readouts, pairs, strict=True)
@@ -194,14 +240,31 @@ def evaluate(
         "buckets": {f"{lo}-{hi}": _summary(by_bucket[f"{lo}-{hi}"]) for lo, hi in BUCKETS},
         "families": {f: _summary(by_family[f]) for f in names},
         "misses": wrong,
-        "settings": {
-            "n_each": n_each,
-            "seed": seed,
-            "split": "heldout",
-            "decoder_digest": manifest["decoder_digest"],
-            "max_answer": max_answer,
-        },
     }
+
+
+def comparison(reports: list[dict], labels: list[str]) -> str:
+    """A markdown table of several decoders on the same prompts: misses (and those where the
+    teacher is right), exact vs the teacher by bucket, the lowest family."""
+    buckets = list(reports[0]["buckets"])
+    head = (
+        "| decoder | misses | teacher right | "
+        + " | ".join(buckets)
+        + " | lowest family |\n|---|---:|---:|"
+        + "---:|" * len(buckets)
+        + "---|\n"
+    )
+    lines = []
+    for label, r in zip(labels, reports, strict=True):
+        exact = [r["buckets"][b]["exact_match_vs_teacher"] for b in buckets]
+        fam, low = min(r["families"].items(), key=lambda kv: kv[1]["exact_match_vs_teacher"])
+        lines.append(
+            f"| {label} | {len(r['misses'])} | "
+            f"{sum(m['teacher_right'] for m in r['misses'])} | "
+            + " | ".join("-" if e is None else f"{e:.3f}" for e in exact)
+            + f" | {fam} {low['exact_match_vs_teacher']:.2f} |"
+        )
+    return head + "\n".join(lines) + "\n"
 
 
 def plot(report: dict, path: str | Path) -> None:

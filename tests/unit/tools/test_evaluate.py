@@ -98,3 +98,61 @@ def test_a_miss_says_where_and_how_the_readout_left_the_teacher():
     assert not m["readout_right"]
     m = miss_of(ids("hellp") + [eos], (ids("hello") + [eos], 5))  # the teacher wrong
     assert not m["teacher_right"] and m["readout_right"] and m["bucket"] == "1-64"
+
+
+def _two_pass_copy(tmp_path):
+    """The shipped decoder's weights run with two refinement passes, a second decoder that
+    reads differently (its one shared refinement stack was trained for one pass) and whose
+    digest still holds (the digest is of the weights)."""
+    import shutil
+
+    d = tmp_path / "two-passes"
+    shutil.copytree(REFERENCE_DECODER, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["decoder_config"]["refine"] = 2
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_several_decoders_share_one_teacher_pass(tmp_path, monkeypatch, capsys):
+    from stateblock.tools import evaluate
+
+    calls = []
+    real = evaluate.greedy_answers
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "greedy_answers", counted)
+    other = _two_pass_copy(tmp_path)
+    common = ["--base", str(REFERENCE_BASE), "--n-each", "3", "--families", "copy,sort,recall"]
+    common += ["--device", "cpu", "--max-answer", "96"]
+    single, both = tmp_path / "one.json", tmp_path / "two.json"
+    md = tmp_path / "two.md"
+    assert main(["eval", *common, "--decoder", str(REFERENCE_DECODER), "--json", str(single)]) == 0
+    capsys.readouterr()
+    argv = ["eval", *common, "--decoder", str(REFERENCE_DECODER), "--decoder", str(other)]
+    assert main([*argv, "--json", str(both), "--markdown", str(md)]) == 0
+    assert len(calls) == 2  # one teacher pass per command, not one per decoder
+    table = capsys.readouterr().out
+    reports = json.loads(both.read_text())
+    alone = json.loads(single.read_text())
+    assert [r["settings"]["decoder"] for r in reports] == [str(REFERENCE_DECODER), str(other)]
+    # the first decoder's report is the one it gets alone
+    assert reports[0]["buckets"] == alone["buckets"] and reports[0]["misses"] == alone["misses"]
+    assert reports[0]["settings"]["decoder_digest"] == reports[1]["settings"]["decoder_digest"]
+    assert reports[0]["families"] != reports[1]["families"]  # a second pass reads differently
+    for r in reports:
+        row = next(
+            line
+            for line in table.splitlines()
+            if line.startswith(f"| {r['settings']['decoder']} |")
+        )
+        assert row.split(" | ")[1] == str(len(r["misses"]))
+    assert table in md.read_text() and md.read_text().count("### By family") == 2
+
+
+def test_several_decoders_take_no_plot(tmp_path):
+    argv = ["eval", "--decoder", str(REFERENCE_DECODER), "--decoder", str(REFERENCE_DECODER)]
+    assert main([*argv, "--plot", str(tmp_path / "q.png"), "--device", "cpu"]) == 2
