@@ -128,6 +128,23 @@ def data_parallel(model: torch.nn.Module, r: Ranks) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
+def ranks_agree(model: torch.nn.Module, r: Ranks) -> bool:
+    """Whether every rank ends holding the same weights (a collective: every rank calls it).
+
+    DDP keeps replicas equal only by averaging every gradient; a parameter outside the
+    graph, or a rank that stepped once more, leaves rank 0's checkpoint one replica of
+    several. The fingerprint (sum, sum of squares, an index-weighted sum, in float64) is
+    compared exactly: equal gradients and one optimizer give bitwise-equal weights."""
+    if not r.ddp:
+        return True
+    flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    idx = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(97)
+    mine = torch.stack([flat.sum(), flat.square().sum(), (flat * idx).sum()]).to(r.device)
+    every = [torch.empty_like(mine) for _ in range(r.world)]
+    dist.all_gather(every, mine)
+    return all(torch.equal(e, every[0]) for e in every)
+
+
 def leave(r: Ranks) -> None:
     """End the process: out of the process group, then out at once (the loader's worker
     processes can hold the interpreter's exit on some platforms)."""
@@ -432,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": n_params,
         "final_loss": losses[-1] if losses else None,
         "world": world,
+        "ranks_agree": ranks_agree(model, r),
         "args": vars(a),
     }
     if rank == 0:

@@ -48,6 +48,7 @@ from stateblock.train.base_ddp import (
     loader,
     log,
     lr_at,
+    ranks_agree,
 )
 from stateblock.train.batching import budget_batches
 from stateblock.train.step_profile import StepProfile
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     prof.close(step - start)
     train_s = time.perf_counter() - plan.t0
     total, losses = plan.total, plan.losses
+    agree = ranks_agree(decoder, r)  # every rank, before rank 0 alone saves
     if rank == 0:
         decoder.eval()
         torch.save(
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             "final_loss": losses[-1] if losses else None,
             "params": n_params,
             "world": world,
+            "ranks_agree": agree,
             "device": torch.cuda.get_device_name(device) if a.device == "cuda" else "cpu",
             "config": {**vars(a), "max_answer": 3100, "decoder": overrides, "data": FORMAT_NOTE},
         }

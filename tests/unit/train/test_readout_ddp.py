@@ -245,3 +245,59 @@ def test_near_end_weights_mark_separators_after_items_one_character_from_the_las
         readout_ddp.answer_loss(logits, target, eos, extra=torch.ones(4, 24)), base
     )
     assert not torch.allclose(readout_ddp.answer_loss(logits, target, eos, extra=w), base)
+
+
+def test_two_ranks_over_gloo_train_one_decoder_and_a_single_process_resumes_it(tmp_path):
+    """`stateblock train` scales by torchrun: two CPU ranks (gloo, the NCCL job's code path
+    on the CPU) draw their own prompts, end with equal weights, and rank 0's state file
+    resumes in one process without torchrun."""
+    import subprocess
+    import sys
+
+    cfg = {"d_r": 32, "n_latent": 4, "n_heads": 4, "n_mixer": 1, "row_attn": True, "refine": 1}
+    args = ["-m", "stateblock.train.readout_ddp", "--base", str(BASE), "--out", str(tmp_path),
+            "--device", "cpu", "--workers", "0", "--budget", "2048", "--max-batch", "8",
+            "--pool", "64", "--eval-each", "0", "--decoder-config", json.dumps(cfg)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for launch, steps in ((torchrun, "3"), ([sys.executable], "2")):
+        done = subprocess.run([*launch, *args, "--max-steps", steps], cwd=BASE.parents[2],
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        stats = json.loads((tmp_path / "stats.json").read_text())
+        if launch is torchrun:
+            assert stats["world"] == 2 and stats["ranks_agree"] is True
+            # each rank's lanes are counted: rank 0's batch times the world
+            assert stats["prompts_seen"] > 0 and stats["prompts_seen"] % 2 == 0
+            two_rank_seen = stats["prompts_seen"]
+    assert stats["world"] == 1 and stats["ranks_agree"] is True
+    assert stats["steps"] == 5 and stats["steps_this_run"] == 2  # resumed at step 3
+    assert stats["prompts_seen"] > two_rank_seen
+    model, _ = load_base(BASE, "cpu")
+    load_decoder(tmp_path / "decoder", base_dir=BASE, lm_head=model.lm_head.weight)
+
+
+def _agree_worker(rank: int, init: str, nudge: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    from stateblock.train.base_ddp import Ranks, ranks_agree
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    if nudge and rank == 1:  # one weight one ulp away: a replica that drifted
+        with torch.no_grad():
+            model.weight[2, 3] = torch.nextafter(model.weight[2, 3], torch.tensor(9.0))
+    r = Ranks(ddp=True, rank=rank, world=2, device="cpu")
+    Path(out, f"{rank}").write_text(str(ranks_agree(model, r)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nudge", [False, True])
+def test_ranks_agree_sees_one_replica_one_ulp_away(tmp_path, nudge):
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path}/pg"
+    mp.spawn(_agree_worker, args=(init, nudge, str(tmp_path)), nprocs=2, join=True)
+    verdicts = {(tmp_path / f"{r}").read_text() for r in (0, 1)}
+    assert verdicts == {"False" if nudge else "True"}  # every rank reaches the same verdict
