@@ -160,6 +160,23 @@ def stop_loss(logits: Tensor, target: Tensor, eos: int) -> Tensor:
     return F.cross_entropy(s[lanes], end[lanes].float().argmax(-1))
 
 
+def widen_latents(state: dict[str, Tensor], n_latent: int) -> dict[str, Tensor]:
+    """A start for a decoder with more latent slots (`{"n_latent": 128}` over a 64-slot
+    decoder): the trained slots tiled, each copy after the first nudged, since identical
+    slots receive identical gradients and would stay copies."""
+    old = state["latent"]  # (M, d_r)
+    if old.shape[0] == n_latent:
+        return state
+    if n_latent % old.shape[0]:
+        raise ValueError(f"n_latent {n_latent} is not a multiple of the start's {old.shape[0]}")
+    g = torch.Generator().manual_seed(0)
+    copies = [old] + [
+        old + torch.randn(old.shape, generator=g).to(old) * old.std() * 0.05
+        for _ in range(n_latent // old.shape[0] - 1)
+    ]
+    return {**state, "latent": torch.cat(copies)}
+
+
 def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
     cfg = ReadoutConfig(
         d_base=base.config.hidden_size,
@@ -299,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(a.seed)
     decoder = build_decoder(base, tok, overrides).to(device)
     if init is not None:
-        decoder.load_state_dict(init.state_dict())
+        decoder.load_state_dict(widen_latents(init.state_dict(), decoder.cfg.n_latent))
         log(f"init from {a.init} (step {step}, bf16 weights, new optimizer)")
     n_params = sum(p.numel() for p in decoder.parameters())
     log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")

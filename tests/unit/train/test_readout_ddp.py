@@ -301,3 +301,20 @@ def test_ranks_agree_sees_one_replica_one_ulp_away(tmp_path, nudge):
     mp.spawn(_agree_worker, args=(init, nudge, str(tmp_path)), nprocs=2, join=True)
     verdicts = {(tmp_path / f"{r}").read_text() for r in (0, 1)}
     assert verdicts == {"False" if nudge else "True"}  # every rank reaches the same verdict
+
+
+def test_more_latent_slots_start_from_the_trained_ones_tiled_and_nudged():
+    from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+
+    cfg = dict(d_base=16, vocab_size=12, eos_token_id=2, d_r=16, n_latent=4, n_heads=2)
+    small = ReadoutDecoder(ReadoutConfig(**cfg)).state_dict()
+    wide = readout_ddp.widen_latents(small, 12)
+    lat, old = wide["latent"], small["latent"]
+    assert lat.shape == (12, 16) and torch.equal(lat[:4], old)  # the trained slots, first
+    for copy in (lat[4:8], lat[8:]):  # each further copy near them, and no two alike
+        assert not torch.equal(copy, old) and (copy - old).abs().max() < old.abs().max()
+    assert not torch.equal(lat[4:8], lat[8:])
+    ReadoutDecoder(ReadoutConfig(**{**cfg, "n_latent": 12})).load_state_dict(wide)
+    assert readout_ddp.widen_latents(small, 4) is small
+    with pytest.raises(ValueError, match="multiple"):
+        readout_ddp.widen_latents(small, 6)
