@@ -200,7 +200,9 @@ def test_rolling_restart_of_every_node_under_load(
         outcomes = load.join()
     finally:
         stack.stop()
-    figures = summary(outcomes, _expected(serving_model, engine)) | {"committed": _committed(urls, n)}
+    figures = summary(outcomes, _expected(serving_model, engine)) | {
+        "committed": _committed(urls, n)
+    }
     report("rolling_restart", figures)
     assert figures["requests"] == n and figures["errors"] == 0, figures
     assert figures["wrong"] == 0 and figures["committed"] == n, figures
