@@ -247,7 +247,7 @@ def test_near_end_weights_mark_separators_after_items_one_character_from_the_las
     assert not torch.allclose(readout_ddp.answer_loss(logits, target, eos, extra=w), base)
 
 
-def test_two_ranks_over_gloo_train_one_decoder_and_a_single_process_resumes_it(tmp_path):
+def test_two_ranks_over_gloo_train_one_decoder_and_a_single_process_resumes_it(tmp_path, base):
     """`stateblock train` scales by torchrun: two CPU ranks (gloo, the NCCL job's code path
     on the CPU) draw their own prompts, end with equal weights, and rank 0's state file
     resumes in one process without torchrun."""
@@ -273,7 +273,7 @@ def test_two_ranks_over_gloo_train_one_decoder_and_a_single_process_resumes_it(t
     assert stats["world"] == 1 and stats["ranks_agree"] is True
     assert stats["steps"] == 5 and stats["steps_this_run"] == 2  # resumed at step 3
     assert stats["prompts_seen"] > two_rank_seen
-    model, _ = load_base(BASE, "cpu")
+    model, _ = base
     load_decoder(tmp_path / "decoder", base_dir=BASE, lm_head=model.lm_head.weight)
 
 
