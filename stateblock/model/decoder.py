@@ -9,8 +9,8 @@ Two options (docs/QUALITY.md has their ablations): `row_attn`, where each mixer 
 attends to every captured row, with row positions counted from both ends of the prompt
 (a copied or reversed span is then one fixed offset away); and `refine`, a fixed number of
 in-graph passes in which the first guess re-enters as token embeddings (the lm_head rows
-of the guessed ids, projected) and a second mixer stack corrects it. Both keep the
-prefix-causal contract: position t's token depends on positions <= t only.
+of the guessed ids, projected) and a second mixer stack (`n_ref_mixer` layers, by default
+as many as the first) corrects it. Both keep the prefix-causal contract: position t's token depends on positions <= t only.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class ReadoutConfig:
     norm_eps: float = 1e-5
     row_attn: bool = False  # mixer layers also cross-attend to every captured row
     refine: int = 0  # in-graph refinement passes over the readout's own first guess
+    n_ref_mixer: int = 0  # layers of the refinement stack; 0 = n_mixer
     rope: bool = False  # rotary (relative) positions in the mixer and row attention
     rope_theta: float = 10000.0
 
@@ -71,14 +72,18 @@ class ReadoutConfig:
             raise ValueError(f"d_r={self.d_r} is not divisible by n_heads={self.n_heads}")
         if self.n_mixer < 1 or self.n_latent < 1 or self.n_chunks < 1:
             raise ValueError("n_mixer, n_latent and n_chunks must be positive")
-        if self.refine < 0:
-            raise ValueError(f"refine={self.refine} must be >= 0")
+        if self.refine < 0 or self.n_ref_mixer < 0:
+            raise ValueError(f"refine={self.refine}, n_ref_mixer={self.n_ref_mixer} must be >= 0")
         if self.rope and (self.head_dim % 2 or self.n_heads < 2):
             raise ValueError("rope needs an even head dimension and at least 2 heads")
 
     @property
     def head_dim(self) -> int:
         return self.d_r // self.n_heads
+
+    @property
+    def ref_layers(self) -> int:
+        return self.n_ref_mixer or self.n_mixer
 
     @property
     def n_pos_features(self) -> int:
@@ -289,9 +294,9 @@ class ReadoutDecoder(nn.Module):
             # the guessed tokens enter through the lm_head's own rows (no vocabulary-sized
             # table of the decoder's): embedding = guess_in(lm_head[id])
             self.guess_in = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
-            self.ref_mixer = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+            self.ref_mixer = nn.ModuleList([Block(cfg) for _ in range(cfg.ref_layers)])
             if cfg.row_attn:
-                self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.n_mixer)])
+                self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.ref_layers)])
             self.ref_norm = RMSNorm(cfg.d_r, cfg.norm_eps)
 
     # -- pure stages -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import fields
@@ -177,6 +178,29 @@ def widen_latents(state: dict[str, Tensor], n_latent: int) -> dict[str, Tensor]:
     return {**state, "latent": torch.cat(copies)}
 
 
+_STACKS = re.compile(r"^(mixer|row_cross|ref_mixer|ref_cross)\.\d+\.")
+
+
+def deepen(state: dict[str, Tensor], decoder: ReadoutDecoder) -> dict[str, Tensor]:
+    """A start for a decoder with more layers in a stack (`{"n_ref_mixer": 3}` over a
+    two-layer one): the trained layers as they were, each new (appended) layer at its fresh
+    init with its attention and MLP outputs zeroed, so it starts as the identity and the
+    start computes exactly what the trained decoder did."""
+    fresh = decoder.state_dict()
+    fewer = sorted(state.keys() - fresh.keys())
+    if fewer:
+        raise ValueError(f"the start has weights this decoder lacks: {fewer[:4]}")
+    out = dict(state)
+    for key in sorted(fresh.keys() - state.keys()):
+        if not _STACKS.match(key):
+            raise ValueError(f"the start lacks {key}, which is not a layer of a mixer stack")
+        t = fresh[key].detach().clone()
+        if key.endswith(("attn.wo.weight", "mlp.w2.weight")):
+            t.zero_()
+        out[key] = t
+    return out
+
+
 def build_decoder(base, tok, overrides: dict) -> ReadoutDecoder:
     cfg = ReadoutConfig(
         d_base=base.config.hidden_size,
@@ -316,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(a.seed)
     decoder = build_decoder(base, tok, overrides).to(device)
     if init is not None:
-        decoder.load_state_dict(widen_latents(init.state_dict(), decoder.cfg.n_latent))
+        start = widen_latents(init.state_dict(), decoder.cfg.n_latent)
+        decoder.load_state_dict(deepen(start, decoder))
         log(f"init from {a.init} (step {step}, bf16 weights, new optimizer)")
     n_params = sum(p.numel() for p in decoder.parameters())
     log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")

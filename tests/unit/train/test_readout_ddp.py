@@ -318,3 +318,36 @@ def test_more_latent_slots_start_from_the_trained_ones_tiled_and_nudged():
     assert readout_ddp.widen_latents(small, 4) is small
     with pytest.raises(ValueError, match="multiple"):
         readout_ddp.widen_latents(small, 6)
+
+
+@pytest.mark.parametrize("grow", [{"n_mixer": 2, "n_ref_mixer": 1}, {"n_ref_mixer": 2}])
+def test_a_deeper_stack_starts_as_the_trained_decoder_and_its_new_layer_learns(grow):
+    from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+
+    cfg = dict(d_base=16, vocab_size=12, eos_token_id=2, d_r=16, n_latent=4, n_heads=2,
+               n_mixer=1, row_attn=True, refine=1, rope=True)  # fmt: skip
+    torch.manual_seed(0)
+    small = ReadoutDecoder(ReadoutConfig(**cfg))
+    deep = ReadoutDecoder(ReadoutConfig(**{**cfg, **grow}))
+    deep.load_state_dict(readout_ddp.deepen(small.state_dict(), deep))
+    new = sorted(deep.state_dict().keys() - small.state_dict().keys())
+    stacks = ("mixer.1.", "row_cross.1.") if "n_mixer" in grow else ("ref_mixer.1.", "ref_cross.1.")
+    assert new and {k.split(".", 2)[0] + "." + k.split(".", 2)[1] + "." for k in new} == set(stacks)
+    rows, lens = torch.randn(2, 5, 16), torch.tensor([5, 3])
+    pos, head = torch.arange(6).expand(2, 6), torch.randn(12, 16)
+    before, after = (
+        small.pass_logits(rows, lens, pos, head),
+        deep.pass_logits(rows, lens, pos, head),
+    )
+    assert len(before) == len(after) == 2
+    for b, a in zip(before, after, strict=True):  # the identity start: the same logits
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    after[-1].logsumexp(-1).sum().backward()
+    wo = dict(deep.named_parameters())[f"{stacks[0]}attn.wo.weight"]
+    assert float(wo.detach().abs().max()) == 0.0 and float(wo.grad.abs().max()) > 0.0
+    with pytest.raises(ValueError, match="lacks"):  # a shallower decoder is not a deepening
+        readout_ddp.deepen(deep.state_dict(), ReadoutDecoder(ReadoutConfig(**cfg)))
+    with pytest.raises(ValueError, match="not a layer"):  # nor is a new refinement pass
+        readout_ddp.deepen(
+            ReadoutDecoder(ReadoutConfig(**{**cfg, "refine": 0})).state_dict(), small
+        )
