@@ -126,3 +126,24 @@ def test_ar_decode_process_begins_no_answer_past_its_budget(tmp_path):
     result = json.loads(out.read_text())
     assert result["warmup_s"] > 0 and "answer_s" not in result
     assert "past the time budget" in result["skipped"]
+
+
+def test_arch_cost_reads_its_arms_and_says_it_needs_a_gpu(tmp_path):
+    """The architecture-cost bench takes NAME=JSON arms, refuses malformed ones with the
+    reason, and on a machine without CUDA exits 2 saying so rather than time the CPU."""
+    import argparse
+
+    from bench.arch_cost import parse_arm
+
+    assert parse_arm('deep={"n_ref_mixer": 3}') == ("deep", {"n_ref_mixer": 3})
+    for bad in ("deep", '={"n_mixer": 3}', "deep=[3]", "deep={"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_arm(bad)
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine times the arms (bench, not a unit test)")
+    cmd = [sys.executable, "-m", "bench.arch_cost", "--out", str(tmp_path), "--arm", "s={}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    assert not (tmp_path / "arch_cost.json").exists()
