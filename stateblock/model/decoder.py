@@ -10,7 +10,8 @@ attends to every captured row, with row positions counted from both ends of the 
 (a copied or reversed span is then one fixed offset away); and `refine`, a fixed number of
 in-graph passes in which the first guess re-enters as token embeddings (the lm_head rows
 of the guessed ids, projected) and a second mixer stack (`n_ref_mixer` layers, by default
-as many as the first) corrects it. Both keep the prefix-causal contract: position t's token depends on positions <= t only.
+as many as the first) corrects it. Both keep the prefix-causal contract: position t's token
+depends on positions <= t only.
 """
 
 from __future__ import annotations

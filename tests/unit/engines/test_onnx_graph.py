@@ -36,9 +36,12 @@ IDENTITY = {
 }
 
 
-# the shipped architecture's options: rows attended by every position, in-graph refinement
+# the shipped architecture's options: rows attended by every position, in-graph refinement;
+# and a refinement stack deeper than the first (session 24's arms)
 @pytest.fixture(
-    scope="module", params=[{}, {"row_attn": True, "refine": 1}], ids=["plain", "refine"]
+    scope="module",
+    params=[{}, {"row_attn": True, "refine": 1}, {"row_attn": True, "refine": 1, "n_ref_mixer": 3}],
+    ids=["plain", "refine", "deeper-refine"],
 )
 def decoder(request) -> ReadoutDecoder:
     torch.manual_seed(0)

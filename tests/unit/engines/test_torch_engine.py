@@ -296,9 +296,13 @@ def test_default_config_fills_the_gpu():
 
 
 # -- a refining, row-attending decoder (the rebuilt architecture) -------------------------
-@pytest.mark.parametrize("rope", [False, True], ids=["sinusoid", "rope"])
+# the shipped one (rope), the earlier positions, and a deeper refinement stack (session 24)
+ARCHS = [{"rope": False}, {"rope": True}, {"rope": True, "n_ref_mixer": 3}]
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=["sinusoid", "rope", "rope-deeper-refine"])
 @pytest.mark.parametrize("head", ["lm_head", "fused"])
-def test_refining_decoder_equals_reference(head, rope):
+def test_refining_decoder_equals_reference(head, arch):
     """The engine's refinement reads its first guess through a (V, d_r) gather table built at
     start-up; the reference projects the lm_head row of the guess per call: same answers."""
     import copy
@@ -309,7 +313,7 @@ def test_refining_decoder_equals_reference(head, rope):
 
     torch.manual_seed(0)
     cfg = ReadoutConfig(d_base=48, vocab_size=97, eos_token_id=5, d_r=32, n_latent=4,
-                        n_heads=4, n_mixer=2, row_attn=True, refine=1, rope=rope)  # fmt: skip
+                        n_heads=4, n_mixer=2, row_attn=True, refine=1, **arch)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for p in dec.parameters():
