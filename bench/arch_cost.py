@@ -6,7 +6,8 @@ as it serves, timed at K=1 and K=8 lanes of depth 8192 against the lm_head GEMM 
 (2*K*D*d*V at the measured bf16 GEMM rate), with the peak memory beyond the resident weights.
 It is how the ablation log prices an architecture before a build stage buys it (deeper
 refinement stacks, more latent slots: docs/QUALITY.md). Times: CUDA events, warm-up then the
-median of 20 (bench/machine.py). The engine captures each shape on its first readout.
+median of 20 (bench/machine.py), as `bench.gpu_smoke` times the engine (its
+`measure_readout`); the engine captures each shape on its first readout.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 def measure_arm(overrides: dict, rate_tflops: float, rows: list[torch.Tensor]) -> dict:
     import stateblock.engines.torch_engine as et
-    from bench.gpu_checks import D_BASE, V, random_weights
-    from bench.machine import cuda_ms
-    from stateblock.engines import LaneRequest
+    from bench.gpu_checks import random_weights
+    from bench.gpu_smoke import measure_readout
     from stateblock.train.recipe import DECODER_CONFIG
 
     dec, lm_head, eos = random_weights({**DECODER_CONFIG, **overrides})
@@ -57,19 +57,8 @@ def measure_arm(overrides: dict, rate_tflops: float, rows: list[torch.Tensor]) -
     torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated()
     row: dict = {"params": sum(p.numel() for p in dec.parameters())}
-    for k in (1, 8):
-        lanes = [LaneRequest(rows=rows[i], depth=DEPTH) for i in range(k)]
-        torch.cuda.reset_peak_memory_stats()
-        res = eng.readout(lanes)  # captures the shape
-        assert all(len(r.token_ids) == DEPTH for r in res), "random decoder stopped early"
-        floor = 2 * k * DEPTH * D_BASE * V / (rate_tflops * 1e12) * 1e3
-        ms = cuda_ms(lambda lanes=lanes: eng.readout(lanes))
-        row[f"K{k}_D{DEPTH}"] = {
-            "readout_ms": ms,
-            "floor_ms": floor,
-            "readout_over_floor": ms / floor,
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - weights) / 2**30,
-        }
+    for k in (1, 8):  # each shape captured on its first readout
+        row[f"K{k}_D{DEPTH}"] = measure_readout(et, eng, rows, k, DEPTH, weights, rate_tflops)
     return row
 
 

@@ -180,13 +180,36 @@ def time_top2(rep: Report, rate: float, full_sweep: bool = False):
     return best[8192][1]
 
 
+def measure_readout(et, eng, rows, k: int, d: int, weights: int, rate: float) -> dict:
+    """K lanes of depth d (lane i reads rows[i]) on a random decoder that never stops: the
+    readout and its graph replay against the lm_head GEMM floor (2*K*d*d_base*V at `rate`
+    TFLOP/s), and the peak memory beyond `weights` bytes (what the shape's capture added)."""
+    from stateblock.engines import LaneRequest
+
+    lanes = [LaneRequest(rows=rows[i], depth=d) for i in range(k)]
+    torch.cuda.reset_peak_memory_stats()
+    res = eng.readout(lanes)  # captures the shape if warm_up did not
+    assert all(len(r.token_ids) == d for r in res), "random decoder stopped early"
+    # graphs are keyed by (shape, kernel dot precision) since logprob lanes got their own;
+    # plain greedy lanes run the greedy fast path's graph where the engine has one
+    shape = eng._shape(lanes)[0]
+    graph, _ = eng._graphs.get((shape, et.GREEDY)) or eng._graphs[shape, eng._kernel_precision]
+    floor = 2 * k * d * D_BASE * V / (rate * 1e12) * 1e3
+    row = {
+        "readout_ms": cuda_ms(lambda: eng.readout(lanes)),
+        "replay_ms": cuda_ms(graph.replay),
+        "floor_ms": floor,
+        "peak_extra_gib": (torch.cuda.max_memory_allocated() - weights) / 2**30,
+    }
+    row["readout_over_floor"] = row["readout_ms"] / floor
+    return row
+
+
 def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     """K=1 at every depth on one warmed engine; then K in {1, 2, 4, 8} at D=8192, each on a
     fresh engine over the same weights, so its peak counts only its own graph pool, static
     buffers and capture-time eager run beyond the resident weights. `tiles`: the engine's
     top-2 tile shape (the split still follows each shape)."""
-    from stateblock.engines import LaneRequest
-
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
 
@@ -197,23 +220,7 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
     rows = [torch.randn(500, D_BASE).bfloat16() for _ in range(8)]  # on the CPU, as blocks come
 
     def measure(eng, k: int, d: int, weights: int) -> dict:
-        lanes = [LaneRequest(rows=rows[i], depth=d) for i in range(k)]
-        torch.cuda.reset_peak_memory_stats()
-        res = eng.readout(lanes)  # captures the shape if warm_up did not
-        assert all(len(r.token_ids) == d for r in res), "random decoder stopped early"
-        # graphs are keyed by (shape, kernel dot precision) since logprob lanes got their own;
-        # plain greedy lanes run the greedy fast path's graph where the engine has one
-        shape = eng._shape(lanes)[0]
-        graph, _ = eng._graphs.get((shape, et.GREEDY)) or eng._graphs[shape, eng._kernel_precision]
-        floor = 2 * k * d * D_BASE * V / (rate * 1e12) * 1e3
-        row = {
-            "readout_ms": cuda_ms(lambda: eng.readout(lanes)),
-            "replay_ms": cuda_ms(graph.replay),
-            "floor_ms": floor,
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - weights) / 2**30,
-        }
-        row["readout_over_floor"] = row["readout_ms"] / floor
-        return row
+        return measure_readout(et, eng, rows, k, d, weights, rate)
 
     eng = engine()
     free()

@@ -332,7 +332,7 @@ def test_a_deeper_stack_starts_as_the_trained_decoder_and_its_new_layer_learns(g
     deep.load_state_dict(readout_ddp.deepen(small.state_dict(), deep))
     new = sorted(deep.state_dict().keys() - small.state_dict().keys())
     stacks = ("mixer.1.", "row_cross.1.") if "n_mixer" in grow else ("ref_mixer.1.", "ref_cross.1.")
-    assert new and {k.split(".", 2)[0] + "." + k.split(".", 2)[1] + "." for k in new} == set(stacks)
+    assert new and {".".join(k.split(".")[:2]) + "." for k in new} == set(stacks)
     rows, lens = torch.randn(2, 5, 16), torch.tensor([5, 3])
     pos, head = torch.arange(6).expand(2, 6), torch.randn(12, 16)
     before, after = (
