@@ -4,6 +4,8 @@ HF `generate`, greedy, exactly `new_tokens` tokens (min_new_tokens = max_new_tok
 - eager: dynamic cache, compilation disabled;
 - compiled: static cache, and generate compiles the decode step itself (transformers'
   auto-compile for a static cache; torch.compile, mode reduce-overhead on CUDA).
+`--batches 64,1,8` times a batch of distinct prompts at each size in turn, in one process
+(the load bench's comparison: answer tokens/s of batched AR against the served stack).
 Both run in their own process (`python -m bench.ar_decode`): the caller caps the compile
 time with a timeout and records a skip instead of running out the clock, and the eager decode
 never touches a model that an in-process stack compiled on another thread (its CUDA graph
@@ -29,10 +31,11 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def prompt_ids(prompt_len: int, vocab_size: int, device, seed: int) -> torch.Tensor:
+def prompt_ids(prompt_len: int, vocab_size: int, device, seed: int, batch: int = 1) -> torch.Tensor:
+    """`batch` distinct random prompts of prompt_len ids, each after <bos>."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, vocab_size, (1, prompt_len), generator=gen)
-    ids[0, 0] = 1  # <bos>
+    ids = torch.randint(4, vocab_size, (batch, prompt_len), generator=gen)
+    ids[:, 0] = 1  # <bos>
     return ids.to(device)
 
 
@@ -86,13 +89,16 @@ def time_ar(
     seed: int = 0,
     deadline: float | None = None,
     progress: Callable[[dict], None] | None = None,
+    batch: int = 1,
 ) -> dict:
     """Warm up, then up to `repeats` timed answers (fewer if `deadline`, a perf_counter
     time, would be passed); median seconds per answer and per token. `progress` sees the
-    partial result after the warm-up and after each answer."""
+    partial result after the warm-up and after each answer. With `batch` > 1 an answer is
+    `batch` prompts decoded together; tokens_per_s counts every row's tokens."""
     progress = progress or (lambda _out: None)
-    ids = prompt_ids(prompt_len, model.config.vocab_size, _device(model), seed)
-    out: dict = {"mode": "compiled" if compiled else "eager", "prompt_len": prompt_len}
+    ids = prompt_ids(prompt_len, model.config.vocab_size, _device(model), seed, batch)
+    out: dict = {"mode": "compiled" if compiled else "eager", "prompt_len": prompt_len,
+                 "batch": batch}  # fmt: skip
     t0 = time.perf_counter()
     if compiled:
         # the first answer compiles and records CUDA graphs; the second runs warm
@@ -130,8 +136,32 @@ def time_ar(
         counts=counts,
         answer_s=answer,
         per_token_ms=1000.0 * answer / new_tokens,
+        tokens_per_s=batch * new_tokens / answer,
     )
     return out
+
+
+def time_ar_batches(model: nn.Module, args, deadline: float | None, write) -> dict:
+    """time_ar at each of args.batches in turn; a batch whose warm-up would likely end past
+    `deadline` (the last one's warm-up taken as the estimate) is skipped and said so."""
+    done: dict[str, dict] = {}
+    warmup_s = 0.0
+    for batch in args.batches:
+        if deadline is not None and time.perf_counter() + warmup_s > deadline:
+            done[str(batch)] = {"batch": batch, "skipped": "past the time budget"}
+            continue
+
+        def progress(partial: dict, b: int = batch) -> None:
+            write({"batches": {**done, str(b): partial}})
+
+        done[str(batch)] = result = time_ar(
+            model, args.prompt_len, args.new_tokens, compiled=args.mode == "compiled",
+            repeats=args.repeats, seed=args.seed, deadline=deadline, progress=progress,
+            batch=batch,
+        )  # fmt: skip
+        warmup_s = result["warmup_s"]
+        write({"batches": done})
+    return {"batches": done}
 
 
 def main() -> None:
@@ -142,6 +172,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default=None,
+                    help="comma-separated batch sizes, timed in this order (default: one prompt)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="no timed answer that would end past this many seconds from the start")  # fmt: skip
@@ -162,10 +194,16 @@ def main() -> None:
         tmp.write_text(json.dumps(dict(result, build_s=build_s), indent=2))
         tmp.replace(args.out)
 
+    args.prompt_len = args.prompt_len or scale.prompt_len
+    args.new_tokens = args.new_tokens or scale.max_tokens
+    if args.batches:
+        args.batches = [int(b) for b in args.batches.split(",")]
+        write(time_ar_batches(model, args, deadline, write))
+        return
     result = time_ar(
         model,
-        args.prompt_len or scale.prompt_len,
-        args.new_tokens or scale.max_tokens,
+        args.prompt_len,
+        args.new_tokens,
         compiled=args.mode == "compiled",
         repeats=args.repeats,
         seed=args.seed,

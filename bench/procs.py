@@ -72,6 +72,7 @@ class ProcStackConfig:
     ready_timeout_s: float = 600.0
     readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
     extra_env: dict[str, str] = field(default_factory=dict)  # STATEBLOCK_* for every service
+    nats_monitor: bool = False  # nats-server's HTTP monitoring (/varz) on a free port
 
 
 def readout_names(n: int) -> list[str]:
@@ -88,6 +89,7 @@ class ProcStack:
         self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._ready: dict[str, Callable[[], bool]] = {}
         self._metrics_urls: list[str] = []
+        self.nats_monitor_url: str | None = None  # http://127.0.0.1:PORT, with nats_monitor
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self._specs[name] = (argv, env)
@@ -108,10 +110,15 @@ class ProcStack:
         conf = cfg.data_dir / "nats.conf"
         conf.write_text(f"max_payload: {cfg.nats_max_payload}\n")
         store = cfg.data_dir / "nats"
+        monitor = []
+        if cfg.nats_monitor:
+            monitor_port = free_port()
+            monitor = ["-m", str(monitor_port)]
+            self.nats_monitor_url = f"http://127.0.0.1:{monitor_port}"
         self._spawn(
             "nats",
             [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd",
-             str(store), "-c", str(conf)],
+             str(store), "-c", str(conf), *monitor],
             {},
         )  # fmt: skip
         self._wait(lambda: _port_open(nats_port), "nats-server")
@@ -200,19 +207,23 @@ class ProcStack:
                 raise RuntimeError(f"{what} not ready (exited: {dead}); logs: {logs}")
             time.sleep(0.2)
 
-    def scrape(self) -> dict[tuple[str, str], float]:
+    def scrape(self, families: tuple[str, ...] = SCRAPED) -> dict[tuple[str, str], float]:
         """{(sample name, stage label or ''): value} of the histograms' _sum and _count."""
         out: dict[tuple[str, str], float] = {}
         for url in self._metrics_urls:
             with urllib.request.urlopen(url, timeout=5) as r:
                 text = r.read().decode()
             for family in text_string_to_metric_families(text):
-                if family.name not in SCRAPED:
+                if family.name not in families:
                     continue
                 for s in family.samples:
                     if s.name.endswith(("_sum", "_count")):
                         out[(s.name, s.labels.get("stage", ""))] = s.value
         return out
+
+    def pids(self) -> dict[str, int]:
+        """{service name: process id} of the processes still running."""
+        return {n: p.pid for n, p in self._procs.items() if p.poll() is None}
 
     def signal(self, name: str, sig: int) -> None:
         """Send a signal to one service's process (SIGKILL, SIGSTOP, SIGCONT...)."""

@@ -101,6 +101,14 @@ def bench_stack_config(
     )
 
 
+class CompletionError(RuntimeError):
+    """A reply other than 200; `status` is its HTTP status."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]!r}")
+        self.status = status
+
+
 class CompletionsClient:
     """One keep-alive HTTP connection to /v1/completions (stdlib: nothing to carry)."""
 
@@ -122,7 +130,7 @@ class CompletionsClient:
         resp = self._conn.getresponse()
         data = resp.read()
         if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data[:500]!r}")
+            raise CompletionError(resp.status, data)
         return json.loads(data)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ BENCHES = {  # each runs as its own module from the checkout (`python -m bench.N
     "engines-cpu": "bench.engines_cpu",
     "throughput-cpu": "bench.throughput_cpu",
     "e2e": "bench.e2e_gpu",
+    "load": "bench.load_gpu",
     "smoke": "bench.gpu_smoke",
 }
 

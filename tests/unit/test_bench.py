@@ -147,3 +147,69 @@ def test_arch_cost_reads_its_arms_and_says_it_needs_a_gpu(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     assert not (tmp_path / "arch_cost.json").exists()
+
+
+@pytest.mark.slow
+def test_load_bench_tiny_end_to_end(tmp_path):
+    """`stateblock bench load` at the tiny scale on the CPU: the per-service stack under two
+    client levels, every answer checked against the same prompt sent alone, the probes of
+    where the time goes, and batched AR at two batch sizes with the stack/AR ratio."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, "-m", "stateblock.app.cli", "bench", "load", "--out", str(out),
+           "--work-dir", str(work), "--scale", "tiny", "--device", "cpu", "--levels", "1,2",
+           "--depths", "16", "--level-s", "1", "--max-requests", "8", "--prompts", "3",
+           "--ar-batches", "2,1", "--ar-new-tokens", "16", "--ar-repeats", "1",
+           "--ratio-clients", "2", "--budget-s", "240"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "load.json").read_text())
+    assert doc["config"]["stack"] == "processes" and doc["skipped"] == []
+    assert doc["setup"]["stack_start_s"] > 0
+
+    depth = doc["load"]["16"]
+    assert depth["reference"]["n_ok"] == 3 and depth["reference"]["n_errors"] == 0
+    assert [level["clients"] for level in depth["levels"]] == [1, 2]
+    for level in depth["levels"]:
+        assert 0 < level["n_ok"] == level["n"] <= 8 and level["errors_by_status"] == {}
+        assert level["req_per_s"] > 0 and level["tok_per_s"] > 0 and level["all_full_depth"]
+        lat = level["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+        # every answer was compared with its prompt's answer alone
+        inv = level["invariance"]
+        assert inv["checked"] == level["n_ok"] and 0 <= inv["differing"] <= inv["checked"]
+        assert set(level["cpu_cores"]) == {"nats", "capture", "readout", "gateway",
+                                           "bench-clients"}  # fmt: skip
+        assert level["cpu_cores"]["capture"] > 0
+        assert level["gpu_busy_pct"] is None  # no nvidia-smi here
+        assert level["nats"]["in_bytes_per_s"] > 0 and level["nats"]["out_bytes_per_s"] > 0
+        for stage in ("capture.forward", "capture.publish", "worker.readout", "worker.commit"):
+            assert level["stages"][stage]["n"] >= level["n_ok"], stage
+        assert level["stages"]["capture.cohort_lanes"]["mean_lanes"] >= 1
+
+    ar = doc["ar"]
+    assert ar["mode"] == "eager" and set(ar["batches"]) == {"1", "2"}
+    for batch, result in ar["batches"].items():
+        assert result["batch"] == int(batch) and result["tokens"] == 16
+        assert result["tokens_per_s"] > 0
+    assert doc["ratio"]["clients"] == 2 and doc["ratio"]["stack_over_ar"] > 0
+    table = (out / "load.md").read_text()
+    assert "| clients | requests | req/s |" in table and "differing / checked" in table
+    assert 0 < (out / "load.png").stat().st_size < 100_000
+
+
+def test_load_bench_counts_answers_that_differ_from_the_prompt_alone():
+    """The invariance count: an answer that differs from its prompt's reference is counted;
+    a failed request is an error by status, not a differing answer."""
+    from bench.load_gpu import Level, summarize
+
+    level = Level("http://127.0.0.1:1", ["p0", "p1"], depth=4, max_requests=0)
+    level.results = [
+        (0, 0.0, 0.1, "a b c d", 4, None),
+        (1, 0.0, 0.2, "x x x x", 4, None),  # p1 alone answered "e f g h"
+        (0, 0.1, 0.3, "a b c d", 4, None),
+        (1, 0.2, 0.4, None, 0, "504"),
+    ]
+    row = summarize(level, 2, 0.0, 0.4, {0: "a b c d", 1: "e f g h"})
+    assert row["invariance"] == {"checked": 3, "differing": 1, "prompts": [1]}
+    assert row["errors_by_status"] == {"504": 1} and row["n_ok"] == 3
+    assert row["req_per_s"] == 7.5 and row["tok_per_s"] == 30.0

@@ -1,0 +1,146 @@
+"""Where the time goes under load, seen from outside the services (`bench.load_gpu`).
+
+- CPU cores each process used: utime + stime from /proc/<pid>/stat over the wall time;
+- GPU busy: `nvidia-smi --query-gpu=utilization.gpu -lms` sampled in a thread;
+- bytes through NATS: nats-server's `/varz` (in_bytes, out_bytes) before and after;
+- the services' stage histograms: per request the mean of each stage, and its sum over the
+  wall time, the number of requests in that stage at once on average (Little's law).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from bisect import bisect_left, bisect_right
+
+# what the load bench scrapes: the procs.SCRAPED histograms and the capture's lanes per forward
+FAMILIES = (
+    "stateblock_capture_seconds",
+    "stateblock_capture_stage_seconds",
+    "stateblock_capture_cohort_lanes",
+    "stateblock_readout_stage_seconds",
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in pids.items():
+        seconds = cpu_seconds(pid)
+        if seconds is not None:
+            out[name] = seconds
+    return out
+
+
+def cores_used(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """{process: CPU cores used on average over `wall`}."""
+    return {n: round((after[n] - before[n]) / wall, 3) for n in after if n in before}
+
+
+class GpuBusy:
+    """nvidia-smi's utilization.gpu every `interval_ms`, kept with the arrival time."""
+
+    def __init__(self, interval_ms: int = 100) -> None:
+        self.interval_ms = interval_ms
+        self.times: list[float] = []
+        self.values: list[float] = []
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        """False where there is no nvidia-smi (the CPU): nothing is sampled."""
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return False
+        cmd = [exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+               "--loop-ms", str(self.interval_ms), "--id=0"]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, name="gpu-busy", daemon=True)
+        self._thread.start()
+        return True
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                value = float(line.strip())
+            except ValueError:  # a header or "[N/A]"
+                continue
+            self.times.append(time.perf_counter())
+            self.values.append(value)
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        """Mean utilisation (%) of the samples that arrived between t0 and t1."""
+        i, j = bisect_left(self.times, t0), bisect_right(self.times, t1)
+        window = self.values[i:j]
+        return round(sum(window) / len(window), 1) if window else None
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+        if self._thread is not None:
+            self._thread.join(5)
+
+
+def varz(url: str | None) -> dict[str, int]:
+    """nats-server's traffic counters; {} without a monitoring URL."""
+    if url is None:
+        return {}
+    with urllib.request.urlopen(f"{url}/varz", timeout=5) as r:
+        doc = json.loads(r.read())
+    return {k: int(doc[k]) for k in ("in_bytes", "out_bytes", "in_msgs", "out_msgs")}
+
+
+def nats_rates(before: dict[str, int], after: dict[str, int], wall: float) -> dict:
+    """Bytes and messages per second through nats-server (in: published to it; out:
+    delivered by it)."""
+    return {f"{k}_per_s": round((after[k] - before[k]) / wall, 1) for k in after if k in before}
+
+
+def stage_key(name: str, stage: str) -> str:
+    base = name.removeprefix("stateblock_").rsplit("_", 1)[0]  # drop _sum / _count
+    prefix = {
+        "capture_seconds": "capture",
+        "capture_stage_seconds": "capture",
+        "capture_cohort_lanes": "capture.cohort_lanes",
+        "readout_stage_seconds": "worker",
+    }[base]
+    return f"{prefix}.{stage}" if stage else prefix
+
+
+def stages(before: dict, after: dict, wall: float) -> dict:
+    """{stage: {n, mean_ms, in_flight}} over one level; the cohort histogram gives forwards
+    (n) and mean lanes per forward instead."""
+    out: dict[str, dict] = {}
+    for (name, stage), value in after.items():
+        if not name.endswith("_sum"):
+            continue
+        count_key = (name.removesuffix("_sum") + "_count", stage)
+        n = after.get(count_key, 0.0) - before.get(count_key, 0.0)
+        total = value - before.get((name, stage), 0.0)
+        if n <= 0:
+            continue
+        key = stage_key(name, stage)
+        if key == "capture.cohort_lanes":
+            out[key] = {"forwards": int(n), "mean_lanes": round(total / n, 2),
+                        "forwards_per_s": round(n / wall, 1)}  # fmt: skip
+        else:
+            out[key] = {"n": int(n), "mean_ms": round(1000.0 * total / n, 3),
+                        "in_flight": round(total / wall, 3)}  # fmt: skip
+    return out

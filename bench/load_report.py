@@ -1,0 +1,144 @@
+"""The load bench's markdown tables and its plot (throughput against p50/p99 latency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _errors(row: dict) -> str:
+    if not row["n_errors"]:
+        return "0"
+    return ", ".join(f"{n}x {status}" for status, n in sorted(row["errors_by_status"].items()))
+
+
+def level_table(levels: list[dict]) -> list[str]:
+    lines = [
+        "| clients | requests | req/s | answer tok/s | p50 (ms) | p90 (ms) | p99 (ms) | errors "
+        "| differing / checked | GPU busy % |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in levels:
+        lat = r.get("latency_ms", {})
+        inv = r["invariance"]
+        busy = "-" if r.get("gpu_busy_pct") is None else f"{r['gpu_busy_pct']:.0f}"
+        lines.append(
+            f"| {r['clients']} | {r['n']} | {r['req_per_s']:.1f} | {r['tok_per_s']:,.0f} "
+            f"| {lat.get('p50', 0):.1f} | {lat.get('p90', 0):.1f} | {lat.get('p99', 0):.1f} "
+            f"| {_errors(r)} | {inv['differing']} / {inv['checked']} | {busy} |"
+        )
+    return lines
+
+
+def saturation(row: dict) -> list[str]:
+    """Where the time goes at the level of most requests/s."""
+    cores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_cores"].items()))
+    nats = row.get("nats", {})
+    busy = row.get("gpu_busy_pct")
+    lines = [
+        f"Saturation ({row['clients']} clients, {row['req_per_s']:.1f} req/s): GPU busy "
+        f"{'-' if busy is None else busy} %; CPU cores used: {cores}.",
+    ]
+    if nats:
+        lines.append(
+            f"nats-server: in {nats.get('in_bytes_per_s', 0) / 1e6:.0f} MB/s, out "
+            f"{nats.get('out_bytes_per_s', 0) / 1e6:.0f} MB/s "
+            f"({nats.get('in_msgs_per_s', 0):.0f} / {nats.get('out_msgs_per_s', 0):.0f} msgs/s)."
+        )
+    cohort = row["stages"].get("capture.cohort_lanes")
+    if cohort:
+        lines.append(
+            f"Capture: {cohort['forwards_per_s']} forwards/s, {cohort['mean_lanes']} lanes each."
+        )
+    lines += ["", "| stage | mean per request (ms) | requests in it at once |", "|---|---:|---:|"]
+    for name, s in row["stages"].items():
+        if "mean_ms" in s:
+            lines.append(f"| {name} | {s['mean_ms']:.2f} | {s['in_flight']:.2f} |")
+    return lines
+
+
+def ar_lines(doc: dict) -> list[str]:
+    ar = doc.get("ar", {})
+    if "batches" not in ar:
+        return [f"AR decode: not measured ({ar.get('skipped') or ar.get('failed', '')[-300:]})"]
+    lines = [
+        f"AR decode ({ar['mode']}, HF generate, {ar['new_tokens']} new tokens, prompt "
+        f"{ar['prompt_len']}):",
+        "",
+        "| batch | answer (s) | tok/s |",
+        "|---:|---:|---:|",
+    ]
+    for b in sorted(ar["batches"].values(), key=lambda b: b["batch"]):
+        if "answer_s" in b:
+            lines.append(f"| {b['batch']} | {b['answer_s']:.3f} | {b['tokens_per_s']:,.0f} |")
+        else:
+            lines.append(f"| {b['batch']} | - | {b.get('skipped', 'not finished')} |")
+    r = doc.get("ratio")
+    if r:
+        lines.append(
+            f"\nAt {r['clients']} clients / batch {r['clients']}, {r['depth']} tokens: stack "
+            f"{r['stack_tok_per_s']:,.0f} tok/s over AR {r['ar_tok_per_s']:,.0f} = "
+            f"**{r['stack_over_ar']:.2f}x**"
+        )
+    return lines
+
+
+def markdown(doc: dict) -> str:
+    c = doc["config"]
+    lines = [
+        f"### Load, one process per service ({c['scale']}, {c['device_name']})",
+        f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
+        f"`{c['capture_compile']}`, {c['workers']} readout workers, blocks storage "
+        f"`{c['blocks_storage']}`, {c['level_s']} s a level",
+    ]
+    for depth, entry in doc.get("load", {}).items():
+        ref = entry["reference"]
+        lines += ["", f"**{depth}-token answers** (reference pass: {ref['n_ok']} prompts alone, "
+                  f"p50 {ref.get('latency_ms', {}).get('p50', 0):.1f} ms)", ""]  # fmt: skip
+        lines += level_table(entry["levels"])
+        if entry["levels"]:
+            lines += ["", *saturation(max(entry["levels"], key=lambda r: r["req_per_s"]))]
+    lines += ["", *ar_lines(doc)]
+    stall = doc.get("stall")
+    if stall:
+        lines += ["", f"Capture compile `{stall['capture_compile']}` (stack start "
+                  f"{stall['stack_start_s']} s):", "", *level_table([stall])]  # fmt: skip
+    if doc.get("skipped"):
+        lines.append(f"\nskipped: {'; '.join(doc['skipped'])}")
+    lines.append(f"\nsetup: {doc.get('setup', {})}; total {doc.get('elapsed_s', 0):.0f} s")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> bool:
+    """Latency (p50 solid, p99 dashed, log scale) against requests/s, a line per answer
+    depth, each point labelled with its client count; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
+    for depth, entry in doc.get("load", {}).items():
+        rows = [r for r in entry["levels"] if "latency_ms" in r]
+        if not rows:
+            continue
+        x = [r["req_per_s"] for r in rows]
+        (line,) = ax.plot(x, [r["latency_ms"]["p50"] for r in rows], "o-", label=f"{depth} p50")
+        ax.plot(x, [r["latency_ms"]["p99"] for r in rows], "s--", color=line.get_color(),
+                label=f"{depth} p99")  # fmt: skip
+        for r in rows:
+            ax.annotate(str(r["clients"]), (r["req_per_s"], r["latency_ms"]["p50"]),
+                        textcoords="offset points", xytext=(4, -10), fontsize=7)  # fmt: skip
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("requests/s (answer depth in the legend; labels: clients)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(f"stateblock under load, {doc['config']['device_name']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
