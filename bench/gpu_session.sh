@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh final [ARGS]  # smoke (no checks, TF32 audit), e2e (no NemotronH)
 #   bash bench/gpu_session.sh e2e [ARGS]  # the 2.9 B end-to-end run vs AR decoding; ARGS go
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
+#   bash bench/gpu_session.sh load [ARGS] # bench.load_gpu: 1-128 clients, 256 and 1,014
+#                                         # tokens, batched AR (about 6-8 minutes)
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench died once (SIGSEGV, session 14:
 # it reused the compiled model for the eager AR) and hung twice in the stack's stop (sessions
@@ -19,7 +21,7 @@
 # 16 (docs/BENCHMARKS.md). e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, e2e, e2e-both or e2e-procs}
 source bench/gpu_env.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -52,6 +54,11 @@ elif [ "$STAGE" = e2e-procs ]; then  # the deployment's shape with AR, then one 
     > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"
   tail -c 2600 "$OUT/e2e-procs.log"; tail -c 1800 "$OUT/e2e.log"
+elif [ "$STAGE" = load ]; then  # the throughput-latency curve; JSON, markdown, PNG in $OUT
+  timeout 570 python3 -m bench.load_gpu --out "$OUT" --budget-s 540 "${@:2}" \
+    > "$OUT/load.log" 2>&1
+  echo "load rc=$?"
+  tail -c 6000 "$OUT/load.log"
 elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests
   smoke_s=300
   if [ "$STAGE" = measure ]; then  # the eval first (about 25 s); the whole under 10 minutes

@@ -134,7 +134,7 @@ class Level:
         return error
 
     def run(self, clients: int, seconds: float) -> tuple[float, float]:
-        """(start, stop): the window in which every client was starting requests."""
+        """(start, stop): the time in which every client was starting requests."""
         t0 = time.perf_counter()
         stop_at = t0 + seconds
         threads = [
@@ -145,14 +145,29 @@ class Level:
             t.start()
         for t in threads:
             t.join()
-        return t0, min(stop_at, max((r[2] for r in self.results), default=stop_at))
+        return t0, stop_at
+
+
+def rates(ok: list[tuple], t0: float, t1: float) -> tuple[float, float, float]:
+    """(window seconds, requests/s, answer tokens/s) in the steady state: between the first
+    and the last reply that came while every client was still sending (t0..t1), counting
+    the replies after the first. The ramp (all clients start at once, nothing is answered
+    for a latency) and the drain (fewer clients in flight) stay out. Fewer than two such
+    replies: every reply over the time from t0 to the last."""
+    done = sorted((r[2], r[4]) for r in ok if t0 < r[2] <= t1)
+    if len(done) >= 2 and done[-1][0] > done[0][0]:
+        window = done[-1][0] - done[0][0]
+        return window, (len(done) - 1) / window, sum(n for _, n in done[1:]) / window
+    if not ok:
+        return t1 - t0, 0.0, 0.0
+    window = max(r[2] for r in ok) - t0
+    return window, len(ok) / window, sum(r[4] for r in ok) / window
 
 
 def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> dict:
-    """The level's rates over [t0, t1], latency of every request, errors, invariance."""
+    """The level's steady-state rates, latency of every request, errors, invariance."""
     ok = [r for r in level.results if r[5] is None]
-    window = max(t1 - t0, 1e-9)
-    in_window = [r for r in ok if r[2] <= t1]
+    window, req_per_s, tok_per_s = rates(ok, t0, t1)
     errors: dict[str, int] = {}
     for r in level.results:
         if r[5] is not None:
@@ -166,8 +181,8 @@ def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> d
         "n_errors": sum(errors.values()),
         "errors_by_status": errors,
         "window_s": round(window, 3),
-        "req_per_s": round(len(in_window) / window, 2),
-        "tok_per_s": round(sum(r[4] for r in in_window) / window, 1),
+        "req_per_s": round(req_per_s, 2),
+        "tok_per_s": round(tok_per_s, 1),
         "all_full_depth": all(r[4] == level.depth for r in ok),
         "invariance": {"checked": sum(1 for r in ok if r[0] in refs),
                        "differing": len(differing), "prompts": sorted(set(differing))[:8]},
@@ -182,10 +197,9 @@ def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> d
 def reference_pass(url: str, prompts: list[str], depth: int) -> tuple[dict[int, str], dict]:
     """Each prompt alone, one at a time: {prompt index: answer}, and the pass's summary."""
     level = Level(url, prompts, depth, max_requests=len(prompts))
-    t0 = time.perf_counter()
-    level._client(stop_at=float("inf"))
+    t0, t1 = level.run(1, float("inf"))
     refs = {r[0]: r[3] for r in level.results if r[5] is None}
-    return refs, summarize(level, 1, t0, time.perf_counter(), {})
+    return refs, summarize(level, 1, t0, t1, {})
 
 
 def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, refs) -> dict:
@@ -197,12 +211,18 @@ def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, ref
     w0 = time.perf_counter()
     t0, t1 = level.run(clients, args.level_s)
     wall = time.perf_counter() - w0
-    time.sleep(0.2)  # a worker observes its stages just after its ack, past the reply
     cpu1, varz1 = load_probes.cpu_snapshot(pids), load_probes.varz(stack.nats_monitor_url)
+    time.sleep(0.2)  # a worker observes its stages just after its ack, past the reply
     out = summarize(level, clients, t0, t1, refs)
+    cores = load_probes.cores_used(cpu0, cpu1, wall)
+    rate = len([r for r in level.results if r[5] is None]) / wall
     out.update(
         wall_s=round(wall, 3),
-        cpu_cores=load_probes.cores_used(cpu0, cpu1, wall),
+        cpu_cores=cores,
+        # CPU time a request costs each process: its ceiling on one core is 1000 / this
+        cpu_ms_per_request={k: round(1000.0 * v / rate, 2) for k, v in cores.items()}
+        if rate
+        else {},
         gpu_busy_pct=gpu.mean(w0, w0 + wall) if gpu is not None else None,
         nats=load_probes.nats_rates(varz0, varz1, wall),
         stages=load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall),

@@ -31,7 +31,11 @@ def level_table(levels: list[dict]) -> list[str]:
 
 def saturation(row: dict) -> list[str]:
     """Where the time goes at the level of most requests/s."""
-    cores = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_cores"].items()))
+    per_request = row.get("cpu_ms_per_request", {})
+    cores = ", ".join(
+        f"{k} {v:.2f} ({per_request.get(k, 0):.1f} ms a request)"
+        for k, v in sorted(row["cpu_cores"].items())
+    )
     nats = row.get("nats", {})
     busy = row.get("gpu_busy_pct")
     lines = [

@@ -212,4 +212,5 @@ def test_load_bench_counts_answers_that_differ_from_the_prompt_alone():
     row = summarize(level, 2, 0.0, 0.4, {0: "a b c d", 1: "e f g h"})
     assert row["invariance"] == {"checked": 3, "differing": 1, "prompts": [1]}
     assert row["errors_by_status"] == {"504": 1} and row["n_ok"] == 3
-    assert row["req_per_s"] == 7.5 and row["tok_per_s"] == 30.0
+    # the steady state: the replies after the first, over the time from the first reply
+    assert row["req_per_s"] == 10.0 and row["tok_per_s"] == 40.0
