@@ -277,7 +277,7 @@ def run_depths(args, stack, url, gpu, report: Report, left, reserve: float) -> d
     return kept
 
 
-def measure_ar(args, device: str, report: Report, budget_s: float) -> dict:
+def measure_ar(args, device: str, budget_s: float) -> dict:
     """bench.ar_decode --batches in its own process, killed past budget_s + 30 s."""
     mode = args.ar_mode
     if mode == "auto":
@@ -304,7 +304,7 @@ def measure_ar(args, device: str, report: Report, budget_s: float) -> dict:
     return dict(out, **json.loads(result.read_text()))
 
 
-def stall_level(args, paths, device, gpu, report: Report, kept: dict, left) -> dict:
+def stall_level(args, paths, device, gpu, kept: dict, left) -> dict:
     """A second stack whose capture compiles on the request path; one level, compared with
     the first stack's references (the same weights, the capture uncompiled)."""
     depth = args.depths[0]
@@ -383,10 +383,10 @@ def run(args, device: str, report: Report, work: Path, deadline: float) -> None:
         finally:
             stack.stop()
         stall_s = args.level_s + 150.0 if args.stall_clients else 0.0
-        report.set("ar", measure_ar(args, device, report, left() - stall_s - 10.0))
+        report.set("ar", measure_ar(args, device, left() - stall_s - 10.0))
         report.set("ratio", ratio(report.doc, args.ratio_clients))
         if args.stall_clients and left() > stall_s:
-            report.set("stall", stall_level(args, paths, device, gpu, report, kept, left))
+            report.set("stall", stall_level(args, paths, device, gpu, kept, left))
         elif args.stall_clients:
             report.doc["skipped"].append(f"stall level: {left():.0f} s left")
     finally:
