@@ -227,7 +227,10 @@ class NatsServerLost(RuntimeError):
 
 def _exit_status(returncode: int | None) -> str:
     if returncode is not None and returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
 
 
@@ -290,7 +293,12 @@ class NatsSupervisor:
                     await self._pause(self._retry_s)
                 continue
             self.restarts += 1
-            log.warning("nats-server restarted", url=self.server.url, pid=self.server.proc.pid)
+            log.warning(
+                "nats-server restarted",
+                url=self.server.url,
+                pid=self.server.proc.pid,
+                restarts=self.restarts,
+            )
             return
         raise NatsServerLost(
             f"nats-server on port {self.server.port} exited ({status}) and "
