@@ -181,6 +181,10 @@ class ForwardBatcher:
         while True:
             batch = await self._collect()
             for cohort in self._cohorts(batch):
+                # a caller that went away while an earlier cohort ran: its forward never starts
+                cohort = [p for p in cohort if not p.future.done()]
+                if not cohort:
+                    continue
                 try:
                     await loop.run_in_executor(self._executor, self._forward, cohort)
                 except Exception as e:  # the forward failed: every request in it fails

@@ -29,10 +29,10 @@ class ReadoutServiceConfig:
     # docs/PARITY.md; exact on the CPU)
     greedy_dtype: str = ""
     trusted_keys_dir: Path = Path("keys")  # every *.pub in here is a trusted capture key
-    # this service's own signing key for commits and rejections; generated on first run
+    # this service's own signing key for claims, commits and rejections; generated on first run
     signing_key_dir: Path = Path("readout-keys")
-    # every readout key whose registry outcomes stand (the gateway's set); a final entry no
-    # key here signed is a forger's and is claimed over. Default: signing_key_dir.
+    # every readout key whose registry claims and outcomes stand (the gateway's set); an
+    # entry no key here signed is a forger's and is claimed over. Default: signing_key_dir.
     readout_trusted_keys_dir: Path | None = None
     limits: Limits = Limits()  # what a signed block may ask this worker to read
     device: str = "cpu"

@@ -65,12 +65,14 @@ async def running_readout(
     durable = await streams.ensure_readout_consumer(
         js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
     )
-    # outcomes signed by our readout keys stand; a final entry none of them signed is a
-    # forger's, claimed over like an expired lease
+    # claims and outcomes signed by our readout keys stand; an entry none of them signed
+    # is a forger's (or no entry at all), claimed over at once
     peers = config.readout_trusted_keys_dir or config.signing_key_dir
     outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
     outcome_trust.add(signer.public_key)
-    registry = await Registry.open(js, outcome_trust=outcome_trust, replicas=config.nats_replicas)
+    registry = await Registry.open(
+        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
+    )
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()

@@ -257,3 +257,15 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
     nc.options["max_reconnect_attempts"] = -1
     await state.set(True)
     return nc
+
+
+async def drain_or_close(nc: nats.NATS) -> None:
+    """Drain a connection on shutdown; one without a server (reconnecting) has nothing it
+    could flush, and nats-py refuses to drain it, so it is closed."""
+    if nc.is_connected:
+        await nc.drain()
+        return
+    try:
+        await nc.close()
+    except (RuntimeError, OSError) as e:  # nats-py writes what was pending to the dead socket
+        log.warning("nats connection closed without its pending writes", error=repr(e))

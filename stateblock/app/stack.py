@@ -24,8 +24,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from stateblock import runtime
-from stateblock.app.nats_server import nats_server
-from stateblock.nats_client import NatsOptions, NatsState, connect
+from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
+from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
 from stateblock.protocol import envelope
 
 if TYPE_CHECKING:
@@ -71,6 +71,9 @@ class StackUrls:
     grpc: str
     nats: str
     key_id: str
+    # resolves when the stack's own nats-server exited and could not be restarted (None
+    # when the stack uses a NATS it did not start)
+    nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
 
 
 @asynccontextmanager
@@ -113,12 +116,12 @@ async def running_stack(
     if engine is None:
         engine = create_engine(config.engine, model)
     async with AsyncExitStack() as stack:
-        nats_url = config.nats_url
-        if nats_url is None:
-            proc = await stack.enter_async_context(
-                nats_server(data_dir, max_payload=config.nats_max_payload)
+        nats_url, nats_lost = config.nats_url, None
+        if nats_url is None:  # ours: restarted on its port and store whenever it exits
+            supervisor = await stack.enter_async_context(
+                supervised_nats_server(data_dir, max_payload=config.nats_max_payload)
             )
-            nats_url = proc.url
+            nats_url, nats_lost = supervisor.server.url, supervisor.lost
         nats_options = NatsOptions.of(nats_url)
         conns: list[tuple[nats.NATS, NatsState]] = []
 
@@ -130,7 +133,7 @@ async def running_stack(
                 NatsState.with_metrics("stateblock", metrics) if not conns else NatsState(service)
             )
             nc = await connect(nats_options, f"stateblock-{service}", state)
-            stack.push_async_callback(nc.drain)
+            stack.push_async_callback(drain_or_close, nc)
             conns.append((nc, state))
             return conns[-1]
 
@@ -206,15 +209,22 @@ async def running_stack(
             grpc=f"{config.host}:{gateway.grpc_port}",
             nats=nats_url,
             key_id=signer.key_id,
+            nats_lost=nats_lost,
         )
 
 
 async def up(config: UpConfig, on_ready: Callable[[StackUrls], None]) -> None:
-    """Run the stack in the foreground until SIGINT/SIGTERM."""
+    """Run the stack in the foreground until SIGINT/SIGTERM; raises NatsServerLost (after
+    stopping the services) if its own nats-server died and could not be restarted."""
     shutdown = runtime.shutdown_event()
     async with running_stack(config) as urls:
         on_ready(urls)
-        await shutdown.wait()
+        stopped = asyncio.ensure_future(shutdown.wait())
+        ends = {stopped} if urls.nats_lost is None else {stopped, urls.nats_lost}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if urls.nats_lost is not None and urls.nats_lost.done():
+            raise urls.nats_lost.result()
 
 
 class StackThread:
