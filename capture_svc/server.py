@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -92,6 +92,29 @@ class RunningCapture:
     plans: PlanTable
 
 
+async def _health_not_serving(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The health service on `server`: alive, not serving (follow_in_health takes over)."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", CAPTURE_SERVICE):
+        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+async def _warm_up(
+    forward: CohortForward, executor: Executor, config: CaptureConfig, metrics: CaptureMetrics
+) -> None:
+    """Compiled: every (lane bucket, width bucket) shape a cohort can run. Eager: one
+    throwaway forward, its first-call cost."""
+    buckets = config.cohort_lane_buckets
+    limit = config.limits.prompt_len_max
+    shapes = [(1, MIN_BUCKET)] if buckets is None else warm_shapes(buckets, limit)
+    log.info("warming up", shapes=len(shapes), compile=config.compile)
+    loop = asyncio.get_running_loop()
+    metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
+
+
 @asynccontextmanager
 async def running_capture(
     config: CaptureConfig,
@@ -150,25 +173,13 @@ async def running_capture(
         # the standard health service: Kubernetes' native gRPC probes and load balancers ask
         # it; NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
         # before in-flight work drains
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        for name in ("", CAPTURE_SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer = await _health_not_serving(server)
         port = runtime.grpc_bind(server, config.host, config.port, "capture gRPC")
         await server.start()
         stack.push_async_callback(server.stop, config.grace_s)
         stack.push_async_callback(health_servicer.enter_graceful_shutdown)
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
-        shapes = (
-            warm_shapes(config.cohort_lane_buckets, config.limits.prompt_len_max)
-            if config.cohort_lane_buckets is not None
-            else [(1, MIN_BUCKET)]  # eager: one throwaway forward, its first-call cost
-        )
-        log.info("warming up", shapes=len(shapes), compile=config.compile)
-        loop = asyncio.get_running_loop()
-        seconds = await loop.run_in_executor(executor, forward.warm_up, shapes)
-        capture_metrics.warmup_seconds.set(seconds)
+        await _warm_up(forward, executor, config, capture_metrics)
         service.mark_ready()
         await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), nats_state)
         log.info("capture service listening", port=port, model=model.name)

@@ -198,9 +198,8 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
     model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)  # compiled in place
     seen, remove = batch_shapes(model.model)
     signer = Signer.generate()
-    capture = running_capture(
-        config, nc=nc, model=model, signer=signer, metrics=CollectorRegistry()
-    )
+    metrics = CollectorRegistry()
+    capture = running_capture(config, nc=nc, model=model, signer=signer, metrics=metrics)
     short, long = "copy: ab", "reverse: abcdefghijklmnop"  # 6 and 20 ids: widths 16, 24
     try:
         async with starting(capture, gated_warm_up) as entered:
@@ -222,6 +221,7 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
             assert sorted(set(seen)) == [(1, 16), (1, 24), (3, 16), (3, 24)]
             graphs = counters["stats"]["unique_graphs"]
             assert graphs > graphs_before_warm_up  # the counter sees the warm-up's compiles
+            assert metrics.get_sample_value("stateblock_capture_warmup_seconds") > 0
             assert await health(port) == {
                 "": SERVING, CAPTURE_SERVICE: SERVING, "liveness": SERVING
             }  # fmt: skip
