@@ -27,11 +27,15 @@ class CaptureConfig:
     dtype: str = "float32"
     batch_window_s: float = 0.0  # continuous batching; >0 waits for company
     # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...) or an
-    # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path):
-    # one graph per (lanes, bucket) shape, compiled on its first request. Off by default:
-    # a compiled kernel may round differently per shape, so batched rows are no longer
-    # guaranteed bit-identical to the same request alone.
+    # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path). The
+    # start-up warm-up runs every (lane bucket, width bucket) shape before the service is
+    # SERVING, so no request compiles. Off by default: a compiled kernel may round
+    # differently per shape, so batched rows are no longer guaranteed bit-identical to the
+    # same request alone.
     compile: str = "off"
+    # compiled only: a cohort's lanes are padded up to the next of these (max_lanes is
+    # always one), so the shapes to warm up are these x the prompt-width buckets
+    lane_buckets: tuple[int, ...] = (1, 2, 4, 8)
     limits: Limits = Limits()  # lanes per request and per cohort forward, prompt length, depth
     block_ttl_s: float = 120.0
     duplicate_window_s: float = 120.0
@@ -56,6 +60,20 @@ class CaptureConfig:
             raise runtime.ConfigError(f"STATEBLOCK_FORWARD_STATE_DIGEST: {e}") from None
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
+        if not self.lane_buckets or min(self.lane_buckets) < 1:
+            raise runtime.ConfigError(
+                f"STATEBLOCK_CAPTURE_LANE_BUCKETS={','.join(map(str, self.lane_buckets))!r} "
+                "must be positive lane counts"
+            )
+
+    @property
+    def cohort_lane_buckets(self) -> tuple[int, ...] | None:
+        """The lane counts a compiled cohort is padded to: the configured buckets below
+        max_lanes, and max_lanes. None when the forward is eager: any lane count runs as is."""
+        if self.compile == "off":
+            return None
+        top = self.limits.max_lanes
+        return tuple(sorted({b for b in self.lane_buckets if b < top} | {top}))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CaptureConfig:
@@ -75,6 +93,7 @@ class CaptureConfig:
             dtype=e.str("CAPTURE_DTYPE", d.dtype),
             batch_window_s=e.float("BATCH_WINDOW_S", d.batch_window_s, zero_ok=True),
             compile=e.str("CAPTURE_COMPILE", d.compile),
+            lane_buckets=_lane_buckets(e.str("CAPTURE_LANE_BUCKETS", ""), d.lane_buckets),
             limits=runtime.limits_from_env(e),
             block_ttl_s=e.float("BLOCK_TTL_S", d.block_ttl_s),
             duplicate_window_s=e.float("DUPLICATE_WINDOW_S", d.duplicate_window_s),
@@ -86,3 +105,16 @@ class CaptureConfig:
             grace_s=e.float("GRACE_S", d.grace_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )
+
+
+def _lane_buckets(raw: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """STATEBLOCK_CAPTURE_LANE_BUCKETS: lane counts, comma-separated ("1,2,4,8")."""
+    if not raw:
+        return default
+    try:
+        buckets = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise runtime.ConfigError(
+            f"STATEBLOCK_CAPTURE_LANE_BUCKETS={raw!r} must be lane counts, comma-separated"
+        ) from None
+    return buckets

@@ -481,6 +481,7 @@ def test_model_from_host_path_or_image():
             "readout.ackWaitSeconds (40) must be at most half of gateway.requestTimeoutSeconds",
         ),
         ({"capture": {"dtype": "int8"}}, "/capture/dtype"),
+        ({"capture": {"laneBuckets": "1,,4"}}, "/capture/laneBuckets"),
     ],
 )
 def test_invalid_values_fail_rendering(values, message):
@@ -519,6 +520,26 @@ def test_liveness_never_restarts_a_pod_for_a_nats_outage(default_docs, component
     the process answers, so an outage takes pods out of service without restarting them."""
     (container,) = deployment(default_docs, component)["spec"]["template"]["spec"]["containers"]
     assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+
+
+# what a compiled capture needs before it is ready: a warm-up of about 4 minutes (issue 38:
+# ready within 3 on the H200) and the model's load
+CAPTURE_WARM_UP_S = 240
+CAPTURE_MODEL_LOAD_S = 120
+
+
+def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
+    """The startup probe asks "" (NOT_SERVING until every compiled shape has warmed up) and
+    its budget covers the warm-up; liveness and readiness start only after it succeeds."""
+    (container,) = deployment(default_docs, "capture")["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert "service" not in startup["grpc"]  # the warm-up-aware status, not liveness
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
+    env = env_of(
+        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+    )
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
 
 def test_a_hugging_face_style_model_name_deploys():
