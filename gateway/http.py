@@ -200,7 +200,7 @@ def create_app(
     async def detokenize(req: p.DetokenizeRequest) -> p.DetokenizeResponse:
         if req.model is not None and req.model != service.model_name:
             raise ModelNotFound(f"The model `{req.model}` does not exist.")
-        return p.DetokenizeResponse(prompt=service.decode(req.tokens))
+        return p.DetokenizeResponse(prompt=service.detokenize(req.tokens))
 
     @app.get("/health")
     async def health() -> JSONResponse:

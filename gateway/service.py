@@ -170,6 +170,7 @@ class GatewayService:
         self._capture = capture
         self._commits = commits
         self._tok = tokenizer
+        self.vocab_size = len(tokenizer)  # every token id of a request is below it
         self._m = metrics
         self._config = config
         self.default_max_tokens = default_max_tokens
@@ -202,8 +203,7 @@ class GatewayService:
                     raise InvalidRequest(
                         f"A prompt of token ids has 1 to {c.limits.prompt_len_max} ids.", "prompt"
                     )
-                if min(spec.token_ids) < 0:
-                    raise InvalidRequest("Token ids are non-negative.", "prompt")
+                self.check_token_ids(spec.token_ids, "prompt")
                 continue
             if spec.messages is not None:
                 if not spec.messages:
@@ -222,6 +222,7 @@ class GatewayService:
                 raise InvalidRequest(str(e), e.param) from e
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
+        self.check_token_ids(p.stop.token_ids, "stop_token_ids")
         if len(p.stop.strings) > MAX_STOP_STRINGS or not all(p.stop.strings):
             raise InvalidRequest(f"`stop` takes 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
         max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
@@ -405,6 +406,17 @@ class GatewayService:
             stop_reason=cut.stop_reason,
             logprobs=logprobs,
         )
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        try:
+            sampling.check_token_ids(ids, self.vocab_size, param)
+        except InvalidSampling as e:
+            raise InvalidRequest(str(e), e.param) from e
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """A client's token ids as text; InvalidRequest for an id outside the vocabulary."""
+        self.check_token_ids(ids, "tokens")
+        return self.decode(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
