@@ -39,7 +39,7 @@ from gateway.service import (
     make_sampling,
 )
 from gateway.stops import StopSpec
-from stateblock.nats_client import NatsState
+from stateblock.nats_client import Readiness
 
 log = structlog.get_logger("gateway.http")
 # a client's retry key (gateway/idempotency.py): the same key, the first request's answer
@@ -142,7 +142,7 @@ def create_app(
     *,
     metrics: CollectorRegistry,
     created: int,
-    nats_state: NatsState | None = None,
+    readiness: Readiness | None = None,
     max_body_bytes: int | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
@@ -204,9 +204,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        # 503 while NATS is unreachable: no request could be answered, route elsewhere
-        if nats_state is not None and not nats_state.connected:
-            return JSONResponse({"status": "nats disconnected"}, status_code=503)
+        # 503 while NATS or the capture does not answer: no request could be, route elsewhere
+        if readiness is not None and not readiness.ready:
+            return JSONResponse({"status": "unavailable", "why": readiness.why}, status_code=503)
         return JSONResponse({"status": "ok", "model": service.model_name})
 
     @app.get("/metrics")
