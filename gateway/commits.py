@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.errors import ReadoutFailed
+from gateway.errors import BlockRejected
 from registry import FINAL_STATES, CommitTimeout, Registry, RegistryError
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
@@ -110,7 +110,7 @@ class CommitWatcher:
         return None
 
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit:
-        """The commit; ReadoutFailed if the block was rejected; CommitTimeout after timeout."""
+        """The commit; BlockRejected if the block was rejected; CommitTimeout after timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         outcome = self._recent.get(block_id)
@@ -133,5 +133,5 @@ class CommitWatcher:
         if outcome is None:
             raise CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
         if isinstance(outcome, commit_pb2.Rejection):
-            raise ReadoutFailed(f"block {block_id} was rejected: {outcome.reason}")
+            raise BlockRejected(block_id, outcome.reason, outcome.detail)
         return outcome

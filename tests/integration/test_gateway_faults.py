@@ -1,6 +1,6 @@
 """Faults that are not the request's, through real parts (a nats-server, the capture, readout
 workers and the gateway on real ports): concurrent retries with one Idempotency-Key, a
-stalled nats-server or an unreachable capture (readiness)."""
+stalled nats-server or an unreachable capture (readiness), a lost payload object."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from contextlib import asynccontextmanager
 
 import grpc
 import httpx
+import nats
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from capture_svc.config import CaptureConfig
 from capture_svc.server import CAPTURE_SERVICE, running_capture
@@ -25,6 +27,7 @@ from readout_svc.server import serve_health
 from readout_svc.worker import EngineHealth
 from stateblock.app.nats_server import free_port
 from stateblock.nats_client import LIVENESS, Readiness, probing, round_trip
+from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
@@ -202,3 +205,60 @@ async def test_readiness_fails_while_the_capture_is_unreachable(nc, decoder_dir,
             metrics=CollectorRegistry(),
         ):
             await becomes(lambda: gateway_ready(gw), True)
+
+
+@pytest.fixture
+async def small_nc(start_nats_server):
+    """A nats-server whose max_payload sends any block of a few dozen rows through the
+    object store."""
+    conn = await nats.connect(start_nats_server(max_payload=16 * 1024).url)
+    yield conn
+    await conn.close()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+async def test_a_lost_payload_object_is_captured_again_and_answered(
+    small_nc, decoder_dir, serving_model, engine
+):
+    """Issue 39.3: the block's rows object is deleted before any worker reads it; the
+    worker's signed object_missing rejection is not the request's fault, so the gateway
+    captures it again as a new block and both requests with the key (the first and a retry
+    that follows it) get the answer the same request gets without the fault, under one id."""
+    body = {"model": MODEL, "prompt": "copy: " + "abcdefgh" * 5, "max_tokens": 8}
+    keyed = {"headers": {"Idempotency-Key": "lost-object"}, "timeout": 60}
+    objects = await streams.payload_store(small_nc.jetstream())
+    async with capture_and_gateway(small_nc, decoder_dir, serving_model, engine) as path:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{path.gw.http_port}") as http:
+            first = asyncio.create_task(http.post("/v1/completions", json=body, **keyed))
+            lost = await until_an_object(objects)
+            follower = asyncio.create_task(http.post("/v1/completions", json=body, **keyed))
+            await objects.delete(lost)
+            async with path.readout():
+                replies = [await first, await follower]
+                clean = await http.post("/v1/completions", json=body, timeout=60)
+            text = (await http.get("/metrics")).text
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert replies[0].json()["id"] == replies[1].json()["id"]
+    assert clean.status_code == 200, clean.text
+    assert replies[0].json()["choices"] == replies[1].json()["choices"] == clean.json()["choices"]
+    assert metric(text, "stateblock_gateway_recaptures_total", reason="object_missing") == 1
+
+
+async def until_an_object(objects) -> str:
+    """The name of the first payload object the store holds."""
+    for _ in range(300):
+        try:
+            infos = await objects.list()
+        except nats.js.errors.NotFoundError:  # none yet
+            infos = []
+        if infos:
+            return infos[0].name
+        await asyncio.sleep(0.05)
+    raise AssertionError("no payload object was stored")
