@@ -56,12 +56,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @asynccontextmanager
-async def capture_and_gateway(nc, decoder_dir, serving_model, engine, **gateway_kw):
+async def capture_and_gateway(
+    nc, decoder_dir, serving_model, engine, block_ttl_s: float = 120.0, **gateway_kw
+):
     signer = Signer.generate()
     gateway_kw.setdefault("ready_timeout_s", READY_TIMEOUT_S)
+    capture_config = CaptureConfig(
+        port=0, host="127.0.0.1", ready_timeout_s=READY_TIMEOUT_S, block_ttl_s=block_ttl_s
+    )
     async with (
         running_capture(
-            CaptureConfig(port=0, host="127.0.0.1", ready_timeout_s=READY_TIMEOUT_S),
+            capture_config,
             nc=nc,
             model=serving_model,
             signer=signer,
@@ -249,6 +254,25 @@ async def test_a_lost_payload_object_is_captured_again_and_answered(
     assert clean.status_code == 200, clean.text
     assert replies[0].json()["choices"] == replies[1].json()["choices"] == clean.json()["choices"]
     assert metric(text, "stateblock_gateway_recaptures_total", reason="object_missing") == 1
+
+
+async def test_a_block_that_expired_unread_is_captured_again_and_answered(
+    nc, decoder_dir, serving_model, engine
+):
+    """No worker runs until the request's first block has expired: its signed `expired`
+    rejection is not the request's fault, so the gateway captures it again and answers."""
+    body = {"model": MODEL, "prompt": "copy: late", "max_tokens": 4}
+    async with capture_and_gateway(nc, decoder_dir, serving_model, engine, block_ttl_s=2.0) as path:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{path.gw.http_port}") as http:
+            request = asyncio.create_task(http.post("/v1/completions", json=body, timeout=60))
+            await asyncio.sleep(3.0)
+            async with path.readout():
+                r = await request
+                clean = await http.post("/v1/completions", json=body, timeout=60)
+            text = (await http.get("/metrics")).text
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == clean.json()["choices"]
+    assert metric(text, "stateblock_gateway_recaptures_total", reason="expired") == 1
 
 
 async def until_an_object(objects) -> str:
