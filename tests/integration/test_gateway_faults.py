@@ -1,6 +1,7 @@
 """Faults that are not the request's, through real parts (a nats-server, the capture, readout
 workers and the gateway on real ports): concurrent retries with one Idempotency-Key, a
-stalled nats-server or an unreachable capture (readiness), a lost payload object."""
+stalled nats-server or an unreachable capture (readiness), a lost payload object, a block
+that expired unread."""
 
 from __future__ import annotations
 
