@@ -49,6 +49,7 @@ class CaptureConfig:
     # where /metrics listens: loopback unless told (the Helm chart says 0.0.0.0)
     metrics_host: str = "127.0.0.1"
     grace_s: float = runtime.DEFAULT_GRACE_S
+    ready_timeout_s: float = runtime.DEFAULT_READY_TIMEOUT_S  # readiness: a round trip's bound
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -103,6 +104,7 @@ class CaptureConfig:
             metrics_port=None if metrics < 0 else metrics,
             metrics_host=e.str("METRICS_HOST", d.metrics_host),
             grace_s=e.float("GRACE_S", d.grace_s),
+            ready_timeout_s=e.float("READY_TIMEOUT_S", d.ready_timeout_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -31,7 +32,16 @@ from capture_svc.service import (
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
-from stateblock.nats_client import LIVENESS, NatsOptions, NatsState, connect, follow_in_health
+from stateblock.nats_client import (
+    LIVENESS,
+    NatsOptions,
+    NatsState,
+    Readiness,
+    connect,
+    follow_in_health,
+    probing,
+    round_trip,
+)
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
@@ -181,7 +191,15 @@ async def running_capture(
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
         await _warm_up(forward, executor, config, capture_metrics)
         service.mark_ready()
-        await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), nats_state)
+        # ready while NATS answers a round trip: a stalled server leaves the connection up
+        readiness = await stack.enter_async_context(
+            probing(
+                Readiness(nats_state),
+                {"nats": functools.partial(round_trip, nc)},
+                config.ready_timeout_s,
+            )
+        )
+        await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), readiness)
         log.info("capture service listening", port=port, model=model.name)
         yield RunningCapture(port, service, plans)
 

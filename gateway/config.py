@@ -37,6 +37,7 @@ class GatewayConfig:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     grace_s: float = runtime.DEFAULT_GRACE_S
+    ready_timeout_s: float = runtime.DEFAULT_READY_TIMEOUT_S  # readiness: a round trip's bound
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -80,5 +81,6 @@ class GatewayConfig:
             tls_cert_file=e.optional_path("TLS_CERT_FILE"),
             tls_key_file=e.optional_path("TLS_KEY_FILE"),
             grace_s=e.float("GRACE_S", d.grace_s),
+            ready_timeout_s=e.float("READY_TIMEOUT_S", d.ready_timeout_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

@@ -55,6 +55,7 @@ class ReadoutServiceConfig:
     # chart says 0.0.0.0)
     metrics_host: str = "127.0.0.1"
     grace_s: float = runtime.DEFAULT_GRACE_S
+    ready_timeout_s: float = runtime.DEFAULT_READY_TIMEOUT_S  # readiness: a round trip's bound
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -122,5 +123,6 @@ class ReadoutServiceConfig:
             health_port=None if health < 0 else health,
             metrics_host=e.str("METRICS_HOST", d.metrics_host),
             grace_s=e.float("GRACE_S", d.grace_s),
+            ready_timeout_s=e.float("READY_TIMEOUT_S", d.ready_timeout_s),
             log_level=e.str("LOG_LEVEL", d.log_level),
         )

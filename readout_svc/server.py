@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -23,7 +24,15 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import LIVENESS, NatsOptions, NatsState, connect
+from stateblock.nats_client import (
+    LIVENESS,
+    NatsOptions,
+    NatsState,
+    Readiness,
+    connect,
+    probing,
+    round_trip,
+)
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -134,10 +143,10 @@ async def running_readout(
 
 @asynccontextmanager
 async def serve_health(
-    host: str, port: int | None, nats_state: NatsState, engine: EngineHealth
+    host: str, port: int | None, readiness: Readiness, engine: EngineHealth
 ) -> AsyncIterator[int | None]:
     """grpc.health.v1 on this event loop (a wedged loop fails the probe, unlike a metrics
-    thread): SERVING while NATS is connected and the engine answers; yields the port."""
+    thread): SERVING while NATS answers (`readiness`) and the engine does; yields the port."""
     if port is None:
         yield None
         return
@@ -148,7 +157,7 @@ async def serve_health(
     await server.start()
 
     async def update(_: bool = True) -> None:
-        ok = nats_state.connected and engine.ok
+        ok = readiness.ready and engine.ok
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if ok
@@ -160,7 +169,7 @@ async def serve_health(
     # to take the pod out of service, not to restart it); "": ready for blocks
     await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
-    nats_state.listeners.append(update)
+    readiness.listeners.append(update)
     engine.listeners.append(lambda _ok: loop.create_task(update()))
     await update()
     try:
@@ -194,8 +203,14 @@ async def main() -> None:
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )
         engine_health = EngineHealth()
+        readiness = await stack.enter_async_context(
+            probing(
+                Readiness(state), {"nats": functools.partial(round_trip, nc)},
+                config.ready_timeout_s,
+            )
+        )  # fmt: skip
         await stack.enter_async_context(
-            serve_health(config.metrics_host, config.health_port, state, engine_health)
+            serve_health(config.metrics_host, config.health_port, readiness, engine_health)
         )
         await stack.enter_async_context(
             running_readout(

@@ -35,6 +35,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_MODEL_NAME = "stateblock-reference"
 # Matches the Helm chart's terminationGracePeriodSeconds minus headroom for nc.drain().
 DEFAULT_GRACE_S = 10.0
+# readiness fails when NATS (or the gateway's capture) has not answered a round trip in this
+# long; each is probed every half of it (stateblock.nats_client.probing)
+DEFAULT_READY_TIMEOUT_S = 2.0
 # The capture's and the worker's stage histograms share buckets, so one request's stages
 # read side by side (from sub-millisecond: a block's digest, claim and ack are that short).
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)

@@ -123,6 +123,19 @@ def check_prompt_text(text: str, limits: Limits, param: str) -> None:
         ) from e
 
 
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """Raise InvalidSampling unless every id names a token of a `vocab_size` vocabulary: a
+    tokenizer takes ids as C integers and a tensor indexes rows by them, so no id outside
+    [0, vocab_size) may reach either (a JSON integer has no bound at all)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise InvalidSampling(
+            f"token id {bad} is outside the vocabulary of {vocab_size} (ids 0 to "
+            f"{vocab_size - 1}).",
+            param,
+        )
+
+
 def check_lane_count(n_lanes: int, limits: Limits) -> None:
     if not 1 <= n_lanes <= limits.max_lanes:
         raise InvalidSampling(

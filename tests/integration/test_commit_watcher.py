@@ -167,3 +167,17 @@ async def test_a_genuine_outcome_a_forger_overwrote_is_still_found(nc, registry)
     assert list(got.lanes[0].token_ids) == [8, 9]
     with pytest.raises(AlreadyCommitted):
         await registry.claim("b9", "w2", lease_s=30)
+
+
+async def test_every_waiter_on_one_block_gets_its_outcome(registry):
+    """Retries sharing an Idempotency-Key wait on one block: each waiter is answered, and
+    one that leaves (its client went away) takes no other's future with it."""
+    async with CommitWatcher.open(registry, TRUST) as watcher:
+        watches = [asyncio.create_task(watcher.watch_commit("b5", timeout=10)) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        watches[0].cancel()
+        claim = await registry.claim("b5", "w1", lease_s=30)
+        await registry.commit(claim, commit("b5", tokens=(3,)))
+        got = await asyncio.wait_for(asyncio.gather(*watches[1:]), 5)
+        assert [list(c.lanes[0].token_ids) for c in got] == [[3]] * 4
+        assert watcher._waiting == {}
