@@ -26,8 +26,6 @@ try:
 except ImportError:  # not built for this platform (Windows): asyncio's own loop serves
     uvloop = None
 
-from stateblock.protocol.sampling import Limits
-
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_BASE = REPO / "models" / "reference" / "base"
 REFERENCE_DECODER = REPO / "models" / "reference" / "decoder"
@@ -189,17 +187,6 @@ def check_redelivery(ack_wait_s: float, request_timeout_s: float) -> None:
         )
 
 
-def limits_from_env(e: Env) -> Limits:
-    """The request limits, the same variables in every service (the gateway refuses what the
-    capture would refuse, with the same message)."""
-    d = Limits()
-    return Limits(
-        max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
-        prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
-        answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
-    )
-
-
 def model_name(name: str) -> str:
     """STATEBLOCK_MODEL_NAME: any Hugging Face-style name ("org/model-v2.1"); its NATS token
     is derived from it (stateblock.protocol.streams.model_token)."""
@@ -277,8 +264,9 @@ T = TypeVar("T")
 def event_loop_choice(env: Mapping[str, str] | None = None) -> str:
     """`STATEBLOCK_EVENT_LOOP`: "uvloop" or "asyncio" ("auto", the default: uvloop where
     it is installed). Raises ConfigError for another value, or uvloop where it is missing."""
-    env = os.environ if env is None else env
-    value = env.get("STATEBLOCK_EVENT_LOOP", "auto").strip().lower() or "auto"
+    from stateblock.settings import EVENT_LOOP
+
+    value = EVENT_LOOP.read(env).strip().lower() or EVENT_LOOP.default
     if value not in EVENT_LOOPS:
         raise ConfigError(f"STATEBLOCK_EVENT_LOOP={value!r}: one of {', '.join(EVENT_LOOPS)}")
     if value == "auto":
