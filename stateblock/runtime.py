@@ -220,8 +220,8 @@ def keep_freed_buffers() -> bool:
     Every request copies its state block, 2.75 MB at the full scale, a few times (rows to
     bytes, protobuf, the NATS command, the parse on the worker). By default glibc maps each
     such buffer fresh and unmaps it when freed, so every copy pays a page fault per 4 KiB
-    page: that was most of nats-py's publish command build (docs/BENCHMARKS.md, the CPU
-    wire section)."""
+    page: under those defaults, most of nats-py's publish command build (docs/BENCHMARKS.md,
+    the CPU wire section)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
