@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--" + f.name.replace("_", "-"),
             type=setting.type if setting.type in (int, float) else str,
             default=argparse.SUPPRESS,
-            help=f"{setting.help} (default: ${setting.name}, else {shown})",
+            help=f"{setting.help} (default: ${setting.name}, else {shown})".replace("`", ""),
         )
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
