@@ -36,7 +36,7 @@ OPTIONAL = "(optional)"  # the chart sets it only when its values ask (a Secret,
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Setting:
     name: str  # the variable: STATEBLOCK_<NAME>
     type: type  # str, int, float or Path
@@ -54,10 +54,10 @@ class Setting:
     def key(self) -> str:
         return self.name.removeprefix("STATEBLOCK_")
 
-    def default_for(self, reader: str) -> Any:
-        return self.defaults.get(reader, self.default)
+    def default_for(self, reader: str | None) -> Any:
+        return self.defaults.get(reader, self.default) if reader else self.default
 
-    def read(self, environ: Mapping[str, str] | None = None, reader: str = GATEWAY) -> Any:
+    def read(self, environ: Mapping[str, str] | None = None, reader: str | None = None) -> Any:
         """The value under `environ` (os.environ by default) as `reader` reads it; raises
         runtime.ConfigError naming the variable."""
         env = Env(environ)
