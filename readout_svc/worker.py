@@ -466,7 +466,7 @@ async def run_worker(
         try:
             msgs = await psub.fetch(1, timeout=fetch_timeout_s)
         except TimeoutError:  # nats' and asyncio's own: a fetch whose deadline passed while
-            continue  # the loop was busy raises the latter, which killed the loop once
+            continue  # the loop was busy raises the latter, which must not end the loop
         except Exception as e:  # NATS trouble or a bug: the pull loop must outlive it
             log.warning("fetch failed", error=repr(e), worker_id=worker.worker_id)
             await asyncio.sleep(fetch_timeout_s)

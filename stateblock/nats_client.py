@@ -10,7 +10,6 @@ moving to any live server of the cluster; while it is disconnected health says N
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -23,6 +22,8 @@ import nats
 import nats.js.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from stateblock import settings
 
 log = structlog.get_logger("stateblock.nats")
 
@@ -57,17 +58,14 @@ class NatsOptions:
     def of(cls, url: str, environ: Mapping[str, str] | None = None, **kw) -> NatsOptions:
         """The servers of `url`, with the credentials and TLS files STATEBLOCK_NATS_CREDS,
         _NATS_TLS_CA, _NATS_TLS_CERT and _NATS_TLS_KEY name (every service reads the same)."""
-        env = os.environ if environ is None else environ
-        files = {
-            field: Path(env[name])
-            for field, name in (
-                ("creds_file", "STATEBLOCK_NATS_CREDS"),
-                ("tls_ca_file", "STATEBLOCK_NATS_TLS_CA"),
-                ("tls_cert_file", "STATEBLOCK_NATS_TLS_CERT"),
-                ("tls_key_file", "STATEBLOCK_NATS_TLS_KEY"),
-            )
-            if env.get(name)
+        declared = {
+            "creds_file": settings.NATS_CREDS,
+            "tls_ca_file": settings.NATS_TLS_CA,
+            "tls_cert_file": settings.NATS_TLS_CERT,
+            "tls_key_file": settings.NATS_TLS_KEY,
         }
+        files = {field: s.read(environ) for field, s in declared.items()}
+        files = {field: path for field, path in files.items() if path is not None}
         return cls(servers=parse_servers(url), **{**files, **kw})
 
     def tls_context(self) -> ssl.SSLContext | None:

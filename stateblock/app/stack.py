@@ -23,10 +23,9 @@ import nats
 import structlog
 from prometheus_client import CollectorRegistry
 
-from stateblock import runtime
+from stateblock import runtime, settings
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
-from stateblock.protocol import envelope
 
 if TYPE_CHECKING:
     from stateblock.engines import ReadoutEngine
@@ -38,27 +37,28 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class UpConfig:
-    data_dir: Path = Path(".stateblock")
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
+    data_dir: Path = settings.DATA_DIR.default
+    host: str = settings.GATEWAY_HOST.default_for(settings.UP)
+    http_port: int = settings.HTTP_PORT.default
+    grpc_port: int = settings.GRPC_PORT.default
     capture_port: int = 0
-    workers: int = 2
-    model_name: str = runtime.DEFAULT_MODEL_NAME
-    base_dir: Path = runtime.REFERENCE_BASE
-    decoder_dir: Path = runtime.REFERENCE_DECODER
-    engine: str = "reference"
-    nats_url: str | None = None  # None: start our own nats-server in data_dir; or a list
-    nats_replicas: int = 1  # copies of every stream and bucket (3 on a 3-node cluster)
+    workers: int = settings.WORKERS.default
+    model_name: str = settings.MODEL_NAME.default
+    base_dir: Path = settings.BASE_DIR.default
+    decoder_dir: Path = settings.DECODER_DIR.default
+    engine: str = settings.ENGINE.default
+    # None: start our own nats-server in data_dir; or a list
+    nats_url: str | None = settings.NATS_URL.default_for(settings.UP)
+    # copies of every stream and bucket (3 on a 3-node cluster)
+    nats_replicas: int = settings.NATS_REPLICAS.default
     api_key: str | None = field(default=None, repr=False)  # required on the API when set
     nats_max_payload: int | None = None
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = settings.REQUEST_TIMEOUT_S.default
     grace_s: float = 5.0
-    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
-    # the blocks' row hash: "blake3" or "sha256"
-    forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM
+    blocks_storage: str = settings.BLOCKS_STORAGE.default  # the blocks work queue
+    forward_state_digest: str = settings.FORWARD_STATE_DIGEST.default  # the blocks' row hash
     batch_window_s: float | None = None  # None: the capture service's default
-    capture_compile: str = "off"  # torch.compile backend for the base forward
+    capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
     # to a worker, both read by one client loop.

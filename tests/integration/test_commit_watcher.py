@@ -78,8 +78,8 @@ async def test_a_signed_rejection_fails_the_request_with_its_reason(registry):
 
 
 async def test_a_commit_refused_by_jetstream_is_never_served(nc, registry):
-    """Defect 1 (forged): a publish with a stale expected revision is refused by JetStream
-    (wrong last sequence) but was seen on the bucket's plain subject and served."""
+    """A forged commit: a publish with a stale expected revision is refused by JetStream
+    (wrong last sequence) yet seen on the bucket's plain subject; it is never served."""
     async with CommitWatcher.open(registry, TRUST) as watcher:
         claim = await registry.claim("b1", "w1", lease_s=30)
         forged = committed_entry(commit("b1", tokens=(66,)))  # even validly signed
@@ -107,7 +107,7 @@ async def test_a_stored_forged_commit_is_ignored(nc, registry, signer):
 
 
 async def test_a_forged_rejection_fails_no_request(nc, registry):
-    """Defect 2: a rejection a forger publishes (on the old rejected subject, or stored in the
+    """A rejection a forger publishes (on the rejected subject, or stored in the
     registry under a trusted-looking reason) fails nothing; the genuine commit answers."""
     async with CommitWatcher.open(registry, TRUST) as watcher:
         watch = asyncio.create_task(watcher.watch_commit("b1", timeout=10))

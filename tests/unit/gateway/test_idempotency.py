@@ -91,7 +91,7 @@ async def test_a_first_request_that_never_ran_gives_its_key_back(keyed, fakes):
 
 async def test_nats_trouble_at_the_keys_is_a_503_never_a_500(monkeypatch):
     """The key store's NATS calls are retried through an election, then a 503 (nothing has
-    run yet), where a raw nats TimeoutError used to escape as a plain-text 500."""
+    run yet): a raw nats TimeoutError never escapes as a plain-text 500."""
     import nats
 
     from gateway import idempotency
