@@ -27,8 +27,12 @@ except ImportError:  # not built for this platform (Windows): asyncio's own loop
     uvloop = None
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_BASE = REPO / "models" / "reference" / "base"
-REFERENCE_DECODER = REPO / "models" / "reference" / "decoder"
+# The shipped reference pair, package data of `stateblock` (pyproject.toml): found beside this
+# module in a checkout (stateblock/reference links to models/reference), an editable install
+# and an installed wheel alike.
+REFERENCE = Path(__file__).resolve().parent / "reference"
+REFERENCE_BASE = REFERENCE / "base"
+REFERENCE_DECODER = REFERENCE / "decoder"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_MODEL_NAME = "stateblock-reference"
 # Matches the Helm chart's terminationGracePeriodSeconds minus headroom for nc.drain().

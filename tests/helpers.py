@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
+# the shipped pair where the package finds it (stateblock/reference, a link to models/reference)
+from stateblock.runtime import REFERENCE_BASE, REFERENCE_DECODER  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_BASE = REPO / "models" / "reference" / "base"
-REFERENCE_DECODER = REPO / "models" / "reference" / "decoder"
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from stateblock.runtime import REPO
+from stateblock.runtime import REFERENCE
 
-REFERENCE = REPO / "models" / "reference"
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
 
 

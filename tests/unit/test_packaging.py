@@ -121,3 +121,25 @@ def test_every_cli_flag_has_help_and_shows_its_default():
             if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
                 continue
             assert action.help, f"{parser.prog} {action.dest} has no help"
+
+
+def test_the_reference_pair_ships_as_package_data():
+    """Every file of the reference pair that git tracks is matched by `stateblock`'s package
+    data globs (so the wheel carries it), and the package finds the pair in this checkout."""
+    from stateblock import runtime
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package = REPO / "stateblock"
+    shipped = {
+        p.relative_to(package).as_posix()
+        for pattern in setuptools["package-data"]["stateblock"]
+        for p in package.glob(pattern)
+    }
+    tracked = subprocess.run(
+        ["git", "ls-files", "models/reference"], capture_output=True, text=True, cwd=REPO
+    ).stdout.split()
+    assert "models/reference/base/model.safetensors" in tracked
+    missing = {f.removeprefix("models/") for f in tracked} - shipped
+    assert not missing, f"tracked but left out of the wheel: {sorted(missing)}"
+    assert runtime.REFERENCE_BASE == package / "reference" / "base"
+    assert runtime.REFERENCE.resolve() == (REPO / "models" / "reference").resolve()

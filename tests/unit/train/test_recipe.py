@@ -67,3 +67,24 @@ def test_train_without_prompts_launches_the_suite_trainer(capsys):
     assert cli.main([*argv, "--device", "cuda", "--gpus", "2"]) == 0
     cmd = capsys.readouterr().out.split()
     assert cmd[1:4] == ["torchrun", "--standalone", "--nproc_per_node=2"]
+
+
+def test_a_rebuild_lands_in_models_through_the_package_link(tmp_path):
+    """build-reference's default --out is the package's stateblock/reference, in a checkout
+    a link to models/reference: a stage's result replaces the files there, the link stays."""
+    from stateblock import runtime
+    from stateblock.app.cli import build_parser
+
+    assert Path(build_parser().parse_args(["build-reference"]).out) == runtime.REFERENCE
+    models = tmp_path / "models" / "reference" / "base"
+    models.mkdir(parents=True)
+    (models / "stale.json").write_text("{}")
+    link = tmp_path / "stateblock" / "reference"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "models" / "reference")
+    stage = tmp_path / "work" / "base-run" / "base"
+    stage.mkdir(parents=True)
+    (stage / "config.json").write_text("{}")
+    recipe._replace(stage, link / "base")
+    assert link.is_symlink()
+    assert [p.name for p in models.iterdir()] == ["config.json"]
