@@ -45,6 +45,7 @@ RECAPTURED = frozenset({"object_missing", "expired"})
 MAX_RECAPTURES = 2
 # Reasons that describe the request itself, which its client can change: a 400.
 REQUEST_REASONS = frozenset({"limits"})
+Names = tuple[tuple[str, str], ...]
 
 
 class CaptureClient(Protocol):
@@ -81,19 +82,15 @@ class GenerateParams:
     max_tokens: int | None = None  # None: the decoder's trained depth
     sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
     stop: StopSpec = StopSpec()  # applied to the read-out block here (gateway/stops.py)
-    # (checked name, the request's own field) where an API names a checked field otherwise:
-    # chat counts logprobs in `top_logprobs` and may send `max_completion_tokens`
-    names: tuple[tuple[str, str], ...] = ()
+    names: Names = ()  # (checked name, request field): chat's top_logprobs, max_completion_tokens
 
 
-def invalid(e: InvalidSampling, names: tuple[tuple[str, str], ...] = ()) -> InvalidRequest:
+def invalid(e: InvalidSampling, names: Names = ()) -> InvalidRequest:
     """A sampling check's failure as the gateway's InvalidRequest, naming the request's field."""
     return InvalidRequest(str(e), dict(names).get(e.param, e.param))
 
 
-def make_sampling(
-    *args, names: tuple[tuple[str, str], ...] = (), **fields
-) -> block_pb2.SamplingParams:
+def make_sampling(*args, names: Names = (), **fields) -> block_pb2.SamplingParams:
     """The HTTP and gRPC mappers' one way to the sampling type: `sampling_params`'s
     arguments, its InvalidSampling as the gateway's InvalidRequest naming the field."""
     try:
