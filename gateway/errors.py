@@ -1,5 +1,5 @@
 """The gateway's error tree. Each edge translates it once: `grpc_server.status_of` to a gRPC
-status, `http.openai_error` to an OpenAI error body."""
+status, `openai.errors.openai_error` to an OpenAI error body."""
 
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ RECAPTURED = frozenset({"object_missing", "expired"})
 MAX_RECAPTURES = 2
 # Reasons that describe the request itself, which its client can change: a 400.
 REQUEST_REASONS = frozenset({"limits"})
+Names = tuple[tuple[str, str], ...]
 
 
 class CaptureClient(Protocol):
@@ -81,15 +82,21 @@ class GenerateParams:
     max_tokens: int | None = None  # None: the decoder's trained depth
     sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
     stop: StopSpec = StopSpec()  # applied to the read-out block here (gateway/stops.py)
+    names: Names = ()  # (checked name, request field): chat's top_logprobs, max_completion_tokens
 
 
-def make_sampling(*args, **fields) -> block_pb2.SamplingParams:
+def invalid(e: InvalidSampling, names: Names = ()) -> InvalidRequest:
+    """A sampling check's failure as the gateway's InvalidRequest, naming the request's field."""
+    return InvalidRequest(str(e), dict(names).get(e.param, e.param))
+
+
+def make_sampling(*args, names: Names = (), **fields) -> block_pb2.SamplingParams:
     """The HTTP and gRPC mappers' one way to the sampling type: `sampling_params`'s
-    arguments, its InvalidSampling as the gateway's InvalidRequest."""
+    arguments, its InvalidSampling as the gateway's InvalidRequest naming the field."""
     try:
         return sampling.sampling_params(*args, **fields)
     except InvalidSampling as e:
-        raise InvalidRequest(str(e), e.param) from e
+        raise invalid(e, names) from e
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,7 @@ class GatewayService:
             try:
                 sampling.check_prompt_text("".join(texts), c.limits, param)
             except InvalidSampling as e:
-                raise InvalidRequest(str(e), e.param) from e
+                raise invalid(e) from e
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
         self.check_token_ids(p.stop.token_ids, "stop_token_ids")
@@ -236,7 +243,7 @@ class GatewayService:
             sampling.check_lane_count(len(p.inputs) * p.n, c.limits)
             sampling.check_lane(p.sampling, max_tokens, c.limits)
         except InvalidSampling as e:
-            raise InvalidRequest(str(e), e.param) from e
+            raise invalid(e, p.names) from e
         return max_tokens
 
     def lanes(self, p: GenerateParams, max_tokens: int) -> list[capture_pb2.CaptureLane]:
@@ -455,7 +462,7 @@ class GatewayService:
         try:
             sampling.check_token_ids(ids, self.vocab_size, param)
         except InvalidSampling as e:
-            raise InvalidRequest(str(e), e.param) from e
+            raise invalid(e) from e
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """A client's token ids as text; InvalidRequest for an id outside the vocabulary."""
@@ -473,7 +480,7 @@ class GatewayService:
         try:
             sampling.check_prompt_text(text, self.limits, "prompt")
         except InvalidSampling as e:
-            raise InvalidRequest(str(e), e.param) from e
+            raise invalid(e) from e
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def pieces(self, generation: Generation) -> Iterator[Piece]:

@@ -20,7 +20,8 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.grpc_server import params_of, status_of
-from gateway.http import create_app, openai_error
+from gateway.http import create_app
+from gateway.openai.errors import openai_error
 from stateblock.nats_client import NatsState, Readiness
 from stateblock.v1 import capture_pb2, gateway_pb2
 from tests.unit.gateway.conftest import MODEL
