@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from stateblock.app.nats_server import free_port, nats_server_binary
@@ -180,11 +182,10 @@ class ProcStack:
             *(f"http://127.0.0.1:{port}/metrics" for port in readout_metrics),
         ]
         self.nats_url = common["STATEBLOCK_NATS_URL"]
-        # the capture's gRPC port opens after its warm-up, and after its /metrics: a gateway
-        # that is up before it answers 503 (capture unavailable)
+        # the capture's gRPC port opens before its warm-up; its health says SERVING after it
         self._ready = {
             "nats": lambda: _port_open(nats_port),
-            "capture": lambda: _port_open(capture_port),
+            "capture": lambda: _grpc_serving(capture_port),
             **{
                 name: (lambda u=f"http://127.0.0.1:{port}/metrics": _http_ok(u))
                 for name, port in zip(
@@ -192,7 +193,7 @@ class ProcStack:
                 )
             },
         }
-        self._wait(lambda: _port_open(capture_port), "capture gRPC")
+        self._wait(lambda: _grpc_serving(capture_port), "capture gRPC health")
         for probe in (f"{url}/health", *self._metrics_urls):
             self._wait(lambda p=probe: _http_ok(p), probe)
         return url
@@ -262,6 +263,18 @@ def _port_open(port: int) -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
             return True
     except OSError:
+        return False
+
+
+def _grpc_serving(port: int) -> bool:
+    """The service's gRPC health ("") says SERVING."""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
         return False
 
 
