@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import gzip
 import hashlib
 import json
 import re
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stateblock.train.prose_text import fortunes, html_paragraphs, prose_like
+from stateblock.train.prose_text import fortunes, html_paragraphs, prose_like, text_paragraphs
 
 DOC_SEP = "\n\n"
 HELDOUT_SHARE = 0.05
@@ -38,7 +39,9 @@ _COMMON = ("genindex*", "search.html", "py-modindex.html", "_sources/*", "_stati
 @dataclass(frozen=True)
 class Source:
     """One Debian package's documents: files under `root` matching `include` (globs relative
-    to it), minus `exclude` (fnmatch patterns), read as `kind` (html or fortune)."""
+    to it), minus `exclude` (fnmatch patterns), read as `kind`: html (a document a page),
+    fortune or text (plain text, gzipped or not, in blank-line paragraphs; a file cut into
+    documents of `CHUNK` entries)."""
 
     package: str
     licence: str  # as /usr/share/doc/<package>/copyright states it (docs/CORPUS.md)
@@ -77,12 +80,24 @@ SOURCES: tuple[Source, ...] = (
            ("*.html",)),
     Source("linux-doc-6.1", "GPL-2", "/usr/share/doc/linux-doc-6.1/html", ("**/*.html",),
            _COMMON + ("translations/*",)),
-    Source("fortunes-min", "BSD-4-clause-UC (fortune-mod)", "/usr/share/games/fortunes",
+    Source("postgresql-doc-15", "PostgreSQL", "/usr/share/doc/postgresql-doc-15/html",
+           ("*.html",), _COMMON + ("bookindex.html",)),
+    Source("python-django-doc", "BSD-3-Clause", "/usr/share/doc/python-django-doc/html",
+           ("**/*.html",)),
+    Source("sqlite3-doc", "public-domain", "/usr/share/doc/sqlite3", ("**/*.html",),
+           _COMMON + ("sitemap.html", "keyword_index.html", "doclist.html")),
+    Source("git-doc", "GPL-2", "/usr/share/doc/git-doc", ("**/*.html",)),
+    Source("gimp-help-en", "GFDL-NIV-1.2+", "/usr/share/gimp/2.0/help/en", ("*.html",)),
+    Source("apache2-doc", "Apache-2.0", "/usr/share/doc/apache2-doc/manual/en", ("**/*.html",),
+           _COMMON + ("sitemap.html", "glossary.html")),
+    Source("jargon-text", "public-domain", "/usr/share/doc/jargon-text", ("jargon.txt.gz",), (),
+           "text"),
+    Source("fortunes-min", "BSD-3-clause (fortune-mod)", "/usr/share/games/fortunes",
            ("fortunes", "literature", "riddles"), (), "fortune"),
-    Source("fortunes", "BSD-4-clause-UC (fortune-mod)", "/usr/share/games/fortunes", ("*",),
+    Source("fortunes", "BSD-3-clause (fortune-mod)", "/usr/share/games/fortunes", ("*",),
            ("*.*", "fortunes", "literature", "riddles", "ascii-art", "translate-me"), "fortune"),
 )  # fmt: skip
-FORTUNES_A_DOC = 40  # a fortune file is cut into documents of this many entries
+CHUNK = 40  # a fortune or text file is cut into documents of this many entries
 
 
 @dataclass
@@ -99,15 +114,16 @@ def read_source(src: Source, fs_root: Path = Path("/")) -> Iterator[Doc]:
     """The source's documents, paragraphs extracted and filtered to prose (`prose_like`)."""
     base = fs_root / src.root.lstrip("/")
     for path in src.files(fs_root):
-        raw = path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+        raw = (gzip.decompress(data) if path.suffix == ".gz" else data).decode(errors="replace")
         rel = path.relative_to(base).as_posix()
-        if src.kind == "fortune":
-            entries = [p for p in fortunes(raw) if prose_like(p)]
-            for k in range(0, len(entries), FORTUNES_A_DOC):
-                yield Doc(f"{src.package}:{rel}#{k // FORTUNES_A_DOC}",
-                          entries[k : k + FORTUNES_A_DOC])  # fmt: skip
-        else:
+        if src.kind == "html":
             yield Doc(f"{src.package}:{rel}", [p for p in html_paragraphs(raw) if prose_like(p)])
+            continue
+        entries = fortunes(raw) if src.kind == "fortune" else text_paragraphs(raw)
+        entries = [p for p in entries if prose_like(p)]
+        for k in range(0, len(entries), CHUNK):
+            yield Doc(f"{src.package}:{rel}#{k // CHUNK}", entries[k : k + CHUNK])
 
 
 def normalised(paragraph: str) -> str:

@@ -94,6 +94,12 @@ def fortunes(text: str) -> list[str]:
     return [p for p in (SPACE.sub(" ", e).strip() for e in entries) if p]
 
 
+def text_paragraphs(text: str) -> list[str]:
+    """The paragraphs of a plain-text file: blocks apart by blank lines, each one line."""
+    blocks = re.split(r"\n[ \t]*\n", text)
+    return [p for p in (SPACE.sub(" ", b).strip() for b in blocks) if p]
+
+
 def prose_like(paragraph: str, min_words: int = 3, min_letters: float = 0.8) -> bool:
     """Whether a paragraph reads as prose: enough words, and mostly letters and spaces (code,
     paths, hex dumps and ASCII art are not)."""

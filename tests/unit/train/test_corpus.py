@@ -5,6 +5,7 @@ sample of Python's documentation (tests/data/prose_sample) and on small files ma
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from stateblock.train import corpus
 from stateblock.train.corpus import Dedup, Doc, Source, is_heldout, normalised, split
-from stateblock.train.prose_text import fortunes, html_paragraphs, prose_like
+from stateblock.train.prose_text import fortunes, html_paragraphs, prose_like, text_paragraphs
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "prose_sample"
 PAGE = """<html><head><title>Skipped title</title><script>var x = 1;</script></head><body>
@@ -41,9 +42,11 @@ def test_html_keeps_prose_and_drops_code_tables_and_page_furniture():
     ]
 
 
-def test_fortunes_are_entries_apart_by_percent_lines():
+def test_fortunes_and_plain_text_are_entries_apart_by_percent_or_blank_lines():
     text = "A first saying,\n\tover two lines.\n\t\t-- Someone\n%\n%\nA second one.\n%\n"
     assert fortunes(text) == ["A first saying, over two lines. -- Someone", "A second one."]
+    text = "\n\nA paragraph\nover two lines.\n  \t\nAnother,\n\n\n\nand a third.\n"
+    assert text_paragraphs(text) == ["A paragraph over two lines.", "Another,", "and a third."]
 
 
 def test_prose_like_wants_words_made_mostly_of_letters():
@@ -116,17 +119,22 @@ def test_build_writes_both_splits_and_the_manifest(tmp_path, monkeypatch):
     (pages / "copy.html").write_text(f"<p>Page 0. {body}</p>")  # a duplicate of page0
     (pages / "_static" / "skipped.html").write_text(f"<p>Static {body}</p>")
     src = Source("fake-doc", "MIT", "/usr/share/doc/fake-doc/html", ("**/*.html",))
+    # a gzipped text file, cut into documents of `CHUNK` paragraphs (two here)
+    paragraphs = [f"Entry {k} of the glossary explains {body}" for k in range(corpus.CHUNK + 1)]
+    (root / "text.txt.gz").write_bytes(gzip.compress("\n\n".join(paragraphs).encode()))
+    text = Source("fake-text", "public-domain", "/", ("text.txt.gz",), (), "text")
     monkeypatch.setattr(corpus, "package_version", lambda package: "1.0-1")
     out = tmp_path / "prose"
-    summary = corpus.build(out, (src,), share=0.2, fs_root=root)
+    summary = corpus.build(out, (src, text), share=0.2, fs_root=root)
     train, heldout = (corpus.read_documents(out / f"{s}.txt") for s in ("train", "heldout"))
-    assert len(train) + len(heldout) == 40 and heldout and train
+    assert len(train) + len(heldout) == 42 and heldout and train
     assert summary["dropped"]["duplicate"] == 1
     assert not any("code()" in d or "Static" in d for d in train + heldout)
     manifest = json.loads((out / "sources.json").read_text())
-    (entry,) = manifest["sources"]
-    assert entry["package"] == "fake-doc" and entry["version"] == "1.0-1"
-    assert entry["files"] == 41 and entry["documents"] == 40 and entry["licence"] == "MIT"
+    pages, glossary = manifest["sources"]
+    assert pages["package"] == "fake-doc" and pages["version"] == "1.0-1"
+    assert pages["files"] == 41 and pages["documents"] == 40 and pages["licence"] == "MIT"
+    assert glossary["files"] == 1 and glossary["documents"] == 2
     assert manifest["documents"] == {"train": len(train), "heldout": len(heldout)}
 
 
