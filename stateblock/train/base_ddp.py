@@ -7,6 +7,11 @@ token and then EOS).
 
     torchrun --standalone --nproc_per_node=2 -m stateblock.train.base_ddp --out DIR --minutes 6
 
+With `--corpus DIR --tokenizer DIR` it trains a prose base instead (docs/CORPUS.md): random
+windows of the corpus's tokenised train split, each document `<bos> ... <eos>`, the prose
+tokenizer in the base directory, and the held-out split's perplexity at the end
+(`prose_data.py`; `recipe.prose_base` has the shapes).
+
 stateblock/train/recipe.py has the four runs that built models/reference/base (docs/QUALITY.md).
 """
 
@@ -24,9 +29,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from stateblock.train import tasks
+from stateblock.train import prose_data, tasks
 from stateblock.train.batching import budget_batches
 from stateblock.train.tokenizer import save_tokenizer
+from stateblock.train.weights import init_weights, save_split
 
 
 class FastEnc:
@@ -244,7 +250,7 @@ def build_model(tok, a):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=64,
+        vocab_size=-(-len(tok) // 64) * 64 if a.corpus else 64,
         hidden_size=a.dim,
         intermediate_size=a.mlp_dim,
         num_hidden_layers=a.n_layers,
@@ -306,42 +312,6 @@ def exact_by_family(model, enc, device, n_each=50, seed=99, budget=65536):
     }
 
 
-def save_split(state, prefix: Path, max_bytes=15 * 2**20):
-    from safetensors.torch import save_file
-
-    parts, cur, size = [], {}, 0
-    for k, v in state.items():
-        nb = v.numel() * v.element_size()
-        if cur and size + nb > max_bytes:
-            parts.append(cur)
-            cur, size = {}, 0
-        cur[k] = v.contiguous()
-        size += nb
-    parts.append(cur)
-    for j, p in enumerate(parts):
-        save_file(p, str(prefix) + f".part{j}.safetensors")
-    return len(parts)
-
-
-def load_split(prefix: Path):
-    from safetensors.torch import load_file
-
-    st = {}
-    for f in sorted(prefix.parent.glob(prefix.name + ".part*.safetensors")):
-        st.update(load_file(str(f)))
-    return st
-
-
-def init_weights(path: Path) -> dict:
-    """--init: an fp32 split checkpoint prefix (a stage on this machine), or a saved base
-    directory (its bf16 weights, upcast: a stage from the shipped base, on any machine)."""
-    if path.is_dir():
-        from safetensors.torch import load_file
-
-        return {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
-    return load_split(path)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m stateblock.train.base_ddp",
@@ -374,28 +344,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--final-eval-each", type=int, default=30, help="the same at seed 1234 (0: skip)")
     add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
-    return ap.parse_args(argv)
+    add("--corpus", default="", help="prose: train on this corpus dir, not the task suite")
+    add("--tokenizer", default="", help="prose: the tokenizer dir (prose_tokenizer.py)")
+    add("--seq-len", type=int, default=512, help="prose: tokens a training window")
+    add("--eval-tokens", type=int, default=0, help="prose: held-out tokens scored (0: all)")
+    a = ap.parse_args(argv)
+    if bool(a.corpus) != bool(a.tokenizer):
+        ap.error("--corpus and --tokenizer go together (a prose base)")
+    return a
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
-    r = init_ranks(a.device)
-    ddp, rank, world, device = r.ddp, r.rank, r.world, r.device
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok_dir = out / "base"
-    if rank == 0:
-        save_tokenizer(tok_dir)
-    if ddp:
-        dist.barrier()
+def setup_tokenizer(a: argparse.Namespace, r: Ranks, tok_dir: Path):
+    """The base directory's tokenizer, loaded: the reference one with its fast encoder
+    (checked equal to it), or with --corpus the prose tokenizer, `enc` None, and the
+    corpus's splits tokenised once by rank 0 (`prose_data.encode_split`)."""
     from transformers import AutoTokenizer
 
+    if r.rank == 0:
+        if a.corpus:
+            prose_data.copy_tokenizer(a.tokenizer, tok_dir)
+            tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+            for split in ("train", "heldout"):
+                prose_data.encode_split(tok, Path(a.corpus) / f"{split}.txt", tok_dir)
+        else:
+            save_tokenizer(tok_dir)
+    if r.ddp:
+        dist.barrier()
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    if a.corpus:
+        return tok, None
     enc = FastEnc(tok_dir)
     # the fast encoder must equal the tokenizer
     for e in tasks.generate(200, split="heldout", seed=5):
         assert tok(e.prompt)["input_ids"] == enc.prompt(e.prompt), e.prompt
         assert tok(e.answer, add_special_tokens=False)["input_ids"] == enc.answer(e.answer)
+    return tok, enc
+
+
+def training_stream(a: argparse.Namespace, tok_dir: Path, seed: str):
+    """Fresh task-suite prompts, or with --corpus random windows of the train split."""
+    if a.corpus:
+        ids = prose_data.ids_path(Path(a.corpus) / "train.txt", tok_dir)
+        batch = max(1, min(a.max_batch, a.budget // a.seq_len))
+        return prose_data.TextWindows(ids, a.seq_len, batch, seed)
+    weights = json.loads(a.weights)
+    return Stream(str(tok_dir), seed, a.budget, a.max_batch, a.pool, weights)
+
+
+def evaluate(a: argparse.Namespace, model, enc, device, tok_dir: Path) -> dict:
+    """Held-out figures: per-family exact vs truth (seeds 99 and 1234), or with --corpus the
+    held-out split's perplexity."""
+    if a.corpus:
+        ids = torch.load(prose_data.ids_path(Path(a.corpus) / "heldout.txt", tok_dir), mmap=True)
+        return {"heldout": prose_data.heldout_loss(model, ids, a.seq_len, device, a.eval_tokens)}
+    stats = {"heldout99": exact_by_family(model, enc, device, n_each=a.eval_each, seed=99)}
+    if a.final_eval_each:
+        stats["heldout1234"] = exact_by_family(
+            model, enc, device, n_each=a.final_eval_each, seed=1234
+        )
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    r = init_ranks(a.device)
+    rank, world, device = r.rank, r.world, r.device
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "base"
+    tok, enc = setup_tokenizer(a, r, tok_dir)
     torch.manual_seed(a.seed)
     model = build_model(tok, a)
     n_params = sum(p.numel() for p in model.parameters())
@@ -417,11 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.reschedule:
             total = None
     dmodel = data_parallel(model, r)
-    weights = json.loads(a.weights)
-    dl = loader(
-        Stream(str(tok_dir), f"{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights),
-        a.workers,
-    )
+    dl = loader(training_stream(a, tok_dir, f"{a.seed}-{rank}-{step}"), a.workers)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
     start = step
     fallback = a.max_steps if a.max_steps < 10**9 else 4000
@@ -469,12 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         model.to(torch.bfloat16).save_pretrained(str(tok_dir), safe_serialization=True)
         model.float()
         t1 = time.perf_counter()
-        ev = exact_by_family(model, enc, device, n_each=a.eval_each, seed=99)
-        stats["heldout99"] = ev
-        if a.final_eval_each:
-            stats["heldout1234"] = exact_by_family(
-                model, enc, device, n_each=a.final_eval_each, seed=1234
-            )
+        stats.update(evaluate(a, model, enc, device, tok_dir))
         stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
         log(json.dumps(stats))
         (out / "base_stats.json").write_text(json.dumps(stats, indent=2))

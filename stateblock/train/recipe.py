@@ -203,3 +203,22 @@ def _replace(src: Path, dst: Path) -> None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
+
+
+# The prose base (issue 41, docs/CORPUS.md), not trained yet: a Llama of 26.7 M parameters
+# (12.6 M of them the untied embeddings of 16,384 tokens) for the corpus's 11 M train tokens,
+# and a tiny one (0.2 M at 1,024 tokens) that a CPU test trains in seconds on the sample.
+PROSE_BASE = ("--dim 384 --mlp-dim 1536 --n-layers 6 --n-heads 6 --seq-len 512 --budget 65536 "
+              "--lr 1e-3 --warmup 200")  # fmt: skip
+PROSE_TINY = ("--dim 64 --mlp-dim 128 --n-layers 2 --n-heads 4 --seq-len 32 --budget 512 "
+              "--lr 5e-3 --warmup 5")  # fmt: skip
+
+
+def prose_base(corpus: Path, tokenizer: Path, work: Path, ngpu: int, minutes: float,
+               tiny: bool = False) -> list[str]:  # fmt: skip
+    """A prose base stage's command line: resumable from WORK/prose-base-state.pt, the model
+    in WORK/prose-base-run/base."""
+    args = ["--corpus", str(corpus), "--tokenizer", str(tokenizer), "--minutes", str(minutes),
+            "--out", str(work / "prose-base-run"), "--state", str(work / "prose-base-state.pt"),
+            *shlex.split(PROSE_TINY if tiny else PROSE_BASE)]  # fmt: skip
+    return launcher(BASE, ngpu, args)
