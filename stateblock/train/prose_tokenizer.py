@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from stateblock.train.corpus import read_documents
-from stateblock.train.tokenizer import ANS, BOS, CHAT_TEMPLATE, EOS, PAD, SPECIALS, UNK
+from stateblock.train.tokenizer import ANS, BOS, SPECIALS, save_tokenizer
 
 VOCAB_SIZE = 16_384
 
@@ -50,19 +50,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
 
 def save_bpe(tok: Tokenizer, out_dir: str | Path) -> None:
     """tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) in `out_dir`."""
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        pad_token=PAD,
-        additional_special_tokens=[ANS],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=8192 + 512,
-    )
-    fast.save_pretrained(str(out_dir))
+    save_tokenizer(out_dir, tok)
 
 
 def measure(tok: Tokenizer, texts: list[str]) -> dict:

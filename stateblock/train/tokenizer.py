@@ -40,11 +40,13 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def save_tokenizer(out_dir: str | Path) -> None:
+def save_tokenizer(out_dir: str | Path, tok: Tokenizer | None = None) -> None:
+    """`tok` (default: the character-level reference tokenizer) in the `from_pretrained`
+    layout, with the reference's special tokens and chat template."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
+        tokenizer_object=tok if tok is not None else build_tokenizer(),
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
