@@ -280,6 +280,10 @@ class GatewayService:
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
                 generation = await self._generate(p, request_id, timeout, idempotency_key)
+            except asyncio.CancelledError:  # the client went away
+                m.requests.labels(api, "Cancelled").inc()
+                log.info("request cancelled: its caller went away")
+                raise
             except GatewayError as e:
                 outcome = type(e).__name__
                 m.requests.labels(api, outcome).inc()
@@ -353,12 +357,13 @@ class GatewayService:
                     captured = await self._capture.capture(
                         capture_id, p.model, lanes, timeout=deadline - loop.time()
                     )
-            except (Unavailable, InvalidRequest):
-                if key is not None:  # a first capture that never ran gives the key back
-                    await (key.give_back() if attempt == 0 else key.lapse())
+            except (Unavailable, InvalidRequest, asyncio.CancelledError):
+                if key is not None:  # a first capture that never ran (or was cancelled
+                    # before publishing) gives the key back at once: a retry runs it anew
+                    await asyncio.shield(key.give_back() if attempt == 0 else key.lapse())
                 raise
-            if key is not None:  # published: this request answers whatever the key says
-                await key.point_to(captured.block_id, captured.prompt_tokens)
+            if key is not None:  # published: a retry follows it, even past a client's cancel
+                await asyncio.shield(key.point_to(captured.block_id, captured.prompt_tokens))
             try:
                 with _in(self._m.running.labels(model)):
                     return await self._answer(p, request_id, captured, deadline, budget)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, FastAPI, Request
 from gateway import protocol as p
 from gateway.errors import InvalidRequest
 from gateway.logprobs import chat_logprobs
-from gateway.openai.serving import IdempotencyKey, Shape, respond, screen
+from gateway.openai.serving import IdempotencyKey, Shape, respond, screen, with_cancellation
 from gateway.service import (
     ChoiceResult,
     GatewayService,
@@ -99,6 +99,7 @@ def serving(request: Request) -> ServingChat:
 
 
 @router.post("/v1/chat/completions")
+@with_cancellation
 async def create_chat_completion(
     req: p.ChatCompletionRequest, raw_request: Request, idempotency_key: IdempotencyKey = None
 ):

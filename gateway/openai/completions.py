@@ -9,7 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from gateway import protocol as p
 from gateway.errors import InvalidRequest
 from gateway.logprobs import completion_logprobs
-from gateway.openai.serving import IdempotencyKey, Shape, respond, screen
+from gateway.openai.serving import IdempotencyKey, Shape, respond, screen, with_cancellation
 from gateway.service import (
     ChoiceResult,
     GatewayService,
@@ -119,6 +119,7 @@ def serving(request: Request) -> ServingCompletion:
 
 
 @router.post("/v1/completions")
+@with_cancellation
 async def create_completion(
     req: p.CompletionRequest, raw_request: Request, idempotency_key: IdempotencyKey = None
 ):

@@ -1,17 +1,20 @@
 """What the completions and chat families share: the screening every request passes, and
 `respond`, the one renderer of a `Generation` as a response or an SSE stream of chunks.
 A family says only what differs, as a `Shape`: its id prefix, its response and chunk types,
-and how a choice, a stream's opening and one piece of a choice look."""
+and how a choice, a stream's opening and one piece of a choice look. `with_cancellation`
+wraps each generating route, so that a client that goes away cancels what has not started."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Annotated, ClassVar
 
 import structlog
-from fastapi import Header
+from fastapi import Header, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -23,6 +26,38 @@ from gateway.stops import StopSpec
 log = structlog.get_logger("gateway.http")
 # a client's retry key (gateway/idempotency.py): the same key, the first request's answer
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key")]
+
+
+def with_cancellation(route: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    """Run `route` (which takes `raw_request`) as a task beside one that listens for the
+    client's `http.disconnect`: a client that goes away cancels the route's task, and with
+    it the gateway's Capture call, as a gRPC client's cancel does (a capture still queued
+    never runs; once its block is published, the block is read and committed anyway).
+    The route's answer, once it has one, is sent as usual; a stream's remaining chunks stop
+    at a disconnect by Starlette's own listener."""
+
+    @functools.wraps(route)
+    async def wrapper(*args, raw_request: Request, **kwargs):
+        work = asyncio.ensure_future(route(*args, raw_request=raw_request, **kwargs))
+        gone = asyncio.ensure_future(_disconnected(raw_request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        await asyncio.gather(work, return_exceptions=True)  # its end, whatever it is
+        return None  # nobody reads it
+
+    return wrapper
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def screen(req: p._Request) -> StopSpec:

@@ -6,9 +6,12 @@ block early."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import grpc
 import httpx
@@ -20,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.plans import PlanTable, PlanTableMetrics
+from readout_svc import worker
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.protocol import envelope, streams
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -101,13 +105,39 @@ def held_stack(decoder_dir, tmp_path, monkeypatch):
         real(self, cohort)
 
     monkeypatch.setattr(CohortForward, "__call__", held)
+    with embedded_stack(decoder_dir, tmp_path, release) as stack:
+        yield stack, forwards, running, release
+
+
+@pytest.fixture
+def held_readout(decoder_dir, tmp_path, monkeypatch):
+    """The embedded stack, each readout recording its block's request id and then waiting
+    for `release` (its block published and claimed)."""
+    readouts: list[str] = []
+    running, release = threading.Event(), threading.Event()
+    real = worker._timed_readout
+
+    def held(engine, checked):
+        readouts.append(checked.header.request_id)
+        running.set()
+        if not release.wait(30):
+            raise TimeoutError("the test never released the readout")
+        return real(engine, checked)
+
+    monkeypatch.setattr(worker, "_timed_readout", held)
+    with embedded_stack(decoder_dir, tmp_path, release) as stack:
+        yield stack, readouts, running, release
+
+
+@contextmanager
+def embedded_stack(decoder_dir, tmp_path, release: threading.Event) -> Iterator[StackThread]:
     config = UpConfig(
         data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1, decoder_dir=decoder_dir
     )
     stack = StackThread(config)
     stack.start(timeout=120)
     try:
-        yield stack, forwards, running, release
+        yield stack
     finally:
         release.set()
         stack.stop()
@@ -116,7 +146,7 @@ def held_stack(decoder_dir, tmp_path, monkeypatch):
 def test_a_grpc_call_cancelled_while_its_capture_is_queued_runs_no_forward(held_stack):
     stack, forwards, running, release = held_stack
     url = stack.urls.http
-    plans = "stateblock_capture_active_plans"
+    plans = PLANS
 
     def ask(prompt: str) -> gateway_pb2.GenerateRequest:
         return gateway_pb2.GenerateRequest(model=MODEL, prompt=prompt, max_tokens=4)
@@ -137,12 +167,130 @@ def test_a_grpc_call_cancelled_while_its_capture_is_queued_runs_no_forward(held_
         gone.result()
     assert len(forwards) == 2, forwards  # the first and the last: the cancelled one never ran
     assert capture_gauge(url, plans) == 0
+    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
 
-    async def blocks_published() -> int:
-        nc = await nats.connect(stack.urls.nats)
-        try:
-            return (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq
-        finally:
-            await nc.close()
 
-    assert asyncio.run(blocks_published()) == 2  # no block, so nothing to read or to end
+async def blocks_published(nats_url: str) -> int:
+    nc = await nats.connect(nats_url)
+    try:
+        return (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq
+    finally:
+        await nc.close()
+
+
+def requests_counted(http_url: str, api: str, outcome: str) -> float:
+    text = httpx.get(f"{http_url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "stateblock_requests_total" and s.labels == {
+                "api": api,
+                "outcome": outcome,
+            }:
+                return s.value
+    return 0.0
+
+
+async def gauge_is(http_url: str, value: float, what: str) -> None:
+    await asyncio.to_thread(until, lambda: capture_gauge(http_url, PLANS) == value, what)
+
+
+PLANS = "stateblock_capture_active_plans"
+ROUTES = {
+    "completions": ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 4}),
+    "chat": (
+        "/v1/chat/completions",
+        lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 4},
+    ),
+}
+
+
+async def post(url: str, api: str, text: str, *, stream: bool = False, key: str | None = None):
+    """One request on a connection of its own: cancelling it closes that connection."""
+    path, body = ROUTES[api]
+    headers = {"Idempotency-Key": key} if key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=45) as client:
+        r = await client.post(path, json={"model": MODEL, "stream": stream, **body(text)},
+                              headers=headers)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.text
+
+
+async def held_then_gone(stack, running, api: str, *, stream: bool, key: str | None = None):
+    """A first request holds the forward; a second, queued behind it, is abandoned by its
+    client (its connection closed) once its capture is planned. Returns the first's task."""
+    url = stack.urls.http
+    first = asyncio.create_task(post(url, "completions", "copy: a"))
+    assert await asyncio.to_thread(running.wait, 20)
+    gone = asyncio.create_task(post(url, api, "copy: " + "b" * 60, stream=stream, key=key))
+    await gauge_is(url, 2, "the second capture was never planned")
+    gone.cancel()  # the HTTP client goes away while its capture waits in the batcher
+    await gauge_is(url, 1, "the abandoned capture kept its plan")
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    return first
+
+
+@pytest.mark.parametrize(("api", "stream"), [("completions", False), ("chat", True)])
+def test_an_http_client_that_goes_away_while_its_capture_is_queued_runs_no_forward(
+    held_stack, api, stream
+):
+    stack, forwards, running, release = held_stack
+    url = stack.urls.http
+
+    async def scenario() -> None:
+        first = await held_then_gone(stack, running, api, stream=stream)
+        release.set()
+        assert await first
+        assert await post(url, api, "copy: c", stream=stream)  # the forward after the first
+
+    asyncio.run(scenario())
+    assert len(forwards) == 2, forwards  # the first and the last: the abandoned one never ran
+    assert capture_gauge(url, PLANS) == 0
+    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
+    assert requests_counted(url, api, "Cancelled") == 1
+
+
+def test_a_keyed_request_abandoned_before_publish_gives_its_key_back(held_stack):
+    """The retry with the key runs anew at once: it neither waits for the abandoned one's
+    deadline (60 s, past the client's 45 s) nor finds a block that was never published."""
+    stack, forwards, running, release = held_stack
+    url = stack.urls.http
+
+    async def scenario() -> str:
+        first = await held_then_gone(stack, running, "completions", stream=False, key="gone")
+        retry = asyncio.create_task(post(url, "completions", "copy: " + "b" * 60, key="gone"))
+        await gauge_is(url, 2, "the retry was never captured")
+        release.set()
+        assert await first
+        return await retry
+
+    answer = asyncio.run(scenario())
+    assert '"finish_reason"' in answer
+    assert len(forwards) == 2, forwards  # the first and the retry
+    assert asyncio.run(blocks_published(stack.urls.nats)) == 2
+
+
+def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that_answer(
+    held_readout,
+):
+    """Its block is published: the key names it, the readout goes on, and the retry waits
+    for that block's answer instead of capturing a second."""
+    stack, readouts, running, release = held_readout
+    url = stack.urls.http
+
+    async def scenario() -> str:
+        gone = asyncio.create_task(post(url, "completions", "copy: a", key="published"))
+        assert await asyncio.to_thread(running.wait, 20)  # published, claimed, being read
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        retry = asyncio.create_task(post(url, "completions", "copy: a", key="published"))
+        await asyncio.to_thread(until, lambda: requests_counted(url, "completions", "Cancelled"),
+                                "the abandoned request was not cancelled")  # fmt: skip
+        release.set()
+        return await retry
+
+    answer = asyncio.run(scenario())
+    assert json.loads(answer)["id"] == f"cmpl-{readouts[0]}"  # the abandoned request's
+    assert len(readouts) == 1, readouts  # one block, read once: the retry captured none
+    assert asyncio.run(blocks_published(stack.urls.nats)) == 1
