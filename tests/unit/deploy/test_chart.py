@@ -103,7 +103,10 @@ def test_selectors_ports_and_probes_are_consistent(default_docs):
             handler = spec.get("httpGet") or spec.get("tcpSocket") or spec.get("grpc")
             assert handler["port"] in ports or handler["port"] in ports.values(), (component, probe)
     gateway = container(default_docs, "gateway")
-    assert gateway["startupProbe"]["httpGet"]["path"] == "/health"
+    # started once the process serves; ready only once NATS and the capture answer, so a
+    # capture still warming up keeps the gateway unready, not restarting
+    assert gateway["startupProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+    assert "service" not in gateway["readinessProbe"]["grpc"]
     assert gateway["readinessProbe"]["grpc"]["port"] == 50051
 
 
