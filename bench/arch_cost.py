@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-# the arms of docs/QUALITY.md's sessions 22 and 24
+# the decoder architectures docs/QUALITY.md compares: the shipped one, deeper stacks, wider latents
 DEFAULT_ARMS = {
     "shipped": {},
     "mixer3_ref2": {"n_mixer": 3, "n_ref_mixer": 2},

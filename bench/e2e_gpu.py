@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--forward-state-digest",
         choices=["blake3", "sha256"],
         default="blake3",
-        help="the capture's row hash (sha256: the digest before session 19)",
+        help="the capture's row hash (sha256: what a header without the field means)",
     )
     ap.add_argument(
         "--matmul-precision",

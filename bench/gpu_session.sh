@@ -15,10 +15,10 @@
 #   bash bench/gpu_session.sh load [ARGS] # bench.load_gpu: 1-128 clients, 256 and 1,014
 #                                         # tokens, batched AR (about 6-8 minutes)
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
-# --greedy-dtype bfloat16. In one process with them the bench died once (SIGSEGV, session 14:
-# it reused the compiled model for the eager AR) and hung twice in the stack's stop (sessions
-# 15-16: the capture service freeing its CUDA graph trees); neither step exists since session
-# 16 (docs/BENCHMARKS.md). e2e-procs times the stack per service first.
+# --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
+# compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
+# its CUDA graph trees); the stack and the bench take neither step (docs/BENCHMARKS.md).
+# e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
 STAGE=${1:?checks, smoke, measure, final, load, e2e, e2e-both or e2e-procs}
@@ -65,7 +65,7 @@ elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit,
     timeout 130 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
       --json "$OUT/eval-cuda.json" --markdown "$OUT/eval-cuda.md" > "$OUT/eval.log" 2>&1
     echo "eval rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-cuda.md" | head -5
-    mkdir -p "$OUT/eval100"  # about 75 s for the three (session 15); one archive: 8 files
+    mkdir -p "$OUT/eval100"  # about 75 s for the three on an H200; one archive: 8 files
     for seed in 1234 7 99; do
       timeout 90 python3 -m stateblock.app.cli eval --device cuda --n-each 100 --seed $seed \
         --json "$OUT/eval100/s$seed.json" --markdown "$OUT/eval100/s$seed.md" \

@@ -244,9 +244,9 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         rep.run(key, lambda e=variant, w=weights: measure(e, 1, 8192, w))
         del variant
         free()
-    # session 3's engine (the lm_head GEMM after an fp32 decoder with SDPA), the lm_head GEMM
-    # after today's decoder, the decoder's linears in TF32 too (session 4's measured run:
-    # process-wide switch), and the fused head in bf16
+    # the plain engine (the lm_head GEMM after an fp32 decoder with SDPA), the lm_head GEMM
+    # after the served decoder, the decoder's linears in TF32 too (torch's process-wide
+    # switch), and the fused head in bf16
     old_head = {"head": "lm_head", **EXACT}
     for key, options in (
         ("engine_lm_head_fp32_sdpa", {**old_head, "attention": "sdpa", "kernel_precision": "ieee"}),
@@ -277,8 +277,8 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
         one, eight = rep.data.get(f"{prefix}_K1_D8192", {}), rep.data.get(f"{prefix}_K8_D8192", {})
         if "readout_ms" in one and "readout_ms" in eight:
             rep.put(f"{prefix}_k8_over_k1", eight["readout_ms"] / one["readout_ms"])
-    # the latents-only decoder every GPU figure before session 9 measured, for comparison
-    seed_arch = engine(random_weights({})[0], warm_shapes=(), **EXACT)  # as measured before
+    # the latents-only decoder (ReadoutConfig's defaults), for comparison
+    seed_arch = engine(random_weights({})[0], warm_shapes=(), **EXACT)
     free()
     w0 = torch.cuda.memory_allocated()  # its weights (the K=8 peak also holds K=1's graph)
     for k in (1, 8):

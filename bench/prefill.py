@@ -70,8 +70,8 @@ def measure_prefill(args, base, device: str, report: Report, left) -> None:
 
     Run before the e2e stack: the stack's compiled capture records CUDA graphs on its forward
     thread, and touching the same model or dynamo from this thread after that thread is gone
-    has crashed the process (one segfault in about six session-4/5 runs, after the stack had
-    stopped and before the prefill stage that then followed it)."""
+    can crash the process (a segfault in about one run of six, after the stack had stopped
+    and before a prefill stage that followed it)."""
     prefill: dict = report.doc.setdefault("prefill", {})
     try:
         prefill["llama"] = time_prefill(

@@ -9,11 +9,17 @@ valid position sees a pad column, and the pad rows are dropped. A mask would onl
 Hugging Face SDPA off its causal (flash) kernel onto a materialized (B, 1, P, P) mask. A
 lane's rows then come out of the same computation alone or batched (the same bucket width,
 the same unmasked causal path), so batching never changes an answer.
+
+A compiled forward runs a fixed set of shapes: a cohort's lanes are padded up to a lane
+bucket with dummy lanes of pad ids (their rows are cut off before the plan table sees the
+forward's output, so they reach no block), and `warm_shapes` lists every (lane bucket,
+width bucket) pair, which the service runs through the forward before it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ import torch
 from torch import nn
 
 from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
-from stateblock.model.capture import capture
+from stateblock.model.capture import capture, warm_up
 
 log = structlog.get_logger("capture_svc.batcher")
 MIN_BUCKET = 16
@@ -43,6 +49,27 @@ def bucket_width(length: int) -> int:
         width *= 2
 
 
+def width_buckets(prompt_len_max: int) -> list[int]:
+    """Every width a cohort can be padded to when prompts are at most prompt_len_max."""
+    widths = [MIN_BUCKET]
+    while widths[-1] < prompt_len_max:
+        widths.append(bucket_width(widths[-1] + 1))
+    return widths
+
+
+def lane_bucket(lanes: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= lanes; buckets are sorted and end at the cohort limit."""
+    for bucket in buckets:
+        if bucket >= lanes:
+            return bucket
+    raise ValueError(f"{lanes} lanes exceed the largest lane bucket {buckets[-1]}")
+
+
+def warm_shapes(lane_buckets: Sequence[int], prompt_len_max: int) -> list[tuple[int, int]]:
+    """Every (lanes, width) shape a compiled cohort forward can run."""
+    return [(n, w) for n in lane_buckets for w in width_buckets(prompt_len_max)]
+
+
 @dataclass
 class Pending:
     plan: CapturePlan
@@ -58,18 +85,33 @@ class CohortForward:
     """One forward over a cohort; the hook hands the rows to the plan table, stamped."""
 
     def __init__(
-        self, model: nn.Module, plans: PlanTable, *, pad_id: int, capture_mode: int
+        self,
+        model: nn.Module,
+        plans: PlanTable,
+        *,
+        pad_id: int,
+        capture_mode: int,
+        lane_buckets: Sequence[int] | None = None,
     ) -> None:
         self._model = model
         self._plans = plans
         self._pad_id = pad_id
         self._mode = capture_mode
+        self._lane_buckets = lane_buckets  # None: a cohort runs at its own lane count
         self._device = next(model.parameters()).device
 
-    def warm_up(self) -> None:
-        """One throwaway forward at start-up, so the first request pays no first-call cost."""
-        ids = torch.full((1, MIN_BUCKET), self._pad_id, dtype=torch.long)
-        capture(self._model, ids.to(self._device))  # unmasked, as every request runs
+    def warm_up(self, shapes: Sequence[tuple[int, int]] = ((1, MIN_BUCKET),)) -> float:
+        """Run each (lanes, width) shape before the first request (by default one throwaway
+        forward: the eager path's first-call cost); returns the seconds it took."""
+        t0 = time.perf_counter()
+
+        def done(lanes: int, width: int, seconds: float) -> None:
+            log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
+
+        warm_up(self._model, shapes, pad_id=self._pad_id, on_shape=done)
+        total = time.perf_counter() - t0
+        log.info("warm-up done", shapes=len(shapes), seconds=round(total, 3))
+        return total
 
     def __call__(self, cohort: Sequence[Pending]) -> None:
         width = max(p.bucket for p in cohort)
@@ -79,7 +121,10 @@ class CohortForward:
             for i, ids in enumerate(p.lane_ids):
                 slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
                 lanes.append(ids)
-        ids = torch.full((len(lanes), width), self._pad_id, dtype=torch.long)  # (B, P)
+        real = len(lanes)
+        batch = real if self._lane_buckets is None else lane_bucket(real, self._lane_buckets)
+        # (B, P); rows past `real` are dummy lanes of pad ids, cut off before the plan table
+        ids = torch.full((batch, width), self._pad_id, dtype=torch.long)
         for row, lane in enumerate(lanes):
             ids[row, : len(lane)] = torch.tensor(lane, dtype=torch.long)
         # The valid prefix of each batch row, as the ids were actually laid out: the plan table
@@ -90,7 +135,7 @@ class CohortForward:
         capture(
             self._model,
             ids.to(self._device),
-            on_rows=lambda rows: self._plans.record(stamp, rows, lengths),
+            on_rows=lambda rows: self._plans.record(stamp, rows[:real], lengths),
         )
 
 
@@ -181,6 +226,10 @@ class ForwardBatcher:
         while True:
             batch = await self._collect()
             for cohort in self._cohorts(batch):
+                # a caller that went away while an earlier cohort ran: its forward never starts
+                cohort = [p for p in cohort if not p.future.done()]
+                if not cohort:
+                    continue
                 try:
                     await loop.run_in_executor(self._executor, self._forward, cohort)
                 except Exception as e:  # the forward failed: every request in it fails

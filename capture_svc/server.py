@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
 import nats
 import structlog
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, ForwardBatcher
+from capture_svc.batcher import MIN_BUCKET, CohortForward, ForwardBatcher, warm_shapes
 from capture_svc.config import CaptureConfig
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
@@ -25,12 +26,22 @@ from capture_svc.service import (
     CaptureMetrics,
     CaptureService,
     CaptureUnavailable,
+    CaptureWarmingUp,
     InvalidCapture,
 )
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
-from stateblock.nats_client import NatsOptions, NatsState, connect, follow_in_health
+from stateblock.nats_client import (
+    LIVENESS,
+    NatsOptions,
+    NatsState,
+    Readiness,
+    connect,
+    follow_in_health,
+    probing,
+    round_trip,
+)
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
@@ -67,9 +78,11 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
                     request.request_id or None,
                 )
             except CaptureError as e:
-                # ORIGIN_METADATA says the capture itself answered: an UNAVAILABLE without
-                # it never reached a capture (and is safe for the gateway to send again)
-                trailing = [(ORIGIN_METADATA, "capture")]
+                # ORIGIN_METADATA says the capture took the request in: an UNAVAILABLE
+                # without it ran nothing (no capture reached, or one still warming up), so
+                # the gateway sends it again
+                took_in = not isinstance(e, CaptureWarmingUp)
+                trailing = [(ORIGIN_METADATA, "capture")] if took_in else []
                 param = getattr(e, "param", None)
                 if param:
                     trailing.append((PARAM_METADATA, param))
@@ -89,6 +102,29 @@ class RunningCapture:
     plans: PlanTable
 
 
+async def _health_not_serving(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """The health service on `server`: alive, not serving (follow_in_health takes over)."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", CAPTURE_SERVICE):
+        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+async def _warm_up(
+    forward: CohortForward, executor: Executor, config: CaptureConfig, metrics: CaptureMetrics
+) -> None:
+    """Compiled: every (lane bucket, width bucket) shape a cohort can run. Eager: one
+    throwaway forward, its first-call cost."""
+    buckets = config.cohort_lane_buckets
+    limit = config.limits.prompt_len_max
+    shapes = [(1, MIN_BUCKET)] if buckets is None else warm_shapes(buckets, limit)
+    log.info("warming up", shapes=len(shapes), compile=config.compile)
+    loop = asyncio.get_running_loop()
+    metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
+
+
 @asynccontextmanager
 async def running_capture(
     config: CaptureConfig,
@@ -99,7 +135,9 @@ async def running_capture(
     metrics: CollectorRegistry,
     nats_state: NatsState | None = None,
 ) -> AsyncIterator[RunningCapture]:
-    """The Capture gRPC service, serving until the context exits (grace, then stop)."""
+    """The Capture gRPC service, yielded once its forward is warmed up, serving until the
+    context exits (grace, then stop). It listens from before the warm-up: health says
+    NOT_SERVING and a request is UNAVAILABLE until every shape has run."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     async with AsyncExitStack() as stack:
         await streams.ensure_streams(
@@ -121,14 +159,13 @@ async def running_capture(
             # them at stop on the forward thread hung an in-process stack's stop in two of
             # four H200 runs (the thread dump: the loop idle, waiting on that call, and uvloop
             # had run a garbage handle); the one run without the release stopped cleanly.
-            log.info("base forward compiled lazily per shape", backend=config.compile)
         forward = CohortForward(
             model.model,
             plans,
             pad_id=model.tokenizer.pad_token_id or 0,
             capture_mode=CAPTURE_MODE,
+            lane_buckets=config.cohort_lane_buckets,
         )
-        await asyncio.get_running_loop().run_in_executor(executor, forward.warm_up)
         batcher = await stack.enter_async_context(
             ForwardBatcher(
                 forward,
@@ -144,18 +181,27 @@ async def running_capture(
         server = runtime.grpc_server()
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
         # the standard health service: Kubernetes' native gRPC probes and load balancers ask
-        # it; NOT_SERVING first on shutdown, so routing stops before in-flight work drains
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        # it; NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
+        # before in-flight work drains
+        health_servicer = await _health_not_serving(server)
         port = runtime.grpc_bind(server, config.host, config.port, "capture gRPC")
         await server.start()
-        await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), nats_state)
+        stack.push_async_callback(server.stop, config.grace_s)
+        stack.push_async_callback(health_servicer.enter_graceful_shutdown)
+        # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
+        await _warm_up(forward, executor, config, capture_metrics)
+        service.mark_ready()
+        # ready while NATS answers a round trip: a stalled server leaves the connection up
+        readiness = await stack.enter_async_context(
+            probing(
+                Readiness(nats_state),
+                {"nats": functools.partial(round_trip, nc)},
+                config.ready_timeout_s,
+            )
+        )
+        await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), readiness)
         log.info("capture service listening", port=port, model=model.name)
-        try:
-            yield RunningCapture(port, service, plans)
-        finally:
-            await health_servicer.enter_graceful_shutdown()
-            await server.stop(config.grace_s)
+        yield RunningCapture(port, service, plans)
 
 
 async def main() -> None:

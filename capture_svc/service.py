@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from capture_svc.batcher import ForwardBatcher
 from capture_svc.config import CaptureConfig
@@ -47,6 +47,10 @@ class InvalidCapture(CaptureError):
 
 class CaptureUnavailable(CaptureError):
     """Publishing failed or the service is stopping (UNAVAILABLE)."""
+
+
+class CaptureWarmingUp(CaptureUnavailable):
+    """The forward is still warming up (UNAVAILABLE): nothing ran, so it may be sent again."""
 
 
 class CaptureFailed(CaptureError):
@@ -84,6 +88,11 @@ class CaptureMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=metrics,
         )
+        self.warmup_seconds = Gauge(
+            "stateblock_capture_warmup_seconds",
+            "Start-up warm-up: every compiled (lanes, width) shape run before SERVING.",
+            registry=metrics,
+        )
 
 
 class CaptureService:
@@ -107,6 +116,11 @@ class CaptureService:
         self._config = config
         self._digest_algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         self._encode = PromptEncoder(model.tokenizer)
+        self._ready = False
+
+    def mark_ready(self) -> None:
+        """The forward is warmed up: requests are taken from here on."""
+        self._ready = True
 
     def tokenize(self, lane: capture_pb2.CaptureLane, index: int) -> list[int]:
         tok = self._model.tokenizer
@@ -179,6 +193,8 @@ class CaptureService:
         lanes: Sequence[capture_pb2.CaptureLane],
         request_id: str | None = None,
     ) -> Captured:
+        if not self._ready:  # a shape not warmed up yet would compile on this request
+            raise CaptureWarmingUp("the capture is warming up its forward; send it again")
         t0 = time.perf_counter()
         request_id = request_id or uuid7()
         self._check(model, lanes)

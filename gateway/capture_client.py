@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import (
     DeadlineExceeded,
@@ -58,6 +59,15 @@ def translate(error: grpc.aio.AioRpcError) -> GatewayError:
 class GrpcCaptureClient:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._stub = capture_pb2_grpc.CaptureStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    async def answering(self, timeout: float) -> None:
+        """Returns once a capture says SERVING to a health check (its own readiness: NATS
+        answering too); raises otherwise. The gateway's readiness probe."""
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            raise Unavailable(f"the capture says {name}")
 
     async def capture(
         self,

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.errors import ReadoutFailed
+from gateway.errors import BlockRejected
 from registry import FINAL_STATES, CommitTimeout, Registry, RegistryError
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
@@ -45,7 +45,9 @@ class CommitWatcher:
         self._registry = registry
         self._trust = trust
         self._recheck_s = recheck_s
-        self._waiting: dict[str, asyncio.Future[Outcome]] = {}
+        # every request waiting on a block, each with its own future: retries that share
+        # one Idempotency-Key wait on one block together
+        self._waiting: dict[str, list[asyncio.Future[Outcome]]] = {}
         self._recent: OrderedDict[str, Outcome] = OrderedDict()
         self.untrusted = Counter(
             "stateblock_untrusted_outcomes",
@@ -85,9 +87,9 @@ class CommitWatcher:
     def _settle(self, block_id: str, outcome: Outcome) -> None:
         """Kept briefly too: a block can finish before the gateway has the capture reply
         (and the block id) in hand."""
-        waiter = self._waiting.get(block_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(outcome)
+        for waiter in self._waiting.get(block_id, ()):
+            if not waiter.done():
+                waiter.set_result(outcome)
         self._recent[block_id] = outcome
         while len(self._recent) > _REMEMBERED:
             self._recent.popitem(last=False)
@@ -108,12 +110,14 @@ class CommitWatcher:
         return None
 
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit:
-        """The commit; ReadoutFailed if the block was rejected; CommitTimeout after timeout."""
+        """The commit; BlockRejected if the block was rejected; CommitTimeout after timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         outcome = self._recent.get(block_id)
         if outcome is None:
-            waiter = self._waiting[block_id] = loop.create_future()
+            waiter = loop.create_future()
+            waiters = self._waiting.setdefault(block_id, [])
+            waiters.append(waiter)
             try:
                 while outcome is None and (remaining := deadline - loop.time()) > 0:
                     try:
@@ -123,9 +127,11 @@ class CommitWatcher:
                     except TimeoutError:
                         outcome = await self._reread(block_id)
             finally:
-                del self._waiting[block_id]
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiting[block_id]
         if outcome is None:
             raise CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
         if isinstance(outcome, commit_pb2.Rejection):
-            raise ReadoutFailed(f"block {block_id} was rejected: {outcome.reason}")
+            raise BlockRejected(block_id, outcome.reason, outcome.detail)
         return outcome

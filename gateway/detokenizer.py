@@ -43,6 +43,10 @@ class Detokenizer:
         clean = bool(config.get("clean_up_tokenization_spaces", False))
         return cls(Tokenizer.from_file(str(d / "tokenizer.json")), clean_up_spaces=clean)
 
+    def __len__(self) -> int:
+        """The vocabulary's size, added tokens included (as a transformers tokenizer's len)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

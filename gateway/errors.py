@@ -35,3 +35,16 @@ class Unavailable(GatewayError):
 
 class ReadoutFailed(GatewayError):
     """500 / INTERNAL: the capture or its block failed an integrity check."""
+
+
+class BlockRejected(ReadoutFailed):
+    """A block's rejection, signed by a trusted readout key; `reason` is the worker's (the
+    gateway captures again for the reasons that are not the request's own)."""
+
+    def __init__(self, block_id: str, reason: str, detail: str = "") -> None:
+        self.block_id = block_id
+        self.reason = reason
+        self.detail = detail
+        super().__init__(
+            f"block {block_id} was rejected: {reason}" + (f" ({detail})" if detail else "")
+        )

@@ -29,7 +29,7 @@ from gateway.service import (
 )
 from gateway.stops import StopSpec
 from stateblock import runtime
-from stateblock.nats_client import NatsState, follow_in_health
+from stateblock.nats_client import Readiness, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -246,7 +246,7 @@ async def serve_grpc(
     host: str,
     port: int,
     grace_s: float,
-    nats_state: NatsState | None = None,
+    readiness: Readiness | None = None,
     api_key: str | None = None,
     tls: tuple[Path, Path] | None = None,
 ) -> AsyncIterator[int]:
@@ -260,7 +260,7 @@ async def serve_grpc(
     enable_reflection(server, (SERVICE, health.SERVICE_NAME))
     bound = runtime.grpc_bind(server, host, port, "gateway gRPC", tls)
     await server.start()
-    await follow_in_health(health_servicer, ("", SERVICE), nats_state)
+    await follow_in_health(health_servicer, ("", SERVICE), readiness)
     try:
         yield bound
     finally:

@@ -39,7 +39,7 @@ from gateway.service import (
     make_sampling,
 )
 from gateway.stops import StopSpec
-from stateblock.nats_client import NatsState
+from stateblock.nats_client import Readiness
 
 log = structlog.get_logger("gateway.http")
 # a client's retry key (gateway/idempotency.py): the same key, the first request's answer
@@ -142,7 +142,7 @@ def create_app(
     *,
     metrics: CollectorRegistry,
     created: int,
-    nats_state: NatsState | None = None,
+    readiness: Readiness | None = None,
     max_body_bytes: int | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
@@ -200,13 +200,13 @@ def create_app(
     async def detokenize(req: p.DetokenizeRequest) -> p.DetokenizeResponse:
         if req.model is not None and req.model != service.model_name:
             raise ModelNotFound(f"The model `{req.model}` does not exist.")
-        return p.DetokenizeResponse(prompt=service.decode(req.tokens))
+        return p.DetokenizeResponse(prompt=service.detokenize(req.tokens))
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        # 503 while NATS is unreachable: no request could be answered, route elsewhere
-        if nats_state is not None and not nats_state.connected:
-            return JSONResponse({"status": "nats disconnected"}, status_code=503)
+        # 503 while NATS or the capture does not answer: no request could be, route elsewhere
+        if readiness is not None and not readiness.ready:
+            return JSONResponse({"status": "unavailable", "why": readiness.why}, status_code=503)
         return JSONResponse({"status": "ok", "model": service.model_name})
 
     @app.get("/metrics")

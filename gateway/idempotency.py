@@ -4,8 +4,11 @@ connection, a 503) gets the first request's answer and never runs twice.
 The key maps to the first request's id and, once its capture answered, its block id, in a
 JetStream KV bucket every gateway replica shares. A retry that finds the block id waits for
 that block's outcome; one that finds the first still capturing waits for the block id; one
-whose first never ran (the capture was unreachable: nothing published) runs itself. A key
-sent with other parameters is refused, as OpenAI-style APIs do.
+whose first never ran (the capture was unreachable: nothing published) runs itself. When the
+first request captures again (its block was rejected for a reason not its own: the payload
+lost, expired unread), the key names the new block, and a retry that saw the old one
+rejected follows the new one. A key sent with other parameters is refused, as OpenAI-style
+APIs do.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import nats
 import nats.js.errors as js_errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
@@ -28,6 +32,7 @@ from nats.js.kv import KeyValue
 from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from stateblock.nats_client import TRANSIENT, retry_transient
 
+log = structlog.get_logger("gateway")
 BUCKET = "STATEBLOCK_REQUESTS"
 MAX_KEY_CHARS = 255
 POLL_S = 0.05
@@ -41,7 +46,8 @@ class Record:
     block_id: str | None = None  # set once the capture answered
     prompt_tokens: tuple[int, ...] = ()
     # wall-clock end of the owner's deadline: a record still without a block id after it
-    # belongs to a request that died before its capture answered (or could not say so)
+    # belongs to a request that died before its capture answered (or could not say so); one
+    # whose block was rejected belongs to an owner no longer capturing it again
     expires_at: float = 0.0
 
     def encode(self) -> bytes:
@@ -146,11 +152,47 @@ class KvKeyStore:
         await self._call("delete", lambda: self._kv.delete(key))
 
 
+class OwnedKey:
+    """The key of the request that runs it: its record follows the request's latest block.
+    A failed update is logged, not raised: the block is published, so this request answers
+    whatever happens to its key."""
+
+    def __init__(self, store: KeyStore, name: str, record: Record, revision: int) -> None:
+        self.store, self.name, self.record, self.revision = store, name, record, revision
+
+    async def point_to(self, block_id: str, prompt_tokens: tuple[int, ...]) -> None:
+        await self._update(replace(self.record, block_id=block_id, prompt_tokens=prompt_tokens))
+
+    async def lapse(self) -> None:
+        """This request captures its rejected block no more: a retry may run it anew now."""
+        await self._update(replace(self.record, expires_at=time.time()))
+
+    async def give_back(self) -> None:
+        """Nothing of this request ran: a retry with the key may run it."""
+        try:
+            await self.store.delete(self.name)
+        except Unavailable:  # else it lapses with its deadline
+            pass
+
+    async def _update(self, record: Record) -> None:
+        try:
+            revision = await self.store.update(self.name, record, self.revision)
+        except Unavailable as e:
+            log.warning("idempotency key not updated", error=str(e))
+            return
+        if revision is None:
+            log.warning("idempotency key not updated: another request took it")
+            return
+        self.record, self.revision = record, revision
+
+
 async def claim_or_follow(
-    store: KeyStore, key: str, mine: Record, deadline: float
+    store: KeyStore, key: str, mine: Record, deadline: float, *, stale_block: str | None = None
 ) -> tuple[str, Record | int]:
     """("run", revision) when this request is the key's first (or its first never ran), or
-    ("follow", record with the block id) when another request with the key owns it."""
+    ("follow", record with the block id) when another request with the key owns it.
+    `stale_block`: a block the caller saw rejected for a reason its owner captures again; a
+    record still naming it is waited on like one whose capture has not answered yet."""
     loop = asyncio.get_running_loop()
     while True:
         revision = await store.create(key, mine)
@@ -168,11 +210,14 @@ async def claim_or_follow(
                 "Idempotency-Key",
                 "idempotency_key_reused",
             )
-        if record.block_id is not None:
+        if record.block_id is not None and record.block_id != stale_block:
             return "follow", record
-        if record.expires_at and time.time() > record.expires_at:
+        lapsed = record.expires_at and time.time() > record.expires_at
+        if lapsed or (record.block_id is not None and not record.expires_at):
             # its owner never got past the capture (a 503 whose key could not be given
-            # back): nothing of it ran, so the key is ours, if no one else takes it first
+            # back), or no longer captures its rejected block again (a record without an
+            # end was written by a gateway that never does): no answer was given, so the
+            # key is ours, if no one else takes it first
             taken = await store.update(key, mine, revision)
             if taken is not None:
                 return "run", taken
@@ -182,4 +227,12 @@ async def claim_or_follow(
         await asyncio.sleep(POLL_S)
 
 
-__all__ = ["KeyStore", "KvKeyStore", "Record", "Unavailable", "claim_or_follow", "store_key"]
+__all__ = [
+    "KeyStore",
+    "KvKeyStore",
+    "OwnedKey",
+    "Record",
+    "Unavailable",
+    "claim_or_follow",
+    "store_key",
+]

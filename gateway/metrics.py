@@ -73,6 +73,13 @@ class GatewayMetrics:
             ["api", "outcome"],
             registry=metrics,
         )
+        self.recaptures = Counter(
+            "stateblock_gateway_recaptures",
+            "Blocks rejected for a reason not the request's own (their payload lost, expired "
+            "unread) and captured again for the same request.",
+            ["reason"],
+            registry=metrics,
+        )
         # process_* and python_* series, as the default registry would have them (the
         # services serve their own registry, which starts without them)
         ProcessCollector(registry=metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -24,7 +25,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from registry import Registry
 from stateblock import runtime
-from stateblock.nats_client import NatsOptions, NatsState, connect
+from stateblock.nats_client import (
+    NatsOptions,
+    NatsState,
+    Readiness,
+    connect,
+    probing,
+    round_trip,
+)
 from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
@@ -70,8 +78,18 @@ async def running_gateway(
         # (the Helm chart's) each capture replica gets its share, not the first one only
         channel = grpc.aio.insecure_channel(config.capture_target, options=CHANNEL_OPTIONS)
         stack.push_async_callback(channel.close)
+        capture = GrpcCaptureClient(channel)
+        # ready while NATS answers a round trip and a capture answers its health check;
+        # readout workers are not asked: the work queue holds blocks until they come
+        readiness = await stack.enter_async_context(
+            probing(
+                Readiness(nats_state),
+                {"nats": functools.partial(round_trip, nc), "capture": capture.answering},
+                config.ready_timeout_s,
+            )
+        )
         service = GatewayService(
-            GrpcCaptureClient(channel),
+            capture,
             commits,
             tokenizer,
             GatewayMetrics(metrics, config.model_name),
@@ -88,7 +106,7 @@ async def running_gateway(
                 config.host,
                 config.grpc_port,
                 config.grace_s,
-                nats_state,
+                readiness,
                 api_key=config.api_key,
                 tls=config.tls,
             )
@@ -97,7 +115,7 @@ async def running_gateway(
             service,
             metrics=metrics,
             created=int(time.time()),
-            nats_state=nats_state,
+            readiness=readiness,
             max_body_bytes=config.max_body_bytes,
             api_key=config.api_key,
         )

@@ -8,7 +8,6 @@ here: HTTP and gRPC both call `generate` and render its `Generation`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +20,7 @@ import structlog
 from gateway.capture_client import CaptureResult
 from gateway.config import GatewayConfig
 from gateway.errors import (
+    BlockRejected,
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
@@ -28,7 +28,7 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
-from gateway.idempotency import KeyStore, Record, claim_or_follow, store_key
+from gateway.idempotency import KeyStore, OwnedKey, Record, claim_or_follow, store_key
 from gateway.metrics import GatewayMetrics
 from gateway.stops import MAX_STOP_STRINGS, StopSpec, apply_stops
 from registry import CommitTimeout, RegistryError
@@ -39,6 +39,12 @@ from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 
 log = structlog.get_logger("gateway")
 MAX_STREAM_CHUNKS = 64  # bounds the prefix re-decoding a stream costs
+# Rejection reasons that are not the request's own: its rows' object lost from the store,
+# its block expired before any worker could claim it. A fresh capture can be answered.
+RECAPTURED = frozenset({"object_missing", "expired"})
+MAX_RECAPTURES = 2
+# Reasons that describe the request itself, which its client can change: a 400.
+REQUEST_REASONS = frozenset({"limits"})
 
 
 class CaptureClient(Protocol):
@@ -170,6 +176,7 @@ class GatewayService:
         self._capture = capture
         self._commits = commits
         self._tok = tokenizer
+        self.vocab_size = len(tokenizer)  # every token id of a request is below it
         self._m = metrics
         self._config = config
         self.default_max_tokens = default_max_tokens
@@ -202,8 +209,7 @@ class GatewayService:
                     raise InvalidRequest(
                         f"A prompt of token ids has 1 to {c.limits.prompt_len_max} ids.", "prompt"
                     )
-                if min(spec.token_ids) < 0:
-                    raise InvalidRequest("Token ids are non-negative.", "prompt")
+                self.check_token_ids(spec.token_ids, "prompt")
                 continue
             if spec.messages is not None:
                 if not spec.messages:
@@ -222,6 +228,7 @@ class GatewayService:
                 raise InvalidRequest(str(e), e.param) from e
         if p.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
+        self.check_token_ids(p.stop.token_ids, "stop_token_ids")
         if len(p.stop.strings) > MAX_STOP_STRINGS or not all(p.stop.strings):
             raise InvalidRequest(f"`stop` takes 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
         max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
@@ -293,42 +300,72 @@ class GatewayService:
             else min(timeout, self._config.request_timeout_s)
         )
         deadline = loop.time() + budget
-        if key is not None and self._keys is None:
-            raise InvalidRequest("This gateway keeps no idempotency keys.", "Idempotency-Key")
-        stored = None
-        if key is not None:
-            stored = store_key(p.model, key)
-            mine = Record(request_id, fingerprint(p, max_tokens), expires_at=time.time() + budget)
-            action, found = await claim_or_follow(self._keys, stored, mine, deadline)
-            if action == "follow":  # a retry: the first request's block, never a second run
-                captured = CaptureResult(found.block_id, found.prompt_tokens)
-                try:
-                    with _in(self._m.running.labels(self._m.model_name)):
-                        return await self._answer(p, found.request_id, captured, deadline, budget)
-                except ReadoutFailed:
-                    # the first run ended in a signed rejection (expired in an outage, out
-                    # of deliveries): no answer was ever given, so the key may run it anew
-                    revision = await self._retake(stored, found, mine)
-            else:
-                revision = found
         lanes = self.lanes(p, max_tokens)
-        model = self._m.model_name
-        try:
-            with _in(self._m.waiting.labels(model)):
-                captured = await self._capture.capture(request_id, p.model, lanes, timeout=budget)
-        except (Unavailable, InvalidRequest):
-            if stored is not None:  # nothing ran: a retry with the key may run it
-                with contextlib.suppress(Unavailable):  # else it lapses with its deadline
-                    await self._keys.delete(stored)
-            raise
-        if stored is not None:
-            done = Record(request_id, mine.fingerprint, captured.block_id, captured.prompt_tokens)
-            try:  # the block is published: this request answers whatever happens to its key
-                await self._keys.update(stored, done, revision)
-            except Unavailable as e:
-                log.warning("idempotency key not updated", error=str(e))
-        with _in(self._m.running.labels(model)):
-            return await self._answer(p, request_id, captured, deadline, budget)
+        if key is None:
+            return await self._run(p, request_id, lanes, deadline, budget, None)
+        if self._keys is None:
+            raise InvalidRequest("This gateway keeps no idempotency keys.", "Idempotency-Key")
+        stored = store_key(p.model, key)
+        mine = Record(request_id, fingerprint(p, max_tokens), expires_at=time.time() + budget)
+        action, found = await claim_or_follow(self._keys, stored, mine, deadline)
+        while action == "follow":  # a retry: the first request's block, never a second run
+            captured = CaptureResult(found.block_id, found.prompt_tokens)
+            try:
+                with _in(self._m.running.labels(self._m.model_name)):
+                    return await self._answer(p, found.request_id, captured, deadline, budget)
+            except BlockRejected as e:
+                if e.reason in RECAPTURED:  # its owner captures it again: follow the new block
+                    action, found = await claim_or_follow(
+                        self._keys, stored, mine, deadline, stale_block=found.block_id
+                    )
+                else:
+                    # the first run ended in a signed rejection (out of deliveries, the
+                    # readout failing): no answer was ever given, so the key may run it anew
+                    action, found = "run", await self._retake(stored, found, mine)
+        owned = OwnedKey(self._keys, stored, mine, found)
+        return await self._run(p, request_id, lanes, deadline, budget, owned)
+
+    async def _run(
+        self,
+        p: GenerateParams,
+        request_id: str,
+        lanes: list[capture_pb2.CaptureLane],
+        deadline: float,
+        budget: float,
+        key: OwnedKey | None,
+    ) -> Generation:
+        """Capture, then the answer. A block rejected for a reason not the request's own
+        (RECAPTURED) is captured again as a new block, MAX_RECAPTURES times at most within
+        the deadline, under the same client-visible request id and key: the capture's plan
+        table refuses a request id twice, so each attempt has a capture id of its own."""
+        loop, model = asyncio.get_running_loop(), self._m.model_name
+        capture_id = request_id
+        for attempt in range(MAX_RECAPTURES + 1):
+            try:
+                with _in(self._m.waiting.labels(model)):
+                    captured = await self._capture.capture(
+                        capture_id, p.model, lanes, timeout=deadline - loop.time()
+                    )
+            except (Unavailable, InvalidRequest):
+                if key is not None:  # a first capture that never ran gives the key back
+                    await (key.give_back() if attempt == 0 else key.lapse())
+                raise
+            if key is not None:  # published: this request answers whatever the key says
+                await key.point_to(captured.block_id, captured.prompt_tokens)
+            try:
+                with _in(self._m.running.labels(model)):
+                    return await self._answer(p, request_id, captured, deadline, budget)
+            except BlockRejected as e:
+                again = e.reason in RECAPTURED and attempt < MAX_RECAPTURES
+                if not again or loop.time() >= deadline:
+                    if key is not None and e.reason in RECAPTURED:
+                        await key.lapse()
+                    raise
+                self._m.recaptures.labels(e.reason).inc()
+                capture_id = uuid7()
+                log.warning("rejected block captured again", block_id=e.block_id,
+                            reason=e.reason, capture_id=capture_id, attempt=attempt + 1)  # fmt: skip
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _retake(self, stored: str, first: Record, mine: Record) -> int:
         """The key of a request whose block was rejected, for this retry; ReadoutFailed
@@ -355,6 +392,14 @@ class GatewayService:
             raise DeadlineExceeded(f"request {request_id}: no time left after capture")
         try:
             commit = await self._commits.watch_commit(captured.block_id, remaining)
+        except BlockRejected as e:
+            if e.reason in REQUEST_REASONS:  # e.g. deeper than the workers read
+                raise InvalidRequest(
+                    f"The readout workers refused the request: {e.detail or e.reason}.",
+                    None,
+                    e.reason,
+                ) from e
+            raise
         except CommitTimeout as e:
             raise DeadlineExceeded(
                 f"request {request_id}: no answer committed within {budget:g}s"
@@ -405,6 +450,17 @@ class GatewayService:
             stop_reason=cut.stop_reason,
             logprobs=logprobs,
         )
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        try:
+            sampling.check_token_ids(ids, self.vocab_size, param)
+        except InvalidSampling as e:
+            raise InvalidRequest(str(e), e.param) from e
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """A client's token ids as text; InvalidRequest for an id outside the vocabulary."""
+        self.check_token_ids(ids, "tokens")
+        return self.decode(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -23,7 +24,15 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import LIVENESS, NatsOptions, NatsState, connect
+from stateblock.nats_client import (
+    LIVENESS,
+    NatsOptions,
+    NatsState,
+    Readiness,
+    connect,
+    probing,
+    round_trip,
+)
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -65,12 +74,14 @@ async def running_readout(
     durable = await streams.ensure_readout_consumer(
         js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
     )
-    # outcomes signed by our readout keys stand; a final entry none of them signed is a
-    # forger's, claimed over like an expired lease
+    # claims and outcomes signed by our readout keys stand; an entry none of them signed
+    # is a forger's (or no entry at all), claimed over at once
     peers = config.readout_trusted_keys_dir or config.signing_key_dir
     outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
     outcome_trust.add(signer.public_key)
-    registry = await Registry.open(js, outcome_trust=outcome_trust, replicas=config.nats_replicas)
+    registry = await Registry.open(
+        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
+    )
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -132,10 +143,10 @@ async def running_readout(
 
 @asynccontextmanager
 async def serve_health(
-    host: str, port: int | None, nats_state: NatsState, engine: EngineHealth
+    host: str, port: int | None, readiness: Readiness, engine: EngineHealth
 ) -> AsyncIterator[int | None]:
     """grpc.health.v1 on this event loop (a wedged loop fails the probe, unlike a metrics
-    thread): SERVING while NATS is connected and the engine answers; yields the port."""
+    thread): SERVING while NATS answers (`readiness`) and the engine does; yields the port."""
     if port is None:
         yield None
         return
@@ -146,7 +157,7 @@ async def serve_health(
     await server.start()
 
     async def update(_: bool = True) -> None:
-        ok = nats_state.connected and engine.ok
+        ok = readiness.ready and engine.ok
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if ok
@@ -158,7 +169,7 @@ async def serve_health(
     # to take the pod out of service, not to restart it); "": ready for blocks
     await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
-    nats_state.listeners.append(update)
+    readiness.listeners.append(update)
     engine.listeners.append(lambda _ok: loop.create_task(update()))
     await update()
     try:
@@ -192,8 +203,14 @@ async def main() -> None:
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )
         engine_health = EngineHealth()
+        readiness = await stack.enter_async_context(
+            probing(
+                Readiness(state), {"nats": functools.partial(round_trip, nc)},
+                config.ready_timeout_s,
+            )
+        )  # fmt: skip
         await stack.enter_async_context(
-            serve_health(config.metrics_host, config.health_port, state, engine_health)
+            serve_health(config.metrics_host, config.health_port, readiness, engine_health)
         )
         await stack.enter_async_context(
             running_readout(

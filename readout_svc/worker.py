@@ -128,6 +128,13 @@ class WorkerMetrics:
             ["cause"],
             registry=metrics,
         )
+        self.untrusted_entries = Counter(
+            "stateblock_registry_untrusted_entries",
+            "Registry entries no trusted readout key wrote, claimed over, by kind "
+            "(undecodable, untrusted_claim, untrusted_outcome).",
+            ["kind"],
+            registry=metrics,
+        )
 
 
 def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
@@ -273,7 +280,7 @@ class ReadoutWorker:
         # Beside the claim: its answer is used only once the claim is ours.
         readout = loop.run_in_executor(self._executor, _timed_readout, self._engine, checked)
         try:
-            claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
+            claim = await self._claim(header.block_id)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
             readout.add_done_callback(_discard_outcome)  # not ours: dropped unread
             # Rows that fail their digest are rejected as such, as when the digest came
@@ -355,6 +362,13 @@ class ReadoutWorker:
         log.info("block committed", lanes=len(header.layout.lanes))
         return "committed"
 
+    async def _claim(self, block_id: str) -> Claim:
+        claim = await self._registry.claim(block_id, self.worker_id, self._lease_s)
+        if claim.displaced:  # a forger's write, or bytes that are no entry: nobody's lease
+            self._m.untrusted_entries.labels(claim.displaced).inc()
+            log.warning("untrusted registry entry claimed over", kind=claim.displaced)
+        return claim
+
     async def _release(self, claim: Claim) -> None:
         """Give the claim back; one taken over already (our lease ran out) is not ours."""
         try:
@@ -407,7 +421,7 @@ class ReadoutWorker:
         where the gateway reads it, under a claim like a commit (so never over a commit)."""
         if claim is None:
             try:
-                claim = await self._registry.claim(header.block_id, self.worker_id, self._lease_s)
+                claim = await self._claim(header.block_id)
             except AlreadyCommitted:
                 return await self._drop_duplicate(msg)
             except AlreadyClaimed as e:  # its holder decides; ask again after its lease
@@ -452,7 +466,7 @@ async def run_worker(
         try:
             msgs = await psub.fetch(1, timeout=fetch_timeout_s)
         except TimeoutError:  # nats' and asyncio's own: a fetch whose deadline passed while
-            continue  # the loop was busy raises the latter, which killed the loop once
+            continue  # the loop was busy raises the latter, which must not end the loop
         except Exception as e:  # NATS trouble or a bug: the pull loop must outlive it
             log.warning("fetch failed", error=repr(e), worker_id=worker.worker_id)
             await asyncio.sleep(fetch_timeout_s)

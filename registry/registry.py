@@ -6,6 +6,12 @@ claim whose lease has expired is taken over with `update(last=rev)` (only one wo
 move that revision on); `commit` (or `reject`) is `update(last=claim_rev)`, so a worker
 whose claim was taken over cannot write the block's outcome. Leases only decide *when* a takeover may be attempted; clock
 skew between workers makes a takeover early or late, never a double commit.
+
+Anyone with write access to the bucket can store bytes under a block's key, so a registry
+that knows the trusted readout keys believes only what one of them signed: claims as well
+as outcomes. A value that does not decode, or that no trusted key signed for its block, is
+neither a lease nor an outcome; `claim` takes it over at once (its revision is what the
+compare-and-swap moves on) and names it in `Claim.displaced`.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from registry.errors import (
 )
 from stateblock.nats_client import retry_transient
 from stateblock.protocol import outcomes
-from stateblock.protocol.keys import TrustStore
+from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.streams import check_replicas
 from stateblock.v1 import commit_pb2 as pb
 
@@ -54,6 +60,11 @@ _MAX_RACES = 8
 # JetStream's "wrong last sequence" codes: the revision we compared against moved on.
 _WRONG_LAST = (10071, 10164)
 _KEY = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
+_STATES = (pb.CLAIM_STATE_CLAIMED, *FINAL_STATES)
+# What `claim` found under the key and took over (Claim.displaced): nobody's entry.
+UNDECODABLE = "undecodable"  # bytes that are no registry entry
+UNTRUSTED_CLAIM = "untrusted_claim"  # a claim no trusted readout key signed for the block
+UNTRUSTED_OUTCOME = "untrusted_outcome"  # a commit or rejection no trusted key signed
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class Claim:
     revision: int
     lease_expires_at: float  # unix seconds, the claimer's clock
     attempt: int  # 1 for the first claim, +1 per takeover
+    displaced: str = ""  # the untrusted entry this claim replaced (UNDECODABLE, ...), if any
 
 
 def _key(block_id: str) -> str:
@@ -102,8 +114,8 @@ def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
         entry.ParseFromString(value or b"")
     except DecodeError as e:
         raise RegistryError(f"block {block_id}: undecodable registry entry") from e
-    if entry.state == pb.CLAIM_STATE_UNSPECIFIED:
-        raise RegistryError(f"block {block_id}: registry entry has no state")
+    if entry.state not in _STATES:
+        raise RegistryError(f"block {block_id}: registry entry has no known state")
     return entry
 
 
@@ -133,14 +145,16 @@ class Registry:
         js: JetStreamContext | None = None,
         clock: Callable[[], float] = time.time,
         outcome_trust: TrustStore | None = None,
+        signer: Signer | None = None,
         retry_s: float = 5.0,
     ) -> None:
         self._kv = kv
         self._retry_s = retry_s  # how long one KV request is retried through an election
         self._js = js
-        # The readout keys whose outcomes stand: a final entry no trusted key signed (a
-        # forger's) is claimed over like an expired lease. None: every final entry stands.
+        # The readout keys whose claims and outcomes stand: an entry no trusted key signed
+        # (a forger's) is claimed over at once. None: every entry that decodes stands.
         self._outcome_trust = outcome_trust
+        self._signer = signer  # signs this registry's claims and renewals (a readout key)
         self._bucket = bucket
         self._clock = clock  # injectable so tests expire leases without sleeping
 
@@ -157,6 +171,7 @@ class Registry:
         ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
         outcome_trust: TrustStore | None = None,
+        signer: Signer | None = None,
         replicas: int | None = None,
     ) -> Registry:
         """Bind to the bucket, creating it (file storage, HISTORY revisions a key, `replicas`
@@ -182,10 +197,11 @@ class Registry:
             if replicas is not None:
                 info = await js.stream_info(f"KV_{bucket}")
                 check_replicas(info.config.name, info.config.num_replicas, replicas)
-        return cls(kv, bucket, js=js, clock=clock, outcome_trust=outcome_trust)
+        return cls(kv, bucket, js=js, clock=clock, outcome_trust=outcome_trust, signer=signer)
 
     async def claim(self, block_id: str, worker_id: str, lease_s: float) -> Claim:
-        """Claim the block for lease_s seconds, taking over an expired lease.
+        """Claim the block for lease_s seconds, taking over an expired lease or an entry no
+        trusted key wrote (named in the claim's `displaced`).
 
         Raises AlreadyCommitted (drop the redelivery), AlreadyClaimed (a live lease
         elsewhere: let the message be redelivered later), or RevisionConflict.
@@ -203,23 +219,12 @@ class Registry:
                     )
                     return Claim(block_id, worker_id, rev, now + lease_s, 1)
                 except js_errors.KeyWrongLastSequenceError:
-                    pass  # the key exists: committed, live, or an expired lease
+                    pass  # the key exists: an outcome, a lease, or nobody's entry
                 try:
                     current = await self._kv_call(lambda: self._kv.get(key))
                 except js_errors.KeyNotFoundError:
                     continue  # released between our create and get: race again
-                entry = _decode(block_id, current.value)
-                if entry.state in FINAL_STATES and self._stands(block_id, entry):
-                    raise AlreadyCommitted(block_id)
-                if entry.state in FINAL_STATES and await self._stood(block_id):
-                    raise AlreadyCommitted(block_id)  # a forger overwrote a genuine outcome
-                if (
-                    entry.state == pb.CLAIM_STATE_CLAIMED
-                    and entry.lease_expires_at.ToNanoseconds() > now * 1e9
-                ):
-                    left = entry.lease_expires_at.ToNanoseconds() / 1e9 - now
-                    raise AlreadyClaimed(block_id, entry.worker_id, left)
-                attempt = entry.attempt + 1
+                attempt, displaced = await self._takeover(block_id, current.value, now)
                 takeover = self._claimed(block_id, worker_id, now + lease_s, attempt)
                 try:
                     rev = await self._kv_call(
@@ -230,10 +235,34 @@ class Registry:
                             last=current.revision,
                         )
                     )
-                    return Claim(block_id, worker_id, rev, now + lease_s, attempt)
+                    return Claim(block_id, worker_id, rev, now + lease_s, attempt, displaced)
                 except js_errors.KeyWrongLastSequenceError:
                     continue  # another worker moved first; re-read what it wrote
         raise RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
+
+    async def _takeover(self, block_id: str, value: bytes | None, now: float) -> tuple[int, str]:
+        """(attempt, displaced) for a claim over the key's current `value`; raises
+        AlreadyCommitted or AlreadyClaimed where a trusted entry still stands.
+
+        Under an entry nobody trusted wrote, the key's stored revisions decide: a genuine
+        outcome it replaced still ends the block, and the attempt count follows the genuine
+        claims, not the forger's number."""
+        try:
+            entry = _decode(block_id, value)
+            displaced = self._untrusted(block_id, entry)
+        except RegistryError:
+            entry, displaced = None, UNDECODABLE
+        if entry is not None and not displaced:
+            if entry.state in FINAL_STATES:
+                raise AlreadyCommitted(block_id)
+            left = entry.lease_expires_at.ToNanoseconds() / 1e9 - now
+            if left > 0:
+                raise AlreadyClaimed(block_id, entry.worker_id, left)
+            return entry.attempt + 1, ""
+        genuine = [e for e in await self.history(block_id) if not self._untrusted(block_id, e)]
+        if any(e.state in FINAL_STATES for e in genuine):
+            raise AlreadyCommitted(block_id)  # a forger overwrote a genuine outcome
+        return max((e.attempt for e in genuine), default=0) + 1, displaced
 
     async def _kv_call(self, call: Callable[[], Awaitable[T]]) -> T:
         """One KV request, repeated while JetStream elects the bucket's leader or the client
@@ -242,23 +271,21 @@ class Registry:
         reads as the race it lost; a repeated read or delete changes nothing."""
         return await retry_transient(call, within_s=self._retry_s, what="registry")
 
-    async def _stood(self, block_id: str) -> bool:
-        """Whether a trusted outcome is among the key's earlier revisions."""
+    def _untrusted(self, block_id: str, entry: pb.RegistryEntry) -> str:
+        """Why no trusted readout key stands behind `entry` ("" when one does, or when this
+        registry trusts every entry that decodes)."""
         if self._outcome_trust is None:
-            return False
-        return any(
-            e.state in FINAL_STATES and self._stands(block_id, e)
-            for e in await self.history(block_id)
-        )
-
-    def _stands(self, block_id: str, entry: pb.RegistryEntry) -> bool:
-        if self._outcome_trust is None:
-            return True
+            return ""
         try:
-            outcomes.outcome_of(entry, self._outcome_trust, block_id)
+            if entry.state == pb.CLAIM_STATE_CLAIMED:
+                outcomes.verify_claim(entry, self._outcome_trust, block_id)
+            else:
+                outcomes.outcome_of(entry, self._outcome_trust, block_id)
+        except outcomes.UntrustedClaim:
+            return UNTRUSTED_CLAIM
         except outcomes.UntrustedOutcome:
-            return False
-        return True
+            return UNTRUSTED_OUTCOME
+        return ""
 
     async def renew(self, claim: Claim, lease_s: float) -> Claim:
         """Extend a live claim's lease (for readouts longer than the lease)."""
@@ -353,10 +380,12 @@ class Registry:
                 except js_errors.NotFoundError:
                     break  # no later revision of the key
                 seq = msg.seq + 1
-                if msg.data:  # an empty write is nobody's entry
+                try:
                     _, entry = parse_update(subject, msg.data, msg.headers)
-                    if entry is not None:  # a delete: a released claim
-                        stored.append(entry)
+                except RegistryError:
+                    continue  # bytes that are no entry (an empty write too): nobody's
+                if entry is not None:  # a delete: a released claim
+                    stored.append(entry)
         return stored[::-1]
 
     async def get(self, block_id: str) -> pb.RegistryEntry | None:
@@ -389,7 +418,10 @@ class Registry:
                     # None marks the end of the initial values; deletes are released claims.
                     if update is None or update.operation is not None:
                         continue
-                    entry = _decode(block_id, update.value)
+                    try:
+                        entry = _decode(block_id, update.value)
+                    except RegistryError:
+                        continue  # nobody's entry: wait for the block's own
                     if entry.state == pb.CLAIM_STATE_COMMITTED:
                         return entry.commit
             finally:
@@ -406,14 +438,16 @@ class Registry:
             except js_errors.KeyWrongLastSequenceError as e:
                 raise ClaimLost(claim.block_id, claim.worker_id) from e
 
-    @staticmethod
     def _claimed(
-        block_id: str, worker_id: str, lease_expires_at: float, attempt: int
+        self, block_id: str, worker_id: str, lease_expires_at: float, attempt: int
     ) -> pb.RegistryEntry:
-        return pb.RegistryEntry(
+        entry = pb.RegistryEntry(
             state=pb.CLAIM_STATE_CLAIMED,
             block_id=block_id,
             worker_id=worker_id,
             lease_expires_at=_timestamp(lease_expires_at),
             attempt=attempt,
         )
+        if self._signer is not None:
+            outcomes.sign_claim(entry, self._signer)
+        return entry

@@ -10,10 +10,10 @@ moving to any live server of the cluster; while it is disconnected health says N
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -22,6 +22,8 @@ import nats
 import nats.js.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from stateblock import settings
 
 log = structlog.get_logger("stateblock.nats")
 
@@ -56,17 +58,14 @@ class NatsOptions:
     def of(cls, url: str, environ: Mapping[str, str] | None = None, **kw) -> NatsOptions:
         """The servers of `url`, with the credentials and TLS files STATEBLOCK_NATS_CREDS,
         _NATS_TLS_CA, _NATS_TLS_CERT and _NATS_TLS_KEY name (every service reads the same)."""
-        env = os.environ if environ is None else environ
-        files = {
-            field: Path(env[name])
-            for field, name in (
-                ("creds_file", "STATEBLOCK_NATS_CREDS"),
-                ("tls_ca_file", "STATEBLOCK_NATS_TLS_CA"),
-                ("tls_cert_file", "STATEBLOCK_NATS_TLS_CERT"),
-                ("tls_key_file", "STATEBLOCK_NATS_TLS_KEY"),
-            )
-            if env.get(name)
+        declared = {
+            "creds_file": settings.NATS_CREDS,
+            "tls_ca_file": settings.NATS_TLS_CA,
+            "tls_cert_file": settings.NATS_TLS_CERT,
+            "tls_key_file": settings.NATS_TLS_KEY,
         }
+        files = {field: s.read(environ) for field, s in declared.items()}
+        files = {field: path for field, path in files.items() if path is not None}
         return cls(servers=parse_servers(url), **{**files, **kw})
 
     def tls_context(self) -> ssl.SSLContext | None:
@@ -185,27 +184,127 @@ async def retry_transient(
 LIVENESS = "liveness"  # the health service name liveness probes ask
 
 
-async def follow_in_health(servicer, names: tuple[str, ...], state: NatsState | None) -> None:
-    """A gRPC health servicer says SERVING only while the NATS connection is up (always,
-    without a state: an in-process test's connection). Its LIVENESS service says SERVING
+class Readiness:
+    """Whether a service can take work now: its NATS connection up (the `NatsState`, when
+    it has one) and every probed dependency answering (`probing`). A stalled nats-server
+    keeps its TCP connection up and answers nothing, so the connection state alone never
+    sees it. Listeners hear each change of `ready`."""
+
+    def __init__(self, nats_state: NatsState | None = None) -> None:
+        self._nats = nats_state
+        self._failing: dict[str, str] = {}  # dependency -> why it is not answering
+        self.listeners: list[Callable[[bool], Awaitable[None]]] = []
+        self._said = self.ready
+        if nats_state is not None:
+            nats_state.listeners.append(lambda _connected: self._changed())
+
+    @property
+    def ready(self) -> bool:
+        return (self._nats is None or self._nats.connected) and not self._failing
+
+    @property
+    def why(self) -> str:
+        """What is not answering, for a health body ("" while ready)."""
+        reasons = [] if self._nats is None or self._nats.connected else ["nats: disconnected"]
+        reasons += [f"{name}: {why}" for name, why in sorted(self._failing.items())]
+        return "; ".join(reasons)
+
+    async def report(self, dependency: str, failure: str | None) -> None:
+        """The latest probe of `dependency`: None when it answered in time."""
+        before = self._failing.get(dependency)
+        if failure is None:
+            self._failing.pop(dependency, None)
+        else:
+            self._failing[dependency] = failure
+        if before is None and failure is not None:
+            log.warning("dependency not answering", dependency=dependency, why=failure)
+        elif before is not None and failure is None:
+            log.info("dependency answering again", dependency=dependency)
+        await self._changed()
+
+    async def _changed(self) -> None:
+        ready = self.ready
+        if ready != self._said:
+            self._said = ready
+            for listener in self.listeners:
+                await listener(ready)
+
+
+async def round_trip(nc: nats.NATS, timeout_s: float) -> None:
+    """A PING the server answers with a PONG within timeout_s, else TimeoutError. Not
+    `nc.flush(timeout)`: on its timeout it cancels the PONG's future, and the PONG that
+    arrives later raises InvalidStateError in nats-py's read loop, which ends it (seen on
+    nats-py 2.16 after a SIGSTOP): a connection that never reads again. This PONG's future
+    is left to resolve whenever the PONG comes."""
+    if not nc.is_connected:
+        raise ConnectionError("not connected")
+    pong = asyncio.get_running_loop().create_future()
+    await nc._send_ping(pong)
+    done, _ = await asyncio.wait({pong}, timeout=timeout_s)
+    if not done:
+        raise TimeoutError(f"no PONG within {timeout_s:g}s")
+
+
+# a dependency's probe: returns once it answered, raises when it did not
+Probe = Callable[[float], Awaitable[None]]
+FAILING_PAUSE_S = 0.1  # between the probes of a dependency that is not answering
+
+
+async def _probe_forever(readiness: Readiness, name: str, probe: Probe, timeout_s: float):
+    while True:
+        try:
+            await asyncio.wait_for(probe(timeout_s), timeout_s)
+            failure = None
+        except TimeoutError:
+            failure = f"no answer within {timeout_s:g}s"
+        except Exception as e:  # any failure to answer is a reason to be unready
+            failure = describe(e)
+        await readiness.report(name, failure)
+        # while it fails, a probe is nearly always waiting: the first answer ends the stall
+        await asyncio.sleep(timeout_s / 2 if failure is None else FAILING_PAUSE_S)
+
+
+@asynccontextmanager
+async def probing(
+    readiness: Readiness, probes: Mapping[str, Probe], timeout_s: float
+) -> AsyncIterator[Readiness]:
+    """Each probe runs every timeout_s / 2 in a task of its own, with timeout_s to answer,
+    and reports to `readiness` until the context exits: a stall shows within about
+    1.5 x timeout_s, and the first answer after it ends it (a failing dependency is probed
+    again at once)."""
+    tasks = [
+        asyncio.create_task(_probe_forever(readiness, name, probe, timeout_s), name=f"probe-{name}")
+        for name, probe in probes.items()
+    ]
+    try:
+        yield readiness
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def follow_in_health(servicer, names: tuple[str, ...], readiness: Readiness | None) -> None:
+    """A gRPC health servicer says SERVING under `names` only while the service is ready
+    (always, without a Readiness: an in-process test's). Its LIVENESS service says SERVING
     while the process answers at all: an outage takes a pod out of service, it does not
     restart it."""
     from grpc_health.v1 import health_pb2
 
     await servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
-    async def follow(connected: bool) -> None:
+    async def follow(ready: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if connected
+            if ready
             else (health_pb2.HealthCheckResponse.NOT_SERVING)
         )
         for name in names:
             await servicer.set(name, status)
 
-    if state is not None:
-        state.listeners.append(follow)
-    await follow(state is None or state.connected)
+    if readiness is not None:
+        readiness.listeners.append(follow)
+    await follow(readiness is None or readiness.ready)
 
 
 async def connect(options: NatsOptions, name: str, state: NatsState | None = None) -> nats.NATS:
@@ -257,3 +356,15 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
     nc.options["max_reconnect_attempts"] = -1
     await state.set(True)
     return nc
+
+
+async def drain_or_close(nc: nats.NATS) -> None:
+    """Drain a connection on shutdown; one without a server (reconnecting) has nothing it
+    could flush, and nats-py refuses to drain it, so it is closed."""
+    if nc.is_connected:
+        await nc.drain()
+        return
+    try:
+        await nc.close()
+    except (RuntimeError, OSError) as e:  # nats-py writes what was pending to the dead socket
+        log.warning("nats connection closed without its pending writes", error=repr(e))

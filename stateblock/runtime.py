@@ -26,8 +26,6 @@ try:
 except ImportError:  # not built for this platform (Windows): asyncio's own loop serves
     uvloop = None
 
-from stateblock.protocol.sampling import Limits
-
 REPO = Path(__file__).resolve().parent.parent
 # The shipped reference pair, package data of `stateblock` (pyproject.toml): found beside this
 # module in a checkout (stateblock/reference links to models/reference), an editable install
@@ -39,6 +37,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_MODEL_NAME = "stateblock-reference"
 # Matches the Helm chart's terminationGracePeriodSeconds minus headroom for nc.drain().
 DEFAULT_GRACE_S = 10.0
+# readiness fails when NATS (or the gateway's capture) has not answered a round trip in this
+# long; each is probed every half of it (stateblock.nats_client.probing)
+DEFAULT_READY_TIMEOUT_S = 2.0
 # The capture's and the worker's stage histograms share buckets, so one request's stages
 # read side by side (from sub-millisecond: a block's digest, claim and ack are that short).
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -193,17 +194,6 @@ def check_redelivery(ack_wait_s: float, request_timeout_s: float) -> None:
         )
 
 
-def limits_from_env(e: Env) -> Limits:
-    """The request limits, the same variables in every service (the gateway refuses what the
-    capture would refuse, with the same message)."""
-    d = Limits()
-    return Limits(
-        max_lanes=e.int("MAX_LANES", d.max_lanes, minimum=1),
-        prompt_len_max=e.int("PROMPT_LEN_MAX", d.prompt_len_max, minimum=1),
-        answer_depth_max=e.int("ANSWER_DEPTH_MAX", d.answer_depth_max, minimum=1),
-    )
-
-
 def model_name(name: str) -> str:
     """STATEBLOCK_MODEL_NAME: any Hugging Face-style name ("org/model-v2.1"); its NATS token
     is derived from it (stateblock.protocol.streams.model_token)."""
@@ -237,8 +227,8 @@ def keep_freed_buffers() -> bool:
     Every request copies its state block, 2.75 MB at the full scale, a few times (rows to
     bytes, protobuf, the NATS command, the parse on the worker). By default glibc maps each
     such buffer fresh and unmaps it when freed, so every copy pays a page fault per 4 KiB
-    page: that was most of nats-py's publish command build (docs/BENCHMARKS.md, the CPU
-    wire section)."""
+    page: under those defaults, most of nats-py's publish command build (docs/BENCHMARKS.md,
+    the CPU wire section)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
@@ -281,8 +271,9 @@ T = TypeVar("T")
 def event_loop_choice(env: Mapping[str, str] | None = None) -> str:
     """`STATEBLOCK_EVENT_LOOP`: "uvloop" or "asyncio" ("auto", the default: uvloop where
     it is installed). Raises ConfigError for another value, or uvloop where it is missing."""
-    env = os.environ if env is None else env
-    value = env.get("STATEBLOCK_EVENT_LOOP", "auto").strip().lower() or "auto"
+    from stateblock.settings import EVENT_LOOP
+
+    value = EVENT_LOOP.read(env).strip().lower() or EVENT_LOOP.default
     if value not in EVENT_LOOPS:
         raise ConfigError(f"STATEBLOCK_EVENT_LOOP={value!r}: one of {', '.join(EVENT_LOOPS)}")
     if value == "auto":

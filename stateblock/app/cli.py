@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ from pathlib import Path
 from stateblock.app import cli_models, settings
 from stateblock.app.cli_models import DEFAULTS, REFERENCE, device_of
 from stateblock.runtime import REPO
+from stateblock.settings import API_KEY, ASK, UP, markdown_table, shown_default
 
 BENCHES = {  # each runs as its own module from the checkout (`python -m bench.NAME`)
     "api-fidelity": "bench.api_fidelity",
@@ -28,7 +30,10 @@ BENCHES = {  # each runs as its own module from the checkout (`python -m bench.N
 
 def cmd_config(a: argparse.Namespace) -> int:
     """Each service's config as it would start with this environment; exit 2 when one of
-    them cannot start (its entry names the variable)."""
+    them cannot start (its entry names the variable). --markdown: the README's table."""
+    if a.markdown:
+        print(markdown_table(), end="")
+        return 0
     config = settings.effective(os.environ, tuple(a.service or ()))
     print(settings.dumps(config))
     return 2 if any("error" in v for v in config.values()) else 0
@@ -311,30 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DEFAULTS,
         help="run the embedded default: nats-server and every service",
     )
-    # each flag: the flag, else its STATEBLOCK_* variable, else the default (app/settings.py)
-    up_help = {
-        "data_dir": "NATS store, keys, logs",
-        "host": "address the gateway listens on",
-        "http_port": "OpenAI HTTP port (0: any free port)",
-        "grpc_port": "gRPC port (0: any free port)",
-        "workers": "readout workers",
-        "base": "base model directory",
-        "decoder": "decoder directory",
-        "engine": "readout engine: reference, onnx or torch",
-        "model_name": "the model name clients ask for",
-        "api_key": "require this key on the API (none: open)",
-        "nats_url": "use this NATS server or cluster (URLs, comma-separated) instead of "
-        "starting one",
-        "nats_replicas": "copies of every stream and bucket on that cluster",
-        "log_level": "debug, info, warning or error",
-    }
-    for setting in settings.UP_SETTINGS:
-        shown = "none" if setting.default is None else setting.default
+    # each flag: the flag, else its STATEBLOCK_* variable, else the declared default
+    for f in dataclasses.fields(settings.UpFlags):
+        setting = f.metadata["setting"]
+        shown = shown_default(setting, UP).replace("`", "")
         u.add_argument(
-            "--" + setting.flag.replace("_", "-"),
-            type=type(setting.default) if isinstance(setting.default, int) else str,
+            "--" + f.name.replace("_", "-"),
+            type=setting.type if setting.type in (int, float) else str,
             default=argparse.SUPPRESS,
-            help=f"{up_help[setting.flag]} (default: $STATEBLOCK_{setting.variable}, else {shown})",
+            help=f"{setting.help} (default: ${setting.name}, else {shown})".replace("`", ""),
         )
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
@@ -349,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("up", "gateway", "capture", "readout"),
         action="append",
         help="only these (repeatable; default: all)",
+    )
+    c.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print every setting as the README's configuration table instead",
     )
     c.set_defaults(fn=cmd_config)
 
@@ -369,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage")
     q.add_argument(
         "--api-key",
-        default=os.environ.get("STATEBLOCK_API_KEY"),
+        default=API_KEY.read(os.environ, ASK),
         help="sent as Authorization: Bearer (default: $STATEBLOCK_API_KEY)",
     )
     q.set_defaults(fn=cmd_ask)

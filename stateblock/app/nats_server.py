@@ -5,12 +5,17 @@ in a process session of its own, so a Ctrl-C in the terminal reaches `stateblock
 stops the services first and this server last. A free port is probed and then handed over,
 so another process may take it in between; a server that exits before it is ready is
 retried on a fresh port (unless the caller named the port).
+
+`stateblock up` supervises the server it started (`supervised_nats_server`): one that exits
+is started again on its port and store, where the services' connections find it and
+JetStream finds everything it had stored; one that cannot be started again ends the stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,8 +25,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
+log = structlog.get_logger("stateblock.nats_server")
 READY_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 5
+RESTART_ATTEMPTS = 3  # failed restarts in a row before the stack gives up
 
 
 def nats_server_binary() -> str:
@@ -212,15 +221,103 @@ async def wait_for_jetstream(urls: Sequence[str], timeout_s: float = 30.0) -> No
         await nc.close()
 
 
+class NatsServerLost(RuntimeError):
+    """The supervised nats-server exited and could not be started again."""
+
+
+def _exit_status(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class NatsSupervisor:
+    """Keeps one nats-server running: started again on its port and store (its config
+    file) each time it exits. After `attempts` failed restarts in a row `lost` resolves to
+    a NatsServerLost naming the server's log, and nothing is started any more."""
+
+    def __init__(
+        self,
+        server: NatsProcess,
+        *,
+        attempts: int = RESTART_ATTEMPTS,
+        poll_s: float = 0.1,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.server = server  # the running process: replaced on each restart
+        self.restarts = 0
+        self.lost: asyncio.Future[NatsServerLost] = asyncio.get_running_loop().create_future()
+        self._attempts = attempts
+        self._poll_s = poll_s
+        self._retry_s = retry_s
+        self._stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        """Watch until `stop`, or until the server is lost (then `lost` says why)."""
+        while not self._stopping.is_set():
+            if self.server.running:
+                await self._pause(self._poll_s)
+                continue
+            status = _exit_status(self.server.proc.returncode)
+            log.warning("nats-server exited, restarting", status=status, url=self.server.url)
+            try:
+                await self._restart(status)
+            except NatsServerLost as e:
+                log.error("nats-server lost", error=str(e))
+                self.lost.set_result(e)
+                return
+
+    def stop(self) -> None:
+        """Start nothing more; `run` returns once a restart under way has finished (its
+        server is then `server`, for the caller to stop)."""
+        self._stopping.set()
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _restart(self, status: str) -> None:
+        for attempt in range(1, self._attempts + 1):
+            try:  # not cancelled midway: the process it starts must not be lost
+                self.server = await asyncio.to_thread(restart_nats_server, self.server)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                log.warning("nats-server restart failed", attempt=attempt, error=str(e))
+                if self._stopping.is_set():
+                    return
+                if attempt < self._attempts:
+                    await self._pause(self._retry_s)
+                continue
+            self.restarts += 1
+            log.warning(
+                "nats-server restarted",
+                url=self.server.url,
+                pid=self.server.proc.pid,
+                restarts=self.restarts,
+            )
+            return
+        raise NatsServerLost(
+            f"nats-server on port {self.server.port} exited ({status}) and "
+            f"{self._attempts} restarts in a row failed; see {self.server.log_path}"
+        )
+
+
 @asynccontextmanager
-async def nats_server(
-    data_dir: Path, *, port: int | None = None, max_payload: int | None = None
-) -> AsyncIterator[NatsProcess]:
-    """`start_nats_server` for an async stack: started on enter, stopped on exit."""
-    server = await asyncio.to_thread(
-        start_nats_server, data_dir, port=port, max_payload=max_payload
-    )
+async def supervised_nats_server(
+    data_dir: Path, *, max_payload: int | None = None
+) -> AsyncIterator[NatsSupervisor]:
+    """`start_nats_server` for an async stack, kept running by a NatsSupervisor: started on
+    enter; on exit the server running then is stopped."""
+    server = await asyncio.to_thread(start_nats_server, data_dir, max_payload=max_payload)
+    supervisor = NatsSupervisor(server)
+    watch = asyncio.create_task(supervisor.run(), name="nats-supervisor")
     try:
-        yield server
+        yield supervisor
     finally:
-        await asyncio.to_thread(stop_nats_server, server)
+        supervisor.stop()
+        await asyncio.gather(watch, return_exceptions=True)
+        await asyncio.to_thread(stop_nats_server, supervisor.server)

@@ -1,13 +1,11 @@
 """One configuration: what `stateblock up` and each service read, and `stateblock config`.
 
-Every service reads its typed config once from STATEBLOCK_* variables (`<Service>Config.
-from_env`, through `stateblock.runtime.Env`, whose errors name the variable). `stateblock
-up` takes the same variables as the defaults of its flags, so precedence is the same
-everywhere: a flag, then its STATEBLOCK_* variable, then the built-in default.
-`effective(environ)` is what `stateblock config` prints: each service's config as it would
-start with this environment (or the error naming the variable it cannot use).
-The README's configuration table is checked against the names read here
-(tests/unit/app/test_settings.py).
+Every setting is declared once in `stateblock.settings`; each service reads its typed config
+from it (`<Service>Config.from_env`, whose errors name the variable). `stateblock up`'s flags
+are the settings declared as read by `up` (`UpFlags`), with their variables as defaults, so
+precedence is the same everywhere: a flag, then its STATEBLOCK_* variable, then the declared
+default. `effective(environ)` is what `stateblock config` prints: each service's config as it
+would start with this environment (or the error naming the variable it cannot use).
 """
 
 from __future__ import annotations
@@ -19,51 +17,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stateblock.runtime import REFERENCE_BASE, REFERENCE_DECODER, ConfigError, Env
+from stateblock import settings
+from stateblock.runtime import ConfigError
+
+declared = settings.fields_for(settings.UP)
 
 
 @dataclass(frozen=True)
-class UpSetting:
-    flag: str  # the `stateblock up` option's dest
-    variable: str  # STATEBLOCK_<variable>
-    read: Callable[[Env, str, Any], Any]
-    default: Any
+class UpFlags:
+    """`stateblock up`'s flags (--data-dir, ...) and the settings that set their defaults."""
 
-
-def _str(env: Env, name: str, default: Any) -> Any:
-    return env.str(name, default) if default is not None else env.optional_str(name)
-
-
-def _int(env: Env, name: str, default: int) -> int:
-    return env.int(name, default, minimum=0)
-
-
-def _pos_int(env: Env, name: str, default: int) -> int:
-    return env.int(name, default, minimum=1)
-
-
-# `stateblock up`'s flags and the variables that set their defaults (the services' names)
-UP_SETTINGS = (
-    UpSetting("data_dir", "DATA_DIR", _str, ".stateblock"),
-    UpSetting("host", "GATEWAY_HOST", _str, "127.0.0.1"),
-    UpSetting("http_port", "HTTP_PORT", _int, 8000),
-    UpSetting("grpc_port", "GRPC_PORT", _int, 50051),
-    UpSetting("workers", "WORKERS", _pos_int, 2),
-    UpSetting("base", "BASE_DIR", _str, str(REFERENCE_BASE)),
-    UpSetting("decoder", "DECODER_DIR", _str, str(REFERENCE_DECODER)),
-    UpSetting("engine", "ENGINE", _str, "reference"),
-    UpSetting("model_name", "MODEL_NAME", _str, "stateblock-reference"),
-    UpSetting("api_key", "API_KEY", _str, None),
-    UpSetting("nats_url", "NATS_URL", _str, None),  # unset: start an embedded server
-    UpSetting("nats_replicas", "NATS_REPLICAS", _pos_int, 1),
-    UpSetting("log_level", "LOG_LEVEL", _str, "warning"),
-)
+    data_dir: Path = declared(settings.DATA_DIR)
+    host: str = declared(settings.GATEWAY_HOST)
+    http_port: int = declared(settings.HTTP_PORT)
+    grpc_port: int = declared(settings.GRPC_PORT)
+    workers: int = declared(settings.WORKERS)
+    base: Path = declared(settings.BASE_DIR)
+    decoder: Path = declared(settings.DECODER_DIR)
+    engine: str = declared(settings.ENGINE)
+    model_name: str = declared(settings.MODEL_NAME)
+    api_key: str | None = declared(settings.API_KEY, repr=False)
+    nats_url: str | None = declared(settings.NATS_URL)  # None: start an embedded server
+    nats_replicas: int = declared(settings.NATS_REPLICAS)
+    log_level: str = declared(settings.LOG_LEVEL)
 
 
 def up_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """The defaults of `stateblock up`'s flags under `environ`; raises ConfigError."""
-    env = Env(environ)
-    return {s.flag: s.read(env, s.variable, s.default) for s in UP_SETTINGS}
+    flags = settings.read_config(UpFlags, environ)
+    return {f.name: getattr(flags, f.name) for f in dataclasses.fields(UpFlags)}
 
 
 def _service_configs() -> dict[str, Any]:
@@ -109,27 +91,6 @@ def effective(environ: Mapping[str, str], services: tuple[str, ...] = ()) -> dic
                 values[secret] = "(set)" if values[secret] else None
         out[name] = values
     return out
-
-
-def variables_read(environ: Mapping[str, str] | None = None) -> set[str]:
-    """Every STATEBLOCK_* name `up` and the services look up (for the README check)."""
-
-    class Recording(dict):
-        def get(self, key, default=None):
-            seen.add(key)
-            return super().get(key, default)
-
-    from stateblock.nats_client import NatsOptions
-    from stateblock.runtime import event_loop_choice
-
-    seen: set[str] = set()
-    env = Recording(environ or {})
-    up_defaults(env)
-    for cls in _service_configs().values():
-        cls.from_env(env)
-    NatsOptions.of("nats://127.0.0.1:4222", env)  # every connection's credentials and TLS
-    event_loop_choice(env)  # every service's loop
-    return {n for n in seen if n.startswith("STATEBLOCK_")}
 
 
 def dumps(config: dict[str, Any]) -> str:

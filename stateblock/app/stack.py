@@ -23,10 +23,9 @@ import nats
 import structlog
 from prometheus_client import CollectorRegistry
 
-from stateblock import runtime
-from stateblock.app.nats_server import nats_server
-from stateblock.nats_client import NatsOptions, NatsState, connect
-from stateblock.protocol import envelope
+from stateblock import runtime, settings
+from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
+from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
 
 if TYPE_CHECKING:
     from stateblock.engines import ReadoutEngine
@@ -38,27 +37,28 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class UpConfig:
-    data_dir: Path = Path(".stateblock")
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
+    data_dir: Path = settings.DATA_DIR.default
+    host: str = settings.GATEWAY_HOST.default_for(settings.UP)
+    http_port: int = settings.HTTP_PORT.default
+    grpc_port: int = settings.GRPC_PORT.default
     capture_port: int = 0
-    workers: int = 2
-    model_name: str = runtime.DEFAULT_MODEL_NAME
-    base_dir: Path = runtime.REFERENCE_BASE
-    decoder_dir: Path = runtime.REFERENCE_DECODER
-    engine: str = "reference"
-    nats_url: str | None = None  # None: start our own nats-server in data_dir; or a list
-    nats_replicas: int = 1  # copies of every stream and bucket (3 on a 3-node cluster)
+    workers: int = settings.WORKERS.default
+    model_name: str = settings.MODEL_NAME.default
+    base_dir: Path = settings.BASE_DIR.default
+    decoder_dir: Path = settings.DECODER_DIR.default
+    engine: str = settings.ENGINE.default
+    # None: start our own nats-server in data_dir; or a list
+    nats_url: str | None = settings.NATS_URL.default_for(settings.UP)
+    # copies of every stream and bucket (3 on a 3-node cluster)
+    nats_replicas: int = settings.NATS_REPLICAS.default
     api_key: str | None = field(default=None, repr=False)  # required on the API when set
     nats_max_payload: int | None = None
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = settings.REQUEST_TIMEOUT_S.default
     grace_s: float = 5.0
-    blocks_storage: str = "file"  # the blocks work queue: "file" or "memory"
-    # the blocks' row hash: "blake3" or "sha256"
-    forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM
+    blocks_storage: str = settings.BLOCKS_STORAGE.default  # the blocks work queue
+    forward_state_digest: str = settings.FORWARD_STATE_DIGEST.default  # the blocks' row hash
     batch_window_s: float | None = None  # None: the capture service's default
-    capture_compile: str = "off"  # torch.compile backend for the base forward
+    capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
     # to a worker, both read by one client loop.
@@ -71,6 +71,9 @@ class StackUrls:
     grpc: str
     nats: str
     key_id: str
+    # resolves when the stack's own nats-server exited and could not be restarted (None
+    # when the stack uses a NATS it did not start)
+    nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
 
 
 @asynccontextmanager
@@ -113,12 +116,12 @@ async def running_stack(
     if engine is None:
         engine = create_engine(config.engine, model)
     async with AsyncExitStack() as stack:
-        nats_url = config.nats_url
-        if nats_url is None:
-            proc = await stack.enter_async_context(
-                nats_server(data_dir, max_payload=config.nats_max_payload)
+        nats_url, nats_lost = config.nats_url, None
+        if nats_url is None:  # ours: restarted on its port and store whenever it exits
+            supervisor = await stack.enter_async_context(
+                supervised_nats_server(data_dir, max_payload=config.nats_max_payload)
             )
-            nats_url = proc.url
+            nats_url, nats_lost = supervisor.server.url, supervisor.lost
         nats_options = NatsOptions.of(nats_url)
         conns: list[tuple[nats.NATS, NatsState]] = []
 
@@ -130,7 +133,7 @@ async def running_stack(
                 NatsState.with_metrics("stateblock", metrics) if not conns else NatsState(service)
             )
             nc = await connect(nats_options, f"stateblock-{service}", state)
-            stack.push_async_callback(nc.drain)
+            stack.push_async_callback(drain_or_close, nc)
             conns.append((nc, state))
             return conns[-1]
 
@@ -206,15 +209,22 @@ async def running_stack(
             grpc=f"{config.host}:{gateway.grpc_port}",
             nats=nats_url,
             key_id=signer.key_id,
+            nats_lost=nats_lost,
         )
 
 
 async def up(config: UpConfig, on_ready: Callable[[StackUrls], None]) -> None:
-    """Run the stack in the foreground until SIGINT/SIGTERM."""
+    """Run the stack in the foreground until SIGINT/SIGTERM; raises NatsServerLost (after
+    stopping the services) if its own nats-server died and could not be restarted."""
     shutdown = runtime.shutdown_event()
     async with running_stack(config) as urls:
         on_ready(urls)
-        await shutdown.wait()
+        stopped = asyncio.ensure_future(shutdown.wait())
+        ends = {stopped} if urls.nats_lost is None else {stopped, urls.nats_lost}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if urls.nats_lost is not None and urls.nats_lost.done():
+            raise urls.nats_lost.result()
 
 
 class StackThread:

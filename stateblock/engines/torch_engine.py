@@ -79,6 +79,7 @@ from stateblock.model.vocab import (
     gumbel_pick,
 )
 from stateblock.protocol.envelope import ModelIdentity
+from stateblock.protocol.sampling import K_MAX  # lanes per enqueue
 
 # the step's pieces, for the benchmarks and tests that reach them through this module
 __all__ = [
@@ -92,7 +93,6 @@ __all__ = [
     "readout_step",
 ]
 
-K_MAX = 8  # lanes per enqueue (a cohort's K_max)
 LANE_BUCKETS = (1, 2, 4, 8)
 PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)

@@ -9,7 +9,8 @@ original stash raced under concurrent traffic.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +36,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
-    """Compile the backbone's forward in place (`torch.compile`, static shapes).
+    """Compile the backbone's forward in place (`torch.compile`, shapes symbolic).
 
     `backend` is a torch.compile backend ("inductor", "aot_eager", ...) or one of inductor's
     modes (COMPILE_MODES). "reduce-overhead" replays each shape as one CUDA graph: a 28-layer
@@ -43,28 +44,64 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     live in the graph's pool until the next replay; the capture hook copies its rows out
     at once, and a later read of an overwritten output raises instead of returning them.
 
+    Lanes and width are symbolic (`dynamic=True`): one graph serves every width bucket and
+    lane count above one, and lanes == 1 gets a second (dynamo specializes sizes of 1), so a
+    model compiles twice whatever the number of buckets. "reduce-overhead" still records
+    one CUDA graph per concrete (lanes, width) shape on that shape's first calls: `warm_up`
+    makes them all before a request arrives.
+
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
-    its own request-scoped hook. The capture service pads prompts to bucket widths
-    (`bucket_width`), so each (lanes, bucket) shape compiles once; the first request of a
-    shape pays for it.
+    its own request-scoped hook.
     """
     import torch._dynamo
+    import torch._inductor.config
 
     bb = backbone(model)
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
-    # one graph per (lanes, bucket) shape: K_max x ~17 buckets (16..4096), above dynamo's default
+    # headroom over dynamo's default for a caller that runs shapes outside the buckets
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+    # one CUDA graph per bucketed shape is the design, not a symptom to warn about
+    torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
     eager = bb.forward
     if backend in COMPILE_MODES:
-        bb.forward = torch.compile(eager, mode=backend, dynamic=False)
+        bb.forward = torch.compile(eager, mode=backend, dynamic=True)
     else:
-        bb.forward = torch.compile(eager, backend=backend, dynamic=False)
+        bb.forward = torch.compile(eager, backend=backend, dynamic=True)
     bb._stateblock_eager_forward = eager
     bb._stateblock_compiled = backend
+
+
+# a shape's first call runs eagerly in the CUDA graph pool (cudagraph trees' warm-up), its
+# second records the graph, the third replays it: after these a request only replays
+WARM_RUNS = 3
+
+
+@torch.no_grad()
+def warm_up(
+    model: nn.Module,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    pad_id: int,
+    runs: int = WARM_RUNS,
+    on_shape: Callable[[int, int, float], None] | None = None,
+) -> None:
+    """Run every (lanes, width) shape `runs` times through the forward, as a request runs it
+    (right-padded ids, no mask), so compiling and graph recording happen here. `on_shape`
+    hears each shape's (lanes, width, seconds)."""
+    device = next(model.parameters()).device
+    for lanes, width in shapes:
+        t0 = time.perf_counter()
+        ids = torch.full((lanes, width), pad_id, dtype=torch.long, device=device)
+        for _ in range(runs):
+            capture(model, ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if on_shape is not None:
+            on_shape(lanes, width, time.perf_counter() - t0)
 
 
 def uncompile_backbone(model: nn.Module) -> None:

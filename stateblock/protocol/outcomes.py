@@ -1,10 +1,12 @@
-"""A block's outcome as the registry stores it: a commit or a rejection, signed by the
-readout worker that wrote it, and checked by the gateway before any client sees it.
+"""What the registry stores for a block, signed by the readout worker that wrote it: a claim
+(whose lease other workers respect), then a commit or a rejection (the block's outcome,
+checked by the gateway before any client sees it).
 
 The registry is a JetStream KV bucket any NATS client with write access could publish to,
-so the gateway believes only what a trusted readout key signed (docs/ARCHITECTURE.md,
-"Outcomes"). Each kind of record has its own signing domain: a signature over one can
-never be replayed as a signature over another, or over a block header.
+so workers and the gateway believe only what a trusted readout key signed
+(docs/ARCHITECTURE.md, "Outcomes"). Each kind of record has its own signing domain: a
+signature over one can never be replayed as a signature over another, or over a block
+header.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from stateblock.v1 import commit_pb2 as pb
 
 COMMIT_CONTEXT = b"stateblock.v1.Commit\x00"
 REJECTION_CONTEXT = b"stateblock.v1.Rejection\x00"
+CLAIM_CONTEXT = b"stateblock.v1.Claim\x00"
 
 
 class UntrustedOutcome(Exception):
     """A registry record that no trusted readout key signed (or that names another block)."""
+
+
+class UntrustedClaim(Exception):
+    """A claimed registry entry that no trusted readout key signed for its block: no lease."""
 
 
 def _signing_bytes(record: Message, context: bytes) -> bytes:
@@ -66,3 +73,24 @@ def outcome_of(
         verify(entry.rejection, trust, block_id)
         return entry.rejection
     return None
+
+
+def sign_claim(entry: pb.RegistryEntry, signer: Signer) -> None:
+    """Sign a claimed entry in place (key_id and signature), as `sign` does an outcome."""
+    entry.key_id = signer.key_id
+    entry.signature = signer.sign(_signing_bytes(entry, CLAIM_CONTEXT))
+
+
+def verify_claim(entry: pb.RegistryEntry, trust: TrustStore, block_id: str) -> None:
+    """Raise UntrustedClaim unless `entry` is a claim a trusted key signed for block_id."""
+    if entry.state != pb.CLAIM_STATE_CLAIMED:
+        raise UntrustedClaim(f"entry of block {block_id} is not a claim")
+    if entry.block_id != block_id:
+        raise UntrustedClaim(f"claim on {entry.block_id!r} stored under {block_id!r}")
+    public_key = trust.get(entry.key_id)
+    if public_key is None:
+        raise UntrustedClaim(f"claim on block {block_id}: key {entry.key_id!r} not trusted")
+    try:
+        public_key.verify(entry.signature, _signing_bytes(entry, CLAIM_CONTEXT))
+    except InvalidSignature as e:
+        raise UntrustedClaim(f"claim on block {block_id}: bad signature") from e

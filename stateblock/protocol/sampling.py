@@ -3,7 +3,7 @@
 The gateway builds it from the HTTP or gRPC request, the capture copies it per lane into
 the signed block header, the readout engines read it from there. It is checked in one
 place (`check_lane`) against one set of limits (`Limits`, read once per service from the
-same STATEBLOCK_* variables by `stateblock.runtime.limits_from_env`). The answer depth
+same STATEBLOCK_* variables, declared in `stateblock.settings`). The answer depth
 (`max_tokens`) is not a sampling parameter: it travels as the lane's `max_tokens` in the
 capture request and as the layout's `answer_depth` in the block, once each.
 """
@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 2.0  # the OpenAI range
 SEED_LIMIT = 1 << 64
 MAX_CHARS_PER_TOKEN = 16
 MAX_LOGPROBS = 2  # top candidates with log-probabilities: the top-2 pass keeps two
+K_MAX = 8  # lanes per request (prompts x n) and per cohort: one packed forward, one enqueue
 
 SamplingParams = pb.SamplingParams
 
@@ -37,7 +38,7 @@ class InvalidSampling(ValueError):
 class Limits:
     """What one request may ask for; every service reads the same variables."""
 
-    max_lanes: int = 8  # K_max: prompts x n per request, lanes per cohort
+    max_lanes: int = K_MAX  # prompts x n per request, lanes per cohort
     prompt_len_max: int = 4096  # tokens per prompt
     answer_depth_max: int = 8192  # the answer envelope: max_tokens per lane
 
@@ -121,6 +122,19 @@ def check_prompt_text(text: str, limits: Limits, param: str) -> None:
         raise InvalidSampling(
             f"the prompt is not valid Unicode (position {e.start}: a lone surrogate).", param
         ) from e
+
+
+def check_token_ids(ids, vocab_size: int, param: str) -> None:
+    """Raise InvalidSampling unless every id names a token of a `vocab_size` vocabulary: a
+    tokenizer takes ids as C integers and a tensor indexes rows by them, so no id outside
+    [0, vocab_size) may reach either (a JSON integer has no bound at all)."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise InvalidSampling(
+            f"token id {bad} is outside the vocabulary of {vocab_size} (ids 0 to "
+            f"{vocab_size - 1}).",
+            param,
+        )
 
 
 def check_lane_count(n_lanes: int, limits: Limits) -> None:

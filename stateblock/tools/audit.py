@@ -41,13 +41,12 @@ from stateblock.engines import LaneRequest, LaneResult, ReadoutEngine
 from stateblock.model.capture import capture
 from stateblock.model.loading import ServingModel
 from stateblock.model.vocab import NO_EOS, distinct_n
-from stateblock.protocol.sampling import sampling_params
+from stateblock.protocol.sampling import K_MAX, sampling_params  # lanes per enqueue, as served
 from stateblock.train import tasks
 
 NEAR_TIE = 0.05  # reference top-1 minus top-2 logit below this is a near-tie
 LOGPROB_TOL = 1e-3  # nats: exact log-probabilities, up to the engines' rounding
 DEFAULT_DEPTHS = (256, 512, 1024, 2048, 4096, 8192)
-K_MAX = 8  # lanes per packed enqueue, as served
 PLAIN = sampling_params()  # greedy
 AUDITED = sampling_params(logprobs=2)  # greedy, with both candidates' log-probabilities
 CAPTURE_BATCH = 32

@@ -6,10 +6,10 @@ the results into the model directory; docs/QUALITY.md has each stage's figures.
 
 Base stages 1-4 ran on two H200s, 5-8 and the decoder stages on one; the step counts follow the
 machine's pace (each run plans its cosine from its measured pace to fill its minutes), so a
-rebuild on other hardware is the same recipe, not the same bytes. Nor quite the same data:
-the train split's generator (`tasks.py`) changed between stages (session 9: wider `add`
-operands; session 12: longer `sort` strings; session 16: `sort` strings of few letters), and
-a rebuild draws today's mixture in every stage.
+rebuild on other hardware is the same recipe, not the same bytes. Nor quite the same data: the
+shipped stages drew narrower `add` operands before decoder-5, no long `sort` strings before
+base-5 and decoder-13, and no few-letter `sort` strings before base-7 and decoder-20, while a
+rebuild draws the train split of `tasks.py` as it is in every stage.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ _BATCH = "--reschedule --warmup 100 --max-batch 1024"
 _WEAK = _arg({"sort": 3, "recall": 2})
 _SORT = _arg({"sort": 4, "copy": 2})
 _FINE = "--reschedule --warmup 50 --max-batch 1024 --workers 5"
-# session 13: the separators after an item one character from the answer's last item weighted
+# the separators after an item one character from the answer's last item weighted
 # 3x (the long answers' early stops all followed one)
 _NEAR_END = "--near-end-weight 3"
 
 
 def _weak(minutes: float, workers: int, weights: str = _WEAK, extra: str = "") -> str:
-    """Sessions 10-15's decoder stages: a short cosine at peak 1e-4, EOS weight 10, sort 3x
+    """Decoder stages 8 on: a short cosine at peak 1e-4, EOS weight 10, sort 3x
     and recall 2x as often unless `weights` says otherwise, then any `extra` options."""
     return (f"--minutes {minutes} --lr 1e-4 --warmup 30 --reschedule --workers {workers} "
             f"--eos-weight 10 --weights {weights} {extra}").rstrip()  # fmt: skip
@@ -71,14 +71,14 @@ STAGES: tuple[Stage, ...] = (
           "the two weakest families twice as often"),
     Stage("base-4", BASE, f"--minutes 6.8 --lr 7e-4 {_BATCH} --weights {_SORT}",
           "sort, still under 0.95, four times as often"),
-    # session 12, on one H200 beside two decoder arms: each started from the last base's
+    # on one H200 beside two decoder arms: each started from the last base's
     # weights with a new optimizer; the train split draws 17-32-letter sort strings half the time
     Stage("base-5", BASE, f"--minutes 6.3 --lr 3e-4 {_FINE} --weights {_SORT}",
           "long sort strings: sort 0.92 -> 0.94 (seed 99), 0.83 -> 0.93 (seed 1234)"),
     Stage("base-6", BASE, f"--minutes 6.3 --lr 2e-4 {_FINE} --weights {_SORT}",
           "again: sort 0.96 / 0.97, every family at or above 0.96"),
-    # session 16, each beside two other runs: the train split's sort strings now a third of
-    # the time from 2-8 letters (base 6 was exact on 0.38 of strings repeating a letter 6x)
+    # each beside two other runs, on a train split whose sort strings are a third of the time
+    # 2-8 letters long (base 6 is exact on only 0.38 of strings repeating a letter 6x)
     Stage("base-7", BASE, f"--minutes 7.3 --lr 3e-4 {_FINE} --weights {_arg({'sort': 6, 'copy': 2})}",
           "few-letter sort strings: held-out sort 0.978 / 0.966 / 0.976 (seeds 7 / 99 / 1234)"),
     Stage("base-8", BASE, f"--minutes 7.3 --lr 3e-4 {_FINE} --weights {_arg({'sort': 8, 'copy': 2})}",
@@ -90,41 +90,41 @@ STAGES: tuple[Stage, ...] = (
           "its end, EOS weighted 10x: the long answers' only errors were a missing EOS"),
     Stage("decoder-4", READOUT, "--minutes 4.4 --lr 4e-4 --warmup 50 --reschedule --workers 8 "
           "--eos-weight 10", "a short second cosine with the EOS weight from its start"),
-    # session 9: stages 5 and 6 shared the GPU with an ablation arm (the stop loss, then EOS
-    # weight 30), so they ran at about half this pace; adds drew full-width operands more often
+    # stages 5 and 6 shared the GPU with an ablation arm (the stop loss, then EOS weight 30),
+    # so they ran at about half this pace; from 5 on, adds draw full-width operands more often
     Stage("decoder-5", READOUT, "--minutes 6.0 --lr 3e-4 --warmup 50 --reschedule --workers 7 "
           "--eos-weight 10", "a third cosine, EOS weight 10: every long bucket moved"),
     Stage("decoder-6", READOUT, "--minutes 7.6 --lr 3e-4 --warmup 50 --reschedule --workers 7 "
           "--eos-weight 10", "a fourth: 65-256 reached 1.00, long buckets 0.88-0.91"),
     Stage("decoder-7", READOUT, "--minutes 5.0 --lr 2e-4 --warmup 30 --reschedule --workers 14 "
           "--eos-weight 10", "a fifth, lower peak, alone on the GPU"),
-    # session 10: stage 8 started from stage 7's weights with a new optimizer (--init) beside
+    # stage 8 started from stage 7's weights with a new optimizer (--init) beside
     # an ablation arm (refine 2), so at half this pace; 9 and 10 resumed it alone
     Stage("decoder-8", READOUT, _weak(7.2, 7), "sort 3x and recall 2x as often: 1-64's weak two"),
     Stage("decoder-9", READOUT, _weak(7.4, 14), "the same weights, a new short cosine"),
     Stage("decoder-10", READOUT, _weak(5.0, 14), "again: sort was still climbing (0.64 -> 0.68)"),
-    # session 11: each from the previous stage's weights (--init, a new optimizer) beside
-    # ablation arms on the same GPU (the trainer was host-bound then: 20-30 % GPU a run)
+    # each from the previous stage's weights (--init, a new optimizer) beside ablation arms
+    # on the same GPU (their trainer host-bound: 20-30 % GPU a run)
     Stage("decoder-11", READOUT, _weak(7.0, 7), "the same weights: sort 0.68 -> 0.72, 1-64 0.91"),
     Stage("decoder-12", READOUT, _weak(8.0, 4), "and once more: sort 0.84, 1-64 0.94 (trainer)"),
-    # session 12: stage 13 ran on base 4, 14 on base 5 and 15 on base 6, each from the last
-    # stage's weights (--init: a decoder of the previous base is a start); 13 and 14 beside
-    # two other runs. From 14 on cuDNN attention was off: 2.6x the steps a second
+    # stage 13 ran on base 4, 14 on base 5 and 15 on base 6, each from the last stage's
+    # weights (--init: a decoder of the previous base is a start); 13 and 14 beside two other
+    # runs. From 14 on, cuDNN attention off: 2.6x the steps a second
     Stage("decoder-13", READOUT, _weak(7.3, 5), "long sort strings half the time: sort 0.80 (trainer)"),
     Stage("decoder-14", READOUT, _weak(7.3, 5), "on base 5 (2,601 steps): 1-64 0.975, sort 1.00"),
     Stage("decoder-15", READOUT, _weak(4.6, 12), "on base 6, alone (3,143 steps): 1-64 0.966, sort 0.97"),
-    # session 13, each beside two other arms on one H200 (about 2,200 steps a run)
+    # each beside two other arms on one H200 (about 2,200 steps a run)
     Stage("decoder-16", READOUT, _weak(7.8, 5, extra=_NEAR_END),
           "near-end separators 3x: 1-64 0.983, EOS agreement 1.00 but the teacher's runaway"),
     Stage("decoder-17", READOUT, _weak(7.8, 5, _arg({"sort": 3, "recall": 4}), _NEAR_END),
           "recall 4x: 1-64 0.992 (seed 1234), 0.983 (seed 7), every family >= 0.967"),
-    # session 14, beside two other arms on one H200 (2,394 steps), picked on seeds 7 and 99
+    # beside two other arms on one H200 (2,394 steps), picked on seeds 7 and 99
     Stage("decoder-18", READOUT, _weak(7.8, 5, _arg({"sort": 5, "recall": 6}), _NEAR_END),
           "sort 5x, recall 6x: seed 7 at 100 a family 15 misses -> 10, sort 0.91 -> 0.95"),
-    # session 15, beside two other arms on one H200 (2,388 steps), picked on seeds 7 and 99
+    # beside two other arms on one H200 (2,388 steps), picked on seeds 7 and 99
     Stage("decoder-19", READOUT, _weak(7.8, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
           "sort 7x, recall 7x: at 100 a family seed 7 10 misses -> 8, seed 99 16 -> 13"),
-    # sessions 16-17, each beside two other arms on one H200, on the new train split: 20 on
+    # each beside two other arms on one H200, on the few-letter train split: 20 on
     # base 6, 21 on base 7, 22 on base 8 (the shipped one), picked on seeds 7 and 99
     Stage("decoder-20", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 7}), _NEAR_END),
           "few-letter sort strings, on base 6 (2,283 steps): seed 7 9 misses, level"),
@@ -132,7 +132,7 @@ STAGES: tuple[Stage, ...] = (
           "on base 7 (2,246 steps): 12 misses, 7 of them the teacher's own"),
     Stage("decoder-22", READOUT, _weak(7.6, 5, _arg({"sort": 7, "recall": 9}), _NEAR_END),
           "on base 8, recall 9x (2,603 steps): seed 7 9 misses against E1's 13 at recall 7x"),
-    # session 18, each beside two other arms on one H200, picked at 100 a family on seeds
+    # each beside two other arms on one H200, picked at 100 a family on seeds
     # 7, 99, 1234 and 5: 23 from stage 22, 24 (the shipped one) from 23
     Stage("decoder-23", READOUT, _weak(5.5, 5, _arg({"sort": 9, "recall": 9, "alpha": 2, "copy": 2}), _NEAR_END),
           "alpha and copy 2x, sort 9x (1,726 steps): 37 misses -> 27 over four seeds"),

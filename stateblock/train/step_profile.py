@@ -4,7 +4,7 @@ and writes OUT/profile.txt: the window's wall time per step, the device's busy t
 (the sum of kernel self times: how far from GPU-bound the step is), and the top operators by
 self device time and by self host time.
 
-Why: the readout trainer used 15-30 % of an H200 per run (session 11, nvidia-smi every 10 s)
+Why: a readout trainer run can use as little as 15-30 % of an H200 (nvidia-smi every 10 s)
 while its loader workers make batches far faster than it takes them; the step's host work is
 the next speed-up, and this says which. The profiler adds host overhead of its own, so the
 wall time it reports is an upper bound.

@@ -89,7 +89,7 @@ class Rejection(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., worker_id: _Optional[str] = ..., rejected_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RegistryEntry(_message.Message):
-    __slots__ = ("state", "block_id", "worker_id", "lease_expires_at", "attempt", "commit", "rejection")
+    __slots__ = ("state", "block_id", "worker_id", "lease_expires_at", "attempt", "commit", "rejection", "key_id", "signature")
     STATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class RegistryEntry(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     state: ClaimState
     block_id: str
     worker_id: str
@@ -104,4 +106,6 @@ class RegistryEntry(_message.Message):
     attempt: int
     commit: Commit
     rejection: Rejection
-    def __init__(self, state: _Optional[_Union[ClaimState, str]] = ..., block_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ...) -> None: ...
+    key_id: str
+    signature: bytes
+    def __init__(self, state: _Optional[_Union[ClaimState, str]] = ..., block_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...

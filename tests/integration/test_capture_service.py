@@ -313,7 +313,12 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
     from tests.helpers import REFERENCE_BASE
 
     config = CaptureConfig.from_env(
-        {"STATEBLOCK_CAPTURE_COMPILE": "aot_eager", "STATEBLOCK_CAPTURE_PORT": "0"}
+        {
+            "STATEBLOCK_CAPTURE_COMPILE": "aot_eager",
+            "STATEBLOCK_CAPTURE_PORT": "0",
+            "STATEBLOCK_MAX_LANES": "1",  # one shape to warm up: 1 lane x width 16
+            "STATEBLOCK_PROMPT_LEN_MAX": "16",
+        }
     )
     assert config.compile == "aot_eager"
     model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)

@@ -78,8 +78,8 @@ async def test_a_signed_rejection_fails_the_request_with_its_reason(registry):
 
 
 async def test_a_commit_refused_by_jetstream_is_never_served(nc, registry):
-    """Defect 1 (forged): a publish with a stale expected revision is refused by JetStream
-    (wrong last sequence) but was seen on the bucket's plain subject and served."""
+    """A forged commit: a publish with a stale expected revision is refused by JetStream
+    (wrong last sequence) yet seen on the bucket's plain subject; it is never served."""
     async with CommitWatcher.open(registry, TRUST) as watcher:
         claim = await registry.claim("b1", "w1", lease_s=30)
         forged = committed_entry(commit("b1", tokens=(66,)))  # even validly signed
@@ -107,7 +107,7 @@ async def test_a_stored_forged_commit_is_ignored(nc, registry, signer):
 
 
 async def test_a_forged_rejection_fails_no_request(nc, registry):
-    """Defect 2: a rejection a forger publishes (on the old rejected subject, or stored in the
+    """A rejection a forger publishes (on the rejected subject, or stored in the
     registry under a trusted-looking reason) fails nothing; the genuine commit answers."""
     async with CommitWatcher.open(registry, TRUST) as watcher:
         watch = asyncio.create_task(watcher.watch_commit("b1", timeout=10))
@@ -167,3 +167,17 @@ async def test_a_genuine_outcome_a_forger_overwrote_is_still_found(nc, registry)
     assert list(got.lanes[0].token_ids) == [8, 9]
     with pytest.raises(AlreadyCommitted):
         await registry.claim("b9", "w2", lease_s=30)
+
+
+async def test_every_waiter_on_one_block_gets_its_outcome(registry):
+    """Retries sharing an Idempotency-Key wait on one block: each waiter is answered, and
+    one that leaves (its client went away) takes no other's future with it."""
+    async with CommitWatcher.open(registry, TRUST) as watcher:
+        watches = [asyncio.create_task(watcher.watch_commit("b5", timeout=10)) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        watches[0].cancel()
+        claim = await registry.claim("b5", "w1", lease_s=30)
+        await registry.commit(claim, commit("b5", tokens=(3,)))
+        got = await asyncio.wait_for(asyncio.gather(*watches[1:]), 5)
+        assert [list(c.lanes[0].token_ids) for c in got] == [[3]] * 4
+        assert watcher._waiting == {}

@@ -103,7 +103,8 @@ async def test_rejected_block_fails_fast_not_at_the_deadline(
     nc, decoder_dir, serving_model, engine
 ):
     """A genuine block the workers will not read (deeper than their limit): its signed
-    rejection fails the request at once with the reason (500), not after the deadline."""
+    rejection fails the request at once with the reason, not after the deadline; the reason
+    describes the request, which its client can change (400)."""
     capture_config = CaptureConfig(port=0, host="127.0.0.1")
     signer = Signer.generate()
     readout_config = ReadoutServiceConfig(
@@ -119,7 +120,7 @@ async def test_rejected_block_fails_fast_not_at_the_deadline(
         ) as gw,
     ):
         t0 = time.monotonic()
-        await expect(gw, 500, "server_error", grpc.StatusCode.INTERNAL, "limits")
+        await expect(gw, 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "over 2")
         assert time.monotonic() - t0 < 10
 
 

@@ -23,6 +23,7 @@ from stateblock.nats_client import (
     NatsOptions,
     NatsState,
     NatsUnreachable,
+    Readiness,
     connect,
     follow_in_health,
     parse_servers,
@@ -53,7 +54,7 @@ async def test_reconnects_after_more_attempts_than_start_up_allows(tmp_path):
     metrics = CollectorRegistry()
     state = NatsState.with_metrics("t", metrics)
     servicer = health.aio.HealthServicer()
-    await follow_in_health(servicer, ("",), state)
+    await follow_in_health(servicer, ("",), Readiness(state))
     options = NatsOptions.of(server.url, start_attempts=1, reconnect_wait_s=0.05)
     nc = await connect(options, "t", state)
     try:

@@ -351,7 +351,8 @@ async def test_the_readout_runs_beside_the_claim_and_a_refused_claim_commits_not
     metrics = CollectorRegistry()
     config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.1)
     block = make_block(serving_model, seed=8)
-    registry = await Registry.open(nc.jetstream())
+    # another worker's genuine claim: signed by a readout key the workers trust
+    registry = await Registry.open(nc.jetstream(), signer=READOUT_SIGNER)
     held = await registry.claim(block.header.block_id, "elsewhere", lease_s=30.0)
     async with running_readout(
         config,

@@ -25,69 +25,22 @@ CRD_API_VERSIONS = {
 }  # no bundled schema: checked structurally
 
 CONFIGS = {"gateway": GatewayConfig, "capture": CaptureConfig, "readout": ReadoutServiceConfig}
-# What each Deployment cannot run without (the wiring the chart computes, and the choices
-# the brief fixes); every other name it sets must still be one its service reads.
-REQUIRED_ENV = {
-    "gateway": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_CAPTURE_TARGET",
-        "STATEBLOCK_HTTP_PORT",
-        "STATEBLOCK_GRPC_PORT",
-        "STATEBLOCK_MAX_LANES",
-        "STATEBLOCK_ANSWER_DEPTH_MAX",
-        "STATEBLOCK_GRACE_S",
-    },
-    "capture": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_KEY_DIR",
-        "STATEBLOCK_CAPTURE_PORT",
-        "STATEBLOCK_CAPTURE_METRICS_PORT",
-        "STATEBLOCK_DEVICE",
-        "STATEBLOCK_CAPTURE_DTYPE",
-        "STATEBLOCK_MAX_LANES",
-        "STATEBLOCK_PROMPT_LEN_MAX",
-        "STATEBLOCK_ANSWER_DEPTH_MAX",
-        "STATEBLOCK_DUPLICATE_WINDOW_S",
-        "STATEBLOCK_GRACE_S",
-    },
-    "readout": {
-        "STATEBLOCK_NATS_URL",
-        "STATEBLOCK_MODEL_NAME",
-        "STATEBLOCK_BASE_DIR",
-        "STATEBLOCK_DECODER_DIR",
-        "STATEBLOCK_TRUSTED_KEYS_DIR",
-        "STATEBLOCK_ENGINE",
-        "STATEBLOCK_DEVICE",
-        "STATEBLOCK_WORKERS",
-        "STATEBLOCK_READOUT_METRICS_PORT",
-        "STATEBLOCK_DUPLICATE_WINDOW_S",
-        "STATEBLOCK_GRACE_S",
-    },
-}
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-class RecordingEnv(dict):
-    """An environ mapping that records every name looked up: what a config reads."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.read: set[str] = set()
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
+def value_at(key: str, values: dict = VALUES):
+    """values.yaml's value at a dotted key ("serving.maxLanes")."""
+    for part in key.split("."):
+        values = values[part]
+    return values
 
 
-def names_read(config_cls) -> set[str]:
-    env = RecordingEnv()
-    config_cls.from_env(env)
-    return env.read
+def values_with(key: str, value) -> dict:
+    """The values overriding one dotted key."""
+    out = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
 
 
 # --- rendering --------------------------------------------------------------------------

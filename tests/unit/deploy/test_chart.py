@@ -19,6 +19,7 @@ import yaml
 from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
+from stateblock import settings
 from stateblock.nats_client import parse_servers
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
 from tests.unit.deploy.chart import (
@@ -27,19 +28,19 @@ from tests.unit.deploy.chart import (
     KUBE_VERSION,
     NAMESPACE,
     RELEASE,
-    REQUIRED_ENV,
     container,
     deployment,
     env_of,
     gpus,
     kinds,
-    names_read,
     of_kind,
     render,
     render_error,
     render_valid,
     secrets_referenced,
     selects,
+    value_at,
+    values_with,
     volumes_by_mount,
 )
 
@@ -126,15 +127,11 @@ def test_pods_run_non_root_with_read_only_root(default_docs):
 
 
 @pytest.mark.parametrize("component", sorted(CONFIGS))
-def test_env_is_what_the_service_reads(default_docs, component):
+def test_env_is_exactly_what_the_declarations_say_the_service_reads(default_docs, component):
     env = env_of(default_docs, component)
-    config_cls = CONFIGS[component]
-    unread = set(env) - names_read(config_cls)
-    assert not unread, f"{component} sets variables its config never reads: {sorted(unread)}"
-    missing = REQUIRED_ENV[component] - set(env)
-    assert not missing, f"{component} lacks {sorted(missing)}"
+    assert set(env) == settings.chart_variables(component)
     # The service's own parser accepts the rendered values (types, ranges, cross-checks).
-    config = config_cls.from_env(env)
+    config = CONFIGS[component].from_env(env)
     assert config.model_name == "stateblock-reference"
     assert config.nats_url == "nats://nats:4222"
     mounts = volumes_by_mount(default_docs, component)
@@ -142,6 +139,47 @@ def test_env_is_what_the_service_reads(default_docs, component):
     assert mounts["/models"]["persistentVolumeClaim"]["claimName"] == "stateblock-models"
     assert str(config.base_dir) == "/models/base"
     assert str(config.decoder_dir) == "/models/decoder"
+
+
+def test_optional_settings_reach_exactly_their_readers():
+    from tests.unit.deploy.chart import env_from_secrets
+
+    docs = render_valid({
+        "natsClient": {"credsSecret": "nats-user", "tlsSecret": "nats-ca", "tlsClientCert": True},
+        "auth": {"apiKeySecret": {"name": "sb-api", "key": "token"}},
+    })  # fmt: skip
+    for component in CONFIGS:
+        names = set(env_of(docs, component)) | set(env_from_secrets(docs, component))
+        assert names == settings.chart_variables(component, optional=True), component
+
+
+CHART_NUMBERS = [
+    s
+    for s in settings.SETTINGS
+    if s.chart not in ("", settings.COMPUTED, settings.OPTIONAL) and s.type in (int, float)
+]
+
+
+@pytest.mark.parametrize("setting", CHART_NUMBERS, ids=lambda s: s.name)
+def test_a_chart_value_reaches_every_service_that_reads_it(setting):
+    """serving.maxLanes: 16 must reach the readout too, or the capture signs blocks every
+    worker refuses."""
+    changed = value_at(setting.chart) + 1
+    docs = render_valid(values_with(setting.chart, changed))
+    readers = [c for c in CONFIGS if c in setting.readers]
+    assert readers
+    for component in readers:
+        raw = env_of(docs, component)[setting.name]
+        assert setting.read({setting.name: raw}, component) == changed, component
+
+
+def test_every_chart_key_of_the_declarations_is_in_values():
+    keyed = [
+        s for s in settings.SETTINGS if s.chart not in ("", settings.COMPUTED, settings.OPTIONAL)
+    ]
+    assert len(keyed) > 10
+    for s in keyed:
+        assert value_at(s.chart) is not None, s.name
 
 
 def test_env_wires_services_together(default_docs):
@@ -166,7 +204,7 @@ def test_env_wires_services_together(default_docs):
     for component, config in (("capture", capture), ("readout", readout)):
         ports = {p["name"]: p["containerPort"] for p in container(default_docs, component)["ports"]}
         assert config.metrics_port == ports["metrics"]
-    assert gateway.limits == capture.limits
+    assert gateway.limits == capture.limits == readout.limits
     assert capture.duplicate_window_s == readout.duplicate_window_s
     assert (capture.device, capture.dtype) == ("cuda", "bfloat16")
     assert (readout.engine, readout.device) == ("reference", "cpu")
@@ -481,6 +519,7 @@ def test_model_from_host_path_or_image():
             "readout.ackWaitSeconds (40) must be at most half of gateway.requestTimeoutSeconds",
         ),
         ({"capture": {"dtype": "int8"}}, "/capture/dtype"),
+        ({"capture": {"laneBuckets": "1,,4"}}, "/capture/laneBuckets"),
     ],
 )
 def test_invalid_values_fail_rendering(values, message):
@@ -519,6 +558,26 @@ def test_liveness_never_restarts_a_pod_for_a_nats_outage(default_docs, component
     the process answers, so an outage takes pods out of service without restarting them."""
     (container,) = deployment(default_docs, component)["spec"]["template"]["spec"]["containers"]
     assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+
+
+# what a compiled capture needs before it is ready: a warm-up of about 4 minutes (issue 38:
+# ready within 3 on the H200) and the model's load
+CAPTURE_WARM_UP_S = 240
+CAPTURE_MODEL_LOAD_S = 120
+
+
+def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
+    """The startup probe asks "" (NOT_SERVING until every compiled shape has warmed up) and
+    its budget covers the warm-up; liveness and readiness start only after it succeeds."""
+    (container,) = deployment(default_docs, "capture")["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert "service" not in startup["grpc"]  # the warm-up-aware status, not liveness
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
+    env = env_of(
+        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+    )
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
 
 def test_a_hugging_face_style_model_name_deploys():

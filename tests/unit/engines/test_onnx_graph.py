@@ -37,7 +37,7 @@ IDENTITY = {
 
 
 # the shipped architecture's options: rows attended by every position, in-graph refinement;
-# and a refinement stack deeper than the first (session 24's arms)
+# and a refinement stack deeper than the first
 @pytest.fixture(
     scope="module",
     params=[{}, {"row_attn": True, "refine": 1}, {"row_attn": True, "refine": 1, "n_ref_mixer": 3}],

@@ -296,7 +296,7 @@ def test_default_config_fills_the_gpu():
 
 
 # -- a refining, row-attending decoder (the rebuilt architecture) -------------------------
-# the shipped one (rope), the earlier positions, and a deeper refinement stack (session 24)
+# the shipped one (rope), one without rope, and a deeper refinement stack
 ARCHS = [{"rope": False}, {"rope": True}, {"rope": True, "n_ref_mixer": 3}]
 
 

@@ -21,6 +21,7 @@ from gateway.errors import (
 )
 from gateway.grpc_server import params_of, status_of
 from gateway.http import create_app, openai_error
+from stateblock.nats_client import NatsState, Readiness
 from stateblock.v1 import capture_pb2, gateway_pb2
 from tests.unit.gateway.conftest import MODEL
 
@@ -221,3 +222,23 @@ def params_of_prompt(prompt: str):
     from gateway.service import GenerateParams, PromptSpec
 
     return GenerateParams(model=MODEL, inputs=(PromptSpec(prompt=prompt),))
+
+
+async def test_health_follows_readiness_and_says_why(service):
+    """/health is 503 naming what does not answer while a probe fails, and 200 again
+    once it answers; a NATS disconnect counts too."""
+    state = NatsState("t", connected=True)
+    readiness = Readiness(state)
+    app = create_app(service, metrics=CollectorRegistry(), created=1, readiness=readiness)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        assert (await http.get("/health")).status_code == 200
+        await readiness.report("capture", "no answer within 2s")
+        r = await http.get("/health")
+        assert r.status_code == 503 and "capture: no answer within 2s" in r.json()["why"]
+        await state.set(False)
+        await readiness.report("capture", None)
+        r = await http.get("/health")
+        assert r.status_code == 503 and r.json()["why"] == "nats: disconnected"
+        await state.set(True)
+        assert (await http.get("/health")).status_code == 200

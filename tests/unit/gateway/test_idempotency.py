@@ -5,11 +5,12 @@ a first request that never ran gives its key back."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from gateway.errors import InvalidRequest, Unavailable
-from gateway.idempotency import Record
+from gateway.errors import BlockRejected, InvalidRequest, ReadoutFailed, Unavailable
+from gateway.idempotency import Record, store_key
 from gateway.service import GenerateParams, PromptSpec, make_sampling
 from tests.unit.gateway.conftest import MODEL
 
@@ -90,7 +91,7 @@ async def test_a_first_request_that_never_ran_gives_its_key_back(keyed, fakes):
 
 async def test_nats_trouble_at_the_keys_is_a_503_never_a_500(monkeypatch):
     """The key store's NATS calls are retried through an election, then a 503 (nothing has
-    run yet), where a raw nats TimeoutError used to escape as a plain-text 500."""
+    run yet): a raw nats TimeoutError never escapes as a plain-text 500."""
     import nats
 
     from gateway import idempotency
@@ -153,23 +154,69 @@ async def test_our_own_create_whose_reply_was_lost_is_ours():
     assert action == "run" and revision == 1
 
 
-async def test_a_retry_of_a_request_whose_block_was_rejected_runs_it_anew(keyed, fakes):
-    """An answer is given at most once per key; a first run that ended in a signed rejection
-    (its block expired during an outage) gave none, so the retry runs the request again."""
-    from gateway.errors import ReadoutFailed
-
-    capture, commits = fakes
+def reject_blocks(commits, reasons: dict[str, str]) -> None:
+    """The fake registry keeps a signed rejection with the given reason for those blocks."""
     answer = commits.watch_commit
 
-    async def rejected_first(block_id, timeout):  # the registry keeps block-1's rejection
-        if block_id == "block-1":
-            raise ReadoutFailed("block block-1 was rejected: expired")
+    async def watch(block_id, timeout):
+        if block_id in reasons:
+            await asyncio.sleep(0.01)  # the outcome comes after the capture's reply
+            raise BlockRejected(block_id, reasons[block_id])
         return await answer(block_id, timeout)
 
-    commits.watch_commit = rejected_first
+    commits.watch_commit = watch
+
+
+async def test_a_retry_of_a_request_whose_block_was_rejected_runs_it_anew(keyed, fakes):
+    """An answer is given at most once per key; a first run that ended in a signed rejection
+    (its block out of deliveries) gave none, so the retry runs the request again."""
+    capture, commits = fakes
+    reject_blocks(commits, {"block-1": "max_deliveries"})
     with pytest.raises(ReadoutFailed):
         await keyed.generate(params(), api="t", idempotency_key="k-rej")
     g = await keyed.generate(params(), api="t", idempotency_key="k-rej")
     assert len(capture.calls) == 2 and g.choices  # ran anew, answered
     again = await keyed.generate(params(), api="t", idempotency_key="k-rej")
     assert len(capture.calls) == 2 and again.request_id == g.request_id  # and only once
+
+
+@pytest.mark.parametrize("reason", ["object_missing", "expired"])
+async def test_a_block_rejected_not_for_the_request_is_captured_again(keyed, fakes, reason):
+    """Its payload lost or expired unread: the request captures again as a new block (a
+    capture id of its own: the plan table refuses one twice) and answers under its one
+    request id; a retry sent meanwhile follows it to the new block."""
+    capture, commits = fakes
+    reject_blocks(commits, {"block-1": reason})
+    first, retry = await asyncio.gather(
+        keyed.generate(params(), api="t", idempotency_key="k-again"),
+        keyed.generate(params(), api="t", idempotency_key="k-again"),
+    )
+    assert first.request_id == retry.request_id and first.choices == retry.choices
+    assert [call[0] for call in capture.calls][0] == first.request_id
+    assert len(capture.calls) == 2 and capture.calls[1][0] != first.request_id
+    later = await keyed.generate(params(), api="t", idempotency_key="k-again")
+    assert later.request_id == first.request_id and len(capture.calls) == 2
+
+
+async def test_captures_again_at_most_twice(keyed, fakes):
+    capture, commits = fakes
+    reject_blocks(commits, {f"block-{i}": "object_missing" for i in range(1, 7)})
+    with pytest.raises(ReadoutFailed, match="object_missing"):
+        await keyed.generate(params(), api="t")
+    assert len(capture.calls) == 3
+    # the owner gave up: a retry with the key runs it anew at once, not at the deadline
+    with pytest.raises(ReadoutFailed):
+        await keyed.generate(params(), api="t", idempotency_key="k-lost")
+    assert len(capture.calls) == 6
+    record, _ = keyed._keys.records[store_key(MODEL, "k-lost")]
+    assert record.block_id == "block-6" and record.expires_at <= time.time()
+    g = await keyed.generate(params(), api="t", idempotency_key="k-lost")
+    assert len(capture.calls) == 7 and g.choices
+
+
+async def test_a_rejection_that_describes_the_request_is_a_400(keyed, fakes):
+    capture, commits = fakes
+    reject_blocks(commits, {"block-1": "limits"})
+    with pytest.raises(InvalidRequest) as e:
+        await keyed.generate(params(), api="t")
+    assert e.value.code == "limits" and len(capture.calls) == 1

@@ -12,6 +12,7 @@ from stateblock.model.capture import (
     pad_lanes,
     uncompile_backbone,
     unpack_lanes,
+    warm_up,
 )
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
@@ -117,3 +118,20 @@ def test_compiled_backbone_still_captures_through_the_hook():
     assert not hasattr(model.base_model.forward, "_torchdynamo_orig_callable")
     assert torch.equal(capture(model, enc["input_ids"], enc["attention_mask"]), eager)
     uncompile_backbone(model)  # a no-op on an eager backbone
+
+
+def test_warm_up_runs_each_shape_as_a_request_runs_it():
+    """Right-padded pad ids, no mask, `runs` times a shape, each shape reported once."""
+    model, tok = load_base(REFERENCE_BASE)
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append((tuple(kw["input_ids"].shape), kw["attention_mask"])),
+        with_kwargs=True,
+    )
+    reported = []
+    try:
+        warm_up(model, [(1, 16), (2, 24)], pad_id=0, runs=2, on_shape=lambda *a: reported.append(a))
+    finally:
+        handle.remove()
+    assert seen == [((1, 16), None)] * 2 + [((2, 24), None)] * 2
+    assert [r[:2] for r in reported] == [(1, 16), (2, 24)] and all(r[2] > 0 for r in reported)

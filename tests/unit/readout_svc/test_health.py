@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from readout_svc.server import LIVENESS, serve_health
 from readout_svc.worker import EngineHealth
-from stateblock.nats_client import NatsState
+from stateblock.nats_client import NatsState, Readiness
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -18,7 +18,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 async def test_health_follows_nats_and_the_engine():
     state, engine = NatsState("t", connected=True), EngineHealth()
-    async with serve_health("127.0.0.1", 0, state, engine) as port:
+    async with serve_health("127.0.0.1", 0, Readiness(state), engine) as port:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
 

@@ -143,7 +143,7 @@ def test_train_adds_draw_full_width_operands_often_and_heldout_prompts_stay_put(
     rng = random.Random(3)
     adds = [tasks.add(rng).prompt.split(": ")[1].split("+") for _ in range(4000)]
     both = sum(a >= "10000" and b >= "10000" for a, b in adds) / len(adds)
-    assert both > 0.12  # was 0.04: both operands five digits wide, the long carries
+    assert both > 0.12  # both operands five digits wide: the long carries
     # the eval's prompts are those every QUALITY.md table was measured on
     ex = tasks.per_family(30, split="heldout", seed=1234)
     digest = hashlib.sha256("\n".join(e.prompt for e in ex).encode()).hexdigest()

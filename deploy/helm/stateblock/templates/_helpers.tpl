@@ -125,7 +125,8 @@ readoutKeys: {prefix: "readout-", signedBy: readout, trustedBy: gateway}
 {{- end }}
 
 {{/*
-The variables every service reads, then the component's own, then its `env` passthrough.
+The variables every service reads (the request limits included: a readout worker refuses
+a signed block over its own), then the component's own, then its `env` passthrough.
 Call with (dict "ctx" $ "vars" (dict NAME VALUE ...) "extra" .Values.<component>.env "component" NAME).
 A passthrough name must be STATEBLOCK_* and must not override one the chart sets.
 */}}
@@ -139,6 +140,9 @@ A passthrough name must be STATEBLOCK_* and must not override one the chart sets
     "STATEBLOCK_DECODER_DIR" (include "stateblock.modelPath" (dict "ctx" $ctx "dir" $ctx.Values.model.decoderDir))
     "STATEBLOCK_GRACE_S" $ctx.Values.graceSeconds
     "STATEBLOCK_LOG_LEVEL" $ctx.Values.logLevel
+    "STATEBLOCK_MAX_LANES" ($ctx.Values.serving.maxLanes | int)
+    "STATEBLOCK_PROMPT_LEN_MAX" ($ctx.Values.serving.promptLenMax | int)
+    "STATEBLOCK_ANSWER_DEPTH_MAX" ($ctx.Values.serving.answerDepthMax | int)
   ) .vars }}
 {{- range $name, $value := .extra }}
 {{- if not (hasPrefix "STATEBLOCK_" $name) }}

@@ -1,0 +1,285 @@
+"""The capture's buckets and start-up warm-up: lanes padded to lane buckets with dummy lanes
+that change no real lane's rows, every compiled shape run before health says SERVING, and
+no compile on the request path after it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+import openai
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from torch._dynamo.utils import counters
+
+import capture_svc.batcher
+from capture_svc.batcher import (
+    CohortForward,
+    Pending,
+    bucket_width,
+    lane_bucket,
+    warm_shapes,
+    width_buckets,
+)
+from capture_svc.config import CaptureConfig
+from capture_svc.plans import PlanTable, PlanTableMetrics
+from capture_svc.server import CAPTURE_SERVICE, running_capture
+from gateway.capture_client import never_reached_capture
+from readout_svc.config import ReadoutServiceConfig
+from stateblock.app.nats_server import free_port
+from stateblock.model.rows import block_lanes
+from stateblock.protocol import envelope, streams
+from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
+from stateblock.runtime import ConfigError
+from stateblock.v1 import block_pb2 as pb
+from stateblock.v1 import capture_pb2, capture_pb2_grpc
+from tests.integration.test_capture_service import lane
+from tests.integration.test_gateway_errors import gateway_config, gateway_for, readout_for
+
+MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_lane_buckets_from_env():
+    assert CaptureConfig.from_env({}).lane_buckets == (1, 2, 4, 8)
+    assert CaptureConfig.from_env({}).cohort_lane_buckets is None  # eager: no lane padding
+    env = {"STATEBLOCK_CAPTURE_COMPILE": "reduce-overhead"}
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 2, 4, 8)
+    env |= {"STATEBLOCK_CAPTURE_LANE_BUCKETS": "4,1,16", "STATEBLOCK_MAX_LANES": "6"}
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 4, 6)  # max_lanes closes it
+    for bad in ("1,two", "0,4", "-1"):
+        with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
+            CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
+
+
+@pytest.mark.parametrize("prompt_len_max", [1, 16, 17, 24, 100, 512, 4096])
+def test_width_buckets_are_every_width_a_prompt_can_get(prompt_len_max):
+    reached = {bucket_width(n) for n in range(1, prompt_len_max + 1)}
+    assert width_buckets(prompt_len_max) == sorted(reached)
+
+
+def test_warm_shapes_cover_every_cohort_shape():
+    assert len(width_buckets(4096)) == 17
+    shapes = warm_shapes((1, 2, 4, 8), 4096)
+    assert len(shapes) == 68 and len(set(shapes)) == 68
+    for lanes in range(1, 9):
+        for length in (1, 16, 17, 500, 4095, 4096):
+            assert (lane_bucket(lanes, (1, 2, 4, 8)), bucket_width(length)) in shapes
+    assert [lane_bucket(n, (1, 2, 4, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="exceed the largest lane bucket 8"):
+        lane_bucket(9, (1, 2, 4, 8))
+
+
+def batch_shapes(model) -> tuple[list[tuple[int, ...]], Callable[[], None]]:
+    """The input_ids shape of every forward of `model`, and the hook's remover."""
+    seen: list[tuple[int, ...]] = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return seen, handle.remove
+
+
+def run_cohort(forward: CohortForward, reg: PlanTable, serving, prompts: list[str], tag: str):
+    """One cohort forward of one-lane requests; each request's rows."""
+    pending = []
+    for i, prompt in enumerate(prompts):
+        ids = serving.tokenizer(prompt)["input_ids"]
+        layout = envelope.make_layout(
+            f"{tag}{i}", [len(ids)], [4], hidden_size=serving.hidden_size, dtype=torch.float32
+        )
+        pending.append(Pending(reg.register(f"{tag}{i}", layout), [ids], None))
+    forward(pending)
+    return [reg.consume(p.plan.request_id, p.plan.layout_digest) for p in pending]
+
+
+def test_dummy_lanes_leave_each_lanes_rows_bit_identical(serving_model):
+    """Three prompts padded to the 4-lane bucket (one dummy lane) on the CPU path: each lane's
+    rows equal the same prompt alone, bit for bit, and the dummy row reaches no plan."""
+    model = serving_model.model
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    recorded: list[int] = []
+
+    def record(stamp, rows, lengths):
+        recorded.append(rows.shape[0])
+        PlanTable.record(reg, stamp, rows, lengths)
+
+    reg.record = record
+    kwargs = dict(pad_id=serving_model.tokenizer.pad_token_id, capture_mode=MODE)
+    bucketed = CohortForward(model, reg, lane_buckets=(1, 2, 4, 8), **kwargs)
+    plain = CohortForward(model, reg, **kwargs)
+    prompts = ["copy: a", "sort: zyxwvu", "reverse: hello"]  # one width bucket, three lengths
+    seen, remove = batch_shapes(model)
+    try:
+        together = run_cohort(bucketed, reg, serving_model, prompts, "together")
+        alone = [
+            run_cohort(plain, reg, serving_model, [p], f"alone{i}")[0]
+            for i, p in enumerate(prompts)
+        ]
+    finally:
+        remove()
+    assert seen[0] == (4, 16) and seen[1:] == [(1, 16)] * 3  # the dummy lane ran
+    assert recorded == [3, 1, 1, 1]  # ... and its rows were cut off before the plan table
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+async def health(port: int) -> dict[str, int]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        out = {}
+        for name in ("", CAPTURE_SERVICE, "liveness"):
+            request = health_pb2.HealthCheckRequest(service=name)
+            out[name] = (await stub.Check(request, timeout=5)).status
+        return out
+
+
+async def until_listening(port: int) -> dict[str, int]:
+    for _ in range(600):
+        try:
+            return await health(port)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@asynccontextmanager
+async def starting(capture, gate: threading.Event) -> AsyncIterator[asyncio.Task]:
+    """Enters `capture` (a running_capture) in a task, so the body runs while it warms up;
+    opens the gate and exits the capture at the end."""
+    task = asyncio.create_task(capture.__aenter__())
+    try:
+        yield task
+    finally:
+        gate.set()
+        await asyncio.wait_for(task, 300)
+        await capture.__aexit__(None, None, None)
+
+
+@pytest.fixture
+def gated_warm_up(monkeypatch) -> threading.Event:
+    """The warm-up waits for the returned event, so a test sees the service while it warms."""
+    gate = threading.Event()
+    real = capture_svc.batcher.warm_up
+
+    def gated(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the warm-up gate"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(capture_svc.batcher, "warm_up", gated)
+    return gate
+
+
+async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_after(
+    nc, decoder_dir, serving_model, gated_warm_up
+):
+    """aot_eager (the compile path without codegen) over 2 lane buckets x 2 widths: health is
+    NOT_SERVING and a Capture is a retryable UNAVAILABLE while the shapes run; after, requests
+    of each shape (a dummy lane in one) compile no new graph and publish the eager rows."""
+    from stateblock.model.loading import load_serving_model
+    from tests.helpers import REFERENCE_BASE
+
+    port = free_port()
+    env = {
+        "STATEBLOCK_CAPTURE_COMPILE": "aot_eager",
+        "STATEBLOCK_CAPTURE_PORT": str(port),
+        "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
+        "STATEBLOCK_CAPTURE_LANE_BUCKETS": "1",
+        "STATEBLOCK_MAX_LANES": "3",  # buckets 1 and 3
+        "STATEBLOCK_PROMPT_LEN_MAX": "24",  # widths 16 and 24
+    }
+    config = CaptureConfig.from_env(env)
+    model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)  # compiled in place
+    seen, remove = batch_shapes(model.model)
+    signer = Signer.generate()
+    metrics = CollectorRegistry()
+    capture = running_capture(config, nc=nc, model=model, signer=signer, metrics=metrics)
+    short, long = "copy: ab", "reverse: abcdefghijklmnop"  # 6 and 20 ids: widths 16, 24
+    try:
+        async with starting(capture, gated_warm_up) as entered:
+            assert await until_listening(port) == {
+                "": NOT_SERVING, CAPTURE_SERVICE: NOT_SERVING, "liveness": SERVING
+            }  # fmt: skip
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                request = capture_pb2.CaptureRequest(
+                    model=MODEL, lanes=[lane(prompt="copy: a", max_tokens=4)]
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await capture_pb2_grpc.CaptureStub(channel).Capture(request, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert never_reached_capture(info.value)  # nothing ran: the gateway sends it again
+            assert seen == []  # no forward ran, for it or the warm-up
+            graphs_before_warm_up = counters["stats"]["unique_graphs"]
+            gated_warm_up.set()
+            running = await asyncio.wait_for(entered, 300)
+            assert sorted(set(seen)) == [(1, 16), (1, 24), (3, 16), (3, 24)]
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > graphs_before_warm_up  # the counter sees the warm-up's compiles
+            assert metrics.get_sample_value("stateblock_capture_warmup_seconds") > 0
+            assert await health(port) == {
+                "": SERVING, CAPTURE_SERVICE: SERVING, "liveness": SERVING
+            }  # fmt: skip
+
+            sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
+            seen.clear()
+            await running.service.capture(MODEL, [lane(prompt=short, max_tokens=4)], "one")
+            two = [lane(prompt=long, max_tokens=4), lane(prompt=short, max_tokens=4)]
+            await running.service.capture(MODEL, two, "two")  # 2 lanes + 1 dummy
+            assert seen == [(1, 16), (3, 24)]
+            assert counters["stats"]["unique_graphs"] == graphs  # no compile on a request
+            msgs = await sub.fetch(2, timeout=5)
+    finally:
+        remove()
+    trust = TrustStore([signer.public_key])
+    rows = [block_lanes(envelope.verify(envelope.parse_block(m.data), trust)) for m in msgs]
+    eager = {p: serving_model.prompt_rows(p, pad_to=bucket_width) for p in (short, long)}
+    (one,), (two_long, two_short) = rows
+    for got, prompt in ((one, short), (two_long, long), (two_short, short)):
+        assert torch.equal(got, eager[prompt].to(got.dtype)), prompt
+
+
+async def test_a_request_sent_during_warm_up_is_answered_after_it(
+    nc, decoder_dir, serving_model, engine, gated_warm_up
+):
+    """Through the gateway with the official openai client: the capture refuses while it
+    warms up (UNAVAILABLE, nothing ran), the gateway sends the request again, and it is
+    answered once the warm-up is done."""
+    port = free_port()
+    signer = Signer.generate()
+    readout_config = ReadoutServiceConfig(nats_url="unused", workers=1, fetch_timeout_s=0.2)
+    capture = running_capture(
+        CaptureConfig(port=port, host="127.0.0.1"),
+        nc=nc,
+        model=serving_model,
+        signer=signer,
+        metrics=CollectorRegistry(),
+    )
+    gateway = gateway_for(
+        gateway_config(decoder_dir, f"127.0.0.1:{port}", timeout_s=30.0), nc, serving_model
+    )
+    async with (
+        starting(capture, gated_warm_up) as entered,
+        readout_for(readout_config, nc, engine, TrustStore([signer.public_key])),
+        gateway as gw,
+    ):
+        assert (await until_listening(port))[""] == NOT_SERVING
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="unused", max_retries=0
+        )
+        request = asyncio.create_task(
+            client.completions.create(model=MODEL, prompt="copy: ab", max_tokens=4)
+        )
+        await asyncio.sleep(1.0)
+        assert not request.done()  # refused, and sent again while the warm-up waits
+        gated_warm_up.set()
+        await asyncio.wait_for(entered, 60)
+        answer = await asyncio.wait_for(request, 30)
+        await client.close()
+    assert answer.object == "text_completion" and len(answer.choices) == 1
+    assert answer.choices[0].finish_reason in ("stop", "length")
