@@ -183,3 +183,12 @@ def test_token_files(tmp_path):
         tokens.read_token(short)
     with pytest.raises(ValueError, match="cannot be read"):
         tokens.read_token(tmp_path / "missing")
+
+
+def test_stateblock_up_generates_the_token_and_answers_with_it(stack):
+    """The embedded stack writes its token on first run (0600) and its gateway presents it."""
+    path = stack.config.data_dir / "capture-token"
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and tokens.read_token(path)
+    client = openai.OpenAI(base_url=f"{stack.urls.http}/v1", api_key="-", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt="copy: ab", max_tokens=4)
+    assert r.choices[0].text and r.usage.completion_tokens > 0
