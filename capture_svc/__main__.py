@@ -4,4 +4,7 @@ from capture_svc.server import main
 from stateblock import runtime
 
 if __name__ == "__main__":
-    runtime.run(main())
+    try:
+        runtime.run(main())
+    except runtime.ConfigError as e:  # one line, not a traceback: the setting to fix
+        raise SystemExit(f"capture_svc: {e}") from None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime, settings
-from stateblock.protocol import envelope
+from stateblock.protocol import envelope, tokens
 from stateblock.protocol.sampling import Limits
 
 declared = settings.fields_for(settings.CAPTURE)
@@ -19,11 +19,14 @@ class CaptureConfig:
     nats_url: str = declared(settings.NATS_URL)  # one URL, or a cluster's, comma-separated
     # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
     nats_replicas: int = declared(settings.NATS_REPLICAS)
-    host: str = declared(settings.CAPTURE_HOST)
+    # None: 0.0.0.0 with a token, else loopback only (bind_host)
+    host: str | None = declared(settings.CAPTURE_HOST)
     port: int = declared(settings.CAPTURE_PORT)  # gRPC Capture; 0 picks a free port
     model_name: str = declared(settings.MODEL_NAME)
     base_dir: Path = declared(settings.BASE_DIR)
     decoder_dir: Path = declared(settings.DECODER_DIR)
+    # callers present the token in here (Bearer metadata); None: no check, loopback only
+    token_file: Path | None = declared(settings.CAPTURE_TOKEN_FILE)
     key_dir: Path = declared(settings.KEY_DIR)  # the signing key; generated here on first run
     device: str = declared(settings.DEVICE)
     dtype: str = declared(settings.CAPTURE_DTYPE)
@@ -63,6 +66,12 @@ class CaptureConfig:
             envelope.forward_state_algorithm(self.forward_state_digest)
         except ValueError as e:
             raise runtime.ConfigError(f"STATEBLOCK_FORWARD_STATE_DIGEST: {e}") from None
+        if self.token_file is None and self.host and not tokens.is_loopback(self.host):
+            raise runtime.ConfigError(
+                f"STATEBLOCK_CAPTURE_HOST={self.host} without STATEBLOCK_CAPTURE_TOKEN_FILE: "
+                "anyone who reaches it could run forwards and get signed blocks; give a "
+                "token file or bind a loopback address"
+            )
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
         if not self.lane_buckets or min(self.lane_buckets) < 1:
@@ -70,6 +79,14 @@ class CaptureConfig:
                 f"STATEBLOCK_CAPTURE_LANE_BUCKETS={','.join(map(str, self.lane_buckets))!r} "
                 "must be positive lane counts"
             )
+
+    @property
+    def bind_host(self) -> str:
+        """The address to bind: the one set, else every interface when callers must present
+        a token and loopback when they need not."""
+        if self.host:
+            return self.host
+        return "0.0.0.0" if self.token_file is not None else "127.0.0.1"
 
     @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:

@@ -15,6 +15,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from capture_svc.auth import CaptureTokenInterceptor
 from capture_svc.batcher import MIN_BUCKET, CohortForward, ForwardBatcher, warm_shapes
 from capture_svc.config import CaptureConfig
 from capture_svc.plans import PlanTable, PlanTableMetrics
@@ -42,7 +43,7 @@ from stateblock.nats_client import (
     probing,
     round_trip,
 )
-from stateblock.protocol import streams
+from stateblock.protocol import streams, tokens
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
@@ -125,6 +126,17 @@ async def _warm_up(
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
 
 
+def _door(config: CaptureConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The token check when the config names a token file; none on a loopback-only capture
+    (CaptureConfig refuses a non-loopback host without one)."""
+    if config.token_file is None:
+        return []
+    try:
+        return [CaptureTokenInterceptor(tokens.read_token(config.token_file))]
+    except ValueError as e:
+        raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
+
+
 @asynccontextmanager
 async def running_capture(
     config: CaptureConfig,
@@ -178,13 +190,13 @@ async def running_capture(
         service = CaptureService(
             model, plans, batcher, publisher, signer, capture_metrics, config=config
         )
-        server = runtime.grpc_server()
+        server = runtime.grpc_server(_door(config))
         capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
         # the standard health service: Kubernetes' native gRPC probes and load balancers ask
         # it; NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
         # before in-flight work drains
         health_servicer = await _health_not_serving(server)
-        port = runtime.grpc_bind(server, config.host, config.port, "capture gRPC")
+        port = runtime.grpc_bind(server, config.bind_host, config.port, "capture gRPC")
         await server.start()
         stack.push_async_callback(server.stop, config.grace_s)
         stack.push_async_callback(health_servicer.enter_graceful_shutdown)
@@ -200,7 +212,13 @@ async def running_capture(
             )
         )
         await follow_in_health(health_servicer, ("", CAPTURE_SERVICE), readiness)
-        log.info("capture service listening", port=port, model=model.name)
+        log.info(
+            "capture service listening",
+            host=config.bind_host,
+            port=port,
+            model=model.name,
+            token=config.token_file is not None,
+        )
         yield RunningCapture(port, service, plans)
 
 

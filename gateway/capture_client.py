@@ -16,6 +16,7 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
+from stateblock.protocol import tokens
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
 PARAM_METADATA = "stateblock-param"  # set by the capture service on INVALID_ARGUMENT
@@ -53,13 +54,17 @@ def translate(error: grpc.aio.AioRpcError) -> GatewayError:
         return DeadlineExceeded(f"capture did not finish in time: {detail}")
     if code == grpc.StatusCode.INTERNAL:
         return ReadoutFailed(detail)
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # the gateway's token, not the client's fault
+        return Unavailable(f"the capture refused the gateway's token: {detail}")
     return Unavailable(f"capture service unavailable ({code.name}): {detail}")
 
 
 class GrpcCaptureClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, token: str | None = None) -> None:
         self._stub = capture_pb2_grpc.CaptureStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
+        # the internal token on every Capture call (health needs none)
+        self._metadata = tokens.bearer(token) if token is not None else None
 
     async def answering(self, timeout: float) -> None:
         """Returns once a capture says SERVING to a health check (its own readiness: NATS
@@ -82,7 +87,9 @@ class GrpcCaptureClient:
         deadline = loop.time() + timeout
         while True:
             try:
-                response = await self._stub.Capture(request, timeout=deadline - loop.time())
+                response = await self._stub.Capture(
+                    request, timeout=deadline - loop.time(), metadata=self._metadata
+                )
                 break
             except grpc.aio.AioRpcError as e:
                 # a capture restarting, or none reachable yet: again while the deadline

@@ -19,6 +19,8 @@ class GatewayConfig:
     # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
     nats_replicas: int = declared(settings.NATS_REPLICAS)
     capture_target: str = declared(settings.CAPTURE_TARGET)  # the Capture service's gRPC address
+    # the internal token sent on every Capture call; None: none sent (a loopback capture)
+    capture_token_file: Path | None = declared(settings.CAPTURE_TOKEN_FILE)
     host: str = declared(settings.GATEWAY_HOST)
     http_port: int = declared(settings.HTTP_PORT)  # 0 picks a free port
     grpc_port: int = declared(settings.GRPC_PORT)

@@ -33,6 +33,7 @@ from stateblock.nats_client import (
     probing,
     round_trip,
 )
+from stateblock.protocol import tokens
 from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
@@ -44,6 +45,16 @@ class RunningGateway:
     http_port: int
     grpc_port: int
     service: GatewayService
+
+
+def _capture_token(config: GatewayConfig) -> str | None:
+    """The internal token the capture requires, read once at start-up."""
+    if config.capture_token_file is None:
+        return None
+    try:
+        return tokens.read_token(config.capture_token_file)
+    except ValueError as e:
+        raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
 
 
 @asynccontextmanager
@@ -78,7 +89,7 @@ async def running_gateway(
         # (the Helm chart's) each capture replica gets its share, not the first one only
         channel = grpc.aio.insecure_channel(config.capture_target, options=CHANNEL_OPTIONS)
         stack.push_async_callback(channel.close)
-        capture = GrpcCaptureClient(channel)
+        capture = GrpcCaptureClient(channel, _capture_token(config))
         # ready while NATS answers a round trip and a capture answers its health check;
         # readout workers are not asked: the work queue holds blocks until they come
         readiness = await stack.enter_async_context(

@@ -227,6 +227,14 @@ API_KEY = _setting(
     "and gRPC health stay open", (GATEWAY, UP, ASK), unset="none (open)", chart=OPTIONAL,
 )  # fmt: skip
 
+CAPTURE_TOKEN_FILE = _setting(
+    "CAPTURE_TOKEN_FILE", Path, None,
+    "a file holding the internal token the gateway sends on every Capture call "
+    "(`authorization: Bearer` metadata) and the capture requires (UNAUTHENTICATED without "
+    "it; gRPC health stays open); `stateblock up` and the chart generate it",
+    (GATEWAY, CAPTURE), unset="none (the capture binds loopback only)", chart=COMPUTED,
+)  # fmt: skip
+
 # --- the gateway -----------------------------------------------------------------------------
 CAPTURE_TARGET = _setting(
     "CAPTURE_TARGET", str, "127.0.0.1:50061", "the capture service's gRPC address", (GATEWAY,),
@@ -273,7 +281,10 @@ TLS_KEY_FILE = _setting(
 
 # --- the capture service -------------------------------------------------------------------
 CAPTURE_HOST = _setting(
-    "CAPTURE_HOST", str, "0.0.0.0", "the address the capture's gRPC server binds", (CAPTURE,),
+    "CAPTURE_HOST", str, None,
+    "the address the capture's gRPC server binds; a non-loopback address without "
+    "`STATEBLOCK_CAPTURE_TOKEN_FILE` is a start-up error", (CAPTURE,),
+    unset="`0.0.0.0` with a token, else `127.0.0.1`",
 )  # fmt: skip
 CAPTURE_PORT = _setting(
     "CAPTURE_PORT", int, 50061, "the capture's gRPC port (0: any free port)", (CAPTURE,),
@@ -399,7 +410,7 @@ READOUT_HEALTH_PORT = _setting(
 
 # --- stateblock up ---------------------------------------------------------------------------
 DATA_DIR = _setting(
-    "DATA_DIR", Path, Path(".stateblock"), "the embedded NATS store, keys and logs", (UP,),
+    "DATA_DIR", Path, Path(".stateblock"), "the embedded NATS store, keys, the capture token and logs", (UP,),
 )  # fmt: skip
 
 BY_NAME = {s.name: s for s in SETTINGS}

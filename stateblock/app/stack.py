@@ -97,6 +97,7 @@ async def running_stack(
     from stateblock.engines import create_engine, require_engine
     from stateblock.model.loading import load_serving_model
     from stateblock.protocol.keys import TrustStore, load_or_generate_signer
+    from stateblock.protocol.tokens import load_or_generate_token
 
     if engine is None:
         require_engine(config.engine)
@@ -109,6 +110,8 @@ async def running_stack(
     readout_key_dir = data_dir / "readout-keys"  # the readout's commit-signing key
     readout_signer = load_or_generate_signer(readout_key_dir)
     readout_trust = TrustStore.from_dir(readout_key_dir)
+    token_file = data_dir / "capture-token"  # the gateway's credential at the capture
+    load_or_generate_token(token_file)  # generated on first run
     if model is None:
         model = await asyncio.to_thread(
             load_serving_model, config.model_name, config.base_dir, config.decoder_dir
@@ -148,9 +151,10 @@ async def running_stack(
             grace_s=config.grace_s,
         )
         capture_cfg = CaptureConfig(
-            host=config.host,
+            host="127.0.0.1",  # only the gateway beside it calls the capture
             port=config.capture_port,
             key_dir=key_dir,
+            token_file=token_file,
             blocks_storage=config.blocks_storage,
             forward_state_digest=config.forward_state_digest,
             compile=config.capture_compile,
@@ -185,6 +189,7 @@ async def running_stack(
         )
         gateway_cfg = GatewayConfig(
             capture_target=f"127.0.0.1:{capture.port}",
+            capture_token_file=token_file,
             host=config.host,
             http_port=config.http_port,
             grpc_port=config.grpc_port,

@@ -18,6 +18,7 @@ import pytest
 
 from stateblock.app.nats_server import free_port
 from stateblock.protocol.keys import generate_keypair
+from stateblock.protocol.tokens import load_or_generate_token
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, REPO
 from tests.integration.test_request_path import in_process_answer
@@ -91,6 +92,8 @@ def standalone_env(start_nats_server, decoder_dir, tmp_path) -> dict[str, str]:
     trusted.mkdir()
     (trusted / keys.public_path.name).write_bytes(keys.public_path.read_bytes())
     readout_keys = generate_keypair(tmp_path / "readout-keys")  # the gateway must know it
+    token_file = tmp_path / "capture-token"  # the gateway's credential at the capture
+    load_or_generate_token(token_file)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STATEBLOCK_")}
     env.update(
         OMP_NUM_THREADS="1",  # the services share a small, busy CPU
@@ -104,6 +107,7 @@ def standalone_env(start_nats_server, decoder_dir, tmp_path) -> dict[str, str]:
         STATEBLOCK_READOUT_KEY_DIR=str(readout_keys.private_path.parent),
         STATEBLOCK_READOUT_TRUSTED_KEYS_DIR=str(readout_keys.private_path.parent),
         STATEBLOCK_CAPTURE_HOST="127.0.0.1",
+        STATEBLOCK_CAPTURE_TOKEN_FILE=str(token_file),
         STATEBLOCK_CAPTURE_PORT=str(free_port()),
         STATEBLOCK_GATEWAY_HOST="127.0.0.1",
         STATEBLOCK_HTTP_PORT=str(free_port()),

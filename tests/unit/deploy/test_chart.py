@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
 from stateblock import settings
 from stateblock.nats_client import parse_servers
+from stateblock.protocol import tokens
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
 from tests.unit.deploy.chart import (
     CHART,
@@ -61,7 +62,11 @@ def keypair(tmp_path_factory) -> tuple[str, str, str]:
 
 def test_default_values_render_and_validate(default_docs):
     assert kinds(default_docs) == sorted(
-        ["Deployment"] * 3 + ["Service"] * 3 + ["PodDisruptionBudget"] * 3 + ["Pod"]  # helm test
+        ["Deployment"] * 3
+        + ["Service"] * 3
+        + ["PodDisruptionBudget"] * 3
+        + ["Pod"]  # helm test
+        + ["Secret"]  # the capture token
     )
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
@@ -243,13 +248,17 @@ def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
         env_of(default_docs, "readout")["STATEBLOCK_TRUSTED_KEYS_DIR"]
     ]
     assert trusted["secret"]["secretName"] == "stateblock-trusted-keys"
-    assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key"}
+    token = f"{RELEASE}-stateblock-capture-token"
+    assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key", token}
     assert secrets_referenced(default_docs, "readout") == {
         "stateblock-trusted-keys",
         "stateblock-readout-signing-key",
         "stateblock-readout-trusted-keys",
     }
-    assert secrets_referenced(default_docs, "gateway") == {"stateblock-readout-trusted-keys"}
+    assert secrets_referenced(default_docs, "gateway") == {
+        "stateblock-readout-trusted-keys",
+        token,
+    }
     # the readout signs outcomes with its key; the gateway believes the same key set
     readout_env, gateway_env = env_of(default_docs, "readout"), env_of(default_docs, "gateway")
     readout_mounts = volumes_by_mount(default_docs, "readout")
@@ -303,13 +312,14 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     readout_signing = secrets[f"{RELEASE}-stateblock-readout-signing-key"]
     readout_trusted = secrets[f"{RELEASE}-stateblock-readout-trusted-keys"]
     assert set(readout_signing["data"]) == {f"{readout.key_id}.key"}
-    assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"]}
+    token = secrets[f"{RELEASE}-stateblock-capture-token"]["metadata"]["name"]
+    assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"], token}
     assert secrets_referenced(docs, "readout") == {
         trusted["metadata"]["name"],
         readout_signing["metadata"]["name"],
         readout_trusted["metadata"]["name"],
     }
-    assert secrets_referenced(docs, "gateway") == {readout_trusted["metadata"]["name"]}
+    assert secrets_referenced(docs, "gateway") == {readout_trusted["metadata"]["name"], token}
     # Pods roll when their keys change.
     for component, key in (
         ("capture", "checksum/signing-key"),
@@ -329,6 +339,29 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     readout_signer = load_or_generate_signer(materialize(readout_signing, tmp_path / "rs"))
     believed = TrustStore.from_dir(materialize(readout_trusted, tmp_path / "rt"))
     assert readout_signer.key_id == readout.key_id and set(believed) == {readout.key_id}
+
+
+def test_the_capture_token_reaches_exactly_the_gateway_and_the_capture(default_docs, tmp_path):
+    """One generated Secret, mounted into the gateway (it presents the token) and the
+    capture (it checks it), where STATEBLOCK_CAPTURE_TOKEN_FILE points; the file loads."""
+    (secret,) = of_kind(default_docs, "Secret").values()
+    name = secret["metadata"]["name"]
+    paths = set()
+    for component in ("gateway", "capture"):
+        path = Path(env_of(default_docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"])
+        volume = volumes_by_mount(default_docs, component)[str(path.parent)]
+        assert volume["secret"]["secretName"] == name and volume["readOnly"] is True
+        paths.add(path)
+    assert len(paths) == 1 and name not in secrets_referenced(default_docs, "readout")
+    (path,) = paths
+    assert tokens.read_token(materialize(secret, tmp_path / "token") / path.name)
+
+    # an existing Secret: referenced under its own name and key, none rendered
+    docs = render({"captureToken": {"existingSecret": "mine", "key": "t"}})
+    assert "Secret" not in kinds(docs)
+    for component in ("gateway", "capture"):
+        assert "mine" in secrets_referenced(docs, component)
+        assert env_of(docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"].endswith("/t")
 
 
 # --- GPUs ---------------------------------------------------------------------------------

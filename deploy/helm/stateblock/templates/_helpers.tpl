@@ -380,3 +380,32 @@ initContainers:
 {{- fail "readout.autoscaling.minReplicas must not exceed maxReplicas" }}
 {{- end }}
 {{- end }}
+
+{{/* The capture's internal token: a Secret the chart makes, or captureToken.existingSecret. */}}
+{{- define "stateblock.captureTokenDir" -}}/var/run/stateblock/capture-token{{- end }}
+
+{{- define "stateblock.captureTokenSecretName" -}}
+{{- .Values.captureToken.existingSecret | default (include "stateblock.componentName" (dict "ctx" . "component" "capture-token")) }}
+{{- end }}
+
+{{- define "stateblock.captureTokenFile" -}}
+{{- printf "%s/%s" (include "stateblock.captureTokenDir" .) .Values.captureToken.key }}
+{{- end }}
+
+{{/* Mount and volume of that token, in the gateway (it presents it) and the capture (it checks it). */}}
+{{- define "stateblock.captureTokenMount" -}}
+- name: capture-token
+  mountPath: {{ include "stateblock.captureTokenDir" . }}
+  readOnly: true
+{{- end }}
+
+{{- define "stateblock.captureTokenVolume" -}}
+- name: capture-token
+  secret:
+    secretName: {{ include "stateblock.captureTokenSecretName" . }}
+    items:
+      - key: {{ .Values.captureToken.key }}
+        path: {{ .Values.captureToken.key }}
+    # Group-readable: with fsGroup set, the non-root user reads it through its group.
+    defaultMode: 0440
+{{- end }}
