@@ -53,7 +53,8 @@ def measure_arm(overrides: dict, rate_tflops: float, rows: list[torch.Tensor]) -
 
     dec, lm_head, eos = random_weights({**DECODER_CONFIG, **overrides})
     ident = et.ModelIdentity("bench", b"", b"", b"")
-    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda", warm_shapes=())
+    opts = et.TorchEngineOptions(device="cuda", warm_shapes=())
+    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, options=opts)
     torch.cuda.synchronize()
     weights = torch.cuda.memory_allocated()
     row: dict = {"params": sum(p.numel() for p in dec.parameters())}

@@ -254,7 +254,7 @@ def check_engine_parity(served, rows: list[torch.Tensor], device: str = "cuda", 
 
 def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
     from stateblock.engines import LaneRequest
-    from stateblock.engines.torch_engine import TorchEngine
+    from stateblock.engines.torch_engine import TorchEngine, TorchEngineOptions
     from stateblock.protocol.sampling import sampling_params
 
     graphed, _ = shipped_engines(served, device)
@@ -263,8 +263,7 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
         graphed._lm_head,
         served.identity,
         eos_token_id=graphed._eos,
-        device=device,
-        cuda_graphs=False,
+        options=TorchEngineOptions(device=device, cuda_graphs=False),
     )
     cohorts = [  # several buckets in turn: the shared pool and static buffers are reused
         [LaneRequest(rows=rows[0], depth=200)],
@@ -322,7 +321,8 @@ def check_random_decoder_parity(et) -> dict:
 
     dec, lm_head, eos = random_weights()
     ident = et.ModelIdentity("bench", b"", b"", b"")
-    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda", warm_shapes=())
+    opts = et.TorchEngineOptions(device="cuda", warm_shapes=())
+    eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, options=opts)
     ref = ReferenceEngine(dec, lm_head, ident, eos_token_id=eos, device="cuda")
     g = torch.Generator().manual_seed(5)
     lanes = [

@@ -215,7 +215,8 @@ def time_engine(rep: Report, et, rate: float, tiles=None) -> None:
 
     def engine(decoder=dec, **options):
         options.setdefault("top2_config", tiles)
-        return et.TorchEngine(decoder, lm_head, ident, eos_token_id=eos, device="cuda", **options)
+        opts = et.TorchEngineOptions(device="cuda", **options)
+        return et.TorchEngine(decoder, lm_head, ident, eos_token_id=eos, options=opts)
 
     rows = [torch.randn(500, D_BASE).bfloat16() for _ in range(8)]  # on the CPU, as blocks come
 

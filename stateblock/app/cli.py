@@ -311,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_models.add_parsers(sub)
 
+    _add_up(sub)
+    _add_config(sub)
+    _add_ask(sub)
+    _add_export(sub)
+    _add_audit(sub)
+    _add_bench(sub)
+    _add_keys(sub)
+    return p
+
+
+def _add_up(sub) -> None:
+    """`stateblock up`: each setting a flag, then its variable, then its default."""
     u = sub.add_parser(
         "up",
         formatter_class=DEFAULTS,
@@ -329,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
     u.set_defaults(fn=cmd_up)
 
+
+def _add_config(sub) -> None:
+    """`stateblock config`: the effective settings, as JSON or the README table."""
     c = sub.add_parser(
         "config",
         formatter_class=DEFAULTS,
@@ -347,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(fn=cmd_config)
 
+
+def _add_ask(sub) -> None:
+    """`stateblock ask`: one chat completion from a running gateway."""
     q = sub.add_parser(
         "ask", formatter_class=DEFAULTS, help="ask a running gateway (chat completion)"
     )
@@ -369,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.set_defaults(fn=cmd_ask)
 
+
+def _add_export(sub) -> None:
+    """`stateblock export`: the readout decoder to ONNX (and TensorRT)."""
     x = sub.add_parser(
         "export", formatter_class=DEFAULTS, help="export the readout decoder to ONNX (opset 17)"
     )
@@ -382,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--tensorrt", default=None, help="also build a TensorRT engine here")
     x.set_defaults(fn=cmd_export)
 
+
+def _add_audit(sub) -> None:
+    """`stateblock audit`: the parity audit and release gate, or the determinism gate."""
     au = sub.add_parser(
         "audit",
         formatter_class=DEFAULTS,
@@ -413,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
     au.set_defaults(fn=cmd_audit)
 
+
+def _add_bench(sub) -> None:
+    """`stateblock bench`: a benchmark module of this checkout."""
     bn = sub.add_parser(
         "bench",
         formatter_class=DEFAULTS,
@@ -422,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bn.set_defaults(fn=cmd_bench)
 
+
+def _add_keys(sub) -> None:
+    """`stateblock keys generate`: a new signing key pair."""
     k = sub.add_parser("keys", formatter_class=DEFAULTS, help="signing keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True, help="generate: a new key pair")
     kg = ksub.add_parser(
@@ -429,7 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kg.add_argument("--out", required=True, help="directory for <key_id>.key and <key_id>.pub")
     kg.set_defaults(fn=cmd_keys_generate)
-    return p
 
 
 # modules of the optional extras (pyproject.toml): a command that needs one says which

@@ -86,6 +86,7 @@ __all__ = [
     "EngineUnavailable",
     "Shape",
     "TorchEngine",
+    "TorchEngineOptions",
     "bucket",
     "dot_precision",
     "fused_head",
@@ -131,6 +132,33 @@ def require_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+@dataclass(frozen=True)
+class TorchEngineOptions:
+    """How a TorchEngine runs: device, shape buckets, graphs and precisions.
+
+    None picks the device's default (see the module docstring): buckets, CUDA graphs, the
+    fused head and attention, TF32 kernel dots and the bf16 greedy path on a GPU; exact
+    shapes, eager fp32 and no fast path on the CPU.
+    """
+
+    device: str | torch.device = "cpu"
+    lane_buckets: Sequence[int] | None = None
+    prompt_buckets: Sequence[int] | None = None
+    depth_buckets: Sequence[int] | None = None
+    cuda_graphs: bool | None = None
+    warm_shapes: Sequence[Shape] | None = None
+    top2_config: Top2Config | None = None
+    decoder_dtype: torch.dtype = torch.float32
+    autocast: torch.dtype | None = None
+    matmul_precision: str = "highest"
+    kernel_precision: str | None = None
+    logprob_precision: str = "ieee"
+    attention: str | None = None
+    head: str | None = None
+    head_dtype: torch.dtype = torch.float32
+    greedy_dtype: torch.dtype | str | None = None
+
+
 class TorchEngine:
     """SDPA + fused top-2 + CUDA graphs per shape bucket on CUDA; eager fp32 on the CPU."""
 
@@ -143,26 +171,28 @@ class TorchEngine:
         identity: ModelIdentity,
         *,
         eos_token_id: int,
-        device: str | torch.device = "cpu",
-        lane_buckets: Sequence[int] | None = None,
-        prompt_buckets: Sequence[int] | None = None,
-        depth_buckets: Sequence[int] | None = None,
-        cuda_graphs: bool | None = None,
-        warm_shapes: Sequence[Shape] | None = None,
-        top2_config: Top2Config | None = None,
-        decoder_dtype: torch.dtype = torch.float32,
-        autocast: torch.dtype | None = None,
-        matmul_precision: str = "highest",
-        kernel_precision: str | None = None,
-        logprob_precision: str = "ieee",
-        attention: str | None = None,
-        head: str | None = None,
-        head_dtype: torch.dtype = torch.float32,
-        greedy_dtype: torch.dtype | str | None = None,
+        options: TorchEngineOptions | None = None,
     ) -> None:
-        dev = require_device(device)
-        on_gpu = dev.type == "cuda"
+        opts = options if options is not None else TorchEngineOptions()
+        dev = require_device(opts.device)
         self._device = dev
+        self._set_precisions(opts, dev)
+        self._set_heads(decoder, lm_head, opts, dev)
+        self.identity = identity
+        self._eos = eos_token_id
+        self._n_chunks = decoder.cfg.n_chunks
+        self._set_shapes(opts, dev.type == "cuda")
+        self._set_top2(opts.top2_config)
+        # one graph per (shape, dot precision)
+        self._graphs: dict[tuple[Shape, str], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]]
+        self._graphs = {}
+        self._static: dict[str, Tensor] = {}
+        self._pool = None
+        self._lock = threading.Lock()  # workers call readout from a thread pool
+
+    def _set_precisions(self, opts: TorchEngineOptions, dev: torch.device) -> None:
+        """The decoder's dtype, matmul and kernel-dot precisions, and its attention."""
+        on_gpu = dev.type == "cuda"
         # Precision (docs/PARITY.md; shipped model, 32 held-out prompts, flips against the
         # fp32 reference): the decoder runs in fp32. Its matmuls in bf16 flip tokens at
         # margins up to ~0.8; even fp16 (`autocast`, 10 mantissa bits, fp32 residual and
@@ -175,27 +205,29 @@ class TorchEngine:
         # opt-in `matmul_precision="high"`, for a readout process of its own, since while it
         # is on a capture in the same process would run its fp32 matmuls (the rotary
         # tables) in TF32 too.
-        self._act = decoder_dtype
-        self._autocast = autocast if on_gpu else None
-        if matmul_precision not in MATMUL_PRECISIONS:
+        self._act = opts.decoder_dtype
+        self._autocast = opts.autocast if on_gpu else None
+        if opts.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}")
-        self._precision = matmul_precision if on_gpu else "highest"  # CPU: the reference's
+        self._precision = opts.matmul_precision if on_gpu else "highest"  # CPU: the reference's
         tf32_ok = on_gpu and torch.cuda.get_device_capability(dev) >= (8, 0)
-        self._kernel_precision = kernel_precision or ("tf32" if tf32_ok else "ieee")
+        self._kernel_precision = opts.kernel_precision or ("tf32" if tf32_ok else "ieee")
         if self._kernel_precision not in DOT_PRECISIONS:
             raise ValueError(f"kernel_precision must be one of {DOT_PRECISIONS}")
         # A cohort with a lane that asks for log-probabilities runs its kernels' dots at
         # `logprob_precision`: TF32 states keep the tokens (the audit's near-ties) but put the
         # log-probabilities 1e-2 nats off on the H200, ten times the 1e-3 gate; exact fp32 dots
         # cost readout time only where a client asked for numbers. Its own CUDA graphs.
-        if logprob_precision not in DOT_PRECISIONS:
+        if opts.logprob_precision not in DOT_PRECISIONS:
             raise ValueError(f"logprob_precision must be one of {DOT_PRECISIONS}")
-        self._logprob_precision = logprob_precision
+        self._logprob_precision = opts.logprob_precision
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
         # path has no tensor cores and was most of the decoder's time), else SDPA.
         # (rope too: rotated q and k are plain (K, H, n, hd) tensors; tests/gpu checks it)
-        fused_ok = on_gpu and attention_available(dev) and decoder_dtype == torch.float32
-        self.attention = attention or ("fused" if fused_ok and autocast is None else "sdpa")
+        fused_ok = on_gpu and attention_available(dev) and opts.decoder_dtype == torch.float32
+        self.attention = opts.attention or (
+            "fused" if fused_ok and opts.autocast is None else "sdpa"
+        )
         if self.attention not in ("sdpa", "fused"):
             raise ValueError(f"attention must be 'sdpa' or 'fused', not {self.attention!r}")
         if self.attention == "fused" and not (fused_ok and self._autocast is None):
@@ -203,16 +235,24 @@ class TorchEngine:
                 "the fused attention kernel needs Triton, a CUDA device and an fp32 decoder "
                 "without autocast"
             )
-        self._decoder = decoder.to(device=dev, dtype=decoder_dtype).eval().requires_grad_(False)
+
+    def _set_heads(
+        self, decoder: ReadoutDecoder, lm_head: Tensor, opts: TorchEngineOptions, dev
+    ) -> None:
+        """The decoder and lm_head on `dev`, the head the top-2 streams, the guess table and
+        the greedy fast path."""
+        on_gpu = dev.type == "cuda"
+        self._decoder = decoder.to(device=dev, dtype=opts.decoder_dtype).eval()
+        self._decoder.requires_grad_(False)
         # no copy when lm_head already lives on `dev` in `dtype`: bound by reference
         self._lm_head = lm_head.to(dev, torch.bfloat16 if on_gpu else torch.float32)
         # The head the top-2 streams. "fused" (the GPU default): lm_head @ out.weight, a
         # (V, d_r) = (131072, 256) matrix (128 MB in fp32) computed once here, so the
         # vocabulary GEMM runs over d_r = 256 instead of d_base = 2688 (10.5x fewer FLOPs).
         # "lm_head": the decoder's hidden states against the resident lm_head in bf16.
-        self.head = head or ("fused" if on_gpu else "lm_head")
+        self.head = opts.head or ("fused" if on_gpu else "lm_head")
         if self.head == "fused":
-            self._head = fused_head(self._lm_head, self._decoder.out.weight, head_dtype)
+            self._head = fused_head(self._lm_head, self._decoder.out.weight, opts.head_dtype)
         elif self.head == "lm_head":
             self._head = self._lm_head
         else:
@@ -220,38 +260,43 @@ class TorchEngine:
         # a refining decoder's first guess re-enters as guess_in(lm_head[id]): one (V, d_r)
         # table built here like the fused head, so a guess is a row gather
         self._guess_table = (
-            fused_head(self._lm_head, self._decoder.guess_in.weight.t(), decoder_dtype)
+            fused_head(self._lm_head, self._decoder.guess_in.weight.t(), opts.decoder_dtype)
             if decoder.cfg.refine
             else None
         )
         # the greedy fast path: (decoder, head, guess table) in greedy_dtype, or None. The
         # GPU default since its audit (bf16: exact at every depth, docs/PARITY.md; 1.11x the
         # lm_head floor at D=8192 against 1.97x exact); the CPU keeps the reference's numerics
+        greedy = opts.greedy_dtype
         self._greedy = self._greedy_path(
-            greedy_dtype if greedy_dtype is not None else ("bfloat16" if on_gpu else None)
+            greedy if greedy is not None else ("bfloat16" if on_gpu else None)
         )
-        self.identity = identity
-        self._eos = eos_token_id
-        self._n_chunks = decoder.cfg.n_chunks
+
+    def _set_shapes(self, opts: TorchEngineOptions, on_gpu: bool) -> None:
+        """The lane, prompt and depth buckets, CUDA graphs on or off, the shapes to warm."""
 
         # buckets default to exact shapes on the CPU: padding there only costs time
         def pick(given: Sequence[int] | None, default: tuple[int, ...]) -> tuple[int, ...]:
             return tuple(sorted(given)) if given is not None else (default if on_gpu else ())
 
-        self._lane_b = pick(lane_buckets, LANE_BUCKETS)
-        self._prompt_b = pick(prompt_buckets, PROMPT_BUCKETS)
-        self._depth_b = pick(depth_buckets, DEPTH_BUCKETS)
+        self._lane_b = pick(opts.lane_buckets, LANE_BUCKETS)
+        self._prompt_b = pick(opts.prompt_buckets, PROMPT_BUCKETS)
+        self._depth_b = pick(opts.depth_buckets, DEPTH_BUCKETS)
         self._k_max = max(self._lane_b, default=K_MAX)
-        self._use_graphs = on_gpu if cuda_graphs is None else cuda_graphs
+        self._use_graphs = on_gpu if opts.cuda_graphs is None else opts.cuda_graphs
         if self._use_graphs and not on_gpu:
             raise EngineUnavailable("CUDA graphs need a CUDA device")
         if self._use_graphs and not (self._lane_b and self._prompt_b and self._depth_b):
             raise ValueError("CUDA graphs need lane, prompt and depth buckets")
         self._warm = tuple(
-            warm_shapes
-            if warm_shapes is not None
+            opts.warm_shapes
+            if opts.warm_shapes is not None
             else (Shape(1, bucket(WARM_PROMPT, self._prompt_b) or 1, d) for d in self._depth_b)
         )
+
+    def _set_top2(self, top2_config: Top2Config | None) -> None:
+        """One top-2 function per dot precision the cohorts run at."""
+        dev = self._device
         self.top2_backend = "triton" if available(dev) else "torch-chunked"
         # an fp32 head's dots (the fused head's) run at kernel_precision
         tiles = top2_config or default_tiles(dev, self._head.dtype)
@@ -265,12 +310,6 @@ class TorchEngine:
                 n_chunks=self._n_chunks,
                 cfg=top2_config or default_tiles(dev, self._greedy[1].dtype),
             )
-        # one graph per (shape, dot precision)
-        self._graphs: dict[tuple[Shape, str], tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]]
-        self._graphs = {}
-        self._static: dict[str, Tensor] = {}
-        self._pool = None
-        self._lock = threading.Lock()  # workers call readout from a thread pool
 
     def _greedy_path(self, dtype: torch.dtype | str | None):
         if dtype is None or dtype in (GREEDY_OFF, torch.float32):
@@ -295,17 +334,14 @@ class TorchEngine:
 
     @classmethod
     def load(cls, model: ServingModel, device: str = "cpu", **options) -> TorchEngine:
-        """The shipped decoder against `model`; options go to the constructor (buckets...)."""
+        """The shipped decoder against `model`; options are TorchEngineOptions' fields."""
         dev = require_device(device)  # before loading anything: fail fast and clearly
+        opts = TorchEngineOptions(device=dev, **options)
         decoder = build_decoder(
-            model.decoder_dir,
-            model.manifest,
-            device=dev,
-            dtype=options.get("decoder_dtype", torch.float32),
+            model.decoder_dir, model.manifest, device=dev, dtype=opts.decoder_dtype
         )
-        manifest = model.manifest
-        eos = manifest["decoder_config"]["eos_token_id"]
-        return cls(decoder, model.lm_head, model.identity, eos_token_id=eos, device=dev, **options)
+        eos = model.manifest["decoder_config"]["eos_token_id"]
+        return cls(decoder, model.lm_head, model.identity, eos_token_id=eos, options=opts)
 
     @property
     def recorded_shapes(self) -> list[Shape]:

@@ -91,6 +91,46 @@ def _batch(records, idx, device, pad: int):
     return ids.to(device), mask.to(device), lens.to(device), tgt.to(device)
 
 
+def new_decoder(base, tok, lm_head: torch.Tensor, cfg: DistillConfig, device) -> ReadoutDecoder:
+    """A freshly initialised decoder (seeded by cfg.seed) for `base`'s width and vocabulary."""
+    dcfg = ReadoutConfig(
+        d_base=base.config.hidden_size,
+        vocab_size=lm_head.shape[0],
+        eos_token_id=tok.eos_token_id,
+        **cfg.decoder,
+    )
+    torch.manual_seed(cfg.seed)
+    return ReadoutDecoder(dcfg).to(device)
+
+
+def resume_state(resume: Path, decoder: ReadoutDecoder, opt, steps: int, device) -> tuple:
+    """(start, steps): a saved run's step and plan, loaded into decoder and optimizer, or
+    (0, steps). Resumable: same batches, same step index, same optimizer state."""
+    if not resume.exists():
+        return 0, steps
+    state = torch.load(resume, map_location=device)
+    decoder.load_state_dict(state["decoder"])
+    opt.load_state_dict(state["opt"])
+    return state["step"], state["steps"]
+
+
+def train_step(decoder, opt, base, lm_head, batch: tuple, lr: float, amp) -> torch.Tensor:
+    """One optimizer step on one batch: the base's rows, the decoder's cross-entropy."""
+    ids, mask, lens, tgt = batch
+    rows = capture(base, ids, mask)  # (K, P, d_base), frozen
+    pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with amp:
+        logits = decoder.logits(rows, lens, pos, lm_head)  # (K, D, V)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def train_decoder(
     base_dir: str | Path,
     prompts_file: str | Path,
@@ -117,23 +157,10 @@ def train_decoder(
     )
     teacher_s = time.perf_counter() - t0
 
-    dcfg = ReadoutConfig(
-        d_base=base.config.hidden_size,
-        vocab_size=lm_head.shape[0],
-        eos_token_id=tok.eos_token_id,
-        **cfg.decoder,
-    )
-    torch.manual_seed(cfg.seed)
-    decoder = ReadoutDecoder(dcfg).to(device)
+    decoder = new_decoder(base, tok, lm_head, cfg, device)
     opt = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    start = 0
     resume = out / "ckpt.pt"
-    if resume.exists():  # resumable: same batches, same step index, same optimizer state
-        state = torch.load(resume, map_location=device)
-        decoder.load_state_dict(state["decoder"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-    steps = state["steps"] if resume.exists() else cfg.steps
+    start, steps = resume_state(resume, decoder, opt, cfg.steps, device)
     lengths = [len(r["answer_ids"]) for r in records]
     batches = budget_batches(lengths, cfg.token_budget, max_batch=cfg.max_lanes, seed=cfg.seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
@@ -149,20 +176,9 @@ def train_decoder(
             now = time.perf_counter()
             steps = fit_steps(cfg.steps, step, now - t1, (now - t10) / 70, cfg.max_minutes)
             bar.total = steps
-        ids, mask, lens, tgt = _batch(
-            records, batches[step % len(batches)], device, tok.pad_token_id
-        )
-        rows = capture(base, ids, mask)  # (K, P, d_base), frozen
-        pos = torch.arange(tgt.shape[1], device=device).expand(tgt.shape[0], -1)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, cfg.lr, cfg.warmup)
-        with amp:
-            logits = decoder.logits(rows, lens, pos, lm_head)  # (K, D, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
-        opt.step()
+        batch = _batch(records, batches[step % len(batches)], device, tok.pad_token_id)
+        lr = lr_at(step, steps, cfg.lr, cfg.warmup)
+        loss = train_step(decoder, opt, base, lm_head, batch, lr, amp)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         step += 1

@@ -302,26 +302,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def load_base(base_dir: str, device: torch.device):
+    """The tokenizer, the fast encoder (checked against it) and the frozen base model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    a = parse_args(argv)
-    r = init_ranks(a.device)
-    rank, world, device = r.rank, r.world, r.device
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(a.base, local_files_only=True)
-    enc = FastEnc(a.base)
+    tok = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    enc = FastEnc(base_dir)
     for e in tasks.generate(200, split="heldout", seed=5):  # the fast encoder is the tokenizer
         assert tok(e.prompt)["input_ids"] == enc.prompt(e.prompt), e.prompt
-    base = AutoModelForCausalLM.from_pretrained(a.base, local_files_only=True, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_dir, local_files_only=True, dtype=torch.float32
+    )
     base.to(device).eval().requires_grad_(False)
-    lm_head = base.lm_head.weight  # (V, d_base), frozen
+    return tok, enc, base
 
-    state_file = out / "state.pt"
-    st = torch.load(state_file, map_location=device) if state_file.exists() else None
+
+def start_decoder(
+    a: argparse.Namespace, base, tok, st: dict | None, device: torch.device
+) -> tuple[ReadoutDecoder, dict, int, int]:
+    """The decoder this run trains, its config overrides, and the step and prompts seen it
+    starts from: resumed state's config, or --init's weights (a fresh optimizer), or new."""
     overrides = st["decoder_config"] if st else json.loads(a.decoder_config)
     init = None
+    step, seen = 0, 0
     if not st and a.init:  # another machine's stage: its bf16 weights, a fresh optimizer
         manifest = ckpt.read_manifest(a.init)
         try:
@@ -343,16 +346,16 @@ def main(argv: list[str] | None = None) -> None:
         start = widen_latents(init.state_dict(), decoder.cfg.n_latent)
         decoder.load_state_dict(deepen(start, decoder))
         log(f"init from {a.init} (step {step}, bf16 weights, new optimizer)")
-    n_params = sum(p.numel() for p in decoder.parameters())
-    log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")
-    opt = torch.optim.AdamW(
-        decoder.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95),
-        fused=a.device == "cuda",
-    )  # fmt: skip
+    return decoder, overrides, step, seen
+
+
+def resume(
+    a: argparse.Namespace, st: dict | None, decoder: ReadoutDecoder, opt, step: int, seen: int
+) -> tuple[int, int | None, int, int]:
+    """(step, total, seen, origin): the saved state's, loaded into decoder and optimizer, or
+    a new plan from `step`. origin is where the warm-up + cosine began."""
     total = None
-    if init is None:
-        step, seen = 0, 0
-    origin = step  # where the warm-up + cosine began
+    origin = step
     if st:
         decoder.load_state_dict(st["decoder"])
         opt.load_state_dict(st["opt"])
@@ -361,6 +364,68 @@ def main(argv: list[str] | None = None) -> None:
         log(f"resumed at step {step}/{total}")
         if a.reschedule or (total is not None and step >= total):  # a finished plan: anew
             total, origin = None, step
+    return step, total, seen, origin
+
+
+def batch_loss(a, base, dmodel, tok, enc, lm_head, ids, lab, amp) -> tuple[Tensor, Tensor, dict]:
+    """(loss, target, info) of one batch: the teacher's rows and targets, every pass's loss."""
+    device = lm_head.device
+    rows, lens, target, info = teacher_batch(base, ids.to(device), lab.to(device), amp)
+    pos = torch.arange(target.shape[1], device=device).expand(target.shape[0], -1)
+    with amp:
+        logits = dmodel(rows, lens, pos, lm_head)
+    extra = None
+    if a.near_end_weight != 1.0:
+        extra = near_end_weights(target, tok.eos_token_id, enc.char[" "], a.near_end_weight)
+    loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight, extra) for lg in logits)
+    if a.stop_weight:
+        loss = loss + a.stop_weight * sum(stop_loss(lg, target, tok.eos_token_id) for lg in logits)
+    return loss / len(logits), target, info
+
+
+def decoder_identity(base_dir: str, lm_head: Tensor) -> dict:
+    """What the saved decoder is bound to: the base, its tokenizer and lm_head, the data."""
+    return {
+        "base_model_digest": ckpt.base_model_digest(base_dir),
+        "tokenizer_digest": ckpt.tokenizer_digest(base_dir),
+        "lm_head_digest": ckpt.tensor_digest(lm_head),
+        "data_digest": ckpt.sha_files([Path(tasks.__file__)]),
+    }
+
+
+def add_heldout(stats: dict, base, decoder, enc, device, amp, n_each: int) -> None:
+    """Exact-match rates on held-out and training prompts, and their gap, into `stats`."""
+    t1 = time.perf_counter()
+    stats["heldout"] = heldout_report(base, decoder, enc, device, amp, n_each, 1234)
+    train = heldout_report(base, decoder, enc, device, amp, n_each, 1234, "train")
+    stats["train_split"] = train
+    stats["train_minus_heldout_exact"] = {
+        b: round(train["exact_by_bucket"][b][0] - v[0], 3)
+        for b, v in stats["heldout"]["exact_by_bucket"].items()
+        if b in train["exact_by_bucket"]
+    }
+    stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    r = init_ranks(a.device)
+    rank, world, device = r.rank, r.world, r.device
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok, enc, base = load_base(a.base, device)
+    lm_head = base.lm_head.weight  # (V, d_base), frozen
+
+    state_file = out / "state.pt"
+    st = torch.load(state_file, map_location=device) if state_file.exists() else None
+    decoder, overrides, step, seen = start_decoder(a, base, tok, st, device)
+    n_params = sum(p.numel() for p in decoder.parameters())
+    log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")
+    opt = torch.optim.AdamW(
+        decoder.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95),
+        fused=a.device == "cuda",
+    )  # fmt: skip
+    step, total, seen, origin = resume(a, st, decoder, opt, step, seen)
     dmodel = data_parallel(Passes(decoder), r)
     weights = json.loads(a.weights)
     dl = loader(
@@ -378,21 +443,9 @@ def main(argv: list[str] | None = None) -> None:
         steps = plan.steps(step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step - origin, steps - origin, a.lr, a.warmup)
-        rows, lens, target, info = teacher_batch(base, ids.to(device), lab.to(device), amp)
+        loss, target, info = batch_loss(a, base, dmodel, tok, enc, lm_head, ids, lab, amp)
         seen += info["lanes"] * world
         dev_count += info["teacher_deviates"]
-        pos = torch.arange(target.shape[1], device=device).expand(target.shape[0], -1)
-        with amp:
-            logits = dmodel(rows, lens, pos, lm_head)
-        extra = None
-        if a.near_end_weight != 1.0:
-            extra = near_end_weights(target, tok.eos_token_id, enc.char[" "], a.near_end_weight)
-        loss = sum(answer_loss(lg, target, tok.eos_token_id, a.eos_weight, extra) for lg in logits)
-        if a.stop_weight:
-            loss = loss + a.stop_weight * sum(
-                stop_loss(lg, target, tok.eos_token_id) for lg in logits
-            )
-        loss = loss / len(logits)
         step += 1
         note = f"seen {seen} shape {tuple(target.shape)}"
         plan.update(opt, decoder.parameters(), loss, step, note)
@@ -422,24 +475,10 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name(device) if a.device == "cuda" else "cpu",
             "config": {**vars(a), "max_answer": 3100, "decoder": overrides, "data": FORMAT_NOTE},
         }
-        identity = {
-            "base_model_digest": ckpt.base_model_digest(a.base),
-            "tokenizer_digest": ckpt.tokenizer_digest(a.base),
-            "lm_head_digest": ckpt.tensor_digest(lm_head),
-            "data_digest": ckpt.sha_files([Path(tasks.__file__)]),
-        }
+        identity = decoder_identity(a.base, lm_head)
         ckpt.save_decoder(out / "decoder", decoder, identity, {"training": stats})
         if a.eval_each:
-            t1 = time.perf_counter()
-            stats["heldout"] = heldout_report(base, decoder, enc, device, amp, a.eval_each, 1234)
-            train = heldout_report(base, decoder, enc, device, amp, a.eval_each, 1234, "train")
-            stats["train_split"] = train
-            stats["train_minus_heldout_exact"] = {
-                b: round(train["exact_by_bucket"][b][0] - v[0], 3)
-                for b, v in stats["heldout"]["exact_by_bucket"].items()
-                if b in train["exact_by_bucket"]
-            }
-            stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
+            add_heldout(stats, base, decoder, enc, device, amp, a.eval_each)
         log(json.dumps(stats))
         (out / "stats.json").write_text(json.dumps(stats, indent=2))
     leave(r)

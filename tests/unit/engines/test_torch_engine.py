@@ -15,6 +15,7 @@ from stateblock.engines.torch_engine import (
     EngineUnavailable,
     Shape,
     TorchEngine,
+    TorchEngineOptions,
     bucket,
     fused_head,
     matmul_precision,
@@ -321,7 +322,8 @@ def test_refining_decoder_equals_reference(head, arch):
     lm_head = torch.randn(97, 48)
     ident = ModelIdentity("m", b"b" * 32, b"l" * 32, b"d" * 32)
     ref = ReferenceEngine(copy.deepcopy(dec), lm_head, ident, eos_token_id=5)
-    eng = TorchEngine(copy.deepcopy(dec), lm_head, ident, eos_token_id=5, head=head)
+    opts = TorchEngineOptions(head=head)
+    eng = TorchEngine(copy.deepcopy(dec), lm_head, ident, eos_token_id=5, options=opts)
     g = torch.Generator().manual_seed(2)
     rows = [torch.randn(n, 48, generator=g) for n in (3, 11, 6)]
     lanes = lanes_of(rows, [70, 9, 33, 120], temps=[0, 0, 1.2, 0], seeds=[None, None, 4, None])
@@ -335,7 +337,8 @@ def test_refining_decoder_equals_reference(head, arch):
     lm_eos = lm_head.clone()
     lm_eos[5] = 3 * lm_head[got[0].token_ids[3]]  # EOS wins where that token won
     ref = ReferenceEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5)
-    eng = TorchEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5, head=head)
+    opts = TorchEngineOptions(head=head)
+    eng = TorchEngine(copy.deepcopy(dec), lm_eos, ident, eos_token_id=5, options=opts)
     params = [sampling_params(0.0, min_tokens=40, logprobs=2), sampling_params(1.0, 5, top_k=2, logprobs=1),
               sampling_params(0.7, 6, top_p=0.6, min_p=0.2), sampling_params(0.0, logprobs=0)]  # fmt: skip
     lanes = [
