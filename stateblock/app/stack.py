@@ -28,8 +28,12 @@ from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
 
 if TYPE_CHECKING:
+    from capture_svc.config import CaptureConfig
+    from gateway.config import GatewayConfig
+    from readout_svc.config import ReadoutServiceConfig
     from stateblock.engines import ReadoutEngine
     from stateblock.model.loading import ServingModel
+    from stateblock.protocol.keys import Signer, TrustStore
 
 log = structlog.get_logger("stateblock.up")
 T = TypeVar("T")
@@ -76,6 +80,93 @@ class StackUrls:
     nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
 
 
+@dataclass(frozen=True)
+class _Credentials:
+    """The stack's keys and token, generated in its data dir on first run."""
+
+    key_dir: Path  # the capture's block-signing key
+    signer: Signer
+    trust: TrustStore
+    readout_key_dir: Path  # the readout's commit-signing key
+    readout_signer: Signer
+    readout_trust: TrustStore
+    token_file: Path  # the gateway's credential at the capture
+
+
+def _credentials(data_dir: Path) -> _Credentials:
+    from stateblock.protocol.keys import TrustStore, load_or_generate_signer
+    from stateblock.protocol.tokens import load_or_generate_token
+
+    key_dir, readout_key_dir = data_dir / "keys", data_dir / "readout-keys"
+    signer, readout_signer = (
+        load_or_generate_signer(key_dir),
+        load_or_generate_signer(readout_key_dir),
+    )
+    load_or_generate_token(data_dir / "capture-token")
+    return _Credentials(
+        key_dir=key_dir,
+        signer=signer,
+        trust=TrustStore.from_dir(key_dir),
+        readout_key_dir=readout_key_dir,
+        readout_signer=readout_signer,
+        readout_trust=TrustStore.from_dir(readout_key_dir),
+        token_file=data_dir / "capture-token",
+    )
+
+
+def _capture_config(config: UpConfig, creds: _Credentials, common: dict) -> CaptureConfig:
+    from capture_svc.config import CaptureConfig
+
+    window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
+    return CaptureConfig(
+        host="127.0.0.1",  # only the gateway beside it calls the capture
+        port=config.capture_port,
+        key_dir=creds.key_dir,
+        token_file=creds.token_file,
+        blocks_storage=config.blocks_storage,
+        forward_state_digest=config.forward_state_digest,
+        compile=config.capture_compile,
+        **window,
+        **common,
+    )
+
+
+def _readout_config(
+    config: UpConfig, creds: _Credentials, engine_name: str, common: dict
+) -> ReadoutServiceConfig:
+    from readout_svc.config import ReadoutServiceConfig
+
+    readout_cfg = ReadoutServiceConfig(
+        engine=engine_name,
+        trusted_keys_dir=creds.key_dir,
+        signing_key_dir=creds.readout_key_dir,
+        workers=config.workers,
+        blocks_storage=config.blocks_storage,
+        **common,
+    )
+    # a block a dead worker held must come back while its request still waits
+    runtime.check_redelivery(readout_cfg.ack_wait_s, config.request_timeout_s)
+    return readout_cfg
+
+
+def _gateway_config(
+    config: UpConfig, creds: _Credentials, capture_port: int, common: dict
+) -> GatewayConfig:
+    from gateway.config import GatewayConfig
+
+    return GatewayConfig(
+        capture_target=f"127.0.0.1:{capture_port}",
+        capture_token_file=creds.token_file,
+        host=config.host,
+        http_port=config.http_port,
+        grpc_port=config.grpc_port,
+        readout_trusted_keys_dir=creds.readout_key_dir,
+        request_timeout_s=config.request_timeout_s,
+        api_key=config.api_key,
+        **common,
+    )
+
+
 @asynccontextmanager
 async def running_stack(
     config: UpConfig,
@@ -88,30 +179,18 @@ async def running_stack(
 
     `model` and `engine`, when given, are served instead of loading config.base_dir on the
     CPU with config.engine (the GPU bench builds both on the device)."""
-    from capture_svc.config import CaptureConfig
     from capture_svc.server import running_capture
-    from gateway.config import GatewayConfig
     from gateway.server import running_gateway
-    from readout_svc.config import ReadoutServiceConfig
     from readout_svc.server import running_readout
     from stateblock.engines import create_engine, require_engine
     from stateblock.model.loading import load_serving_model
-    from stateblock.protocol.keys import TrustStore, load_or_generate_signer
-    from stateblock.protocol.tokens import load_or_generate_token
 
     if engine is None:
         require_engine(config.engine)
     metrics = CollectorRegistry() if metrics is None else metrics
     data_dir = config.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    key_dir = data_dir / "keys"  # the capture's block-signing key
-    signer = load_or_generate_signer(key_dir)  # generated on first run
-    trust = TrustStore.from_dir(key_dir)
-    readout_key_dir = data_dir / "readout-keys"  # the readout's commit-signing key
-    readout_signer = load_or_generate_signer(readout_key_dir)
-    readout_trust = TrustStore.from_dir(readout_key_dir)
-    token_file = data_dir / "capture-token"  # the gateway's credential at the capture
-    load_or_generate_token(token_file)  # generated on first run
+    creds = _credentials(data_dir)
     if model is None:
         model = await asyncio.to_thread(
             load_serving_model, config.model_name, config.base_dir, config.decoder_dir
@@ -140,7 +219,6 @@ async def running_stack(
             conns.append((nc, state))
             return conns[-1]
 
-        window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
         # what every service of the stack is configured with alike
         common = dict(
             nats_url=nats_url,
@@ -150,70 +228,43 @@ async def running_stack(
             decoder_dir=config.decoder_dir,
             grace_s=config.grace_s,
         )
-        capture_cfg = CaptureConfig(
-            host="127.0.0.1",  # only the gateway beside it calls the capture
-            port=config.capture_port,
-            key_dir=key_dir,
-            token_file=token_file,
-            blocks_storage=config.blocks_storage,
-            forward_state_digest=config.forward_state_digest,
-            compile=config.capture_compile,
-            **window,
-            **common,
-        )
         nc, state = await connection("capture")
         capture = await stack.enter_async_context(
             running_capture(
-                capture_cfg, nc=nc, model=model, signer=signer, metrics=metrics, nats_state=state
+                _capture_config(config, creds, common),
+                nc=nc,
+                model=model,
+                signer=creds.signer,
+                metrics=metrics,
+                nats_state=state,
             )
         )
-        readout_cfg = ReadoutServiceConfig(
-            engine=engine.name,
-            trusted_keys_dir=key_dir,
-            signing_key_dir=readout_key_dir,
-            workers=config.workers,
-            blocks_storage=config.blocks_storage,
-            **common,
-        )
-        # a block a dead worker held must come back while its request still waits
-        runtime.check_redelivery(readout_cfg.ack_wait_s, config.request_timeout_s)
         await stack.enter_async_context(
             running_readout(
-                readout_cfg,
+                _readout_config(config, creds, engine.name, common),
                 nc=(await connection("readout"))[0],
                 engine=engine,
-                trust=trust,
-                signer=readout_signer,
+                trust=creds.trust,
+                signer=creds.readout_signer,
                 metrics=metrics,
             )
-        )
-        gateway_cfg = GatewayConfig(
-            capture_target=f"127.0.0.1:{capture.port}",
-            capture_token_file=token_file,
-            host=config.host,
-            http_port=config.http_port,
-            grpc_port=config.grpc_port,
-            readout_trusted_keys_dir=readout_key_dir,
-            request_timeout_s=config.request_timeout_s,
-            api_key=config.api_key,
-            **common,
         )
         nc, state = await connection("gateway")
         gateway = await stack.enter_async_context(
             running_gateway(
-                gateway_cfg,
+                _gateway_config(config, creds, capture.port, common),
                 nc=nc,
                 nats_state=state,
                 metrics=metrics,
                 tokenizer=model.tokenizer,
-                readout_trust=readout_trust,
+                readout_trust=creds.readout_trust,
             )
         )
         yield StackUrls(
             http=f"http://{config.host}:{gateway.http_port}",
             grpc=f"{config.host}:{gateway.grpc_port}",
             nats=nats_url,
-            key_id=signer.key_id,
+            key_id=creds.signer.key_id,
             nats_lost=nats_lost,
         )
 
