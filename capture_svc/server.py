@@ -74,9 +74,7 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             try:
                 captured = await self._service.capture(
-                    request.model,
-                    request.lanes,
-                    request.request_id or None,
+                    request.request_id or None, request.model, request.lanes
                 )
             except CaptureError as e:
                 # ORIGIN_METADATA says the capture took the request in: an UNAVAILABLE

@@ -189,9 +189,9 @@ class CaptureService:
 
     async def capture(
         self,
+        request_id: str | None,
         model: str,
         lanes: Sequence[capture_pb2.CaptureLane],
-        request_id: str | None = None,
     ) -> Captured:
         if not self._ready:  # a shape not warmed up yet would compile on this request
             raise CaptureWarmingUp("the capture is warming up its forward; send it again")

@@ -250,7 +250,7 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
         lane(prompt="copy: abc", max_tokens=12),
         lane(messages=(("user", "copy: abc"),), max_tokens=7, temperature=0.5, seed=3),
     ]
-    captured = await running.service.capture(MODEL, lanes, "req-1")
+    captured = await running.service.capture("req-1", MODEL, lanes)
     (msg,) = await sub.fetch(1, timeout=5)
     assert msg.headers["Nats-Msg-Id"] == captured.block_id
     # the rows framed by hand: the bytes are protobuf's own encoding of the block
@@ -286,7 +286,7 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
 async def test_capture_rejects_bad_requests_before_planning(capture_service, model, lanes, param):
     running, nc, _ = capture_service
     with pytest.raises(InvalidCapture) as info:
-        await running.service.capture(model, lanes)
+        await running.service.capture(None, model, lanes)
     assert info.value.param == param
     assert running.plans.active() == 0
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
@@ -300,7 +300,7 @@ async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
 
     monkeypatch.setattr(running.plans, "record", stale_record)
     with pytest.raises(CaptureFailed, match="lane_length_mismatch"):
-        await running.service.capture(MODEL, [lane(prompt="copy: a", max_tokens=4)])
+        await running.service.capture(None, MODEL, [lane(prompt="copy: a", max_tokens=4)])
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
 
 
@@ -329,7 +329,7 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
             metrics=CollectorRegistry(),
         ) as running:  # fmt: skip
             sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
-            await running.service.capture(MODEL, [lane(prompt="copy: abc", max_tokens=4)], "r")
+            await running.service.capture("r", MODEL, [lane(prompt="copy: abc", max_tokens=4)])
             (msg,) = await sub.fetch(1, timeout=5)
     finally:
         await nc.close()

@@ -228,9 +228,9 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
 
             sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
             seen.clear()
-            await running.service.capture(MODEL, [lane(prompt=short, max_tokens=4)], "one")
+            await running.service.capture("one", MODEL, [lane(prompt=short, max_tokens=4)])
             two = [lane(prompt=long, max_tokens=4), lane(prompt=short, max_tokens=4)]
-            await running.service.capture(MODEL, two, "two")  # 2 lanes + 1 dummy
+            await running.service.capture("two", MODEL, two)  # 2 lanes + 1 dummy
             assert seen == [(1, 16), (3, 24)]
             assert counters["stats"]["unique_graphs"] == graphs  # no compile on a request
             msgs = await sub.fetch(2, timeout=5)
