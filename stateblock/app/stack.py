@@ -98,19 +98,16 @@ def _credentials(data_dir: Path) -> _Credentials:
     from stateblock.protocol.tokens import load_or_generate_token
 
     key_dir, readout_key_dir = data_dir / "keys", data_dir / "readout-keys"
-    signer, readout_signer = (
-        load_or_generate_signer(key_dir),
-        load_or_generate_signer(readout_key_dir),
-    )
-    load_or_generate_token(data_dir / "capture-token")
+    token_file = data_dir / "capture-token"
+    load_or_generate_token(token_file)
     return _Credentials(
         key_dir=key_dir,
-        signer=signer,
+        signer=load_or_generate_signer(key_dir),
         trust=TrustStore.from_dir(key_dir),
         readout_key_dir=readout_key_dir,
-        readout_signer=readout_signer,
+        readout_signer=load_or_generate_signer(readout_key_dir),
         readout_trust=TrustStore.from_dir(readout_key_dir),
-        token_file=data_dir / "capture-token",
+        token_file=token_file,
     )
 
 
