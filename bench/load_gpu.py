@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="readout workers")
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
+    ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V",
+                    help="a setting for every service, e.g. STATEBLOCK_CAPTURE_COHORT_LANES=32")  # fmt: skip
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument("--ar-batches", type=ints, default=[64, 1, 8, 32, 128],
                     help="AR batch sizes, timed in this order ('' for none)")  # fmt: skip
@@ -246,6 +248,7 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),
         nats_monitor=True,
+        extra_env=dict(kv.split("=", 1) for kv in args.env),
     )
     stack = ProcStack(config)
     t0 = time.perf_counter()

@@ -611,7 +611,10 @@ def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
     env = env_of(
-        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+        render_valid(
+            {"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8", "cohortLanes": 8}}
+        ),
+        "capture",
     )
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
