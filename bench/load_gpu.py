@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64,
                     help="distinct prompts, each sent alone once a depth (the reference)")  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
-    ap.add_argument("--workers", type=int, default=2, help="readout workers")
+    ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
+    ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
+    ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
     ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V",
@@ -244,6 +246,8 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         capture_dtype="bfloat16" if cuda else "float32",
         engine=args.engine,
         workers=args.workers,
+        readout_procs=args.readout_procs,
+        captures=args.captures,
         capture_compile=compile_mode,
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),

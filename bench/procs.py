@@ -73,8 +73,13 @@ class ProcStackConfig:
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
     readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
+    captures: int = 1  # capture processes; the gateway balances over them round-robin
     extra_env: dict[str, str] = field(default_factory=dict)  # STATEBLOCK_* for every service
     nats_monitor: bool = False  # nats-server's HTTP monitoring (/varz) on a free port
+
+
+def capture_names(n: int) -> list[str]:
+    return ["capture"] if n == 1 else [f"capture-{i}" for i in range(n)]
 
 
 def readout_names(n: int) -> list[str]:
@@ -124,8 +129,9 @@ class ProcStack:
             {},
         )  # fmt: skip
         self._wait(lambda: _port_open(nats_port), "nats-server")
-        capture_port, gateway_port = free_port(), free_port()
-        capture_metrics = free_port()
+        capture_ports = [free_port() for _ in range(cfg.captures)]
+        capture_metrics = [free_port() for _ in range(cfg.captures)]
+        gateway_port = free_port()
         readout_metrics = [free_port() for _ in range(cfg.readout_procs)]
         common = {
             "STATEBLOCK_NATS_URL": f"nats://127.0.0.1:{nats_port}",
@@ -140,18 +146,22 @@ class ProcStack:
             "STATEBLOCK_LOG_LEVEL": "warning",
         }
         py = sys.executable
-        self._spawn(
-            "capture",
-            [py, "-m", "capture_svc"],
-            {
-                **common,
-                "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
-                "STATEBLOCK_CAPTURE_PORT": str(capture_port),
-                "STATEBLOCK_CAPTURE_DTYPE": cfg.capture_dtype,
-                "STATEBLOCK_CAPTURE_COMPILE": cfg.capture_compile,
-                "STATEBLOCK_CAPTURE_METRICS_PORT": str(capture_metrics),
-            },
+        captures = list(
+            zip(capture_names(cfg.captures), capture_ports, capture_metrics, strict=True)
         )
+        for name, port, metrics in captures:
+            self._spawn(
+                name,
+                [py, "-m", "capture_svc"],
+                {
+                    **common,
+                    "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
+                    "STATEBLOCK_CAPTURE_PORT": str(port),
+                    "STATEBLOCK_CAPTURE_DTYPE": cfg.capture_dtype,
+                    "STATEBLOCK_CAPTURE_COMPILE": cfg.capture_compile,
+                    "STATEBLOCK_CAPTURE_METRICS_PORT": str(metrics),
+                },
+            )
         for name, port in zip(readout_names(cfg.readout_procs), readout_metrics, strict=True):
             self._spawn(
                 name,
@@ -170,7 +180,12 @@ class ProcStack:
             [py, "-m", "gateway"],
             {
                 **common,
-                "STATEBLOCK_CAPTURE_TARGET": f"127.0.0.1:{capture_port}",
+                # one address, or grpc's ipv4: list that the round-robin policy balances
+                "STATEBLOCK_CAPTURE_TARGET": (
+                    f"127.0.0.1:{capture_ports[0]}"
+                    if cfg.captures == 1
+                    else "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in capture_ports)
+                ),
                 "STATEBLOCK_GATEWAY_HOST": "127.0.0.1",
                 "STATEBLOCK_HTTP_PORT": str(gateway_port),
                 "STATEBLOCK_GRPC_PORT": str(free_port()),
@@ -178,14 +193,14 @@ class ProcStack:
         )
         url = f"http://127.0.0.1:{gateway_port}"
         self._metrics_urls = [
-            f"http://127.0.0.1:{capture_metrics}/metrics",
+            *(f"http://127.0.0.1:{port}/metrics" for port in capture_metrics),
             *(f"http://127.0.0.1:{port}/metrics" for port in readout_metrics),
         ]
         self.nats_url = common["STATEBLOCK_NATS_URL"]
         # the capture's gRPC port opens before its warm-up; its health says SERVING after it
         self._ready = {
             "nats": lambda: _port_open(nats_port),
-            "capture": lambda: _grpc_serving(capture_port),
+            **{name: (lambda p=port: _grpc_serving(p)) for name, port, _ in captures},
             **{
                 name: (lambda u=f"http://127.0.0.1:{port}/metrics": _http_ok(u))
                 for name, port in zip(
@@ -193,7 +208,8 @@ class ProcStack:
                 )
             },
         }
-        self._wait(lambda: _grpc_serving(capture_port), "capture gRPC health")
+        for name, port, _ in captures:
+            self._wait(lambda p=port: _grpc_serving(p), f"{name} gRPC health")
         for probe in (f"{url}/health", *self._metrics_urls):
             self._wait(lambda p=probe: _http_ok(p), probe)
         return url
@@ -218,8 +234,9 @@ class ProcStack:
                 if family.name not in families:
                     continue
                 for s in family.samples:
-                    if s.name.endswith(("_sum", "_count")):
-                        out[(s.name, s.labels.get("stage", ""))] = s.value
+                    if s.name.endswith(("_sum", "_count")):  # summed over the processes
+                        key = (s.name, s.labels.get("stage", ""))
+                        out[key] = out.get(key, 0.0) + s.value
         return out
 
     def pids(self) -> dict[str, int]:
@@ -245,7 +262,8 @@ class ProcStack:
 
     def stop(self) -> None:
         # services first (they drain through NATS), the server last
-        order = ["gateway", *readout_names(self.config.readout_procs), "capture", "nats"]
+        cfg = self.config
+        order = ["gateway", *readout_names(cfg.readout_procs), *capture_names(cfg.captures), "nats"]
         for name in order:
             proc = self._procs.get(name)
             if proc is None or proc.poll() is not None:
