@@ -53,6 +53,12 @@ def saturation(row: dict) -> list[str]:
         lines.append(
             f"Capture: {cohort['forwards_per_s']} forwards/s, {cohort['mean_lanes']} lanes each."
         )
+    reads = row["stages"].get("worker.cohort_blocks")
+    if reads:
+        lines.append(
+            f"Readout: {reads['executions_per_s']} engine executions/s, "
+            f"{reads['mean_blocks']} blocks each."
+        )
     lines += ["", "| stage | mean per request (ms) | requests in it at once |", "|---|---:|---:|"]
     for name, s in row["stages"].items():
         if "mean_ms" in s:

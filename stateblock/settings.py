@@ -214,6 +214,13 @@ WORKERS = _setting(
     "WORKERS", int, 2, "readout pull loops in the process", (READOUT, UP), minimum=1,
     chart="readout.workers",
 )  # fmt: skip
+READOUT_COHORT_LANES = _setting(
+    "READOUT_COHORT_LANES", int, Limits.max_lanes,
+    "lanes from several blocks the process reads in one engine execution, one execution at a "
+    "time (only blocks the engine reads the same together as alone); 1: each block alone, "
+    "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
+    "run: give the process more workers than that", (READOUT,), minimum=1,
+)  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
     "the readout engine: `reference`, `onnx` or `torch` (an unknown engine, or one that "

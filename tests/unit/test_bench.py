@@ -185,6 +185,7 @@ def test_load_bench_tiny_end_to_end(tmp_path):
         for stage in ("capture.forward", "capture.publish", "worker.readout", "worker.commit"):
             assert level["stages"][stage]["n"] >= level["n_ok"], stage
         assert level["stages"]["capture.cohort_lanes"]["mean_lanes"] >= 1
+        assert level["stages"]["worker.cohort_blocks"]["mean_blocks"] >= 1
 
     ar = doc["ar"]
     assert ar["mode"] == "eager" and set(ar["batches"]) == {"1", "2"}
