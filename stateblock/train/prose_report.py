@@ -10,9 +10,10 @@ def _row(cells) -> str:
 
 def _arms(summary: dict) -> list[str]:
     lines = [
-        "| arm | passes planned | done | steps | tokens/s | s | best held-out nll | ppl | bits/byte | bits/word | at pass |",
+        "| arm | passes planned | done | steps | tokens/s | s | best held-out nll | ppl "
+        "| bits/byte | bits/word | at pass |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    ]
     for k, arm in enumerate(summary["arms"]):
         b = arm["best"]
         lines.append(_row([k, arm["epochs_planned"], arm["epochs_done"], arm["steps"],

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from stateblock.train import base_ddp, prose_eval, prose_shards, recipe
 from stateblock.train.prose_report import markdown
+from stateblock.train.prose_shards import SPLITS
 from stateblock.train.weights import init_weights, save_split
 
 PART_BYTES = 15 * 2**20  # a device call returns files of at most 16 MiB
@@ -87,7 +88,7 @@ class Data:
     @classmethod
     def load(cls, folder: Path, device: torch.device) -> Data:
         meta = prose_shards.read_meta(folder)
-        train, heldout = (prose_shards.load_split(folder, s).to(device) for s in ("train", "heldout"))  # fmt: skip
+        train, heldout = (prose_shards.load_split(folder, s).to(device) for s in SPLITS)
         return cls(train, heldout, meta)
 
 
@@ -176,7 +177,9 @@ def choose_step(model, batches: Windows, a: argparse.Namespace) -> tuple:
         return eager, report["eager_ms"] / 1e3, report
     use = a.compile == "on" or report["compiled_ms"] < 0.95 * report["eager_ms"]
     report["used"] = "compiled" if use else "eager"
-    return (compiled, report["compiled_ms"] / 1e3, report) if use else (eager, report["eager_ms"] / 1e3, report)  # fmt: skip
+    if use:
+        return compiled, report["compiled_ms"] / 1e3, report
+    return eager, report["eager_ms"] / 1e3, report
 
 
 def flops_per_token(model, seq_len: int) -> float:
@@ -221,6 +224,7 @@ def heldout(model, data: Data, a) -> dict:
 def run_arm(model, loss, batches: Windows, data: Data, a, arm: Arm, deadline: float) -> tuple:
     """Train one arm; returns (its record, its best weights as a state dict copy)."""
     opt = optimizer(model, a)
+    model.zero_grad(set_to_none=True)  # nothing left over from the probe or the last arm
     per_epoch = data.meta["splits"]["train"]["tokens"] / a.budget
     curve, best, best_sd = [], None, None
     running, count = torch.zeros((), device=model.device), 0
@@ -234,8 +238,8 @@ def run_arm(model, loss, batches: Windows, data: Data, a, arm: Arm, deadline: fl
         if i % arm.every and i < arm.steps and not late:
             continue
         score = heldout(model, data, a)
-        curve.append({"step": i, "epoch": round(i / per_epoch, 2),
-                      "train_nll": round(running.item() / count, 4), "heldout_nll": score["nll"]})  # fmt: skip
+        curve.append({"step": i, "epoch": round(i / per_epoch, 2), "heldout_nll": score["nll"],
+                      "train_nll": round(running.item() / count, 4)})  # fmt: skip
         print(json.dumps({"arm": arm.epochs, **curve[-1]}), flush=True)
         running, count = torch.zeros((), device=model.device), 0
         if best is None or score["nll"] < best["nll"]:
@@ -313,8 +317,10 @@ def main(argv: list[str] | None = None) -> dict:
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
         write_summary(out, summary)
     model.load_state_dict(best_sd)
-    meta = data.meta
-    summary["continuations"] = prose_eval.continuations(model, data.heldout, meta["bos"], meta["eos"], tok, a.samples)  # fmt: skip
+    bos, eos = data.meta["bos"], data.meta["eos"]
+    summary["continuations"] = prose_eval.continuations(
+        model, data.heldout, bos, eos, tok, a.samples
+    )
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     write_summary(out, summary)
     return summary
@@ -332,7 +338,8 @@ def header(a, model, data: Data, probe: dict, device: torch.device) -> dict:
     import transformers
 
     return {
-        "machine": {"device": gpu, "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {"device": gpu, "torch": torch.__version__,
+                    "transformers": transformers.__version__},
         "model": {"params": n, "dim": a.dim, "mlp_dim": a.mlp_dim, "n_layers": a.n_layers,
                   "n_heads": a.n_heads, "vocab_size": model.config.vocab_size,
                   "rope_theta": a.rope_theta},

@@ -37,8 +37,8 @@ def shards(tmp_path_factory) -> Path:
 
 def _stage(data: Path, out: Path, *extra: str) -> dict:
     args = ["--data", str(data), "--out", str(out), "--device", "cpu", "--compile", "off",
-            "--minutes", "10", "--samples", "4", "--evals-per-epoch", "10", *TINY, *extra]  # fmt: skip
-    prose_stage.main(args)
+            "--minutes", "10", "--samples", "4", "--evals-per-epoch", "10"]  # fmt: skip
+    prose_stage.main([*args, *TINY, *extra])
     return json.loads((out / "summary.json").read_text())
 
 
