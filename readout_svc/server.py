@@ -101,8 +101,9 @@ async def running_readout(
                 engine,
                 executor,
                 max_lanes=config.cohort_lanes,
-                # combining needs blocks in hand: one execution at a time, the rest queue
-                concurrency=1 if config.cohort_lanes > 1 else config.workers,
+                # combining needs blocks in hand: two executions at a time (a long one
+                # never holds up every other), the rest queue and go together
+                concurrency=min(2, config.workers) if config.cohort_lanes > 1 else config.workers,
                 on_cohort=worker_metrics.cohort_blocks.observe,
             )
         )

@@ -216,10 +216,10 @@ WORKERS = _setting(
 )  # fmt: skip
 READOUT_COHORT_LANES = _setting(
     "READOUT_COHORT_LANES", int, Limits.max_lanes,
-    "lanes from several blocks the process reads in one engine execution, one execution at a "
-    "time (only blocks the engine reads the same together as alone); 1: each block alone, "
+    "lanes from several blocks the process reads in one engine execution, two executions at "
+    "a time (only blocks the engine reads the same together as alone); 1: each block alone, "
     "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
-    "run: give the process more workers than that", (READOUT,), minimum=1,
+    "run: give the process more than 2 workers", (READOUT,), minimum=1,
 )  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
