@@ -148,8 +148,17 @@ class ProcStack:
         log.close()
 
     def start(self) -> str:
+        """Every service of the config's plan, each ready; returns the gateway's URL. On a
+        failure, what was started is stopped again."""
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         plan = self.config.plan()
+        try:
+            return self._start(plan)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, plan: StackPlan) -> str:
         nats_port = self._start_nats()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
         wiring = credentials_wiring(plan.data_dir, self.nats_url)

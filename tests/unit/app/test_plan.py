@@ -4,11 +4,12 @@ given exactly settings its component reads (tests/unit/deploy checks the chart a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.procs import ProcStackConfig
+from bench.procs import ProcStack, ProcStackConfig
 from stateblock import settings
 from stateblock.app.plan import (
     IN_PROCESS,
@@ -125,3 +126,14 @@ def test_a_plan_refuses_a_topology_it_cannot_run():
         StackPlan(Path("/d"), PROCESSES, readout_procs=2, ports=Ports(readout_metrics=(1,)))
     with pytest.raises(ValueError, match="placement"):
         StackPlan(Path("/d"), "kubernetes")
+
+
+def test_a_process_runs_with_the_plans_settings_alone(tmp_path, monkeypatch):
+    """The parent's STATEBLOCK_* variables do not leak into a service's process."""
+    monkeypatch.setenv("STATEBLOCK_LEASE_S", "99")
+    monkeypatch.setenv("SB_UNRELATED", "1")
+    stack = ProcStack(_procs(data_dir=tmp_path))
+    show = "import os; print(sorted(k for k in os.environ if k.startswith(('STATEBLOCK_', 'SB_'))))"
+    stack._spawn("probe", [sys.executable, "-c", show], {"STATEBLOCK_WORKERS": "3"})
+    assert stack._procs["probe"].wait(30) == 0
+    assert (tmp_path / "probe.log").read_text().strip() == "['SB_UNRELATED', 'STATEBLOCK_WORKERS']"
