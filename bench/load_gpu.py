@@ -70,9 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64,
                     help="distinct prompts, each sent alone once a depth (the reference)")  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
-    ap.add_argument("--workers", type=int, default=2, help="readout workers")
+    ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
+    ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
+    ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
+    ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V",
+                    help="a setting for every service, e.g. STATEBLOCK_CAPTURE_COHORT_LANES=32")  # fmt: skip
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument("--ar-batches", type=ints, default=[64, 1, 8, 32, 128],
                     help="AR batch sizes, timed in this order ('' for none)")  # fmt: skip
@@ -242,10 +246,13 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         capture_dtype="bfloat16" if cuda else "float32",
         engine=args.engine,
         workers=args.workers,
+        readout_procs=args.readout_procs,
+        captures=args.captures,
         capture_compile=compile_mode,
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),
         nats_monitor=True,
+        extra_env=dict(kv.split("=", 1) for kv in args.env),
     )
     stack = ProcStack(config)
     t0 = time.perf_counter()

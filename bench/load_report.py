@@ -91,8 +91,10 @@ def markdown(doc: dict) -> str:
     lines = [
         f"### Load, one process per service ({c['scale']}, {c['device_name']})",
         f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
-        f"`{c['capture_compile']}`, {c['workers']} readout workers, blocks storage "
-        f"`{c['blocks_storage']}`, {c['level_s']} s a level",
+        f"`{c['capture_compile']}`, {c.get('captures', 1)} capture and "
+        f"{c.get('readout_procs', 1)} readout processes of {c['workers']} workers, blocks storage "
+        f"`{c['blocks_storage']}`, {c['level_s']} s a level"
+        + "".join(f", `{kv}`" for kv in c.get("env") or ()),
     ]
     for depth, entry in doc.get("load", {}).items():
         ref = entry["reference"]

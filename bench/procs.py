@@ -37,6 +37,7 @@ from stateblock.app.plan import (
     Ports,
     Service,
     StackPlan,
+    capture_names,  # noqa: F401 (bench.procs.capture_names)
     readout_names,  # noqa: F401 (bench.procs.readout_names)
 )
 from stateblock.app.stack import credentials_wiring
@@ -85,6 +86,7 @@ class ProcStackConfig:
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
     readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
+    captures: int = 1  # capture processes; the gateway balances over them round-robin
     # STATEBLOCK_* for the services: each gets those its component reads
     extra_env: dict[str, str] = field(default_factory=dict)
     nats_monitor: bool = False  # nats-server's HTTP monitoring (/varz) on a free port
@@ -105,12 +107,15 @@ class ProcStackConfig:
             **{ENGINE_SETTINGS[k]: v for k, v in self.engine_options.items()},
             **{_declared(name): value for name, value in self.extra_env.items()},
         }
-        n = self.readout_procs
-        ports = Ports(http=0, grpc=0, capture=0, capture_metrics=0, readout_metrics=(0,) * n)
+        c, n = self.captures, self.readout_procs
+        ports = Ports(
+            http=0, grpc=0, capture=(0,) * c, capture_metrics=(0,) * c, readout_metrics=(0,) * n
+        )
         plan = StackPlan(
             data_dir=self.data_dir,
             placement=PROCESSES,
             nats_max_payload=self.nats_max_payload,
+            captures=c,
             readout_procs=n,
             ports=ports,
             values=values,
@@ -169,7 +174,7 @@ class ProcStack:
             self._ready[service.name] = _probe(service, plan, nats_port)
         p = plan.ports
         self._metrics_urls = [
-            f"http://127.0.0.1:{port}/metrics" for port in (p.capture_metrics, *p.readout_metrics)
+            f"http://127.0.0.1:{port}/metrics" for port in (*p.capture_metrics, *p.readout_metrics)
         ]
         # the capture's gRPC port opens before its warm-up; its health says SERVING after it
         for name, ready in self._ready.items():
@@ -217,8 +222,9 @@ class ProcStack:
                 if family.name not in families:
                     continue
                 for s in family.samples:
-                    if s.name.endswith(("_sum", "_count")):
-                        out[(s.name, s.labels.get("stage", ""))] = s.value
+                    if s.name.endswith(("_sum", "_count")):  # summed over the processes
+                        key = (s.name, s.labels.get("stage", ""))
+                        out[key] = out.get(key, 0.0) + s.value
         return out
 
     def pids(self) -> dict[str, int]:
@@ -262,7 +268,7 @@ def _probe(service: Service, plan: StackPlan, nats_port: int) -> Callable[[], bo
     if service.component == NATS:
         return lambda: _port_open(nats_port)
     if service.component == CAPTURE:
-        return lambda: _grpc_serving(plan.ports.capture)
+        return lambda: _grpc_serving(plan.ports.capture[service.index])
     if service.component == READOUT:
         url = f"http://127.0.0.1:{plan.ports.readout_metrics[service.index]}/metrics"
         return lambda: _http_ok(url)

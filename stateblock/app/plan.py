@@ -1,9 +1,9 @@
 """The stack plan: one description of a stack's topology, whatever runs it.
 
-A `StackPlan` says which services a stack runs (its own nats-server or an external NATS, one
-capture, N readout processes of `STATEBLOCK_WORKERS` pull loops each, one gateway), on which
-ports, where (`IN_PROCESS`: every service on one event loop; `PROCESSES`: one process per
-service), and the settings it gives them. Each service's environment is generated from the
+A `StackPlan` says which services a stack runs (its own nats-server or an external NATS,
+capture processes the gateway balances over, readout processes of `STATEBLOCK_WORKERS` pull
+loops each, one gateway), on which ports, where (`IN_PROCESS`: every service on one event
+loop; `PROCESSES`: one process per service), and the settings it gives them. Each service's environment is generated from the
 plan and the stack's wiring (`StackPlan.env`), holding only settings its component reads
 (`stateblock.settings`), so every placement configures a service the same way:
 
@@ -55,8 +55,8 @@ class Ports:
 
     http: int = s.HTTP_PORT.default
     grpc: int = s.GRPC_PORT.default
-    capture: int = 0  # the capture's gRPC port
-    capture_metrics: int | None = None
+    capture: tuple[int, ...] = (0,)  # one gRPC port per capture process
+    capture_metrics: tuple[int, ...] = ()  # one per capture process, or none
     readout_metrics: tuple[int, ...] = ()  # one per readout process, or none
     readout_health: tuple[int, ...] = ()  # one per readout process, or none
 
@@ -69,7 +69,11 @@ class Wiring:
     key_dir: Path  # the capture's signing key; its public half is what the readout trusts
     readout_key_dir: Path  # the readout's signing key; what the gateway and the readout trust
     token_file: Path  # the gateway's credential at the capture
-    capture_port: int | None = None  # the capture's bound port, when the plan said 0
+    capture_port: int | None = None  # the one capture's bound port, when the plan said 0
+
+
+def capture_names(n: int) -> list[str]:
+    return ["capture"] if n == 1 else [f"capture-{i}" for i in range(n)]
 
 
 def readout_names(n: int) -> list[str]:
@@ -84,6 +88,7 @@ class StackPlan:
     placement: str = IN_PROCESS
     nats_url: str | None = None  # None: the stack starts its own nats-server in data_dir
     nats_max_payload: int | None = None  # its own server's max_payload (None: 1 MiB)
+    captures: int = 1  # capture processes; the gateway balances over them round-robin
     readout_procs: int = 1  # readout processes, each with STATEBLOCK_WORKERS pull loops
     host: str = LOOPBACK  # where the gateway and /metrics bind; the capture binds loopback
     ports: Ports = Ports()
@@ -93,11 +98,15 @@ class StackPlan:
     def __post_init__(self) -> None:
         if self.placement not in (IN_PROCESS, PROCESSES):
             raise ValueError(f"placement must be {IN_PROCESS!r} or {PROCESSES!r}")
-        if self.readout_procs < 1 or (self.placement == IN_PROCESS and self.readout_procs != 1):
-            raise ValueError("a stack runs one readout process in-process, at least one else")
-        for ports in (self.ports.readout_metrics, self.ports.readout_health):
-            if ports and len(ports) != self.readout_procs:
-                raise ValueError("readout ports: one per readout process")
+        for n in (self.captures, self.readout_procs):
+            if n < 1 or (self.placement == IN_PROCESS and n != 1):
+                raise ValueError("in-process, a stack runs one capture and one readout process")
+        p = self.ports
+        per_process = [(self.captures, p.capture), (self.captures, p.capture_metrics or None),
+                       (self.readout_procs, p.readout_metrics or None),
+                       (self.readout_procs, p.readout_health or None)]  # fmt: skip
+        if any(ports is not None and len(ports) != n for n, ports in per_process):
+            raise ValueError("ports of the capture and readout processes: one per process")
         for setting in self.values:
             if setting in WIRING or not set(setting.readers) & set(SERVICES):
                 raise ValueError(f"{setting.name} is not a setting the plan gives its services")
@@ -116,7 +125,9 @@ class StackPlan:
         own = (Service(NATS, NATS),) if self.nats_url is None else ()
         names = readout_names(self.readout_procs)
         readouts = tuple(Service(name, READOUT, i) for i, name in enumerate(names))
-        return (*own, Service(CAPTURE, CAPTURE), *readouts, Service(GATEWAY, GATEWAY))
+        names = capture_names(self.captures)
+        captures = tuple(Service(name, CAPTURE, i) for i, name in enumerate(names))
+        return (*own, *captures, *readouts, Service(GATEWAY, GATEWAY))
 
     def service(self, component: str, index: int = 0) -> Service:
         return next(x for x in self.services() if (x.component, x.index) == (component, index))
@@ -131,8 +142,8 @@ class StackPlan:
         ports = Ports(
             http=free(p.http),
             grpc=free(p.grpc),
-            capture=free(p.capture),
-            capture_metrics=free(p.capture_metrics),
+            capture=tuple(map(free, p.capture)),
+            capture_metrics=tuple(map(free, p.capture_metrics)),
             readout_metrics=tuple(map(free, p.readout_metrics)),
             readout_health=tuple(map(free, p.readout_health)),
         )
@@ -159,9 +170,20 @@ class StackPlan:
         configs = {GATEWAY: GatewayConfig, CAPTURE: CaptureConfig, READOUT: ReadoutServiceConfig}
         return configs[service.component].from_env(self.env(service, wiring))
 
+    def capture_target(self, wiring: Wiring) -> str:
+        """The gateway's STATEBLOCK_CAPTURE_TARGET: one address, or grpc's `ipv4:` list of
+        every capture process, which the gateway balances round-robin."""
+        ports = self.ports.capture if wiring.capture_port is None else (wiring.capture_port,)
+        targets = [f"{LOOPBACK}:{port}" for port in ports]
+        return targets[0] if len(targets) == 1 else "ipv4:" + ",".join(targets)
+
     def _wiring(self, service: Service, w: Wiring) -> dict[Setting, Any]:
-        capture_port = self.ports.capture if w.capture_port is None else w.capture_port
-        index = service.index
+        p = self.ports
+        own_ports = {  # each process of a component has its own
+            CAPTURE: {s.CAPTURE_PORT: p.capture, s.CAPTURE_METRICS_PORT: p.capture_metrics},
+            READOUT: {s.READOUT_METRICS_PORT: p.readout_metrics,
+                      s.READOUT_HEALTH_PORT: p.readout_health},
+        }.get(service.component, {})  # fmt: skip
         return {
             s.NATS_URL: w.nats_url,
             s.KEY_DIR: w.key_dir,
@@ -170,22 +192,15 @@ class StackPlan:
             s.READOUT_TRUSTED_KEYS_DIR: w.readout_key_dir,
             s.CAPTURE_TOKEN_FILE: w.token_file,
             s.CAPTURE_HOST: LOOPBACK,  # only the gateway calls it
-            s.CAPTURE_PORT: self.ports.capture,
-            s.CAPTURE_TARGET: f"{LOOPBACK}:{capture_port}",
+            s.CAPTURE_TARGET: self.capture_target(w),
             s.GATEWAY_HOST: self.host,
-            s.HTTP_PORT: self.ports.http,
-            s.GRPC_PORT: self.ports.grpc,
+            s.HTTP_PORT: p.http,
+            s.GRPC_PORT: p.grpc,
             s.METRICS_HOST: self.host,
-            s.CAPTURE_METRICS_PORT: self.ports.capture_metrics,
-            s.READOUT_METRICS_PORT: _at(self.ports.readout_metrics, index),
-            s.READOUT_HEALTH_PORT: _at(self.ports.readout_health, index),
+            **{setting: ports[service.index] for setting, ports in own_ports.items() if ports},
             # in-process, the worker ids are the host's and the process's (one process)
             s.WORKER_ID: service.name if self.placement == PROCESSES else None,
         }
-
-
-def _at(ports: tuple[int, ...], index: int) -> int | None:
-    return ports[index] if ports else None
 
 
 def _text(value: Any) -> str:

@@ -91,7 +91,7 @@ class UpConfig:
             nats_url=self.nats_url,
             nats_max_payload=self.nats_max_payload,
             host=self.host,
-            ports=Ports(http=self.http_port, grpc=self.grpc_port, capture=self.capture_port),
+            ports=Ports(http=self.http_port, grpc=self.grpc_port, capture=(self.capture_port,)),
             values=values,
         )
 

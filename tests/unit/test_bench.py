@@ -214,3 +214,23 @@ def test_load_bench_counts_answers_that_differ_from_the_prompt_alone():
     assert row["errors_by_status"] == {"504": 1} and row["n_ok"] == 3
     # the steady state: the replies after the first, over the time from the first reply
     assert row["req_per_s"] == 10.0 and row["tok_per_s"] == 40.0
+
+
+def test_load_bench_balances_over_capture_and_readout_processes(tmp_path):
+    """--captures 2 --readout-procs 2: the gateway balances over both captures (round-robin
+    over grpc's ipv4: address list), both readout processes take blocks, and the stage
+    histograms are summed over the processes (every request counted once)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "stateblock.app.cli", "bench", "load", "--out", str(out),
+           "--scale", "tiny", "--device", "cpu", "--levels", "4", "--depths", "16",
+           "--level-s", "2", "--max-requests", "16", "--prompts", "2", "--ar-batches", "",
+           "--captures", "2", "--readout-procs", "2", "--workers", "1", "--budget-s", "240"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (level,) = json.loads((out / "load.json").read_text())["load"]["16"]["levels"]
+    assert level["n_ok"] == level["n"] == 16 and level["invariance"]["differing"] == 0
+    cores = level["cpu_cores"]
+    names = ("capture-0", "capture-1", "readout-0", "readout-1")
+    assert set(names) <= set(cores) and min(cores[n] for n in names) > 0
+    assert level["stages"]["capture.forward"]["n"] == level["stages"]["worker.readout"]["n"]
+    assert level["stages"]["capture.forward"]["n"] >= level["n_ok"]

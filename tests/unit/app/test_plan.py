@@ -78,7 +78,7 @@ def test_processes_get_free_ports_and_exactly_the_settings_they_read():
         "gateway",
     ]
     p = plan.ports
-    ports = [p.http, p.grpc, p.capture, p.capture_metrics, *p.readout_metrics]
+    ports = [p.http, p.grpc, *p.capture, *p.capture_metrics, *p.readout_metrics]
     assert 0 not in ports and len(set(ports)) == len(ports) == 6
     _declared_readers(plan)
     envs = {s.name: plan.env(s, WIRING) for s in plan.services()}
@@ -91,8 +91,22 @@ def test_processes_get_free_ports_and_exactly_the_settings_they_read():
     assert [r.metrics_port for r in readouts] == list(p.readout_metrics)
     assert {(r.lease_s, r.ack_wait_s, r.workers) for r in readouts} == {(2.0, 4.0, 1)}
     gateway = plan.config(plan.service("gateway"), WIRING)
-    assert gateway.capture_target == f"127.0.0.1:{p.capture}"
-    assert plan.config(plan.service("capture"), WIRING).metrics_port == p.capture_metrics
+    assert gateway.capture_target == f"127.0.0.1:{p.capture[0]}"
+    assert plan.config(plan.service("capture"), WIRING).metrics_port == p.capture_metrics[0]
+
+
+def test_the_gateway_balances_over_every_capture_process():
+    plan = _procs(captures=2).plan()
+    captures = [plan.service("capture", i) for i in (0, 1)]
+    assert [c.name for c in captures] == ["capture-0", "capture-1"]
+    configs = [plan.config(c, WIRING) for c in captures]
+    assert [(c.port, c.metrics_port) for c in configs] == list(
+        zip(plan.ports.capture, plan.ports.capture_metrics, strict=True)
+    )
+    gateway = plan.config(plan.service("gateway"), WIRING)
+    assert gateway.capture_target == "ipv4:" + ",".join(
+        f"127.0.0.1:{port}" for port in plan.ports.capture
+    )
 
 
 def test_engine_options_reach_the_readout_only():
@@ -120,10 +134,14 @@ def test_a_plan_refuses_what_no_service_could_start_with(extra, error, message):
 
 
 def test_a_plan_refuses_a_topology_it_cannot_run():
-    with pytest.raises(ValueError, match="one readout process in-process"):
+    with pytest.raises(ValueError, match="in-process, a stack runs one capture and one"):
         StackPlan(Path("/d"), readout_procs=2)
-    with pytest.raises(ValueError, match="one per readout process"):
+    with pytest.raises(ValueError, match="in-process, a stack runs one capture and one"):
+        StackPlan(Path("/d"), captures=2, ports=Ports(capture=(0, 0)))
+    with pytest.raises(ValueError, match="one per process"):
         StackPlan(Path("/d"), PROCESSES, readout_procs=2, ports=Ports(readout_metrics=(1,)))
+    with pytest.raises(ValueError, match="one per process"):
+        StackPlan(Path("/d"), PROCESSES, captures=2)  # one capture port for two
     with pytest.raises(ValueError, match="placement"):
         StackPlan(Path("/d"), "kubernetes")
 

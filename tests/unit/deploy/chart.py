@@ -177,7 +177,7 @@ def plan_for(values: dict | None = None) -> StackPlan:
     v = merged(VALUES, values or {})
     keyed = [s for s in settings.SETTINGS if s.chart not in ("", COMPUTED, OPTIONAL)]
     model = v["model"]
-    n = v["readout"]["replicas"]
+    c, n = v["capture"]["replicas"], v["readout"]["replicas"]
 
     def port(setting: settings.Setting) -> int:
         return int(value_at(setting.chart, v))
@@ -186,13 +186,14 @@ def plan_for(values: dict | None = None) -> StackPlan:
         data_dir=Path("/"),
         placement=PROCESSES,
         nats_url=v["nats"]["url"],
+        captures=c,
         readout_procs=n,
         host="0.0.0.0",
         ports=Ports(
             http=port(settings.HTTP_PORT),
             grpc=port(settings.GRPC_PORT),
-            capture=port(settings.CAPTURE_PORT),
-            capture_metrics=port(settings.CAPTURE_METRICS_PORT),
+            capture=(port(settings.CAPTURE_PORT),) * c,
+            capture_metrics=(port(settings.CAPTURE_METRICS_PORT),) * c,
             readout_metrics=(port(settings.READOUT_METRICS_PORT),) * n,
             readout_health=(port(settings.READOUT_HEALTH_PORT),) * n,
         ),

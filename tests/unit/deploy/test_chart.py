@@ -615,7 +615,10 @@ def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
     env = env_of(
-        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+        render_valid(
+            {"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8", "cohortLanes": 8}}
+        ),
+        "capture",
     )
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
@@ -753,7 +756,7 @@ def test_an_init_container_fills_the_model_volume_from_the_image():
 PLAN_VALUES = {
     "readout": {"replicas": 3, "workers": 4, "engine": "onnx", "leaseSeconds": 5,
                 "ackWaitSeconds": 8, "ports": {"metrics": 9191, "health": 50072}},
-    "capture": {"ports": {"grpc": 50062, "metrics": 9292}, "compile": "inductor",
+    "capture": {"replicas": 2, "ports": {"grpc": 50062, "metrics": 9292}, "compile": "inductor",
                 "laneBuckets": "2,8", "batchWindowSeconds": 0.002},
     "gateway": {"ports": {"http": 8080, "grpc": 50052}, "requestTimeoutSeconds": 30},
     "serving": {"maxLanes": 16, "answerDepthMax": 512},
@@ -773,8 +776,9 @@ def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
     components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
                   for d in of_kind(docs, "Deployment").values()}  # fmt: skip
     assert components == {s.component for s in services} == set(CONFIGS)  # NATS is external
-    readouts = [s for s in services if s.component == "readout"]
-    assert deployment(docs, "readout")["spec"]["replicas"] == len(readouts)
+    for component in ("capture", "readout"):
+        processes = [s for s in services if s.component == component]
+        assert deployment(docs, component)["spec"]["replicas"] == len(processes), component
 
     wiring = Wiring(plan.nats_url, Path("keys"), Path("readout-keys"), Path("token"))
     for component, read in CONFIGS.items():
@@ -786,11 +790,10 @@ def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
         ports = {p["name"]: p["containerPort"] for p in container(docs, component)["ports"]}
         if component == "gateway":
             assert (ports["http"], ports["grpc"]) == (plan.ports.http, plan.ports.grpc)
-            assert int(deployed.capture_target.rsplit(":", 1)[1]) == plan.ports.capture
+            assert {int(deployed.capture_target.rsplit(":", 1)[1])} == set(plan.ports.capture)
         elif component == "capture":
-            assert (ports["grpc"], ports["metrics"]) == (
-                plan.ports.capture,
-                plan.ports.capture_metrics,
+            assert {(ports["grpc"], ports["metrics"])} == set(
+                zip(plan.ports.capture, plan.ports.capture_metrics, strict=True)
             )
         else:
             assert {(ports["metrics"], ports["health"])} == set(
