@@ -82,7 +82,7 @@ class ProcStackConfig:
     workers: int = 2
     capture_compile: str = "off"
     blocks_storage: str = "file"
-    engine_options: dict[str, str] = field(default_factory=dict)  # the readout's, see below
+    engine_options: dict[str, str] = field(default_factory=dict)  # the readout's: ENGINE_SETTINGS
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
     readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
