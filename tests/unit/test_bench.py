@@ -235,3 +235,20 @@ def test_load_bench_balances_over_capture_and_readout_processes(tmp_path):
     assert set(names) <= set(cores) and min(cores[n] for n in names) > 0
     assert level["stages"]["capture.forward"]["n"] == level["stages"]["worker.readout"]["n"]
     assert level["stages"]["capture.forward"]["n"] >= level["n_ok"]
+
+
+def test_capture_invariance_bench_on_the_cpu(tmp_path):
+    """bench.capture_invariance at the tiny scale: the eager capture gives lane 0 the same
+    rows at 1, 2 and 4 lanes (the batch invariance the load bench relies on), and the
+    compiled mode is compared the same way."""
+    out = tmp_path / "inv.json"
+    cmd = [sys.executable, "-m", "bench.capture_invariance", "--scale", "tiny", "--device",
+           "cpu", "--modes", "off,aot_eager", "--lanes", "1,2,4", "--width", "32",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"off", "aot_eager"}
+    for lanes in ("1", "2", "4"):
+        assert modes["off"]["vs_own_lanes_1"][lanes]["identical"]
+        assert "identical" in modes["aot_eager"]["vs_eager_alone"][lanes]
