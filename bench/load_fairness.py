@@ -17,7 +17,6 @@ errors, and the services' stages over the beside phase.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -32,9 +31,10 @@ TARGET_P99_RATIO = 2.0
 
 
 def stack_limits(env: list[str]) -> Limits:
-    """The request limits the bench's services run with: this process's environment and the
-    --env settings, read as the gateway reads them."""
-    environ = {**os.environ, **dict(kv.split("=", 1) for kv in env)}
+    """The request limits the bench's services run with: the --env settings over the
+    defaults (bench.procs gives a service no other STATEBLOCK_* variable), read as the
+    gateway reads them."""
+    environ = dict(kv.split("=", 1) for kv in env)
     return Limits(**{k: s.read(environ, settings.GATEWAY) for k, s in settings.LIMITS.items()})
 
 

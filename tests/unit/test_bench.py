@@ -234,14 +234,12 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
 
 
-def test_load_bench_fairness_shape_defaults_to_the_stack_limits(monkeypatch):
-    """The maximal request takes the limits the services read (environment, then --env),
-    unless an argument says otherwise."""
+def test_load_bench_fairness_shape_defaults_to_the_stack_limits():
+    """The maximal request takes the limits the services run with (the defaults, or what
+    --env sets), unless an argument says otherwise."""
     from bench.load_fairness import big_shape
     from bench.load_gpu import parse_args
 
-    for name in ("MAX_LANES", "PROMPT_LEN_MAX", "ANSWER_DEPTH_MAX"):
-        monkeypatch.delenv(f"STATEBLOCK_{name}", raising=False)
     args = parse_args(["--out", "x", "--big-clients", "1"])
     assert big_shape(args)["limits"] == {"prompt_len_max": 4096, "max_lanes": 8,
                                          "answer_depth_max": 8192}  # fmt: skip
