@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,13 +21,9 @@ from gateway.errors import (
     ReadoutFailed,
     Unavailable,
 )
-from gateway.service import (
-    GatewayService,
-    GenerateParams,
-    Generation,
-    PromptSpec,
-    make_sampling,
-)
+from gateway.generation import Generation
+from gateway.params import GenerateParams, PromptSpec, Served, check, make_sampling
+from gateway.service import GatewayService
 from gateway.stops import StopSpec
 from stateblock import runtime
 from stateblock.nats_client import Readiness, follow_in_health
@@ -54,7 +51,8 @@ def status_of(error: GatewayError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
+def params_of(req: gateway_pb2.GenerateRequest, served: Served) -> GenerateParams:
+    """The request as the one checked GenerateParams; InvalidRequest naming the field."""
     given = [bool(req.prompt), bool(req.messages), bool(req.prompt_token_ids)]
     if sum(given) > 1:
         raise InvalidRequest("Set exactly one of prompt, messages and prompt_token_ids.", "prompt")
@@ -72,7 +70,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
             req.seed if req.HasField("seed") else None,
             ignore_eos=req.ignore_eos,
         )
-    return GenerateParams(
+    params = GenerateParams(
         model=req.model,
         inputs=(spec,),
         n=req.n if req.HasField("n") else 1,
@@ -80,6 +78,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
         sampling=sampling,
         stop=StopSpec(tuple(req.stop), tuple(req.stop_token_ids), req.include_stop_str_in_output),
     )
+    return check(params, served)
 
 
 def _logprobs(lps) -> list[gateway_pb2.TokenLogprob]:
@@ -122,7 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             with structlog.contextvars.bound_contextvars(client_request_id=req.request_id):
                 return await self._service.generate(
-                    params_of(req),
+                    functools.partial(params_of, req),
                     api=api,
                     timeout=context.time_remaining(),
                     idempotency_key=metadata.get("idempotency-key"),
