@@ -15,6 +15,7 @@ from pathlib import Path
 import nats
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
 from readout_svc.advisories import ExhaustedBlocks
@@ -65,23 +66,7 @@ async def running_readout(
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
-    await streams.ensure_streams(
-        js,
-        duplicate_window_s=config.duplicate_window_s,
-        blocks_storage=config.blocks_storage,
-        replicas=config.nats_replicas,
-    )
-    durable = await streams.ensure_readout_consumer(
-        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
-    )
-    # claims and outcomes signed by our readout keys stand; an entry none of them signed
-    # is a forger's (or no entry at all), claimed over at once
-    peers = config.readout_trusted_keys_dir or config.signing_key_dir
-    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
-    outcome_trust.add(signer.public_key)
-    registry = await Registry.open(
-        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
-    )
+    durable, registry = await _open_bus(js, config, signer)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -139,6 +124,30 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _open_bus(
+    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer
+) -> tuple[str, Registry]:
+    """The streams, the readout consumer (its durable name) and the registry. Claims and
+    outcomes signed by our readout keys stand; an entry none of them signed is a forger's
+    (or no entry at all), claimed over at once."""
+    await streams.ensure_streams(
+        js,
+        duplicate_window_s=config.duplicate_window_s,
+        blocks_storage=config.blocks_storage,
+        replicas=config.nats_replicas,
+    )
+    durable = await streams.ensure_readout_consumer(
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
+    )
+    peers = config.readout_trusted_keys_dir or config.signing_key_dir
+    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
+    outcome_trust.add(signer.public_key)
+    registry = await Registry.open(
+        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
+    )
+    return durable, registry
 
 
 @asynccontextmanager

@@ -21,6 +21,8 @@ import structlog
 import structlog.tracebacks
 from prometheus_client import CollectorRegistry, start_http_server
 
+from stateblock.protocol import tokens
+
 try:
     import uvloop
 except ImportError:  # not built for this platform (Windows): asyncio's own loop serves
@@ -47,6 +49,17 @@ STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 class ConfigError(ValueError):
     """A STATEBLOCK_* variable that cannot be used; the service refuses to start."""
+
+
+def capture_token(path: Path | None) -> str | None:
+    """The capture token in the file STATEBLOCK_CAPTURE_TOKEN_FILE names (None: no file
+    named), read once at start-up; a ConfigError naming the variable when it holds none."""
+    if path is None:
+        return None
+    try:
+        return tokens.read_token(path)
+    except ValueError as e:
+        raise ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
 
 
 class Env:

@@ -405,6 +405,31 @@ def evaluate(a: argparse.Namespace, model, enc, device, tok_dir: Path) -> dict:
     return stats
 
 
+def resume(a: argparse.Namespace, model, opt, device) -> tuple[int, int | None]:
+    """The step and planned total of the run `a.state` saved (0, None: a fresh run), its
+    model and optimizer state loaded; --reschedule plans the total anew."""
+    if not (a.state and Path(a.state).exists()):
+        return 0, None
+    st = torch.load(a.state, map_location=device)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    step, total = st["step"], st["total"]
+    log(f"resumed state at step {step}/{total}")
+    return step, None if a.reschedule else total
+
+
+def save(a: argparse.Namespace, model, opt, step: int, total: int | None, out: Path) -> None:
+    """OUT/fp32.part* (fp32 weights), the resume state when asked, and OUT/base (bf16)."""
+    model.eval()
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    save_split(sd, out / "fp32")
+    if a.state:
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "total": total}
+        torch.save(state, a.state)
+    model.to(torch.bfloat16).save_pretrained(str(out / "base"), safe_serialization=True)
+    model.float()
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     r = init_ranks(a.device)
@@ -424,15 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(
         model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95), fused=a.device == "cuda"
     )
-    step, total = 0, None
-    if a.state and Path(a.state).exists():
-        st = torch.load(a.state, map_location=device)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, total = st["step"], st["total"]
-        log(f"resumed state at step {step}/{total}")
-        if a.reschedule:
-            total = None
+    step, total = resume(a, model, opt, device)
     dmodel = data_parallel(model, r)
     dl = loader(training_stream(a, tok_dir, f"{a.seed}-{rank}-{step}"), a.workers)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
@@ -466,21 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(a),
     }
     if rank == 0:
-        model.eval()
-        sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-        save_split(sd, out / "fp32")
-        if a.state:
-            torch.save(
-                {
-                    "model": model.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step,
-                    "total": total,
-                },
-                a.state,
-            )
-        model.to(torch.bfloat16).save_pretrained(str(tok_dir), safe_serialization=True)
-        model.float()
+        save(a, model, opt, step, total, out)
         t1 = time.perf_counter()
         stats.update(evaluate(a, model, enc, device, tok_dir))
         stats["eval_seconds"] = round(time.perf_counter() - t1, 1)
