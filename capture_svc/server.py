@@ -51,17 +51,18 @@ log = structlog.get_logger("capture_svc")
 CAPTURE_SERVICE = capture_pb2.DESCRIPTOR.services_by_name["Capture"].full_name
 PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field was invalid
 ORIGIN_METADATA = "stateblock-origin"  # trailing metadata: the capture service answered
+_STATUS = (
+    (InvalidCapture, grpc.StatusCode.INVALID_ARGUMENT),
+    (CaptureUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (CaptureFailed, grpc.StatusCode.INTERNAL),
+)
 
 
 def status_of(error: CaptureError) -> grpc.StatusCode:
     """The one translation of the capture error tree to gRPC."""
-    if isinstance(error, InvalidCapture):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, CaptureUnavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, CaptureFailed):
-        return grpc.StatusCode.INTERNAL
-    return grpc.StatusCode.UNKNOWN
+    return next(
+        (code for kind, code in _STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN
+    )
 
 
 class CaptureServicer(capture_pb2_grpc.CaptureServicer):

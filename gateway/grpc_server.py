@@ -12,15 +12,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from gateway import errors
 from gateway.auth import bearer_ok
-from gateway.errors import (
-    DeadlineExceeded,
-    GatewayError,
-    InvalidRequest,
-    ModelNotFound,
-    ReadoutFailed,
-    Unavailable,
-)
 from gateway.generation import Generation
 from gateway.params import GenerateParams, PromptSpec, Served, check, make_sampling
 from gateway.service import GatewayService
@@ -29,6 +22,14 @@ from stateblock import runtime
 from stateblock.nats_client import Readiness, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
+# the first kind an error is: ModelNotFound before the InvalidRequest it is
+_STATUS = (
+    (errors.ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.ReadoutFailed, grpc.StatusCode.INTERNAL),
+)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH = {
     "stop": gateway_pb2.FINISH_REASON_STOP,
@@ -36,26 +37,20 @@ _FINISH = {
 }
 
 
-def status_of(error: GatewayError) -> grpc.StatusCode:
+def status_of(error: errors.GatewayError) -> grpc.StatusCode:
     """The one translation of the gateway error tree to a gRPC status code."""
-    if isinstance(error, ModelNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(error, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, ReadoutFailed):
-        return grpc.StatusCode.INTERNAL
-    return grpc.StatusCode.UNKNOWN
+    return next(
+        (code for kind, code in _STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN
+    )
 
 
 def params_of(req: gateway_pb2.GenerateRequest, served: Served) -> GenerateParams:
     """The request as the one checked GenerateParams; InvalidRequest naming the field."""
     given = [bool(req.prompt), bool(req.messages), bool(req.prompt_token_ids)]
     if sum(given) > 1:
-        raise InvalidRequest("Set exactly one of prompt, messages and prompt_token_ids.", "prompt")
+        raise errors.InvalidRequest(
+            "Set exactly one of prompt, messages and prompt_token_ids.", "prompt"
+        )
     if req.messages:
         spec = PromptSpec(messages=tuple((m.role, m.content) for m in req.messages))
     elif req.prompt_token_ids:
@@ -126,7 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     timeout=context.time_remaining(),
                     idempotency_key=metadata.get("idempotency-key"),
                 )
-        except GatewayError as e:
+        except errors.GatewayError as e:
             await context.abort(status_of(e), str(e))
             raise  # abort raises; this line only satisfies type checkers
 

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from stateblock.app import cli_audit, cli_models, settings
-from stateblock.app.cli_models import DEFAULTS, REFERENCE
+from stateblock.app.cli_models import DEFAULTS, REFERENCE, command
 from stateblock.runtime import REPO
 from stateblock.settings import API_KEY, ASK, UP, markdown_table, shown_default
 
@@ -236,11 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_up(sub) -> None:
     """`stateblock up`: each setting a flag, then its variable, then its default."""
-    u = sub.add_parser(
-        "up",
-        formatter_class=DEFAULTS,
-        help="run the embedded default: nats-server and every service",
-    )
+    u = command(sub, "up", cmd_up, "run the embedded default: nats-server and every service")
     # each flag: the flag, else its STATEBLOCK_* variable, else the declared default
     for f in dataclasses.fields(settings.UpFlags):
         setting = f.metadata["setting"]
@@ -252,15 +248,15 @@ def _add_up(sub) -> None:
             help=f"{setting.help} (default: ${setting.name}, else {shown})".replace("`", ""),
         )
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
-    u.set_defaults(fn=cmd_up)
 
 
 def _add_config(sub) -> None:
     """`stateblock config`: the effective settings, as JSON or the README table."""
-    c = sub.add_parser(
+    c = command(
+        sub,
         "config",
-        formatter_class=DEFAULTS,
-        help="print the effective configuration of `up` and each service (JSON)",
+        cmd_config,
+        "print the effective configuration of `up` and each service (JSON)",
     )
     c.add_argument(
         "--service",
@@ -273,14 +269,11 @@ def _add_config(sub) -> None:
         action="store_true",
         help="print every setting as the README's configuration table instead",
     )
-    c.set_defaults(fn=cmd_config)
 
 
 def _add_ask(sub) -> None:
     """`stateblock ask`: one chat completion from a running gateway."""
-    q = sub.add_parser(
-        "ask", formatter_class=DEFAULTS, help="ask a running gateway (chat completion)"
-    )
+    q = command(sub, "ask", cmd_ask, "ask a running gateway (chat completion)")
     q.add_argument("prompt", help="the user message")
     q.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
     q.add_argument("--model", default=None, help="default: the gateway's first model")
@@ -298,14 +291,11 @@ def _add_ask(sub) -> None:
         default=API_KEY.read(os.environ, ASK),
         help="sent as Authorization: Bearer (default: $STATEBLOCK_API_KEY)",
     )
-    q.set_defaults(fn=cmd_ask)
 
 
 def _add_export(sub) -> None:
     """`stateblock export`: the readout decoder to ONNX (and TensorRT)."""
-    x = sub.add_parser(
-        "export", formatter_class=DEFAULTS, help="export the readout decoder to ONNX (opset 17)"
-    )
+    x = command(sub, "export", cmd_export, "export the readout decoder to ONNX (opset 17)")
     x.add_argument("--out", default=None, help="FILE.onnx (default: DECODER/readout.onnx)")
     x.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
     x.add_argument(
@@ -314,30 +304,21 @@ def _add_export(sub) -> None:
         help="base model directory (its lm_head is checked)",
     )
     x.add_argument("--tensorrt", default=None, help="also build a TensorRT engine here")
-    x.set_defaults(fn=cmd_export)
 
 
 def _add_bench(sub) -> None:
     """`stateblock bench`: a benchmark module of this checkout."""
-    bn = sub.add_parser(
-        "bench",
-        formatter_class=DEFAULTS,
-        help="benchmarks (docs/BENCHMARKS.md); BENCH --help for each",
-    )
+    bn = command(sub, "bench", cmd_bench, "benchmarks (docs/BENCHMARKS.md); BENCH --help for each")
     bn.add_argument("bench", choices=sorted(BENCHES), help="which benchmark")
     bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
-    bn.set_defaults(fn=cmd_bench)
 
 
 def _add_keys(sub) -> None:
     """`stateblock keys generate`: a new signing key pair."""
     k = sub.add_parser("keys", formatter_class=DEFAULTS, help="signing keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True, help="generate: a new key pair")
-    kg = ksub.add_parser(
-        "generate", formatter_class=DEFAULTS, help="a new Ed25519 key pair and its key id"
-    )
+    kg = command(ksub, "generate", cmd_keys_generate, "a new Ed25519 key pair and its key id")
     kg.add_argument("--out", required=True, help="directory for <key_id>.key and <key_id>.pub")
-    kg.set_defaults(fn=cmd_keys_generate)
 
 
 # modules of the optional extras (pyproject.toml): a command that needs one says which

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from stateblock.app.cli_models import DEFAULTS, REFERENCE, device_of
+from stateblock.app.cli_models import REFERENCE, command, device_of
 
 
 class AuditRefused(Exception):
@@ -125,11 +125,7 @@ def _parity_report(a: argparse.Namespace, engine_name: str, device: str, options
 
 def add_parser(sub) -> None:
     """`stateblock audit`: the parity audit and release gate, or the determinism gate."""
-    au = sub.add_parser(
-        "audit",
-        formatter_class=DEFAULTS,
-        help="engine parity audit and release gate; --determinism",
-    )
+    au = command(sub, "audit", cmd_audit, "engine parity audit and release gate; --determinism")
     au.add_argument("--engine", default=None, help="engine audited against reference")
     au.add_argument("--determinism", action="store_true", help="the determinism gate instead")
     au.add_argument("--export", action="store_true", help="onnx: run `stateblock export` first")
@@ -154,4 +150,3 @@ def add_parser(sub) -> None:
     au.add_argument("--depth", type=int, default=256, help="determinism: max_tokens per prompt")
     au.add_argument("--no-resubmit", action="store_true", help="determinism: re-read only")
     au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
-    au.set_defaults(fn=cmd_audit)
