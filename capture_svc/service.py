@@ -107,13 +107,9 @@ class CaptureService:
         *,
         config: CaptureConfig,
     ) -> None:
-        self._model = model
-        self._plans = plans
-        self._batcher = batcher
-        self._publisher = publisher
-        self._signer = signer
-        self._metrics = metrics
-        self._config = config
+        self._model, self._plans, self._config = model, plans, config
+        self._batcher, self._publisher = batcher, publisher
+        self._signer, self._metrics = signer, metrics
         self._digest_algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         self._encode = PromptEncoder(model.tokenizer)
         self._ready = False

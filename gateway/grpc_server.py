@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -99,6 +100,11 @@ def _choice(index: int, finish_reason, eos_pos: int, stop_reason, **kw) -> gatew
     return choice
 
 
+def _head(g: Generation) -> dict:
+    """What every response and stream chunk of a generation opens with."""
+    return {"request_id": g.request_id, "model": g.model}
+
+
 def _usage(g: Generation) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(
         prompt_tokens=g.prompt_tokens,
@@ -142,25 +148,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for c in g.choices
         ]
         return gateway_pb2.GenerateResponse(
-            request_id=g.request_id,
-            model=g.model,
-            choices=choices,
-            usage=_usage(g),
-            client_request_id=request.request_id,
+            **_head(g), choices=choices, usage=_usage(g), client_request_id=request.request_id
         )
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetModelInfoResponse:
-        s, limits = self._service, self._service.limits
-        return gateway_pb2.GetModelInfoResponse(
-            model=s.model_name,
-            prompt_len_max=limits.prompt_len_max,
-            answer_depth_max=limits.answer_depth_max,
-            max_lanes=limits.max_lanes,
-            default_max_tokens=s.default_max_tokens,
-            decoder_digest=s.decoder_digest,
-        )
+        s = self._service
+        return gateway_pb2.GetModelInfoResponse(  # the limits' fields are the proto's
+            model=s.model_name, default_max_tokens=s.default_max_tokens,
+            decoder_digest=s.decoder_digest, **dataclasses.asdict(s.limits),
+        )  # fmt: skip
 
     async def GenerateStream(
         self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
@@ -179,13 +177,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 token_ids=piece.token_ids,
                 logprobs=_logprobs(lps[piece.first : piece.first + len(piece.token_ids)]),
             )
-            yield gateway_pb2.GenerateStreamResponse(
-                request_id=g.request_id, model=g.model, choices=[choice]
-            )
+            yield gateway_pb2.GenerateStreamResponse(**_head(g), choices=[choice])
         if request.include_usage:
-            yield gateway_pb2.GenerateStreamResponse(
-                request_id=g.request_id, model=g.model, usage=_usage(g)
-            )
+            yield gateway_pb2.GenerateStreamResponse(**_head(g), usage=_usage(g))
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -98,16 +98,11 @@ class GatewayService:
         idempotency: KeyStore | None = None,
         decoder_digest: str = "",
     ) -> None:
-        self._fingerprint = fingerprint
-        self.decoder_digest = decoder_digest
-        self._keys = idempotency
-        self._capture = capture
-        self._commits = commits
-        self._tok = tokenizer
+        self._capture, self._commits, self._keys = capture, commits, idempotency
+        self._tok, self._m, self._config = tokenizer, metrics, config
         self.vocab_size = len(tokenizer)  # every token id of a request is below it
-        self._m = metrics
-        self._config = config
         self.default_max_tokens = default_max_tokens
+        self.decoder_digest, self._fingerprint = decoder_digest, fingerprint
 
     @property
     def model_name(self) -> str:
