@@ -35,10 +35,9 @@ from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
 from stateblock.nats_client import (
     LIVENESS,
-    NatsOptions,
     NatsState,
     Readiness,
-    connect,
+    connected,
     follow_in_health,
     probing,
     round_trip,
@@ -245,9 +244,8 @@ async def main() -> None:
     signer = load_or_generate_signer(config.key_dir)
     log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("capture_svc", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "capture_svc", state)
-        stack.push_async_callback(nc.drain)  # runs after the server has stopped
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "capture_svc", metrics)
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )

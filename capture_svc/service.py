@@ -74,13 +74,11 @@ class CaptureMetrics:
             registry=metrics,
         )
         # where a capture's time goes: the wire-size block makes sign and publish matter
-        self.stage_seconds = Histogram(
+        self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
             "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
             "sign (digest + signature), publish (JetStream ack).",
-            ["stage"],
-            buckets=runtime.STAGE_BUCKETS_S,
-            registry=metrics,
+            metrics,
         )
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",

@@ -25,7 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from registry import Registry
 from stateblock import runtime
-from stateblock.nats_client import NatsOptions, NatsState, Readiness, connect, probing, round_trip
+from stateblock.nats_client import NatsState, Readiness, connected, probing, round_trip
 from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
@@ -126,9 +126,8 @@ async def main() -> None:
     metrics = CollectorRegistry()
     tokenizer = await asyncio.to_thread(Detokenizer.load, config.base_dir)
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("gateway", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "gateway", state)
-        stack.push_async_callback(nc.drain)
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "gateway", metrics)
         await stack.enter_async_context(
             running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer, nats_state=state)
         )

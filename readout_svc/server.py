@@ -25,15 +25,7 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import (
-    LIVENESS,
-    NatsOptions,
-    NatsState,
-    Readiness,
-    connect,
-    probing,
-    round_trip,
-)
+from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -205,9 +197,8 @@ async def main() -> None:
     )
     engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("readout_svc", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "readout_svc", state)
-        stack.push_async_callback(nc.drain)
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "readout_svc", metrics)
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )

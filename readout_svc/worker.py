@@ -17,6 +17,7 @@ its signed digest releases its claim before it is rejected, its answer dropped.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -93,47 +94,34 @@ class WorkerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=metrics,
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = runtime.stage_histogram(
             "stateblock_readout_stage_seconds",
             "Worker time per committed block by stage: verify (parse, signature, rows), "
             "claim, readout (begun beside the claim), digest (the rows' hash, in a thread "
             "beside claim and readout), digest_wait (what the commit waited for it), "
             "commit, ack.",
-            ["stage"],
-            buckets=runtime.STAGE_BUCKETS_S,
-            registry=metrics,
+            metrics,
         )
-        self.rejected = Counter(
-            "stateblock_blocks_rejected",
-            "Blocks terminated by reason.",
-            ["reason"],
-            registry=metrics,
+        counter = functools.partial(Counter, registry=metrics)
+        self.rejected = counter(
+            "stateblock_blocks_rejected", "Blocks terminated by reason.", ["reason"]
         )
-        self.committed = Counter(
-            "stateblock_blocks_committed", "Blocks committed.", registry=metrics
+        self.committed = counter("stateblock_blocks_committed", "Blocks committed.")
+        self.claims_lost = counter(
+            "stateblock_claims_lost", "Commits refused: the claim was taken over."
         )
-        self.claims_lost = Counter(
-            "stateblock_claims_lost",
-            "Commits refused: the claim was taken over.",
-            registry=metrics,
-        )
-        self.duplicates_dropped = Counter(
+        self.duplicates_dropped = counter(
             "stateblock_duplicate_deliveries_dropped",
             "Redelivered blocks already committed, acked and dropped.",
-            registry=metrics,
         )
-        self.retried = Counter(
-            "stateblock_blocks_retried",
-            "Blocks nak'ed for redelivery, by cause.",
-            ["cause"],
-            registry=metrics,
+        self.retried = counter(
+            "stateblock_blocks_retried", "Blocks nak'ed for redelivery, by cause.", ["cause"]
         )
-        self.untrusted_entries = Counter(
+        self.untrusted_entries = counter(
             "stateblock_registry_untrusted_entries",
             "Registry entries no trusted readout key wrote, claimed over, by kind "
             "(undecodable, untrusted_claim, untrusted_outcome).",
             ["kind"],
-            registry=metrics,
         )
 
 
