@@ -230,9 +230,7 @@ async def running_capture(
 
 async def main() -> None:
     config = CaptureConfig.from_env()
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     model = await asyncio.to_thread(
         load_serving_model,
         config.model_name,

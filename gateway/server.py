@@ -121,9 +121,7 @@ async def running_gateway(
 
 async def main() -> None:
     config = GatewayConfig.from_env()
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     tokenizer = await asyncio.to_thread(Detokenizer.load, config.base_dir)
     async with AsyncExitStack() as stack:
         # drained after the servers have stopped

@@ -183,9 +183,7 @@ async def serve_health(
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
     require_engine(config.engine)  # fail closed before anything is loaded
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)
     model = await asyncio.to_thread(

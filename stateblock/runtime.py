@@ -319,6 +319,13 @@ def run(main: Coroutine[Any, Any, T], env: Mapping[str, str] | None = None) -> T
     return asyncio.run(main)
 
 
+def service_started(log_level: str) -> tuple[asyncio.Event, CollectorRegistry]:
+    """What a service process's main sets up first: its logs, the event SIGINT or SIGTERM
+    sets, and the registry its metrics go in (call from inside the running loop)."""
+    configure_logging(log_level)
+    return shutdown_event(), CollectorRegistry()
+
+
 def shutdown_event() -> asyncio.Event:
     """An Event set by SIGINT or SIGTERM (call from inside the running loop)."""
     event = asyncio.Event()

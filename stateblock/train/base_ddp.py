@@ -312,38 +312,51 @@ def exact_by_family(model, enc, device, n_each=50, seed=99, budget=65536):
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def ddp_parser(
+    module: str, doc: str, *, minutes: float, batch: tuple[int, str], lr: float, warmup: int
+) -> argparse.ArgumentParser:
+    """The flags both DDP trainers take: the run's budget, its batches and loaders, the
+    optimizer's schedule, the task weights and the device; each trainer's own defaults."""
     ap = argparse.ArgumentParser(
-        prog="python -m stateblock.train.base_ddp",
-        description=__doc__.splitlines()[0],
+        prog=f"python -m {module}",
+        description=doc.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = ap.add_argument
-    add("--out", required=True, help="writes OUT/base (the model) and OUT/fp32.part* (resume)")
-    add("--minutes", type=float, default=7.0, help="wall-clock budget of this run")
+    add("--minutes", type=float, default=minutes, help="wall-clock budget of this run")
     add("--max-steps", type=int, default=10**9, help="steps of this run at most")
+    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
+    add("--max-batch", type=int, default=batch[0], help=batch[1])
+    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
+    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
+    add("--lr", type=float, default=lr, help="peak learning rate")
+    add("--warmup", type=int, default=warmup, help="warm-up steps")
+    add("--seed", type=int, default=0, help="random seed")
+    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
+    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
+    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    batch = (512, "sequences a batch, per GPU")
+    ap = ddp_parser(
+        "stateblock.train.base_ddp", __doc__, minutes=7.0, batch=batch, lr=2e-3, warmup=150
+    )
+    add = ap.add_argument
+    add("--out", required=True, help="writes OUT/base (the model) and OUT/fp32.part* (resume)")
     add("--dim", type=int, default=256, help="hidden size")
     add("--mlp-dim", type=int, default=1024, help="MLP width")
     add("--n-layers", type=int, default=8, help="transformer layers")
     add("--n-heads", type=int, default=8, help="attention heads")
     add("--rope-theta", type=float, default=10000.0, help="RoPE base")
-    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
-    add("--max-batch", type=int, default=512, help="sequences a batch, per GPU")
-    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
-    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
-    add("--lr", type=float, default=2e-3, help="peak learning rate")
-    add("--warmup", type=int, default=150, help="warm-up steps")
-    add("--seed", type=int, default=0, help="random seed")
     add(
         "--init", default="",
         help="start from (no optimizer): an fp32 split checkpoint prefix or a saved base dir",
     )  # fmt: skip
     add("--state", default="", help="full resumable state file (model+opt+step), used if it exists")
-    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--eval-each", type=int, default=50, help="held-out prompts a family, seed 99, at the end")
     add("--final-eval-each", type=int, default=30, help="the same at seed 1234 (0: skip)")
-    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
-    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
     add("--corpus", default="", help="prose: train on this corpus dir, not the task suite")
     add("--tokenizer", default="", help="prose: the tokenizer dir (prose_tokenizer.py)")
     add("--seq-len", type=int, default=512, help="prose: tokens a training window")

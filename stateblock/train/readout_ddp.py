@@ -44,6 +44,7 @@ from stateblock.train.base_ddp import (
     Plan,
     Stream,
     data_parallel,
+    ddp_parser,
     init_ranks,
     leave,
     loader,
@@ -264,28 +265,18 @@ def heldout_report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m stateblock.train.readout_ddp",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    batch = (256, "prompts a batch, per GPU")
+    ap = ddp_parser(
+        "stateblock.train.readout_ddp", __doc__, minutes=8.0, batch=batch, lr=1e-3, warmup=200
     )
     add = ap.add_argument
     add("--base", required=True, help="the frozen base model directory (HF)")
     add("--out", required=True, help="writes OUT/decoder (checkpoint) and OUT/state.pt (resume)")
-    add("--minutes", type=float, default=8.0, help="wall-clock budget of this run")
-    add("--max-steps", type=int, default=10**9, help="steps of this run at most")
     add(
         "--schedule-minutes", type=float, default=None,
         help="plan the cosine over this many minutes (default --minutes): later runs resume it",
     )  # fmt: skip
     add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs, or --init)")
-    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
-    add("--max-batch", type=int, default=256, help="prompts a batch, per GPU")
-    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
-    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
-    add("--lr", type=float, default=1e-3, help="peak learning rate")
-    add("--warmup", type=int, default=200, help="warm-up steps")
-    add("--seed", type=int, default=0, help="random seed")
     add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
     add("--eos-weight", type=float, default=1.0, help="loss weight of the EOS targets")
     add("--stop-weight", type=float, default=0.0, help="weight of the per-lane stop loss")
@@ -293,12 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--near-end-weight", type=float, default=1.0,
         help="loss weight of separators after an item one character from the last item",
     )  # fmt: skip
-    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
-    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
     add("--profile-steps", type=int, default=0, help="profile this many steps: OUT/profile.txt")
     add("--profile-from", type=int, default=50, help="the run's step the profile starts at")
-    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
     return ap.parse_args(argv)
 
 
