@@ -39,10 +39,10 @@ from stateblock.model import checkpoint as ckpt
 from stateblock.model.capture import backbone
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train import tasks
-from stateblock.train.base_ddp import (
-    FastEnc,
+from stateblock.train.base_ddp import FastEnc, Stream
+from stateblock.train.batching import budget_batches
+from stateblock.train.ddp import (
     Plan,
-    Stream,
     data_parallel,
     ddp_parser,
     init_ranks,
@@ -52,7 +52,6 @@ from stateblock.train.base_ddp import (
     lr_at,
     ranks_agree,
 )
-from stateblock.train.batching import budget_batches
 from stateblock.train.step_profile import StepProfile
 
 FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
