@@ -15,6 +15,7 @@ from pathlib import Path
 import nats
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
 from readout_svc.advisories import ExhaustedBlocks
@@ -25,15 +26,7 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import (
-    LIVENESS,
-    NatsOptions,
-    NatsState,
-    Readiness,
-    connect,
-    probing,
-    round_trip,
-)
+from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -66,23 +59,7 @@ async def running_readout(
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
-    await streams.ensure_streams(
-        js,
-        duplicate_window_s=config.duplicate_window_s,
-        blocks_storage=config.blocks_storage,
-        replicas=config.nats_replicas,
-    )
-    durable = await streams.ensure_readout_consumer(
-        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
-    )
-    # claims and outcomes signed by our readout keys stand; an entry none of them signed
-    # is a forger's (or no entry at all), claimed over at once
-    peers = config.readout_trusted_keys_dir or config.signing_key_dir
-    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
-    outcome_trust.add(signer.public_key)
-    registry = await Registry.open(
-        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
-    )
+    durable, registry = await _open_bus(js, config, signer)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -154,6 +131,30 @@ async def running_readout(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _open_bus(
+    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer
+) -> tuple[str, Registry]:
+    """The streams, the readout consumer (its durable name) and the registry. Claims and
+    outcomes signed by our readout keys stand; an entry none of them signed is a forger's
+    (or no entry at all), claimed over at once."""
+    await streams.ensure_streams(
+        js,
+        duplicate_window_s=config.duplicate_window_s,
+        blocks_storage=config.blocks_storage,
+        replicas=config.nats_replicas,
+    )
+    durable = await streams.ensure_readout_consumer(
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
+    )
+    peers = config.readout_trusted_keys_dir or config.signing_key_dir
+    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
+    outcome_trust.add(signer.public_key)
+    registry = await Registry.open(
+        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
+    )
+    return durable, registry
+
+
 @asynccontextmanager
 async def serve_health(
     host: str, port: int | None, readiness: Readiness, engine: EngineHealth
@@ -195,9 +196,7 @@ async def serve_health(
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
     require_engine(config.engine)  # fail closed before anything is loaded
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)
     model = await asyncio.to_thread(
@@ -209,9 +208,8 @@ async def main() -> None:
     )
     engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("readout_svc", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "readout_svc", state)
-        stack.push_async_callback(nc.drain)
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "readout_svc", metrics)
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )

@@ -17,6 +17,7 @@ its signed digest releases its claim before it is rejected, its answer dropped.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -100,47 +101,34 @@ class WorkerMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=metrics,
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = runtime.stage_histogram(
             "stateblock_readout_stage_seconds",
             "Worker time per committed block by stage: verify (parse, signature, rows), "
             "claim, readout (begun beside the claim), digest (the rows' hash, in a thread "
             "beside claim and readout), digest_wait (what the commit waited for it), "
             "commit, ack.",
-            ["stage"],
-            buckets=runtime.STAGE_BUCKETS_S,
-            registry=metrics,
+            metrics,
         )
-        self.rejected = Counter(
-            "stateblock_blocks_rejected",
-            "Blocks terminated by reason.",
-            ["reason"],
-            registry=metrics,
+        counter = functools.partial(Counter, registry=metrics)
+        self.rejected = counter(
+            "stateblock_blocks_rejected", "Blocks terminated by reason.", ["reason"]
         )
-        self.committed = Counter(
-            "stateblock_blocks_committed", "Blocks committed.", registry=metrics
+        self.committed = counter("stateblock_blocks_committed", "Blocks committed.")
+        self.claims_lost = counter(
+            "stateblock_claims_lost", "Commits refused: the claim was taken over."
         )
-        self.claims_lost = Counter(
-            "stateblock_claims_lost",
-            "Commits refused: the claim was taken over.",
-            registry=metrics,
-        )
-        self.duplicates_dropped = Counter(
+        self.duplicates_dropped = counter(
             "stateblock_duplicate_deliveries_dropped",
             "Redelivered blocks already committed, acked and dropped.",
-            registry=metrics,
         )
-        self.retried = Counter(
-            "stateblock_blocks_retried",
-            "Blocks nak'ed for redelivery, by cause.",
-            ["cause"],
-            registry=metrics,
+        self.retried = counter(
+            "stateblock_blocks_retried", "Blocks nak'ed for redelivery, by cause.", ["cause"]
         )
-        self.untrusted_entries = Counter(
+        self.untrusted_entries = counter(
             "stateblock_registry_untrusted_entries",
             "Registry entries no trusted readout key wrote, claimed over, by kind "
             "(undecodable, untrusted_claim, untrusted_outcome).",
             ["kind"],
-            registry=metrics,
         )
 
 
@@ -284,41 +272,12 @@ class ReadoutWorker:
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
             readout.cancel()  # not ours: dropped unread (skipped if it has not started)
             readout.add_done_callback(_discard_outcome)
-            # Rows that fail their digest are rejected as such, as when the digest came
-            # before the claim; a block's own outcome comes only after that.
-            try:
-                await digest
-            except envelope.BlockRejected as bad:
-                return await self._drop_unverified(msg, str(bad.reason), bad.detail)
-            if isinstance(e, AlreadyCommitted):
-                return await self._drop_duplicate(msg)
-            if isinstance(e, AlreadyClaimed):
-                # not before the holder's lease can lapse: every nak spends one of the
-                # block's max_deliver deliveries, and a holder that is only slow commits
-                await self._nak("claimed_elsewhere", msg, after_s=e.lease_left_s)
-                log.info("block claimed elsewhere, redelivering later", holder=e.holder)
-                return "claimed_elsewhere"
-            # a block id that cannot be a registry key: no entry can say anything of it
-            return await self._drop_unverified(msg, "malformed", str(e))
+            return await self._not_ours(msg, e, digest)
         except BaseException:  # NATS trouble mid-claim: the block is redelivered
             readout.add_done_callback(_discard_outcome)
             raise
-        stage = self._m.stage_seconds
         claimed_s = time.perf_counter() - t_verified
-        held = [claim]
-        keepalive = asyncio.create_task(self._keep_alive(held, msg))
-        results: list[LaneResult] | None = None
-        readout_s = 0.0
-        try:
-            results, readout_s = await readout
-            self._engine_health.record(True)
-        except Exception:
-            self._engine_health.record(False)
-            log.exception("readout failed")
-        finally:
-            keepalive.cancel()
-        await asyncio.gather(keepalive, return_exceptions=True)
-        claim = held[0]
+        claim, results, readout_s = await self._read_held(claim, msg, readout)
         t1 = time.perf_counter()
         try:
             _, digest_s = await digest
@@ -348,20 +307,59 @@ class ReadoutWorker:
             return "claim_lost"
         t2 = time.perf_counter()
         await msg.ack_sync()
-        for name, seconds in (
-            ("verify", t_verified - t_start),
-            ("claim", claimed_s),
-            ("readout", readout_s),
-            ("digest", digest_s),
-            ("digest_wait", t_digest - t1),
-            ("commit", t2 - t_digest),
-            ("ack", time.perf_counter() - t2),
-        ):
-            stage.labels(name).observe(seconds)
+        stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
+                  "digest": digest_s, "digest_wait": t_digest - t1, "commit": t2 - t_digest,
+                  "ack": time.perf_counter() - t2}  # fmt: skip
+        for name, seconds in stages.items():
+            self._m.stage_seconds.labels(name).observe(seconds)
         self._m.committed.inc()
         await self._cleanup_object(block)
         log.info("block committed", lanes=len(header.layout.lanes))
         return "committed"
+
+    async def _not_ours(
+        self,
+        msg: Msg,
+        refused: Exception,
+        digest: asyncio.Future[tuple[envelope.VerifiedBlock, float]],
+    ) -> str:
+        """A delivery whose claim was refused: committed already, claimed elsewhere, or a
+        block id no registry key can be. Rows that fail their digest are rejected as such,
+        as when the digest came before the claim; a block's own outcome comes only after."""
+        try:
+            await digest
+        except envelope.BlockRejected as bad:
+            return await self._drop_unverified(msg, str(bad.reason), bad.detail)
+        if isinstance(refused, AlreadyCommitted):
+            return await self._drop_duplicate(msg)
+        if isinstance(refused, AlreadyClaimed):
+            # not before the holder's lease can lapse: every nak spends one of the
+            # block's max_deliver deliveries, and a holder that is only slow commits
+            await self._nak("claimed_elsewhere", msg, after_s=refused.lease_left_s)
+            log.info("block claimed elsewhere, redelivering later", holder=refused.holder)
+            return "claimed_elsewhere"
+        # a block id that cannot be a registry key: no entry can say anything of it
+        return await self._drop_unverified(msg, "malformed", str(refused))
+
+    async def _read_held(
+        self, claim: Claim, msg: Msg, readout: asyncio.Future[tuple[list[LaneResult], float]]
+    ) -> tuple[Claim, list[LaneResult] | None, float]:
+        """The readout's results (None: it failed) and seconds, the lease renewed while it
+        runs; the claim as last renewed."""
+        held = [claim]
+        keepalive = asyncio.create_task(self._keep_alive(held, msg))
+        results: list[LaneResult] | None = None
+        readout_s = 0.0
+        try:
+            results, readout_s = await readout
+            self._engine_health.record(True)
+        except Exception:
+            self._engine_health.record(False)
+            log.exception("readout failed")
+        finally:
+            keepalive.cancel()
+        await asyncio.gather(keepalive, return_exceptions=True)
+        return held[0], results, readout_s
 
     async def _claim(self, block_id: str) -> Claim:
         claim = await self._registry.claim(block_id, self.worker_id, self._lease_s)

@@ -13,7 +13,7 @@ import asyncio
 import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -356,6 +356,17 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
     nc.options["max_reconnect_attempts"] = -1
     await state.set(True)
     return nc
+
+
+async def connected(
+    stack: AsyncExitStack, url: str, name: str, metrics: CollectorRegistry
+) -> tuple[nats.NATS, NatsState]:
+    """A service process's connection (its state counted in `metrics`), drained when
+    `stack` exits, and that state."""
+    state = NatsState.with_metrics(name, metrics)
+    nc = await connect(NatsOptions.of(url), name, state)
+    stack.push_async_callback(nc.drain)
+    return nc, state
 
 
 async def drain_or_close(nc: nats.NATS) -> None:
