@@ -65,25 +65,7 @@ async def running_readout(
     base_id = config.worker_id or default_worker_id()
     stop = asyncio.Event()
     async with AsyncExitStack() as stack:
-        executor = stack.enter_context(
-            ThreadPoolExecutor(config.workers, thread_name_prefix="readout")
-        )
-        # the rows' digest runs beside the claim and the readout, not after them
-        digests = stack.enter_context(
-            ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
-        )
-        await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
-        readouts = await stack.enter_async_context(
-            ReadoutCohorts(
-                engine,
-                executor,
-                max_lanes=config.cohort_lanes,
-                # combining needs blocks in hand: two executions at a time (a long one
-                # never holds up every other), the rest queue and go together
-                concurrency=min(2, config.workers) if config.cohort_lanes > 1 else config.workers,
-                on_cohort=worker_metrics.cohort_blocks.observe,
-            )
-        )
+        executor, digests, readouts = await _engine_threads(stack, engine, config, worker_metrics)
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
@@ -129,6 +111,35 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _engine_threads(
+    stack: AsyncExitStack,
+    engine: ReadoutEngine,
+    config: ReadoutServiceConfig,
+    metrics: WorkerMetrics,
+) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, ReadoutCohorts]:
+    """The readout threads, the digest threads (the rows' hash runs beside the claim and
+    the readout, not after them) and the cohorts that read the workers' blocks, the engine
+    warmed up first."""
+    executor = stack.enter_context(ThreadPoolExecutor(config.workers, thread_name_prefix="readout"))
+    digests = stack.enter_context(
+        ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
+    )
+    await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+    # combining needs blocks in hand: two executions at a time (a long one never holds up
+    # every other), the rest queue and go together
+    concurrency = min(2, config.workers) if config.cohort_lanes > 1 else config.workers
+    readouts = await stack.enter_async_context(
+        ReadoutCohorts(
+            engine,
+            executor,
+            max_lanes=config.cohort_lanes,
+            concurrency=concurrency,
+            on_cohort=metrics.cohort_blocks.observe,
+        )
+    )
+    return executor, digests, readouts
 
 
 async def _open_bus(
