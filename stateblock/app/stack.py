@@ -24,6 +24,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from stateblock import runtime, settings
+from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
 
@@ -78,6 +79,9 @@ class StackUrls:
     # resolves when the stack's own nats-server exited and could not be restarted (None
     # when the stack uses a NATS it did not start)
     nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
+    # `nats` with the admin user's password in it (tools and tests; no service uses it):
+    # the stack's own nats-server admits its users only; `nats` itself on another NATS
+    nats_admin: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class _Credentials:
     readout_signer: Signer
     readout_trust: TrustStore
     token_file: Path  # the gateway's credential at the capture
+    nats_passwords: dict[str, Path]  # each component's (and the admin's) at its own NATS
 
 
 def _credentials(data_dir: Path) -> _Credentials:
@@ -108,7 +113,25 @@ def _credentials(data_dir: Path) -> _Credentials:
         readout_signer=load_or_generate_signer(readout_key_dir),
         readout_trust=TrustStore.from_dir(readout_key_dir),
         token_file=token_file,
+        nats_passwords=nats_auth.password_files(data_dir),
     )
+
+
+def _nats_authorization(creds: _Credentials) -> str:
+    """The users of the stack's own nats-server, each with its password."""
+    from stateblock.protocol.tokens import read_token
+
+    passwords = {
+        user: read_token(path, "NATS password file") for user, path in creds.nats_passwords.items()
+    }
+    return nats_auth.authorization(passwords)
+
+
+def _with_login(url: str, user: str, password_file: Path) -> str:
+    from stateblock.protocol.tokens import read_token
+
+    password = read_token(password_file, "NATS password file")
+    return url.replace("nats://", f"nats://{user}:{password}@", 1)
 
 
 def _capture_config(config: UpConfig, creds: _Credentials, common: dict) -> CaptureConfig:
@@ -195,18 +218,24 @@ async def running_stack(
     if engine is None:
         engine = create_engine(config.engine, model)
     async with AsyncExitStack() as stack:
-        nats_url, nats_lost = config.nats_url, None
-        if nats_url is None:  # ours: restarted on its port and store whenever it exits
+        nats_url, nats_lost, own_nats = config.nats_url, None, config.nats_url is None
+        if own_nats:  # ours: restarted on its port and store whenever it exits
             supervisor = await stack.enter_async_context(
-                supervised_nats_server(data_dir, max_payload=config.nats_max_payload)
+                supervised_nats_server(
+                    data_dir,
+                    max_payload=config.nats_max_payload,
+                    authorization=_nats_authorization(creds),
+                )
             )
             nats_url, nats_lost = supervisor.server.url, supervisor.lost
-        nats_options = NatsOptions.of(nats_url)
         conns: list[tuple[nats.NATS, NatsState]] = []
 
         async def connection(service: str) -> tuple[nats.NATS, NatsState]:
-            if conns and not config.connection_per_service:
+            # on our own nats-server each service is its own user, on its own connection
+            if conns and not (config.connection_per_service or own_nats):
                 return conns[0]
+            login = {"user": service, "password_file": creds.nats_passwords[service]}
+            nats_options = NatsOptions.of(nats_url, **(login if own_nats else {}))
             # the first connection's state is the stack's metric; health follows each one
             state = (
                 NatsState.with_metrics("stateblock", metrics) if not conns else NatsState(service)
@@ -263,6 +292,11 @@ async def running_stack(
             nats=nats_url,
             key_id=creds.signer.key_id,
             nats_lost=nats_lost,
+            nats_admin=(
+                _with_login(nats_url, nats_auth.ADMIN, creds.nats_passwords[nats_auth.ADMIN])
+                if own_nats
+                else nats_url
+            ),
         )
 
 
