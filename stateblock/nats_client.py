@@ -339,10 +339,13 @@ async def follow_in_health(servicer, names: tuple[str, ...], readiness: Readines
 async def connect(options: NatsOptions, name: str, state: NatsState | None = None) -> nats.NATS:
     """A connection that reconnects forever once made; NatsUnreachable if none can be made."""
     state = state or NatsState(name)
+    refused: list[str] = []  # the server's answer to our login, when it refused it
 
     async def on_error(e: Exception) -> None:
         # one line per error, no traceback: an outage is expected, not a bug
         log.warning("nats error", client=name, error=f"{type(e).__name__}: {e}")
+        if "authorization violation" in str(e).lower():
+            refused.append(str(e))
 
     async def on_disconnected() -> None:
         if nc.is_closed or nc.is_draining:  # our own shutdown, not an outage
@@ -382,6 +385,12 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
         )
     except (nats.errors.NoServersError, OSError, TimeoutError) as e:
         await nc.close()
+        if refused:
+            who = f"user {options.user!r}" if options.user else "a client without a user"
+            raise NatsUnreachable(
+                f"NATS at {', '.join(options.servers)} refused {who} (Authorization "
+                "Violation; STATEBLOCK_NATS_USER, STATEBLOCK_NATS_PASSWORD_FILE)"
+            ) from e
         raise NatsUnreachable(
             f"no NATS server reachable at {', '.join(options.servers)} "
             f"({type(e).__name__}; STATEBLOCK_NATS_URL)"

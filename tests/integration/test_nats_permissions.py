@@ -19,9 +19,10 @@ from gateway.idempotency import KvKeyStore
 from registry import Registry
 from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsProcess, start_nats_server, stop_nats_server
-from stateblock.nats_client import inbox_prefix
+from stateblock.nats_client import NatsOptions, NatsUnreachable, connect, inbox_prefix
 from stateblock.protocol import streams
 from stateblock.protocol.tokens import read_token
+from stateblock.runtime import ConfigError
 from tests.unit.deploy.chart import of_kind, render
 
 REGISTRY_KEY = "$KV.STATEBLOCK_REGISTRY.b-forged"
@@ -108,6 +109,19 @@ async def test_a_client_without_a_users_password_is_not_let_in(server, passwords
         client = await login(server.url, user, passwords[user])
         assert client.nc.is_connected
         await client.nc.close()
+
+
+async def test_a_service_refused_at_login_names_its_user_and_the_settings(server, tmp_path):
+    wrong = tmp_path / "wrong-password"
+    wrong.write_text("not-the-gateways-password\n")
+    options = NatsOptions.of(
+        server.url, {}, user=nats_auth.GATEWAY, password_file=wrong, start_attempts=1,
+        reconnect_wait_s=0.05,
+    )  # fmt: skip
+    with pytest.raises(NatsUnreachable, match="refused user 'gateway'.*NATS_PASSWORD_FILE"):
+        await connect(options, "gateway")
+    with pytest.raises(ConfigError, match="go together"):
+        NatsOptions.of(server.url, {"STATEBLOCK_NATS_USER": nats_auth.GATEWAY})
 
 
 async def test_the_gateway_reads_the_registry_and_cannot_write_it_or_publish(users):
