@@ -26,7 +26,7 @@ from gateway.idempotency import BUCKET as REQUESTS_BUCKET
 from registry.registry import DEFAULT_BUCKET as REGISTRY_BUCKET
 from stateblock.nats_client import inbox_prefix
 from stateblock.protocol import streams
-from stateblock.protocol.tokens import load_or_generate_token
+from stateblock.protocol.tokens import load_or_generate_token, read_token
 
 CAPTURE, READOUT, GATEWAY = "capture", "readout", "gateway"
 COMPONENTS = (CAPTURE, READOUT, GATEWAY)
@@ -53,9 +53,9 @@ def _api(verb: str, *streams_: str) -> list[str]:
     return [f"$JS.API.{verb}.{s}" for s in streams_]
 
 
-def _ephemeral(stream: str) -> list[str]:
+def _ephemeral(stream: str) -> str:
     """An ordered consumer's creation (a KV watch, an object's chunks)."""
-    return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>"]
+    return f"$JS.API.CONSUMER.CREATE.{stream}"
 
 
 def _permissions(user: str, publish: list[str], subscribe: list[str] = ()) -> Permissions:
@@ -81,14 +81,13 @@ PERMISSIONS: dict[str, Permissions] = {
         f"$JS.API.CONSUMER.MSG.NEXT.{BLOCKS}.*",
         f"$JS.ACK.{BLOCKS}.>",
         f"$JS.API.STREAM.MSG.GET.{BLOCKS}",
-        *_ephemeral(PAYLOADS),
+        _ephemeral(PAYLOADS),
         "$JS.API.STREAM.NAMES",  # nats-py's object get finds the chunks' stream by subject
         # a read block's object deleted: its meta marked, its chunks purged
         f"$O.{streams.PAYLOAD_BUCKET}.M.>",
         f"$JS.API.STREAM.PURGE.{PAYLOADS}",
         f"$JS.API.STREAM.MSG.GET.{PAYLOADS}",
         f"$KV.{REGISTRY_BUCKET}.>",
-        f"$JS.API.DIRECT.GET.{REGISTRY}.>",
         f"$JS.API.STREAM.MSG.GET.{REGISTRY}",
         streams.rejected_subject(">"),
     ], [
@@ -98,11 +97,9 @@ PERMISSIONS: dict[str, Permissions] = {
     GATEWAY: _permissions(GATEWAY, [
         *_api("STREAM.INFO", REGISTRY, REQUESTS),
         *_api("STREAM.CREATE", REGISTRY, REQUESTS),
-        *_ephemeral(REGISTRY),
-        f"$JS.API.DIRECT.GET.{REGISTRY}.>",
+        _ephemeral(REGISTRY),
         f"$JS.API.STREAM.MSG.GET.{REGISTRY}",
         f"$KV.{REQUESTS_BUCKET}.>",
-        f"$JS.API.DIRECT.GET.{REQUESTS}.>",
         f"$JS.API.STREAM.MSG.GET.{REQUESTS}",
     ]),
 }  # fmt: skip
@@ -132,3 +129,16 @@ def password_files(data_dir: Path) -> dict[str, Path]:
     for path in files.values():
         load_or_generate_token(path)
     return files
+
+
+def server_authorization(files: Mapping[str, Path]) -> str:
+    """`authorization` for the users of `password_files`, with the passwords they hold."""
+    return authorization(
+        {user: read_token(path, "NATS password file") for user, path in files.items()}
+    )
+
+
+def login_url(url: str, password_file: Path, user: str = ADMIN) -> str:
+    """`url` (nats://host:port) carrying `user` and its password, for a plain nats.connect."""
+    password = read_token(password_file, "NATS password file")
+    return url.replace("nats://", f"nats://{user}:{password}@", 1)

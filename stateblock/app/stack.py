@@ -66,7 +66,8 @@ class UpConfig:
     capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
-    # to a worker, both read by one client loop.
+    # to a worker, both read by one client loop. Always so on the stack's own nats-server,
+    # where each service is its own NATS user.
     connection_per_service: bool = False
 
 
@@ -115,23 +116,6 @@ def _credentials(data_dir: Path) -> _Credentials:
         token_file=token_file,
         nats_passwords=nats_auth.password_files(data_dir),
     )
-
-
-def _nats_authorization(creds: _Credentials) -> str:
-    """The users of the stack's own nats-server, each with its password."""
-    from stateblock.protocol.tokens import read_token
-
-    passwords = {
-        user: read_token(path, "NATS password file") for user, path in creds.nats_passwords.items()
-    }
-    return nats_auth.authorization(passwords)
-
-
-def _with_login(url: str, user: str, password_file: Path) -> str:
-    from stateblock.protocol.tokens import read_token
-
-    password = read_token(password_file, "NATS password file")
-    return url.replace("nats://", f"nats://{user}:{password}@", 1)
 
 
 def _capture_config(config: UpConfig, creds: _Credentials, common: dict) -> CaptureConfig:
@@ -224,7 +208,7 @@ async def running_stack(
                 supervised_nats_server(
                     data_dir,
                     max_payload=config.nats_max_payload,
-                    authorization=_nats_authorization(creds),
+                    authorization=nats_auth.server_authorization(creds.nats_passwords),
                 )
             )
             nats_url, nats_lost = supervisor.server.url, supervisor.lost
@@ -293,7 +277,7 @@ async def running_stack(
             key_id=creds.signer.key_id,
             nats_lost=nats_lost,
             nats_admin=(
-                _with_login(nats_url, nats_auth.ADMIN, creds.nats_passwords[nats_auth.ADMIN])
+                nats_auth.login_url(nats_url, creds.nats_passwords[nats_auth.ADMIN])
                 if own_nats
                 else nats_url
             ),

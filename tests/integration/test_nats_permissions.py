@@ -10,6 +10,7 @@ import base64
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import httpx
 import nats
 import nats.js.errors as js_errors
 import pytest
@@ -19,6 +20,7 @@ from gateway.idempotency import KvKeyStore
 from registry import Registry
 from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsProcess, start_nats_server, stop_nats_server
+from stateblock.app.stack import StackThread, UpConfig
 from stateblock.nats_client import NatsOptions, NatsUnreachable, connect, inbox_prefix
 from stateblock.protocol import streams
 from stateblock.protocol.tokens import read_token
@@ -206,6 +208,36 @@ async def test_the_embedded_stack_admits_its_users_only(stack):
     admin = await nats.connect(stack.urls.nats_admin)
     assert (await admin.jetstream().stream_info(streams.BLOCKS_STREAM)).config.name
     await admin.close()
+
+
+def test_the_embedded_stack_answers_through_the_object_store(
+    decoder_dir, serving_model, engine, tmp_path
+):
+    """A block over max_payload under the users' permissions: the capture puts its rows
+    object, a worker reads it, commits and deletes it, and the answer comes back."""
+    config = UpConfig(
+        data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1,
+        decoder_dir=decoder_dir, nats_max_payload=16 * 1024, request_timeout_s=30.0,
+    )  # fmt: skip
+    stack = StackThread(config, model=serving_model, engine=engine)
+    urls = stack.start()
+    try:
+        body = {"model": "stateblock-reference", "prompt": "copy: " + "abcdefgh" * 5,
+                "max_tokens": 8}  # fmt: skip
+        reply = httpx.post(f"{urls.http}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"]
+
+        async def objects_written() -> int:
+            admin = await nats.connect(urls.nats_admin)
+            try:
+                return (await admin.jetstream().stream_info(nats_auth.PAYLOADS)).state.last_seq
+            finally:
+                await admin.close()
+
+        assert asyncio.run(objects_written()) > 0
+    finally:
+        stack.stop()
 
 
 async def test_the_charts_users_connect_with_their_own_secrets_only(tmp_path):
