@@ -17,6 +17,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from gateway.idempotency import KvKeyStore
+from readout_svc.advisories import advisory_subject
 from registry import Registry
 from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsProcess, start_nats_server, stop_nats_server
@@ -133,6 +134,8 @@ async def test_the_gateway_reads_the_registry_and_cannot_write_it_or_publish(use
         await registry.get("b-1")
     requests = await gateway.js.key_value("STATEBLOCK_REQUESTS")
     assert await requests.create("k-1", b"record") > 0  # its idempotency keys
+    await gateway.nc.flush()
+    assert not gateway.errors
     await gateway.refused(lambda: registry.put("b-forged", b"x"), REGISTRY_KEY)
     await gateway.refused(lambda: gateway.js.publish(BLOCK_SUBJECT, b"x"), BLOCK_SUBJECT)
     # nothing was stored
@@ -148,6 +151,8 @@ async def test_the_capture_publishes_blocks_and_cannot_write_the_registry(users)
     assert ack.stream == streams.BLOCKS_STREAM
     objects = await capture.js.object_store(streams.PAYLOAD_BUCKET)
     await objects.put("b-1", b"rows" * 1000)
+    await capture.nc.flush()
+    assert not capture.errors
     await capture.refused(lambda: capture.js.key_value("STATEBLOCK_REGISTRY"),
                           "$JS.API.STREAM.INFO.KV_STATEBLOCK_REGISTRY")  # fmt: skip
     await capture.refused(lambda: capture.js.publish(REGISTRY_KEY, b"x"), REGISTRY_KEY)
@@ -158,7 +163,10 @@ async def test_the_capture_publishes_blocks_and_cannot_write_the_registry(users)
 
 async def test_the_readout_claims_and_reads_but_cannot_publish_a_block(users):
     readout, capture = users[nats_auth.READOUT], users[nats_auth.CAPTURE]
-    await capture.js.publish(BLOCK_SUBJECT, b"block", headers={"Nats-Msg-Id": "b-2"})
+    # the advisory listener: a block out of deliveries is read back by its sequence
+    await readout.nc.subscribe(advisory_subject(streams.BLOCKS_STREAM, "readout-x"), queue="q")
+    ack = await capture.js.publish(BLOCK_SUBJECT, b"block", headers={"Nats-Msg-Id": "b-2"})
+    assert (await readout.js.get_msg(streams.BLOCKS_STREAM, ack.seq)).data == b"block"
     await (await capture.js.object_store(streams.PAYLOAD_BUCKET)).put("b-2", b"rows")
     psub = await readout.js.pull_subscribe_bind(
         "readout-stateblock-reference", streams.BLOCKS_STREAM
@@ -166,11 +174,15 @@ async def test_the_readout_claims_and_reads_but_cannot_publish_a_block(users):
     (msg,) = await psub.fetch(1, timeout=2.0)
     assert msg.data == b"block"
     await msg.ack_sync(timeout=2.0)
+    dead = await readout.js.publish(streams.rejected_subject("signature"), b"block")
+    assert dead.stream == streams.REJECTED_STREAM
     objects = await readout.js.object_store(streams.PAYLOAD_BUCKET)
     assert (await objects.get("b-2")).data == b"rows"
     await objects.delete("b-2")
     registry = await readout.js.key_value("STATEBLOCK_REGISTRY")
     assert await registry.create("b-2", b"claim") > 0
+    await readout.nc.flush()
+    assert not readout.errors  # all of the above was allowed
     await readout.refused(lambda: readout.js.publish(BLOCK_SUBJECT, b"x"), BLOCK_SUBJECT)
     await readout.refused(
         lambda: readout.js.publish("$O.STATEBLOCK_PAYLOADS.C.x", b"x"), "$o.stateblock_payloads.c.x"
