@@ -118,7 +118,9 @@ async def _warm_up(
     throwaway forward, its first-call cost."""
     buckets = config.cohort_lane_buckets
     limit = config.limits.prompt_len_max
-    shapes = [(1, MIN_BUCKET)] if buckets is None else warm_shapes(buckets, limit)
+    shapes = [(1, MIN_BUCKET)]
+    if buckets is not None:
+        shapes = warm_shapes(buckets, limit, config.cohort, config.limits.max_lanes)
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
@@ -183,6 +185,7 @@ async def running_capture(
                 executor,
                 window_s=config.batch_window_s,
                 max_lanes=config.limits.max_lanes,
+                cohort=config.cohort,
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )

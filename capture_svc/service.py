@@ -85,7 +85,7 @@ class CaptureMetrics:
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",
             "Lanes per packed base forward.",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
             registry=metrics,
         )
         self.warmup_seconds = Gauge(

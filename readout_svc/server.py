@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from readout_svc.advisories import ExhaustedBlocks
+from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
@@ -95,6 +96,17 @@ async def running_readout(
             ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
         )
         await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+        readouts = await stack.enter_async_context(
+            ReadoutCohorts(
+                engine,
+                executor,
+                max_lanes=config.cohort_lanes,
+                # combining needs blocks in hand: two executions at a time (a long one
+                # never holds up every other), the rest queue and go together
+                concurrency=min(2, config.workers) if config.cohort_lanes > 1 else config.workers,
+                on_cohort=worker_metrics.cohort_blocks.observe,
+            )
+        )
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
@@ -120,6 +132,7 @@ async def running_readout(
                 limits=config.limits,
                 max_deliver=config.max_deliver,
                 engine_health=engine_health,
+                readouts=readouts,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)

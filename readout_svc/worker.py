@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from readout_svc.cohorts import DirectReadouts, ReadoutCohorts
 from readout_svc.records import commit_record, rejection_record
 from registry import (
     AlreadyClaimed,
@@ -93,6 +94,12 @@ class WorkerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=metrics,
         )
+        self.cohort_blocks = Histogram(
+            "stateblock_readout_cohort_blocks",
+            "Blocks read by one engine execution (readout_svc.cohorts).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=metrics,
+        )
         self.stage_seconds = Histogram(
             "stateblock_readout_stage_seconds",
             "Worker time per committed block by stage: verify (parse, signature, rows), "
@@ -142,14 +149,6 @@ def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedB
     return checked.confirm(), time.perf_counter() - t0
 
 
-def _timed_readout(
-    engine: ReadoutEngine, checked: envelope.HeaderVerified
-) -> tuple[list[LaneResult], float]:
-    t0 = time.perf_counter()
-    results = engine.readout(lane_requests(checked))
-    return results, time.perf_counter() - t0
-
-
 def _discard_outcome(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # retrieved, so asyncio does not log it as never retrieved
@@ -174,9 +173,11 @@ class ReadoutWorker:
         limits: Limits,
         max_deliver: int = 0,  # 0: unbounded (nothing to end on the last delivery)
         engine_health: EngineHealth | None = None,
+        readouts: ReadoutCohorts | None = None,  # shared by the process's workers
     ) -> None:
         self._engine_health = engine_health or EngineHealth()
         self._engine = engine
+        self._readouts = readouts or DirectReadouts(engine, executor)
         self._registry = registry
         self._trust = trust
         self._signer = signer  # signs this worker's commits and rejections
@@ -276,13 +277,13 @@ class ReadoutWorker:
     ) -> str:
         header = checked.header
         t_verified = time.perf_counter()
-        loop = asyncio.get_running_loop()
         # Beside the claim: its answer is used only once the claim is ours.
-        readout = loop.run_in_executor(self._executor, _timed_readout, self._engine, checked)
+        readout = asyncio.ensure_future(self._readouts.read(lane_requests(checked)))
         try:
             claim = await self._claim(header.block_id)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
-            readout.add_done_callback(_discard_outcome)  # not ours: dropped unread
+            readout.cancel()  # not ours: dropped unread (skipped if it has not started)
+            readout.add_done_callback(_discard_outcome)
             # Rows that fail their digest are rejected as such, as when the digest came
             # before the claim; a block's own outcome comes only after that.
             try:

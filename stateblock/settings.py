@@ -225,6 +225,13 @@ WORKERS = _setting(
     "WORKERS", int, 2, "readout pull loops in the process", (READOUT, UP), minimum=1,
     chart="readout.workers",
 )  # fmt: skip
+READOUT_COHORT_LANES = _setting(
+    "READOUT_COHORT_LANES", int, Limits.max_lanes,
+    "lanes from several blocks the process reads in one engine execution, two executions at "
+    "a time (only blocks the engine reads the same together as alone); 1: each block alone, "
+    "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
+    "run: give the process more than 2 workers", (READOUT,), minimum=1,
+)  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
     "the readout engine: `reference`, `onnx` or `torch` (an unknown engine, or one that "
@@ -322,12 +329,24 @@ CAPTURE_COMPILE = _setting(
     "per shape, so batched rows would no longer be bit-identical to a request alone",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
+CAPTURE_COHORT_LANES = _setting(
+    "CAPTURE_COHORT_LANES", int, 32,
+    "lanes one base forward carries at most, from as many requests as fit (never fewer than "
+    "`STATEBLOCK_MAX_LANES`: one request's lanes always share a forward)", (CAPTURE,), minimum=1,
+    chart="capture.cohortLanes",
+)  # fmt: skip
+CAPTURE_COHORT_TOKENS = _setting(
+    "CAPTURE_COHORT_TOKENS", int, 16384,
+    "padded prompt tokens (lanes x bucket width) one base forward carries at most: many short "
+    "prompts or a few long ones; a single request over it runs alone", (CAPTURE,), minimum=1,
+    chart="capture.cohortTokens",
+)  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
-    "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8),
-    "compiled only: the lane counts a cohort is padded to with dummy lanes (`STATEBLOCK_MAX_LANES` "
-    "is always one); every (lane bucket, prompt bucket) shape warms up before the capture is "
-    "SERVING, so fewer buckets are fewer shapes to warm up", (CAPTURE,), minimum=1,
-    chart="capture.laneBuckets",
+    "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
+    "compiled only: the lane counts a cohort is padded to with dummy lanes (the cohort's lane "
+    "limit is always one); every (lane bucket, prompt bucket) shape a cohort can reach warms "
+    "up before the capture is SERVING, so fewer buckets are fewer shapes to warm up",
+    (CAPTURE,), minimum=1, chart="capture.laneBuckets",
 )  # fmt: skip
 BLOCK_TTL_S = _setting(
     "BLOCK_TTL_S", float, 120.0, "how long a signed block stays valid", (CAPTURE,),

@@ -362,6 +362,15 @@ class TorchEngine:
         kb, pb, db = bucket(k, self._lane_b), bucket(p, self._prompt_b), bucket(d, self._depth_b)
         return Shape(kb or k, pb or p, db or d), None not in (kb, pb, db)
 
+    def cohort_key(self, lanes: Sequence[LaneRequest]) -> tuple:
+        """Blocks with equal keys read the same together as alone (readout_svc.cohorts): the
+        same precision path and depth bucket, and a prompt bucket (or, beyond them, the
+        exact prompt length, which runs eagerly at its size)."""
+        d = max(lane.depth for lane in lanes)
+        p = max(lane.rows.shape[0] for lane in lanes)
+        pb = bucket(p, self._prompt_b)
+        return self._path(lanes), bucket(d, self._depth_b) or d, pb is not None or p
+
     def _path(self, lanes: Sequence[LaneRequest]) -> str:
         """The precision key a cohort runs on: exact dots when a lane asks for
         log-probabilities, the greedy fast path when every lane is plain greedy."""

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.plans import PlanTable, PlanTableMetrics
-from readout_svc import worker
+from readout_svc import cohorts, worker
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.protocol import envelope, streams
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -115,16 +115,23 @@ def held_readout(decoder_dir, tmp_path, monkeypatch):
     for `release` (its block published and claimed)."""
     readouts: list[str] = []
     running, release = threading.Event(), threading.Event()
-    real = worker._timed_readout
+    owner: dict[int, str] = {}  # id(lane) -> its block's request id
+    real_lanes, real_timed = worker.lane_requests, cohorts._timed
 
-    def held(engine, checked):
-        readouts.append(checked.header.request_id)
+    def lanes_of(checked):
+        lanes = real_lanes(checked)
+        owner.update((id(lane), checked.header.request_id) for lane in lanes)
+        return lanes
+
+    def held(engine, lanes):
+        readouts.extend(dict.fromkeys(owner[id(lane)] for lane in lanes))
         running.set()
         if not release.wait(30):
             raise TimeoutError("the test never released the readout")
-        return real(engine, checked)
+        return real_timed(engine, lanes)
 
-    monkeypatch.setattr(worker, "_timed_readout", held)
+    monkeypatch.setattr(worker, "lane_requests", lanes_of)
+    monkeypatch.setattr(cohorts, "_timed", held)
     with embedded_stack(decoder_dir, tmp_path, release) as stack:
         yield stack, readouts, running, release
 

@@ -9,6 +9,7 @@ The env of every container is read back through the services' own `from_env`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from pathlib import Path
 
 import helm_python as helm
@@ -19,6 +20,7 @@ from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
 from stateblock import settings
+from stateblock.app.plan import Wiring
 from stateblock.nats_client import parse_servers
 from stateblock.protocol import tokens
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
@@ -27,6 +29,7 @@ from tests.unit.deploy.chart import (
     CONFIGS,
     KUBE_VERSION,
     NAMESPACE,
+    PLACED,
     RELEASE,
     container,
     deployment,
@@ -34,6 +37,7 @@ from tests.unit.deploy.chart import (
     gpus,
     kinds,
     of_kind,
+    plan_for,
     render,
     render_error,
     render_valid,
@@ -605,7 +609,10 @@ def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
     env = env_of(
-        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+        render_valid(
+            {"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8", "cohortLanes": 8}}
+        ),
+        "capture",
     )
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
@@ -736,3 +743,53 @@ def test_an_init_container_fills_the_model_volume_from_the_image():
     assert "model.source must be pvc or hostPath" in render_error(
         {"model": {"fillFromImage": True, "source": "image"}}
     )
+
+
+# --- the stack plan ------------------------------------------------------------------------
+
+PLAN_VALUES = {
+    "readout": {"replicas": 3, "workers": 4, "engine": "onnx", "leaseSeconds": 5,
+                "ackWaitSeconds": 8, "ports": {"metrics": 9191, "health": 50072}},
+    "capture": {"replicas": 2, "ports": {"grpc": 50062, "metrics": 9292}, "compile": "inductor",
+                "laneBuckets": "2,8", "batchWindowSeconds": 0.002},
+    "gateway": {"ports": {"http": 8080, "grpc": 50052}, "requestTimeoutSeconds": 30},
+    "serving": {"maxLanes": 16, "answerDepthMax": 512},
+    "model": {"name": "org/model-v2.1", "mountPath": "/opt/m"},
+    "nats": {"url": "nats://a:4222,nats://b:4222,nats://c:4222", "replicas": 3},
+    "logLevel": "debug",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{}, PLAN_VALUES], ids=["defaults", "changed"])
+def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
+    """The services the chart deploys, their ports and each one's config agree with the stack
+    plan (stateblock/app/plan.py) for the same values, but for where each deployment puts
+    its files and finds its peers."""
+    plan, docs = plan_for(values), render_valid(values)
+    services = plan.services()
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for d in of_kind(docs, "Deployment").values()}  # fmt: skip
+    assert components == {s.component for s in services} == set(CONFIGS)  # NATS is external
+    for component in ("capture", "readout"):
+        processes = [s for s in services if s.component == component]
+        assert deployment(docs, component)["spec"]["replicas"] == len(processes), component
+
+    wiring = Wiring(plan.nats_url, Path("keys"), Path("readout-keys"), Path("token"))
+    for component, read in CONFIGS.items():
+        deployed = read.from_env(env_of(docs, component))
+        planned = plan.config(plan.service(component), wiring)
+        for f in dataclasses.fields(read):
+            if f.name not in PLACED[component]:
+                assert getattr(deployed, f.name) == getattr(planned, f.name), (component, f.name)
+        ports = {p["name"]: p["containerPort"] for p in container(docs, component)["ports"]}
+        if component == "gateway":
+            assert (ports["http"], ports["grpc"]) == (plan.ports.http, plan.ports.grpc)
+            assert {int(deployed.capture_target.rsplit(":", 1)[1])} == set(plan.ports.capture)
+        elif component == "capture":
+            assert {(ports["grpc"], ports["metrics"])} == set(
+                zip(plan.ports.capture, plan.ports.capture_metrics, strict=True)
+            )
+        else:
+            assert {(ports["metrics"], ports["health"])} == set(
+                zip(plan.ports.readout_metrics, plan.ports.readout_health, strict=True)
+            )
