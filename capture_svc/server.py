@@ -186,6 +186,7 @@ async def running_capture(
             duplicate_window_s=config.duplicate_window_s,
             blocks_storage=config.blocks_storage,
             replicas=config.nats_replicas,
+            dead_letters=False,  # the readout's
         )
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s

@@ -333,6 +333,7 @@ class Registry:
         with _nats_errors(f"watch bucket {self._bucket}"):
             sub = await self._js.subscribe(
                 updates_subject(self._bucket),
+                stream=f"KV_{self._bucket}",  # named: no stream lookup by subject
                 cb=on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,

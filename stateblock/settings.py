@@ -125,6 +125,17 @@ NATS_CREDS = _setting(
     "NATS_CREDS", Path, None, "a NATS credentials file (JWT and NKey seed)", ALL,
     chart=OPTIONAL,
 )  # fmt: skip
+NATS_USER = _setting(
+    "NATS_USER", str, None,
+    "the NATS user to connect as, with STATEBLOCK_NATS_PASSWORD_FILE; its replies come on "
+    "`_INBOX_<user>.>`. `stateblock up` and the chart give each component its own user, "
+    "allowed only the subjects that component uses (docs/RELIABILITY.md)", ALL,
+    chart=COMPUTED,
+)  # fmt: skip
+NATS_PASSWORD_FILE = _setting(
+    "NATS_PASSWORD_FILE", Path, None, "a file holding STATEBLOCK_NATS_USER's password", ALL,
+    chart=COMPUTED,
+)  # fmt: skip
 NATS_TLS_CA = _setting(
     "NATS_TLS_CA", Path, None, "the CA the NATS servers' TLS certificates are checked against",
     ALL, chart=OPTIONAL,

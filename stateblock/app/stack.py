@@ -25,6 +25,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from stateblock import runtime, settings
+from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
 from stateblock.app.plan import IN_PROCESS, Ports, StackPlan, Wiring
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
@@ -65,7 +66,8 @@ class UpConfig:
     capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
-    # to a worker, both read by one client loop.
+    # to a worker, both read by one client loop. Always so on the stack's own nats-server,
+    # where each service is its own NATS user.
     connection_per_service: bool = False
 
     def plan(self) -> StackPlan:
@@ -105,6 +107,9 @@ class StackUrls:
     # resolves when the stack's own nats-server exited and could not be restarted (None
     # when the stack uses a NATS it did not start)
     nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
+    # `nats` with the admin user's password in it (tools and tests; no service uses it):
+    # the stack's own nats-server admits its users only; `nats` itself on another NATS
+    nats_admin: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class _Credentials:
     readout_signer: Signer
     readout_trust: TrustStore
     token_file: Path  # the gateway's credential at the capture
+    nats_passwords: dict[str, Path]  # each component's (and the admin's) at its own NATS
 
 
 def _credentials(data_dir: Path) -> _Credentials:
@@ -135,6 +141,7 @@ def _credentials(data_dir: Path) -> _Credentials:
         readout_signer=load_or_generate_signer(readout_key_dir),
         readout_trust=TrustStore.from_dir(readout_key_dir),
         token_file=token_file,
+        nats_passwords=nats_auth.password_files(data_dir),
     )
 
 
@@ -165,35 +172,53 @@ async def _served(
 
 
 async def _nats(
-    stack: AsyncExitStack, plan: StackPlan
+    stack: AsyncExitStack, plan: StackPlan, creds: _Credentials
 ) -> tuple[str, asyncio.Future[NatsServerLost] | None]:
     """The plan's NATS URL, starting the stack's own server (restarted on its port and
-    store whenever it exits) when the plan names none."""
+    store whenever it exits, admitting the stack's NATS users only) when the plan names
+    none."""
     if plan.nats_url is not None:
         return plan.nats_url, None
     supervisor = await stack.enter_async_context(
-        supervised_nats_server(plan.data_dir, max_payload=plan.nats_max_payload)
+        supervised_nats_server(
+            plan.data_dir,
+            max_payload=plan.nats_max_payload,
+            authorization=nats_auth.server_authorization(creds.nats_passwords),
+        )
     )
     return supervisor.server.url, supervisor.lost
 
 
 class _Connections:
-    """One NATS connection for the stack, or one per service (`connection_per_service`)."""
+    """One NATS connection for the stack, or one per service (`connection_per_service`, and
+    always with `logins`: each service connects as its own user, its password in the file
+    `logins[service]`)."""
 
     def __init__(
-        self, stack: AsyncExitStack, url: str, metrics: CollectorRegistry, per_service: bool
+        self,
+        stack: AsyncExitStack,
+        url: str,
+        metrics: CollectorRegistry,
+        per_service: bool,
+        logins: dict[str, Path] | None = None,
     ) -> None:
-        self._stack, self._options, self._metrics = stack, NatsOptions.of(url), metrics
-        self._per_service = per_service
+        self._stack, self._url, self._metrics = stack, url, metrics
+        self._per_service, self._logins = per_service or logins is not None, logins
         self._conns: list[tuple[nats.NATS, NatsState]] = []
 
     async def __call__(self, service: str) -> tuple[nats.NATS, NatsState]:
         if self._conns and not self._per_service:
             return self._conns[0]
+        login = (
+            {}
+            if self._logins is None
+            else {"user": service, "password_file": self._logins[service]}
+        )
+        options = NatsOptions.of(self._url, **login)
         # the first connection's state is the stack's metric; health follows each one
         first = not self._conns
         state = NatsState.with_metrics("stateblock", self._metrics) if first else NatsState(service)
-        nc = await connect(self._options, f"stateblock-{service}", state)
+        nc = await connect(options, f"stateblock-{service}", state)
         self._stack.push_async_callback(drain_or_close, nc)
         self._conns.append((nc, state))
         return self._conns[-1]
@@ -221,9 +246,11 @@ async def running_stack(
     plan.data_dir.mkdir(parents=True, exist_ok=True)
     creds = _credentials(plan.data_dir)
     async with AsyncExitStack() as stack:
-        nats_url, nats_lost = await _nats(stack, plan)
+        nats_url, nats_lost = await _nats(stack, plan, creds)
         wiring = _wiring(creds, nats_url)
-        connection = _Connections(stack, nats_url, metrics, config.connection_per_service)
+        own_nats = plan.nats_url is None  # its users: one per service
+        logins = creds.nats_passwords if own_nats else None
+        connection = _Connections(stack, nats_url, metrics, config.connection_per_service, logins)
         nc, state = await connection(CAPTURE)
         capture = await stack.enter_async_context(
             running_capture(
@@ -253,6 +280,11 @@ async def running_stack(
             nats=nats_url,
             key_id=creds.signer.key_id,
             nats_lost=nats_lost,
+            nats_admin=(
+                nats_auth.login_url(nats_url, creds.nats_passwords[nats_auth.ADMIN])
+                if own_nats
+                else nats_url
+            ),
         )
 
 

@@ -174,7 +174,7 @@ def test_a_grpc_call_cancelled_while_its_capture_is_queued_runs_no_forward(held_
         gone.result()
     assert len(forwards) == 2, forwards  # the first and the last: the cancelled one never ran
     assert capture_gauge(url, plans) == 0
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2  # no block: nothing to end
 
 
 async def blocks_published(nats_url: str) -> int:
@@ -253,7 +253,7 @@ def test_an_http_client_that_goes_away_while_its_capture_is_queued_runs_no_forwa
     asyncio.run(scenario())
     assert len(forwards) == 2, forwards  # the first and the last: the abandoned one never ran
     assert capture_gauge(url, PLANS) == 0
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2  # no block: nothing to end
     assert requests_counted(url, api, "Cancelled") == 1
 
 
@@ -274,7 +274,7 @@ def test_a_keyed_request_abandoned_before_publish_gives_its_key_back(held_stack)
     answer = asyncio.run(scenario())
     assert '"finish_reason"' in answer
     assert len(forwards) == 2, forwards  # the first and the retry
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2
 
 
 def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that_answer(
@@ -300,4 +300,4 @@ def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that
     answer = asyncio.run(scenario())
     assert json.loads(answer)["id"] == f"cmpl-{readouts[0]}"  # the abandoned request's
     assert len(readouts) == 1, readouts  # one block, read once: the retry captured none
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 1
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import shutil
 from pathlib import Path
 
 import helm_python as helm
@@ -71,13 +70,14 @@ def test_default_values_render_and_validate(default_docs):
         + ["PodDisruptionBudget"] * 3
         + ["Pod"]  # helm test
         + ["Secret"]  # the capture token
+        + ["Secret"] * 4  # a NATS user's password per component, the server's users
     )
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert labels["app.kubernetes.io/name"] == "stateblock"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
-        assert labels["app.kubernetes.io/component"] in {*CONFIGS, "test"}
+        assert labels["app.kubernetes.io/component"] in {*CONFIGS, "test", "nats"}
 
 
 def test_selectors_ports_and_probes_are_consistent(default_docs):
@@ -253,15 +253,19 @@ def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
     ]
     assert trusted["secret"]["secretName"] == "stateblock-trusted-keys"
     token = f"{RELEASE}-stateblock-capture-token"
-    assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key", token}
+    assert secrets_referenced(default_docs, "capture") == {
+        "stateblock-signing-key", token, nats_user("capture")
+    }  # fmt: skip
     assert secrets_referenced(default_docs, "readout") == {
         "stateblock-trusted-keys",
         "stateblock-readout-signing-key",
         "stateblock-readout-trusted-keys",
+        nats_user("readout"),
     }
     assert secrets_referenced(default_docs, "gateway") == {
         "stateblock-readout-trusted-keys",
         token,
+        nats_user("gateway"),
     }
     # the readout signs outcomes with its key; the gateway believes the same key set
     readout_env, gateway_env = env_of(default_docs, "readout"), env_of(default_docs, "gateway")
@@ -276,6 +280,11 @@ def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
         readout_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"]
         == (gateway_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"])
     )
+
+
+def nats_user(component: str) -> str:
+    """The Secret of a component's NATS password."""
+    return f"{RELEASE}-stateblock-nats-{component}"
 
 
 def materialize(secret: dict, directory: Path) -> Path:
@@ -317,13 +326,18 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     readout_trusted = secrets[f"{RELEASE}-stateblock-readout-trusted-keys"]
     assert set(readout_signing["data"]) == {f"{readout.key_id}.key"}
     token = secrets[f"{RELEASE}-stateblock-capture-token"]["metadata"]["name"]
-    assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"], token}
+    assert secrets_referenced(docs, "capture") == {
+        signing["metadata"]["name"], token, nats_user("capture")
+    }  # fmt: skip
     assert secrets_referenced(docs, "readout") == {
         trusted["metadata"]["name"],
         readout_signing["metadata"]["name"],
         readout_trusted["metadata"]["name"],
+        nats_user("readout"),
     }
-    assert secrets_referenced(docs, "gateway") == {readout_trusted["metadata"]["name"], token}
+    assert secrets_referenced(docs, "gateway") == {
+        readout_trusted["metadata"]["name"], token, nats_user("gateway")
+    }  # fmt: skip
     # Pods roll when their keys change.
     for component, key in (
         ("capture", "checksum/signing-key"),
@@ -348,8 +362,8 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
 def test_the_capture_token_reaches_exactly_the_gateway_and_the_capture(default_docs, tmp_path):
     """One generated Secret, mounted into the gateway (it presents the token) and the
     capture (it checks it), where STATEBLOCK_CAPTURE_TOKEN_FILE points; the file loads."""
-    (secret,) = of_kind(default_docs, "Secret").values()
-    name = secret["metadata"]["name"]
+    name = f"{RELEASE}-stateblock-capture-token"
+    secret = of_kind(default_docs, "Secret")[name]
     paths = set()
     for component in ("gateway", "capture"):
         path = Path(env_of(default_docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"])
@@ -362,7 +376,7 @@ def test_the_capture_token_reaches_exactly_the_gateway_and_the_capture(default_d
 
     # an existing Secret: referenced under its own name and key, none rendered
     docs = render({"captureToken": {"existingSecret": "mine", "key": "t"}})
-    assert "Secret" not in kinds(docs)
+    assert not any("capture-token" in name for name in of_kind(docs, "Secret"))
     for component in ("gateway", "capture"):
         assert "mine" in secrets_referenced(docs, component)
         assert env_of(docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"].endswith("/t")
@@ -436,26 +450,6 @@ def test_service_monitors_scrape_each_metrics_port():
         scraped.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
     assert scraped == set(CONFIGS)
     render_valid({"serviceMonitor": {"enabled": True}})  # the rest still validates
-
-
-@pytest.fixture
-def chart_with_nats_stub(tmp_path) -> Path:
-    """The chart with a stand-in for the NATS dependency in charts/ (the real one is not
-    fetched here), named and configured as the official chart is."""
-    chart = tmp_path / "stateblock"
-    shutil.copytree(CHART, chart)
-    stub = chart / "charts" / "nats"
-    (stub / "templates").mkdir(parents=True)
-    (stub / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 1.3.0\n")
-    (stub / "templates" / "service.yaml").write_text(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {{ .Release.Name }}-nats\n"
-        "spec:\n  ports:\n    - name: nats\n      port: 4222\n"
-    )
-    (stub / "templates" / "config.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-nats-config\n"
-        "data:\n  jetstream: {{ .Values.config.jetstream.enabled | quote }}\n"
-    )
-    return chart
 
 
 def test_nats_dependency_is_optional_and_jetstream_enabled(chart_with_nats_stub):
