@@ -41,7 +41,7 @@ from stateblock.app.plan import (
     readout_names,  # noqa: F401 (bench.procs.readout_names)
 )
 from stateblock.app.stack import credentials_wiring
-from stateblock.settings import CAPTURE, READOUT
+from stateblock.settings import CAPTURE, GATEWAY, READOUT
 
 ENGINE_SETTINGS = {  # the readout's engine options (ReadoutServiceConfig.engine_options)
     "matmul_precision": settings.MATMUL_PRECISION,
@@ -167,7 +167,13 @@ class ProcStack:
         nats_port = self._start_nats()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
         wiring = credentials_wiring(plan.data_dir, self.nats_url)
-        for service in plan.services():
+        # the gateway last, once its captures answer: its channel's first connections then
+        # reach every capture, so round-robin balances from the first request
+        services = sorted(plan.services(), key=lambda s: s.component == GATEWAY)
+        for service in services:
+            if service.component == GATEWAY:
+                for name, ready in self._ready.items():
+                    self._wait(ready, name)
             if service.component != NATS:
                 argv = [sys.executable, "-m", MODULES[service.component]]
                 self._spawn(service.name, argv, plan.env(service, wiring))
