@@ -257,7 +257,14 @@ class ReadoutWorker:
         if ref.bucket != streams.PAYLOAD_BUCKET:
             raise Rejected(OBJECT_MISSING, f"unknown bucket {ref.bucket!r}")
         try:
-            result = await self._objects.get(ref.name)
+            # bounded: nats-py's get waits for the chunks with no deadline, and an object
+            # whose chunks go while it is read (deleted, aged out) would hold this worker
+            # and its pull loop forever
+            result = await asyncio.wait_for(self._objects.get(ref.name), self._lease_s)
+        except TimeoutError as e:
+            if await streams.payload_gone(self._nc.jetstream(), self._objects, ref.name):
+                raise Rejected(OBJECT_MISSING, f"object {ref.name!r} gone while read") from e
+            raise  # a slow store: no ack, the block comes back after ack_wait
         except js_errors.DigestMismatchError as e:
             raise Rejected(
                 str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks", authentic=False
