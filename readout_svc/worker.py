@@ -311,8 +311,8 @@ class ReadoutWorker:
             raise
         stage = self._m.stage_seconds
         claimed_s = time.perf_counter() - t_verified
-        held = [claim]
-        keepalive = asyncio.create_task(self._keep_alive(held, msg))
+        held, read = [claim], asyncio.Event()
+        keepalive = asyncio.create_task(self._keep_alive(held, msg, read))
         results: list[LaneResult] | None = None
         readout_s = 0.0
         try:
@@ -322,6 +322,7 @@ class ReadoutWorker:
             self._engine_health.record(False)
             log.exception("readout failed")
         finally:
+            read.set()
             keepalive.cancel()
         await asyncio.gather(keepalive, return_exceptions=True)
         claim = held[0]
@@ -383,10 +384,15 @@ class ReadoutWorker:
         except ClaimLost:
             log.info("claim already taken over; nothing to release")
 
-    async def _keep_alive(self, held: list[Claim], msg: Msg) -> None:
-        """Renew the lease (and JetStream's ack timer) while a long readout runs."""
-        while True:
+    async def _keep_alive(self, held: list[Claim], msg: Msg, read: asyncio.Event) -> None:
+        """Renew the lease (and JetStream's ack timer) while a long readout runs, until
+        `read`. The event, not the cancel alone, ends it: Python 3.11's asyncio.wait_for
+        (under nats-py's requests) drops a cancel that arrives with the reply, and a renewal
+        loop that outlived its readout would hold the claim, and this worker, forever."""
+        while not read.is_set():
             await asyncio.sleep(self._lease_s / 3)
+            if read.is_set():
+                return
             try:
                 held[0] = await self._registry.renew(held[0], self._lease_s)
                 await msg.in_progress()

@@ -1,9 +1,11 @@
-"""A payload object whose chunks go while a worker reads it (deleted under it, aged out):
+"""A worker that must not hang on a block: a payload object whose chunks go while it reads it (deleted under it, aged out):
 nats-py's ObjectStore.get waits for chunks with no deadline, so the worker would hold the
 block, and its pull loop, forever. The chaos suite's payload deleter wedged both readout
 processes of a run this way; the worker bounds the read and signs object_missing."""
 
 from __future__ import annotations
+
+import asyncio
 
 import nats
 from prometheus_client import CollectorRegistry
@@ -17,7 +19,14 @@ from stateblock.protocol.keys import TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import commit_pb2
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
-from tests.integration.test_readout_worker import SIGNER, make_sealed, settled
+from tests.integration.test_readout_worker import (
+    SIGNER,
+    SlowEngine,
+    make_block,
+    make_sealed,
+    publish,
+    settled,
+)
 
 
 async def test_a_payload_whose_chunks_are_gone_ends_object_missing(
@@ -60,3 +69,39 @@ async def test_a_payload_whose_chunks_are_gone_ends_object_missing(
         assert outcomes.outcome_of(entry, READOUT_TRUST, block_id).reason == "object_missing"
     finally:
         await nc.close()
+
+
+async def test_a_renewal_that_swallows_its_cancel_still_lets_the_readout_commit(
+    nc, engine, serving_model, monkeypatch
+):
+    """Python 3.11's asyncio.wait_for (under nats-py's requests) returns the result when the
+    reply and a cancel arrive together, dropping the cancel: a lease renewal cancelled at
+    the end of a long readout then kept renewing forever, and the worker never committed
+    (the chaos suite's mixed run: a claim renewed for 22 minutes, its request a 504)."""
+    real_renew, swallowed = Registry.renew, []
+
+    async def renew_as_3_11_may(self, claim, lease_s):
+        try:
+            await asyncio.sleep(3600)  # until the readout ends and the renewal is cancelled
+        except asyncio.CancelledError:
+            if swallowed:  # once is the fault; the test's teardown cancels for good
+                raise
+            swallowed.append(True)  # the reply was there too: wait_for returns it
+        return await real_renew(self, claim, lease_s)
+
+    monkeypatch.setattr(Registry, "renew", renew_as_3_11_may)
+    config = ReadoutServiceConfig(
+        nats_url="unused", workers=1, lease_s=0.3, ack_wait_s=3.0, fetch_timeout_s=0.1
+    )
+    metrics = CollectorRegistry()
+    async with running_readout(
+        config,
+        nc=nc,
+        engine=SlowEngine(engine, 1.0),
+        trust=TrustStore([SIGNER.public_key]),
+        signer=READOUT_SIGNER,
+        metrics=metrics,
+    ):
+        block = make_block(serving_model, seed=11)
+        await publish(nc, block)
+        assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
