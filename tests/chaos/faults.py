@@ -177,8 +177,9 @@ class ClaimSniper(BusClient):
     `aims` ({process: signal}, taken in turn) at once, while that worker holds the claim and
     its readout runs: SIGKILL, then `restart(process)`; SIGSTOP, then SIGCONT after
     `hold_s` (past its lease and ack_wait, so the block is taken over and its own commit
-    loses). `lock` keeps a restart apart from the test's other kills (a ProcStack restart
-    fails while another service is down); a claim seen while it is held is let go."""
+    loses). `lock` keeps a kill and its restart apart from the test's other kills (a
+    ProcStack restart fails while another service is down); a claim seen while it is held
+    is let go."""
 
     subjects = (streams.blocks_subject(">"), KV_SUBJECT)
 
@@ -208,10 +209,12 @@ class ClaimSniper(BusClient):
         aimed = [i for i, (name, _) in enumerate(self.aims) if name == process]
         if self._busy or not aimed or time.monotonic() - self._last < self.every_s:
             return
-        if not self._lock.acquire(blocking=False):
+        name, sig = self.aims[aimed[0]]
+        # a stopped process is still running to ProcStack: only a kill waits for its restart
+        if sig == signal.SIGKILL and not self._lock.acquire(blocking=False):
             self.count("let_go")
             return
-        name, sig = self.aims.pop(aimed[0])
+        self.aims.pop(aimed[0])
         self._send(name, sig)  # at once: the claim is seconds old at most
         self._busy, self._last = True, time.monotonic()
         self.shots.append({"block_id": entry.block_id, "process": name,
@@ -221,12 +224,14 @@ class ClaimSniper(BusClient):
     async def _after(self, name: str, sig: int) -> None:
         try:
             if sig == signal.SIGKILL:
-                await asyncio.to_thread(self._restart, name)
+                try:
+                    await asyncio.to_thread(self._restart, name)
+                finally:
+                    self._lock.release()
             else:
                 await asyncio.sleep(self.hold_s)
                 self._send(name, signal.SIGCONT)
         finally:
-            self._lock.release()
             self._busy = False
 
     async def closing(self) -> None:

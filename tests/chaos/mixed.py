@@ -209,7 +209,7 @@ def client_figures(answers: list[Answer], expected: Callable[[dict], list[str]],
 def registry_figures(nats_url: str, trust: TrustStore, shots: list[dict]) -> dict:
     """Read back from the registry (every key's kept revisions): blocks committed (one per
     request, or one ran twice), genuine rejections by reason, commits made under a takeover
-    (attempt > 1), and for each sniper shot whether another worker committed the block."""
+    (attempt > 1), and for each sniper shot who committed the block under which attempt."""
 
     async def read() -> dict:
         nc = await nats.connect(nats_url)
@@ -217,7 +217,7 @@ def registry_figures(nats_url: str, trust: TrustStore, shots: list[dict]) -> dic
             js = nc.jetstream()
             registry = await Registry.open(js, outcome_trust=trust)
             kv = await js.key_value(DEFAULT_BUCKET)
-            committed: dict[str, pb.Commit] = {}
+            committed: dict[str, pb.RegistryEntry] = {}
             rejected: dict[str, int] = {}
             out = {"keys": 0, "commits_in_one_key": 0, "takeover_commits": 0}
             for key in await kv.keys():
@@ -233,15 +233,18 @@ def registry_figures(nats_url: str, trust: TrustStore, shots: list[dict]) -> dic
                 commits = [(e, r) for e, r in genuine if isinstance(r, pb.Commit)]
                 out["commits_in_one_key"] = max(out["commits_in_one_key"], len(commits))
                 if commits:
-                    committed[key] = commits[0][1]
+                    committed[key] = commits[0][0]
                     out["takeover_commits"] += commits[0][0].attempt > 1
                 for _, r in genuine:
                     if isinstance(r, pb.Rejection):
                         rejected[r.reason] = rejected.get(r.reason, 0) + 1
             out |= {"committed_blocks": len(committed), "rejected": rejected}
-            out["shots"] = [
-                {**s, "committed_by": committed[s["block_id"]].worker_id
-                 if s["block_id"] in committed else None} for s in shots]  # fmt: skip
+            out["shots"] = [  # the commit's attempt: > 1, made under a takeover
+                {**s, "committed_by": committed[s["block_id"]].worker_id,
+                 "attempt": committed[s["block_id"]].attempt}
+                if s["block_id"] in committed else {**s, "committed_by": None, "attempt": 0}
+                for s in shots
+            ]  # fmt: skip
             return out
         finally:
             await nc.close()
