@@ -344,7 +344,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
     t0 = time.perf_counter()
     stack = StackThread(stack_cfg, metrics=metrics, model=serving, engine=engine)
     urls = stack.start(timeout=max(60.0, left()))
-    probe_nc = stack.call(subscribe_probe(urls.nats, probe))
+    probe_nc = stack.call(subscribe_probe(urls.nats_admin, probe))
     setup["stack_start_s"] = time.perf_counter() - t0  # engine + capture warm-ups included
     report.write()
     client = CompletionsClient(urls.http, timeout=120.0)

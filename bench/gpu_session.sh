@@ -14,6 +14,12 @@
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 #   bash bench/gpu_session.sh load [ARGS] # bench.load_gpu: 1-128 clients, 256 and 1,014
 #                                         # tokens, batched AR (about 6-8 minutes)
+#   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
+#                                         # rows at 1-32 lanes, eager and compiled (minutes)
+#   bash bench/gpu_session.sh prose [DATA [ARGS]]  # the prose base (issue 41): arms of
+#       # stateblock.train.prose_stage on DATA (default .gpu_prose, written here by
+#       # `python -m stateblock.train.prose_shards`; no wheels needed), about 7 minutes;
+#       # ARGS go to the trainer (e.g. --init DATA/base --epochs 6)
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
 # compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
@@ -21,8 +27,8 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, e2e, e2e-both or e2e-procs}
-source bench/gpu_env.sh || exit 1
+STAGE=${1:?checks, smoke, measure, final, load, invariance, prose, e2e, e2e-both or e2e-procs}
+if [ "$STAGE" != prose ]; then source bench/gpu_env.sh || exit 1; fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: smoke, then e2e
@@ -59,6 +65,16 @@ elif [ "$STAGE" = load ]; then  # the throughput-latency curve; JSON, markdown, 
     > "$OUT/load.log" 2>&1
   echo "load rc=$?"
   tail -c 6000 "$OUT/load.log"
+elif [ "$STAGE" = invariance ]; then  # is the compiled capture batch-invariant? JSON in $OUT
+  timeout 500 python3 -m bench.capture_invariance --out "$OUT/invariance.json" "${@:2}" \
+    > "$OUT/invariance.log" 2>&1
+  echo "invariance rc=$?"
+  tail -c 3000 "$OUT/invariance.log"
+elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetensors in $OUT
+  timeout 500 python3 -m stateblock.train.prose_stage --data "${2:-.gpu_prose}" --out "$OUT" \
+    --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
+  echo "prose rc=$?"
+  tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
 elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests
   smoke_s=300
   if [ "$STAGE" = measure ]; then  # the eval first (about 25 s); the whole under 10 minutes

@@ -15,7 +15,10 @@
    process, the services' stage histograms, GPU busy, bytes/s through nats-server.
 3. The same base's batched AR decode (bench/ar_decode.py, HF `generate`, static cache +
    torch.compile on CUDA) at each batch size of --ar-batches, in its own process.
-4. With --stall-clients N: a second stack whose capture compiles (--stall-compile), one
+4. With --big-clients B, after the levels on the same stack: the fairness level
+   (bench/load_fairness.py): small requests alone, then beside B clients sending maximal
+   requests (the longest prompt, `n` lanes, the deepest answer the stack accepts).
+5. With --stall-clients N: a second stack whose capture compiles (--stall-compile), one
    level of N clients: what a compile on the request path does under load.
 Writes DIR/load.json after every step, then DIR/load.md and DIR/load.png. --budget-s caps
 the whole run: a step that would not fit is skipped and the reason recorded.
@@ -70,9 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64,
                     help="distinct prompts, each sent alone once a depth (the reference)")  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
-    ap.add_argument("--workers", type=int, default=2, help="readout workers")
+    ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
+    ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
+    ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
+    ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V",
+                    help="a setting for every service, e.g. STATEBLOCK_CAPTURE_COHORT_LANES=32")  # fmt: skip
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument("--ar-batches", type=ints, default=[64, 1, 8, 32, 128],
                     help="AR batch sizes, timed in this order ('' for none)")  # fmt: skip
@@ -86,6 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the level and AR batch whose answer tokens/s are compared")  # fmt: skip
     ap.add_argument("--stall-clients", type=int, default=0, help="0: no compile-stall level")
     ap.add_argument("--stall-compile", default="reduce-overhead")
+    ap.add_argument("--big-clients", type=int, default=0,
+                    help="the fairness level: clients sending maximal requests (0: none)")  # fmt: skip
+    ap.add_argument("--fairness-requests", type=int, default=40,
+                    help="small requests alone, then as many beside the big clients")  # fmt: skip
+    ap.add_argument("--big-prompt-len", type=int, default=None,
+                    help="default: the stack's STATEBLOCK_PROMPT_LEN_MAX")  # fmt: skip
+    ap.add_argument("--big-n", type=int, default=None,
+                    help="lanes (`n`) of a big request; default: STATEBLOCK_MAX_LANES")  # fmt: skip
+    ap.add_argument("--big-max-tokens", type=int, default=None,
+                    help="default: the stack's STATEBLOCK_ANSWER_DEPTH_MAX")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run time budget")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--work-dir", type=Path, default=None, help="models; default a /tmp dir")
@@ -94,11 +111,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Level:
-    """C client threads sending back to back until `stop_at`; every outcome kept."""
+    """C client threads sending back to back until `stop_at` or `stop` is set; every outcome
+    kept. n: the OpenAI `n` field of every request (lanes a request), left out when None."""
 
-    def __init__(self, url: str, prompts: list[str], depth: int, max_requests: int) -> None:
-        self.url, self.prompts, self.depth = url, prompts, depth
+    def __init__(
+        self, url: str, prompts: list[str], depth: int, max_requests: int, n: int | None = None
+    ) -> None:
+        self.url, self.prompts, self.depth, self.n = url, prompts, depth, n
         self.max_requests = max_requests
+        self.stop = threading.Event()
+        self.sent = 0  # requests begun: each counted once its send time is taken
         self._next = itertools.count()
         self._lock = threading.Lock()
         # (prompt index, sent, replied, answer text or None, completion tokens, error key)
@@ -107,7 +129,7 @@ class Level:
     def _client(self, stop_at: float) -> None:
         client = CompletionsClient(self.url, timeout=300.0)
         try:
-            while time.perf_counter() < stop_at:
+            while time.perf_counter() < stop_at and not self.stop.is_set():
                 i = next(self._next)
                 if self.max_requests and i >= self.max_requests:
                     return
@@ -121,9 +143,11 @@ class Level:
     def _one(self, client: CompletionsClient, k: int) -> str | None:
         """One request of prompt k; its error key (HTTP status or exception name) or None."""
         t0 = time.perf_counter()
+        with self._lock:
+            self.sent += 1
         text, tokens, error = None, 0, None
         try:
-            r = client.complete(MODEL_NAME, self.prompts[k], self.depth)
+            r = client.complete(MODEL_NAME, self.prompts[k], self.depth, self.n)
             text, tokens = r["choices"][0]["text"], r["usage"]["completion_tokens"]
         except CompletionError as e:
             error = str(e.status)
@@ -183,7 +207,7 @@ def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> d
         "window_s": round(window, 3),
         "req_per_s": round(req_per_s, 2),
         "tok_per_s": round(tok_per_s, 1),
-        "all_full_depth": all(r[4] == level.depth for r in ok),
+        "all_full_depth": all(r[4] == level.depth * (level.n or 1) for r in ok),
         "invariance": {"checked": sum(1 for r in ok if r[0] in refs),
                        "differing": len(differing), "prompts": sorted(set(differing))[:8]},
     }  # fmt: skip
@@ -242,10 +266,13 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         capture_dtype="bfloat16" if cuda else "float32",
         engine=args.engine,
         workers=args.workers,
+        readout_procs=args.readout_procs,
+        captures=args.captures,
         capture_compile=compile_mode,
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),
         nats_monitor=True,
+        extra_env=dict(kv.split("=", 1) for kv in args.env),
     )
     stack = ProcStack(config)
     t0 = time.perf_counter()
@@ -318,6 +345,23 @@ def stall_level(args, paths, device, gpu, kept: dict, left) -> dict:
     return dict(row, capture_compile=args.stall_compile, stack_start_s=start_s)
 
 
+def fairness_level(args, stack, url: str, kept: dict, report: Report, left_s: float) -> None:
+    """With --big-clients: small requests alone, then beside maximal ones (load_fairness)."""
+    from bench import load_fairness
+
+    depth = args.depths[0]
+    if not args.big_clients or depth not in kept:
+        return
+    if left_s < 30.0:
+        report.doc["skipped"].append(f"fairness level: {left_s:.0f} s left")
+        return
+    prompts, refs = kept[depth]
+    report.set("fairness", load_fairness.measure(stack, url, prompts, refs, depth, args))
+    f = report.doc["fairness"]
+    print(json.dumps({k: f[k] for k in ("big", "p50_ratio", "p99_ratio", "meets_target")}),
+          flush=True)  # fmt: skip
+
+
 def build_models(args, work: Path, device: str, report: Report) -> dict:
     """The base and decoder saved under `work`; nothing kept in this process's memory."""
     from bench.models import build_base_and_decoder, n_params
@@ -380,6 +424,7 @@ def run(args, device: str, report: Report, work: Path, deadline: float) -> None:
         report.doc["setup"]["stack_start_s"] = start_s
         try:
             kept = run_depths(args, stack, url, gpu, report, left, reserve)
+            fairness_level(args, stack, url, kept, report, left() - reserve)
         finally:
             stack.stop()
         stall_s = args.level_s + 150.0 if args.stall_clients else 0.0

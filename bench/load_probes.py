@@ -24,6 +24,7 @@ FAMILIES = (
     "stateblock_capture_stage_seconds",
     "stateblock_capture_cohort_lanes",
     "stateblock_readout_stage_seconds",
+    "stateblock_readout_cohort_blocks",
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -120,6 +121,7 @@ def stage_key(name: str, stage: str) -> str:
         "capture_stage_seconds": "capture",
         "capture_cohort_lanes": "capture.cohort_lanes",
         "readout_stage_seconds": "worker",
+        "readout_cohort_blocks": "worker.cohort_blocks",
     }[base]
     return f"{prefix}.{stage}" if stage else prefix
 
@@ -140,6 +142,9 @@ def stages(before: dict, after: dict, wall: float) -> dict:
         if key == "capture.cohort_lanes":
             out[key] = {"forwards": int(n), "mean_lanes": round(total / n, 2),
                         "forwards_per_s": round(n / wall, 1)}  # fmt: skip
+        elif key == "worker.cohort_blocks":
+            out[key] = {"executions": int(n), "mean_blocks": round(total / n, 2),
+                        "executions_per_s": round(n / wall, 1)}  # fmt: skip
         else:
             out[key] = {"n": int(n), "mean_ms": round(1000.0 * total / n, 3),
                         "in_flight": round(total / wall, 3)}  # fmt: skip

@@ -53,6 +53,12 @@ def saturation(row: dict) -> list[str]:
         lines.append(
             f"Capture: {cohort['forwards_per_s']} forwards/s, {cohort['mean_lanes']} lanes each."
         )
+    reads = row["stages"].get("worker.cohort_blocks")
+    if reads:
+        lines.append(
+            f"Readout: {reads['executions_per_s']} engine executions/s, "
+            f"{reads['mean_blocks']} blocks each."
+        )
     lines += ["", "| stage | mean per request (ms) | requests in it at once |", "|---|---:|---:|"]
     for name, s in row["stages"].items():
         if "mean_ms" in s:
@@ -86,13 +92,61 @@ def ar_lines(doc: dict) -> list[str]:
     return lines
 
 
+def _latency_row(name: str, row: dict) -> str:
+    lat = row.get("latency_ms", {})
+    cells = " | ".join(f"{lat[k]:,.1f}" if k in lat else "-" for k in ("p50", "p90", "p99", "max"))
+    return f"| {name} | {row['n']} | {cells} | {_errors(row)} |"
+
+
+def fairness_lines(f: dict) -> list[str]:
+    """The fairness level: small requests alone and beside the big clients, and the ratio."""
+    big, small, beside, bigs = f["big"], f["small"], f["beside"], f["big_requests"]
+    p99 = "-" if f["p99_ratio"] is None else f"{f['p99_ratio']:.2f}x"
+    verdict = "met" if f["meets_target"] else "missed"
+    inv = [f[k]["invariance"] for k in ("alone", "beside")]
+    lim = f["limits"]
+    lines = [
+        f"**Fairness**: {f['big_clients']} client(s) sending maximal requests back to back "
+        f"(prompt {big['prompt_len']:,} tokens, `n` {big['n']}, max_tokens {big['max_tokens']:,}; "
+        f"the stack's limits: `STATEBLOCK_PROMPT_LEN_MAX` {lim['prompt_len_max']}, `_MAX_LANES` "
+        f"{lim['max_lanes']}, `_ANSWER_DEPTH_MAX` {lim['answer_depth_max']}), beside one client "
+        f"sending small ones (prompt {small['prompt_len']} tokens, {small['depth']}-token "
+        f"answers, {small['requests']} alone, then as many beside)",
+        "",
+        "| requests | n | p50 (ms) | p90 (ms) | p99 (ms) | max (ms) | errors |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        _latency_row("small, alone", f["alone"]),
+        _latency_row(f"small, beside {f['big_clients']} big", beside),
+        _latency_row("big", bigs),
+        "",
+        f"p99 beside / alone = **{p99}** (target <= {f['target_p99_ratio']:g}x: {verdict}; p50 "
+        f"{f['p50_ratio']}x); {beside['beside_big']} of {beside['n']} small requests were sent "
+        f"while a big one was in flight; small answers differing from their prompt alone: "
+        f"{inv[0]['differing'] + inv[1]['differing']} / {inv[0]['checked'] + inv[1]['checked']}; "
+        f"every big answer {big['n']} x {big['max_tokens']:,} tokens: "
+        f"{bigs['all_full_depth'] if bigs['n_ok'] else '-'}.",
+    ]
+    st = f.get("stages_beside", {})
+    cohort, forward, readout = (st.get(k) for k in
+                                ("capture.cohort_lanes", "capture.forward", "worker.readout"))  # fmt: skip
+    if cohort and forward and readout:
+        lines.append(
+            f"Beside: the capture ran {cohort['forwards']} forwards of {cohort['mean_lanes']} "
+            f"lanes, {forward['mean_ms']:,.1f} ms a request in its forward stage; the readout "
+            f"{readout['mean_ms']:,.1f} ms a request."
+        )
+    return lines
+
+
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [
         f"### Load, one process per service ({c['scale']}, {c['device_name']})",
         f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
-        f"`{c['capture_compile']}`, {c['workers']} readout workers, blocks storage "
-        f"`{c['blocks_storage']}`, {c['level_s']} s a level",
+        f"`{c['capture_compile']}`, {c.get('captures', 1)} capture and "
+        f"{c.get('readout_procs', 1)} readout processes of {c['workers']} workers, blocks storage "
+        f"`{c['blocks_storage']}`, {c['level_s']} s a level"
+        + "".join(f", `{kv}`" for kv in c.get("env") or ()),
     ]
     for depth, entry in doc.get("load", {}).items():
         ref = entry["reference"]
@@ -101,6 +155,8 @@ def markdown(doc: dict) -> str:
         lines += level_table(entry["levels"])
         if entry["levels"]:
             lines += ["", *saturation(max(entry["levels"], key=lambda r: r["req_per_s"]))]
+    if doc.get("fairness"):
+        lines += ["", *fairness_lines(doc["fairness"])]
     lines += ["", *ar_lines(doc)]
     stall = doc.get("stall")
     if stall:
@@ -141,7 +197,8 @@ def plot(doc: dict, path: Path) -> bool:
     ax.set_ylabel("latency (ms)")
     ax.set_title(f"stateblock under load, {doc['config']['device_name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a run of no levels plots nothing
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

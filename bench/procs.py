@@ -1,6 +1,7 @@
 """The stack as it is deployed, one process per service: nats-server, `python -m capture_svc`,
-`python -m readout_svc` and `python -m gateway`, each configured by its STATEBLOCK_*
-variables and each with its own interpreter, event loop and GIL.
+`python -m readout_svc` and `python -m gateway`, each with its own interpreter, event loop
+and GIL, and the STATEBLOCK_* environment the stack plan (stateblock/app/plan.py) generates
+for it: the topology `stateblock up` runs in one process, here one process per service.
 
 `bench.stack` runs the same services on one event loop in the bench's process, where the
 capture's publish, the worker's read of the same 2.75 MB block and the gateway's reply wait
@@ -27,13 +28,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from stateblock import settings
 from stateblock.app.nats_server import free_port, nats_server_binary
-from stateblock.protocol.keys import load_or_generate_signer
+from stateblock.app.plan import (
+    MODULES,
+    NATS,
+    PROCESSES,
+    Ports,
+    Service,
+    StackPlan,
+    capture_names,  # noqa: F401 (bench.procs.capture_names)
+    readout_names,  # noqa: F401 (bench.procs.readout_names)
+)
+from stateblock.app.stack import credentials_wiring
+from stateblock.settings import CAPTURE, READOUT
 
-ENGINE_ENV = {  # readout_svc
-    "matmul_precision": "MATMUL_PRECISION",
-    "head": "READOUT_HEAD",
-    "greedy_dtype": "GREEDY_DTYPE",
+ENGINE_SETTINGS = {  # the readout's engine options (ReadoutServiceConfig.engine_options)
+    "matmul_precision": settings.MATMUL_PRECISION,
+    "head": settings.READOUT_HEAD,
+    "greedy_dtype": settings.GREEDY_DTYPE,
 }
 
 
@@ -69,21 +82,57 @@ class ProcStackConfig:
     workers: int = 2
     capture_compile: str = "off"
     blocks_storage: str = "file"
-    engine_options: dict[str, str] = field(default_factory=dict)  # the readout's, see below
+    engine_options: dict[str, str] = field(default_factory=dict)  # the readout's: ENGINE_SETTINGS
     nats_max_payload: int = 8 << 20
     ready_timeout_s: float = 600.0
     readout_procs: int = 1  # readout processes (the chaos suite kills and stops some)
-    extra_env: dict[str, str] = field(default_factory=dict)  # STATEBLOCK_* for every service
+    captures: int = 1  # capture processes; the gateway balances over them round-robin
+    # STATEBLOCK_* for the services: each gets those its component reads
+    extra_env: dict[str, str] = field(default_factory=dict)
     nats_monitor: bool = False  # nats-server's HTTP monitoring (/varz) on a free port
 
+    def plan(self) -> StackPlan:
+        """The stack these processes run, every port a free one."""
+        values = {
+            settings.MODEL_NAME: self.model_name,
+            settings.BASE_DIR: self.base_dir,
+            settings.DECODER_DIR: self.decoder_dir,
+            settings.DEVICE: self.device,
+            settings.CAPTURE_DTYPE: self.capture_dtype,
+            settings.CAPTURE_COMPILE: self.capture_compile,
+            settings.BLOCKS_STORAGE: self.blocks_storage,
+            settings.ENGINE: self.engine,
+            settings.WORKERS: self.workers,
+            settings.LOG_LEVEL: "warning",
+            **{ENGINE_SETTINGS[k]: v for k, v in self.engine_options.items()},
+            **{_declared(name): value for name, value in self.extra_env.items()},
+        }
+        c, n = self.captures, self.readout_procs
+        ports = Ports(
+            http=0, grpc=0, capture=(0,) * c, capture_metrics=(0,) * c, readout_metrics=(0,) * n
+        )
+        plan = StackPlan(
+            data_dir=self.data_dir,
+            placement=PROCESSES,
+            nats_max_payload=self.nats_max_payload,
+            captures=c,
+            readout_procs=n,
+            ports=ports,
+            values=values,
+        )
+        return plan.with_free_ports(free_port)
 
-def readout_names(n: int) -> list[str]:
-    return ["readout"] if n == 1 else [f"readout-{i}" for i in range(n)]
+
+def _declared(name: str) -> settings.Setting:
+    if name not in settings.BY_NAME:
+        raise ValueError(f"{name} is not a STATEBLOCK_* setting (stateblock/settings.py)")
+    return settings.BY_NAME[name]
 
 
 class ProcStack:
-    """`start()` launches the four processes and returns the gateway's URL; `stop()` ends
-    them (SIGTERM: each service drains and stops gracefully)."""
+    """`start()` launches the processes of the config's plan (nats-server, capture, the
+    readout processes, gateway) and returns the gateway's URL; `stop()` ends them (SIGTERM:
+    each service drains and stops gracefully)."""
 
     def __init__(self, config: ProcStackConfig) -> None:
         self.config = config
@@ -94,109 +143,64 @@ class ProcStack:
         self.nats_monitor_url: str | None = None  # http://127.0.0.1:PORT, with nats_monitor
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        """Start one process with `env` as its only STATEBLOCK_* variables."""
         self._specs[name] = (argv, env)
         log = (self.config.data_dir / f"{name}.log").open("ab")
-        full = {**os.environ, "PYTHONUNBUFFERED": "1", **env, **self.config.extra_env}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("STATEBLOCK_")}
+        full = {**inherited, "PYTHONUNBUFFERED": "1", **env}
         full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
         self._procs[name] = subprocess.Popen(argv, stdout=log, stderr=log, env=full, cwd=REPO)
         log.close()
 
     def start(self) -> str:
+        """Every service of the config's plan, each ready; returns the gateway's URL. On a
+        failure, what was started is stopped again."""
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        plan = self.config.plan()
+        try:
+            return self._start(plan)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, plan: StackPlan) -> str:
+        nats_port = self._start_nats()
+        self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        wiring = credentials_wiring(plan.data_dir, self.nats_url)
+        for service in plan.services():
+            if service.component != NATS:
+                argv = [sys.executable, "-m", MODULES[service.component]]
+                self._spawn(service.name, argv, plan.env(service, wiring))
+            self._ready[service.name] = _probe(service, plan, nats_port)
+        p = plan.ports
+        self._metrics_urls = [
+            f"http://127.0.0.1:{port}/metrics" for port in (*p.capture_metrics, *p.readout_metrics)
+        ]
+        # the capture's gRPC port opens before its warm-up; its health says SERVING after it
+        for name, ready in self._ready.items():
+            self._wait(ready, name)
+        for url in self._metrics_urls:
+            self._wait(lambda u=url: _http_ok(u), url)
+        return f"http://127.0.0.1:{p.http}"
+
+    def _start_nats(self) -> int:
+        """nats-server with JetStream on a free port, its store in the data dir."""
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        key_dir = cfg.data_dir / "keys"
-        load_or_generate_signer(key_dir)  # before the workers read the trust store
-        readout_key_dir = cfg.data_dir / "readout-keys"
-        load_or_generate_signer(readout_key_dir)  # before the gateway reads its trust store
-        nats_port = free_port()
-        conf = cfg.data_dir / "nats.conf"
+        port, conf = free_port(), cfg.data_dir / "nats.conf"
         conf.write_text(f"max_payload: {cfg.nats_max_payload}\n")
-        store = cfg.data_dir / "nats"
         monitor = []
         if cfg.nats_monitor:
             monitor_port = free_port()
             monitor = ["-m", str(monitor_port)]
             self.nats_monitor_url = f"http://127.0.0.1:{monitor_port}"
         self._spawn(
-            "nats",
-            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd",
-             str(store), "-c", str(conf), *monitor],
+            NATS,
+            [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
+             str(cfg.data_dir / "nats"), "-c", str(conf), *monitor],
             {},
         )  # fmt: skip
-        self._wait(lambda: _port_open(nats_port), "nats-server")
-        capture_port, gateway_port = free_port(), free_port()
-        capture_metrics = free_port()
-        readout_metrics = [free_port() for _ in range(cfg.readout_procs)]
-        common = {
-            "STATEBLOCK_NATS_URL": f"nats://127.0.0.1:{nats_port}",
-            "STATEBLOCK_MODEL_NAME": cfg.model_name,
-            "STATEBLOCK_BASE_DIR": str(cfg.base_dir),
-            "STATEBLOCK_DECODER_DIR": str(cfg.decoder_dir),
-            "STATEBLOCK_KEY_DIR": str(key_dir),
-            "STATEBLOCK_READOUT_KEY_DIR": str(readout_key_dir),
-            "STATEBLOCK_READOUT_TRUSTED_KEYS_DIR": str(readout_key_dir),
-            "STATEBLOCK_DEVICE": cfg.device,
-            "STATEBLOCK_BLOCKS_STORAGE": cfg.blocks_storage,
-            "STATEBLOCK_LOG_LEVEL": "warning",
-        }
-        py = sys.executable
-        self._spawn(
-            "capture",
-            [py, "-m", "capture_svc"],
-            {
-                **common,
-                "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
-                "STATEBLOCK_CAPTURE_PORT": str(capture_port),
-                "STATEBLOCK_CAPTURE_DTYPE": cfg.capture_dtype,
-                "STATEBLOCK_CAPTURE_COMPILE": cfg.capture_compile,
-                "STATEBLOCK_CAPTURE_METRICS_PORT": str(capture_metrics),
-            },
-        )
-        for name, port in zip(readout_names(cfg.readout_procs), readout_metrics, strict=True):
-            self._spawn(
-                name,
-                [py, "-m", "readout_svc"],
-                {
-                    **common,
-                    "STATEBLOCK_ENGINE": cfg.engine,
-                    **{f"STATEBLOCK_{ENGINE_ENV[k]}": v for k, v in cfg.engine_options.items()},
-                    "STATEBLOCK_WORKERS": str(cfg.workers),
-                    "STATEBLOCK_WORKER_ID": name,
-                    "STATEBLOCK_READOUT_METRICS_PORT": str(port),
-                },
-            )
-        self._spawn(
-            "gateway",
-            [py, "-m", "gateway"],
-            {
-                **common,
-                "STATEBLOCK_CAPTURE_TARGET": f"127.0.0.1:{capture_port}",
-                "STATEBLOCK_GATEWAY_HOST": "127.0.0.1",
-                "STATEBLOCK_HTTP_PORT": str(gateway_port),
-                "STATEBLOCK_GRPC_PORT": str(free_port()),
-            },
-        )
-        url = f"http://127.0.0.1:{gateway_port}"
-        self._metrics_urls = [
-            f"http://127.0.0.1:{capture_metrics}/metrics",
-            *(f"http://127.0.0.1:{port}/metrics" for port in readout_metrics),
-        ]
-        self.nats_url = common["STATEBLOCK_NATS_URL"]
-        # the capture's gRPC port opens before its warm-up; its health says SERVING after it
-        self._ready = {
-            "nats": lambda: _port_open(nats_port),
-            "capture": lambda: _grpc_serving(capture_port),
-            **{
-                name: (lambda u=f"http://127.0.0.1:{port}/metrics": _http_ok(u))
-                for name, port in zip(
-                    readout_names(cfg.readout_procs), readout_metrics, strict=True
-                )
-            },
-        }
-        self._wait(lambda: _grpc_serving(capture_port), "capture gRPC health")
-        for probe in (f"{url}/health", *self._metrics_urls):
-            self._wait(lambda p=probe: _http_ok(p), probe)
-        return url
+        self._wait(lambda: _port_open(port), "nats-server")
+        return port
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -219,7 +223,7 @@ class ProcStack:
                 if family.name not in families:
                     continue
                 for s in family.samples:
-                    if s.name.endswith(("_sum", "_count", "_total")):
+                    if s.name.endswith(("_sum", "_count", "_total")):  # summed over the processes
                         key = (s.name, s.labels.get("stage", ""))
                         out[key] = out.get(key, 0.0) + s.value
         return out
@@ -246,10 +250,9 @@ class ProcStack:
             self._wait(self._ready[name], name)
 
     def stop(self) -> None:
-        # services first (they drain through NATS), the server last
-        order = ["gateway", *readout_names(self.config.readout_procs), "capture", "nats"]
-        for name in order:
-            proc = self._procs.get(name)
+        # in reverse start order: services first (they drain through NATS), the server last
+        for name in reversed(self._procs):
+            proc = self._procs[name]
             if proc is None or proc.poll() is not None:
                 continue
             proc.terminate()
@@ -258,6 +261,19 @@ class ProcStack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _probe(service: Service, plan: StackPlan, nats_port: int) -> Callable[[], bool]:
+    """Whether the service is ready: nats-server's port is open, the capture's gRPC health
+    says SERVING, a readout's /metrics and the gateway's /health answer."""
+    if service.component == NATS:
+        return lambda: _port_open(nats_port)
+    if service.component == CAPTURE:
+        return lambda: _grpc_serving(plan.ports.capture[service.index])
+    if service.component == READOUT:
+        url = f"http://127.0.0.1:{plan.ports.readout_metrics[service.index]}/metrics"
+        return lambda: _http_ok(url)
+    return lambda: _http_ok(f"http://127.0.0.1:{plan.ports.http}/health")
 
 
 def _port_open(port: int) -> bool:

@@ -116,16 +116,18 @@ class CompletionsClient:
         parts = urlsplit(url)
         self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
 
-    def complete(self, model: str, prompt: str, max_tokens: int) -> dict:
-        body = json.dumps(
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            }  # fmt: skip
-        )
+    def complete(self, model: str, prompt: str, max_tokens: int, n: int | None = None) -> dict:
+        """One greedy completion of exactly max_tokens; `n` answers (lanes) only when given."""
+        fields = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        if n is not None:
+            fields["n"] = n
+        body = json.dumps(fields)
         self._conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = self._conn.getresponse()
         data = resp.read()

@@ -15,8 +15,10 @@ REFUSED = "missing or wrong capture token (STATEBLOCK_CAPTURE_TOKEN_FILE)"
 
 class CaptureTokenInterceptor(grpc.aio.ServerInterceptor):
     """A call to the Capture service without `authorization: Bearer <token>` metadata is
-    UNAUTHENTICATED before it reaches the servicer; every other service (gRPC health, so
-    probes work) passes through."""
+    UNAUTHENTICATED before it reaches the servicer. Every other service (gRPC health)
+    passes through without a token, so probes work; one that presents a wrong token is
+    refused too, so a gateway's readiness probe, which presents its token, sees it is
+    wrong before any request does."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -28,8 +30,9 @@ class CaptureTokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(CAPTURE_PREFIX):
-            metadata = dict(handler_call_details.invocation_metadata or ())
-            if not tokens.presented_ok(metadata.get(tokens.METADATA_KEY), self._token):
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        presented = metadata.get(tokens.METADATA_KEY)
+        if presented is not None or handler_call_details.method.startswith(CAPTURE_PREFIX):
+            if not tokens.presented_ok(presented, self._token):
                 return self._deny
         return await continuation(handler_call_details)

@@ -1,8 +1,9 @@
 """Concurrent requests -> one packed base forward per cohort.
 
 Requests queued while the previous forward ran (or within an optional window) are grouped
-by padded-length bucket and run as cohorts of at most K_max lanes, one forward each, on a
-single forward thread. Lanes are right-padded to a bucket width (powers of two and 1.5x
+by padded-length bucket and run as cohorts bounded by lanes and by padded tokens (lanes x
+the bucket width, `CohortLimits`), one forward each, on a single forward thread, the
+narrowest bucket first. Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal
 decoder-only (Llama; NemotronH attention and Mamba conv/scan), so with right padding no
 valid position sees a pad column, and the pad rows are dropped. A mask would only push
@@ -13,7 +14,8 @@ the same unmasked causal path), so batching never changes an answer.
 A compiled forward runs a fixed set of shapes: a cohort's lanes are padded up to a lane
 bucket with dummy lanes of pad ids (their rows are cut off before the plan table sees the
 forward's output, so they reach no block), and `warm_shapes` lists every (lane bucket,
-width bucket) pair, which the service runs through the forward before it is ready.
+width bucket) pair a cohort can reach, which the service runs through the forward before
+it is ready.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import structlog
 import torch
 from torch import nn
 
+from capture_svc.config import CohortLimits
 from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
 from stateblock.model.capture import capture, warm_up
 
@@ -65,9 +68,22 @@ def lane_bucket(lanes: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{lanes} lanes exceed the largest lane bucket {buckets[-1]}")
 
 
-def warm_shapes(lane_buckets: Sequence[int], prompt_len_max: int) -> list[tuple[int, int]]:
-    """Every (lanes, width) shape a compiled cohort forward can run."""
-    return [(n, w) for n in lane_buckets for w in width_buckets(prompt_len_max)]
+def warm_shapes(
+    lane_buckets: Sequence[int],
+    prompt_len_max: int,
+    cohort: CohortLimits | None = None,
+    request_lanes: int = 1,
+) -> list[tuple[int, int]]:
+    """Every (lanes, width) shape a compiled cohort forward can run: with cohort limits, a
+    width's lane buckets stop at the one that holds the most lanes a cohort that wide can
+    carry, so wide prompts add few shapes."""
+    shapes = []
+    for width in width_buckets(prompt_len_max):
+        top = lane_buckets[-1]
+        if cohort is not None:
+            top = lane_bucket(cohort.lanes_at(width, request_lanes), lane_buckets)
+        shapes += [(n, width) for n in lane_buckets if n <= top]
+    return shapes
 
 
 @dataclass
@@ -149,12 +165,15 @@ class ForwardBatcher:
         *,
         window_s: float,
         max_lanes: int,
+        cohort: CohortLimits | None = None,
         on_cohort: Callable[[int], None] | None = None,
     ) -> None:
         self._forward = forward
         self._executor = executor
         self._window = window_s
-        self._max_lanes = max_lanes
+        self._max_lanes = max_lanes  # one request's
+        # one forward's; by default one request's lanes and no token bound
+        self._cohort = cohort or CohortLimits(max_lanes, 1 << 62)
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -177,7 +196,9 @@ class ForwardBatcher:
 
     async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> None:
         if len(lane_ids) > self._max_lanes:
-            raise ValueError(f"{len(lane_ids)} lanes exceed the cohort limit {self._max_lanes}")
+            raise ValueError(
+                f"{len(lane_ids)} lanes exceed the per-request limit {self._max_lanes}"
+            )
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(Pending(plan, lane_ids, future))
         await future
@@ -191,7 +212,7 @@ class ForwardBatcher:
         batch = [await self._queue.get()]
         await asyncio.sleep(0)  # requests submitted in the same loop turn join this batch
         deadline = loop.time() + self._window
-        while sum(len(p.lane_ids) for p in batch) < self._max_lanes:
+        while sum(len(p.lane_ids) for p in batch) < self._cohort.lanes:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 continue
@@ -205,19 +226,22 @@ class ForwardBatcher:
         return [p for p in batch if not p.future.done()]  # cancelled callers drop out
 
     def _cohorts(self, batch: list[Pending]) -> list[list[Pending]]:
+        """The batch split into forwards: by bucket width, narrowest first (short prompts are
+        not held behind long ones), each within the cohort's lanes and padded tokens."""
         by_bucket: dict[int, list[Pending]] = {}
         for p in batch:
             by_bucket.setdefault(p.bucket, []).append(p)
         cohorts: list[list[Pending]] = []
-        for group in by_bucket.values():
+        for width in sorted(by_bucket):
             current: list[Pending] = []
-            for p in group:
-                if current and sum(len(q.lane_ids) for q in current) + len(p.lane_ids) > (
-                    self._max_lanes
-                ):
+            lanes = 0
+            for p in by_bucket[width]:
+                more = lanes + len(p.lane_ids)
+                if current and (more > self._cohort.lanes or more * width > self._cohort.tokens):
                     cohorts.append(current)
-                    current = []
+                    current, lanes, more = [], 0, len(p.lane_ids)
                 current.append(p)
+                lanes = more
             cohorts.append(current)
         return cohorts
 

@@ -15,6 +15,20 @@ declared = settings.fields_for(settings.CAPTURE)
 
 
 @dataclass(frozen=True)
+class CohortLimits:
+    """What one base forward carries at most: lanes, and padded tokens (lanes x the bucket
+    width). A cohort goes over `tokens` only when a single request does."""
+
+    lanes: int
+    tokens: int
+
+    def lanes_at(self, width: int, request_lanes: int) -> int:
+        """The most lanes a cohort of this bucket width can hold (a lone request of
+        `request_lanes` always fits)."""
+        return min(self.lanes, max(request_lanes, self.tokens // width))
+
+
+@dataclass(frozen=True)
 class CaptureConfig:
     nats_url: str = declared(settings.NATS_URL)  # one URL, or a cluster's, comma-separated
     # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
@@ -38,8 +52,12 @@ class CaptureConfig:
     # differently per shape, so batched rows are no longer guaranteed bit-identical to the
     # same request alone.
     compile: str = declared(settings.CAPTURE_COMPILE)
-    # compiled only: a cohort's lanes are padded up to the next of these (max_lanes is
-    # always one), so the shapes to warm up are these x the prompt-width buckets
+    # one forward's lanes and padded tokens (lanes x bucket width), from as many requests as
+    # fit: continuous batching sized by tokens, not only lanes
+    cohort_lanes: int = declared(settings.CAPTURE_COHORT_LANES)
+    cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
+    # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
+    # limit is always one), so the shapes to warm up are these x the prompt-width buckets
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
     # lanes per request and per cohort forward, prompt length, depth
     limits: Limits = settings.limits_field(settings.CAPTURE)
@@ -89,12 +107,18 @@ class CaptureConfig:
         return "0.0.0.0" if self.token_file is not None else "127.0.0.1"
 
     @property
+    def cohort(self) -> CohortLimits:
+        """One forward's bounds; the lane bound never below a request's (max_lanes)."""
+        return CohortLimits(max(self.cohort_lanes, self.limits.max_lanes), self.cohort_tokens)
+
+    @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:
-        """The lane counts a compiled cohort is padded to: the configured buckets below
-        max_lanes, and max_lanes. None when the forward is eager: any lane count runs as is."""
+        """The lane counts a compiled cohort is padded to: the configured buckets below the
+        cohort's lane limit, and that limit. None when the forward is eager: any lane count
+        runs as is."""
         if self.compile == "off":
             return None
-        top = self.limits.max_lanes
+        top = self.cohort.lanes
         return tuple(sorted({b for b in self.lane_buckets if b < top} | {top}))
 
     @classmethod

@@ -35,15 +35,14 @@ from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
 from stateblock.nats_client import (
     LIVENESS,
-    NatsOptions,
     NatsState,
     Readiness,
-    connect,
+    connected,
     follow_in_health,
     probing,
     round_trip,
 )
-from stateblock.protocol import streams, tokens
+from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
@@ -51,17 +50,18 @@ log = structlog.get_logger("capture_svc")
 CAPTURE_SERVICE = capture_pb2.DESCRIPTOR.services_by_name["Capture"].full_name
 PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field was invalid
 ORIGIN_METADATA = "stateblock-origin"  # trailing metadata: the capture service answered
+_STATUS = (
+    (InvalidCapture, grpc.StatusCode.INVALID_ARGUMENT),
+    (CaptureUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (CaptureFailed, grpc.StatusCode.INTERNAL),
+)
 
 
 def status_of(error: CaptureError) -> grpc.StatusCode:
     """The one translation of the capture error tree to gRPC."""
-    if isinstance(error, InvalidCapture):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, CaptureUnavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, CaptureFailed):
-        return grpc.StatusCode.INTERNAL
-    return grpc.StatusCode.UNKNOWN
+    return next(
+        (code for kind, code in _STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN
+    )
 
 
 class CaptureServicer(capture_pb2_grpc.CaptureServicer):
@@ -118,7 +118,9 @@ async def _warm_up(
     throwaway forward, its first-call cost."""
     buckets = config.cohort_lane_buckets
     limit = config.limits.prompt_len_max
-    shapes = [(1, MIN_BUCKET)] if buckets is None else warm_shapes(buckets, limit)
+    shapes = [(1, MIN_BUCKET)]
+    if buckets is not None:
+        shapes = warm_shapes(buckets, limit, config.cohort, config.limits.max_lanes)
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
@@ -127,12 +129,41 @@ async def _warm_up(
 def _door(config: CaptureConfig) -> list[grpc.aio.ServerInterceptor]:
     """The token check when the config names a token file; none on a loopback-only capture
     (CaptureConfig refuses a non-loopback host without one)."""
-    if config.token_file is None:
-        return []
-    try:
-        return [CaptureTokenInterceptor(tokens.read_token(config.token_file))]
-    except ValueError as e:
-        raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
+    token = runtime.capture_token(config.token_file)
+    return [] if token is None else [CaptureTokenInterceptor(token)]
+
+
+def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> CohortForward:
+    """The packed base forward, compiled when the config asks. Its CUDA graph trees
+    (reduce-overhead) live until the process exits: releasing them at stop on the forward
+    thread hung an in-process stack's stop on the H200 (the loop idle, waiting on that
+    call), and a stack that never releases them stops cleanly."""
+    if config.compile != "off":
+        compile_backbone(model.model, config.compile)
+    return CohortForward(
+        model.model,
+        plans,
+        pad_id=model.tokenizer.pad_token_id or 0,
+        capture_mode=CAPTURE_MODE,
+        lane_buckets=config.cohort_lane_buckets,
+    )
+
+
+async def _serve(
+    stack: AsyncExitStack, service: CaptureService, config: CaptureConfig
+) -> tuple[int, health.aio.HealthServicer]:
+    """The Capture gRPC server, started, its stop on `stack`; returns its port and its health
+    servicer: the standard health service (Kubernetes' native gRPC probes and load balancers
+    ask it), NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
+    before in-flight work drains."""
+    server = runtime.grpc_server(_door(config))
+    capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
+    health_servicer = await _health_not_serving(server)
+    port = runtime.grpc_bind(server, config.bind_host, config.port, "capture gRPC")
+    await server.start()
+    stack.push_async_callback(server.stop, config.grace_s)
+    stack.push_async_callback(health_servicer.enter_graceful_shutdown)
+    return port, health_servicer
 
 
 @asynccontextmanager
@@ -155,6 +186,7 @@ async def running_capture(
             duplicate_window_s=config.duplicate_window_s,
             blocks_storage=config.blocks_storage,
             replicas=config.nats_replicas,
+            dead_letters=False,  # the readout's
         )
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
@@ -163,41 +195,21 @@ async def running_capture(
         capture_metrics = CaptureMetrics(metrics)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
-        if config.compile != "off":
-            compile_backbone(model.model, config.compile)
-            # Its CUDA graph trees (reduce-overhead) live until the process exits. Releasing
-            # them at stop on the forward thread hung an in-process stack's stop in two of
-            # four H200 runs (the thread dump: the loop idle, waiting on that call, and uvloop
-            # had run a garbage handle); the one run without the release stopped cleanly.
-        forward = CohortForward(
-            model.model,
-            plans,
-            pad_id=model.tokenizer.pad_token_id or 0,
-            capture_mode=CAPTURE_MODE,
-            lane_buckets=config.cohort_lane_buckets,
-        )
+        forward = _forward(model, plans, config)
         batcher = await stack.enter_async_context(
             ForwardBatcher(
                 forward,
                 executor,
                 window_s=config.batch_window_s,
                 max_lanes=config.limits.max_lanes,
+                cohort=config.cohort,
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )
         service = CaptureService(
             model, plans, batcher, publisher, signer, capture_metrics, config=config
         )
-        server = runtime.grpc_server(_door(config))
-        capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
-        # the standard health service: Kubernetes' native gRPC probes and load balancers ask
-        # it; NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
-        # before in-flight work drains
-        health_servicer = await _health_not_serving(server)
-        port = runtime.grpc_bind(server, config.bind_host, config.port, "capture gRPC")
-        await server.start()
-        stack.push_async_callback(server.stop, config.grace_s)
-        stack.push_async_callback(health_servicer.enter_graceful_shutdown)
+        port, health_servicer = await _serve(stack, service, config)
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
         await _warm_up(forward, executor, config, capture_metrics)
         service.mark_ready()
@@ -222,9 +234,7 @@ async def running_capture(
 
 async def main() -> None:
     config = CaptureConfig.from_env()
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     model = await asyncio.to_thread(
         load_serving_model,
         config.model_name,
@@ -236,9 +246,8 @@ async def main() -> None:
     signer = load_or_generate_signer(config.key_dir)
     log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("capture_svc", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "capture_svc", state)
-        stack.push_async_callback(nc.drain)  # runs after the server has stopped
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "capture_svc", metrics)
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )

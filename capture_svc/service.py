@@ -74,18 +74,16 @@ class CaptureMetrics:
             registry=metrics,
         )
         # where a capture's time goes: the wire-size block makes sign and publish matter
-        self.stage_seconds = Histogram(
+        self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
             "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
             "sign (digest + signature), publish (JetStream ack).",
-            ["stage"],
-            buckets=runtime.STAGE_BUCKETS_S,
-            registry=metrics,
+            metrics,
         )
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",
             "Lanes per packed base forward.",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
             registry=metrics,
         )
         self.warmup_seconds = Gauge(
@@ -107,13 +105,9 @@ class CaptureService:
         *,
         config: CaptureConfig,
     ) -> None:
-        self._model = model
-        self._plans = plans
-        self._batcher = batcher
-        self._publisher = publisher
-        self._signer = signer
-        self._metrics = metrics
-        self._config = config
+        self._model, self._plans, self._config = model, plans, config
+        self._batcher, self._publisher = batcher, publisher
+        self._signer, self._metrics = signer, metrics
         self._digest_algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         self._encode = PromptEncoder(model.tokenizer)
         self._ready = False

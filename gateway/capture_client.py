@@ -68,8 +68,16 @@ class GrpcCaptureClient:
 
     async def answering(self, timeout: float) -> None:
         """Returns once a capture says SERVING to a health check (its own readiness: NATS
-        answering too); raises otherwise. The gateway's readiness probe."""
-        reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        answering too); raises otherwise. The gateway's readiness probe. The check carries
+        the gateway's token, which a capture that holds another refuses."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Unavailable(f"the capture refused this gateway's token: {e.details()}") from e
+            raise
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             raise Unavailable(f"the capture says {name}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,27 +13,24 @@ import structlog
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from gateway import errors
 from gateway.auth import bearer_ok
-from gateway.errors import (
-    DeadlineExceeded,
-    GatewayError,
-    InvalidRequest,
-    ModelNotFound,
-    ReadoutFailed,
-    Unavailable,
-)
-from gateway.service import (
-    GatewayService,
-    GenerateParams,
-    Generation,
-    PromptSpec,
-    make_sampling,
-)
+from gateway.generation import Generation
+from gateway.params import GenerateParams, PromptSpec, Served, check, make_sampling
+from gateway.service import GatewayService
 from gateway.stops import StopSpec
 from stateblock import runtime
 from stateblock.nats_client import Readiness, follow_in_health
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
+# the first kind an error is: ModelNotFound before the InvalidRequest it is
+_STATUS = (
+    (errors.ModelNotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.ReadoutFailed, grpc.StatusCode.INTERNAL),
+)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH = {
     "stop": gateway_pb2.FINISH_REASON_STOP,
@@ -39,25 +38,20 @@ _FINISH = {
 }
 
 
-def status_of(error: GatewayError) -> grpc.StatusCode:
+def status_of(error: errors.GatewayError) -> grpc.StatusCode:
     """The one translation of the gateway error tree to a gRPC status code."""
-    if isinstance(error, ModelNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(error, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, ReadoutFailed):
-        return grpc.StatusCode.INTERNAL
-    return grpc.StatusCode.UNKNOWN
+    return next(
+        (code for kind, code in _STATUS if isinstance(error, kind)), grpc.StatusCode.UNKNOWN
+    )
 
 
-def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
+def params_of(req: gateway_pb2.GenerateRequest, served: Served) -> GenerateParams:
+    """The request as the one checked GenerateParams; InvalidRequest naming the field."""
     given = [bool(req.prompt), bool(req.messages), bool(req.prompt_token_ids)]
     if sum(given) > 1:
-        raise InvalidRequest("Set exactly one of prompt, messages and prompt_token_ids.", "prompt")
+        raise errors.InvalidRequest(
+            "Set exactly one of prompt, messages and prompt_token_ids.", "prompt"
+        )
     if req.messages:
         spec = PromptSpec(messages=tuple((m.role, m.content) for m in req.messages))
     elif req.prompt_token_ids:
@@ -72,7 +66,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
             req.seed if req.HasField("seed") else None,
             ignore_eos=req.ignore_eos,
         )
-    return GenerateParams(
+    params = GenerateParams(
         model=req.model,
         inputs=(spec,),
         n=req.n if req.HasField("n") else 1,
@@ -80,6 +74,7 @@ def params_of(req: gateway_pb2.GenerateRequest) -> GenerateParams:
         sampling=sampling,
         stop=StopSpec(tuple(req.stop), tuple(req.stop_token_ids), req.include_stop_str_in_output),
     )
+    return check(params, served)
 
 
 def _logprobs(lps) -> list[gateway_pb2.TokenLogprob]:
@@ -105,6 +100,11 @@ def _choice(index: int, finish_reason, eos_pos: int, stop_reason, **kw) -> gatew
     return choice
 
 
+def _head(g: Generation) -> dict:
+    """What every response and stream chunk of a generation opens with."""
+    return {"request_id": g.request_id, "model": g.model}
+
+
 def _usage(g: Generation) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(
         prompt_tokens=g.prompt_tokens,
@@ -122,12 +122,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             with structlog.contextvars.bound_contextvars(client_request_id=req.request_id):
                 return await self._service.generate(
-                    params_of(req),
+                    functools.partial(params_of, req),
                     api=api,
                     timeout=context.time_remaining(),
                     idempotency_key=metadata.get("idempotency-key"),
                 )
-        except GatewayError as e:
+        except errors.GatewayError as e:
             await context.abort(status_of(e), str(e))
             raise  # abort raises; this line only satisfies type checkers
 
@@ -148,25 +148,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for c in g.choices
         ]
         return gateway_pb2.GenerateResponse(
-            request_id=g.request_id,
-            model=g.model,
-            choices=choices,
-            usage=_usage(g),
-            client_request_id=request.request_id,
+            **_head(g), choices=choices, usage=_usage(g), client_request_id=request.request_id
         )
 
     async def GetModelInfo(
         self, request: gateway_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetModelInfoResponse:
-        s, limits = self._service, self._service.limits
-        return gateway_pb2.GetModelInfoResponse(
-            model=s.model_name,
-            prompt_len_max=limits.prompt_len_max,
-            answer_depth_max=limits.answer_depth_max,
-            max_lanes=limits.max_lanes,
-            default_max_tokens=s.default_max_tokens,
-            decoder_digest=s.decoder_digest,
-        )
+        s = self._service
+        return gateway_pb2.GetModelInfoResponse(  # the limits' fields are the proto's
+            model=s.model_name, default_max_tokens=s.default_max_tokens,
+            decoder_digest=s.decoder_digest, **dataclasses.asdict(s.limits),
+        )  # fmt: skip
 
     async def GenerateStream(
         self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
@@ -185,13 +177,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 token_ids=piece.token_ids,
                 logprobs=_logprobs(lps[piece.first : piece.first + len(piece.token_ids)]),
             )
-            yield gateway_pb2.GenerateStreamResponse(
-                request_id=g.request_id, model=g.model, choices=[choice]
-            )
+            yield gateway_pb2.GenerateStreamResponse(**_head(g), choices=[choice])
         if request.include_usage:
-            yield gateway_pb2.GenerateStreamResponse(
-                request_id=g.request_id, model=g.model, usage=_usage(g)
-            )
+            yield gateway_pb2.GenerateStreamResponse(**_head(g), usage=_usage(g))
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from gateway import protocol as p
-from gateway.service import TokenLogprob
+from gateway.generation import TokenLogprob
 
 TokenText = Callable[[int], str]
 

@@ -201,14 +201,22 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id that matched
 
 
-class CompletionResponse(BaseModel):
+class _Generated(BaseModel):
+    """The fields every response and stream chunk of both APIs has, in OpenAI's order; each
+    kind narrows `object` and `choices` (and chat's whole response, `usage`)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
     system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
+    choices: list
     usage: Usage | None = None
+
+
+class CompletionResponse(_Generated):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -224,12 +232,8 @@ class ChatChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Generated):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -247,14 +251,9 @@ class ChatChunkChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Generated):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -25,15 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from registry import Registry
 from stateblock import runtime
-from stateblock.nats_client import (
-    NatsOptions,
-    NatsState,
-    Readiness,
-    connect,
-    probing,
-    round_trip,
-)
-from stateblock.protocol import tokens
+from stateblock.nats_client import NatsState, Readiness, connected, probing, round_trip
 from stateblock.protocol.keys import TrustStore
 from stateblock.protocol.manifest import decoder_manifest, default_max_tokens
 
@@ -45,16 +37,6 @@ class RunningGateway:
     http_port: int
     grpc_port: int
     service: GatewayService
-
-
-def _capture_token(config: GatewayConfig) -> str | None:
-    """The internal token the capture requires, read once at start-up."""
-    if config.capture_token_file is None:
-        return None
-    try:
-        return tokens.read_token(config.capture_token_file)
-    except ValueError as e:
-        raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
 
 
 @asynccontextmanager
@@ -89,7 +71,7 @@ async def running_gateway(
         # (the Helm chart's) each capture replica gets its share, not the first one only
         channel = grpc.aio.insecure_channel(config.capture_target, options=CHANNEL_OPTIONS)
         stack.push_async_callback(channel.close)
-        capture = GrpcCaptureClient(channel, _capture_token(config))
+        capture = GrpcCaptureClient(channel, runtime.capture_token(config.capture_token_file))
         # ready while NATS answers a round trip and a capture answers its health check;
         # readout workers are not asked: the work queue holds blocks until they come
         readiness = await stack.enter_async_context(
@@ -139,14 +121,11 @@ async def running_gateway(
 
 async def main() -> None:
     config = GatewayConfig.from_env()
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     tokenizer = await asyncio.to_thread(Detokenizer.load, config.base_dir)
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("gateway", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "gateway", state)
-        stack.push_async_callback(nc.drain)
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "gateway", metrics)
         await stack.enter_async_context(
             running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer, nats_state=state)
         )

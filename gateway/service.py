@@ -1,8 +1,9 @@
-"""Gateway logic: validate, assign the request id, capture, wait for the commit, decode.
+"""Gateway logic: assign the request id, capture, wait for the commit, decode.
 
 One base forward and one readout per request; there is no autoregressive path to fall
 back to, so a request that cannot be read out fails with a `GatewayError`. No transport
-here: HTTP and gRPC both call `generate` and render its `Generation`.
+here: HTTP and gRPC each turn their request into checked `GenerateParams`
+(gateway/params.py), call `generate` and render its `Generation`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
+from gateway import params
 from gateway.capture_client import CaptureResult
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -24,17 +25,18 @@ from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
     InvalidRequest,
-    ModelNotFound,
     ReadoutFailed,
     Unavailable,
 )
+from gateway.generation import ChoiceResult, Generation, Piece, TokenLogprob
 from gateway.idempotency import KeyStore, OwnedKey, Record, claim_or_follow, store_key
 from gateway.metrics import GatewayMetrics
-from gateway.stops import MAX_STOP_STRINGS, StopSpec, apply_stops
+from gateway.params import GenerateParams
+from gateway.stops import StopSpec, apply_stops
 from registry import CommitTimeout, RegistryError
 from stateblock.protocol import sampling
 from stateblock.protocol.ids import uuid7
-from stateblock.protocol.sampling import NO_EOS, InvalidSampling, Limits
+from stateblock.protocol.sampling import NO_EOS, Limits
 from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 
 log = structlog.get_logger("gateway")
@@ -45,7 +47,8 @@ RECAPTURED = frozenset({"object_missing", "expired"})
 MAX_RECAPTURES = 2
 # Reasons that describe the request itself, which its client can change: a 400.
 REQUEST_REASONS = frozenset({"limits"})
-Names = tuple[tuple[str, str], ...]
+# an edge's request conversion, ending in `params.check` against what is served
+Convert = Callable[[params.Served], GenerateParams]
 
 
 class CaptureClient(Protocol):
@@ -61,88 +64,6 @@ class CaptureClient(Protocol):
 
 class CommitSource(Protocol):
     async def watch_commit(self, block_id: str, timeout: float) -> commit_pb2.Commit: ...
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    """One distinct input: a raw prompt, a chat, or a prompt's token ids."""
-
-    prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
-    token_ids: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """One request as both APIs ask it; `sampling` is the one sampling type of the path."""
-
-    model: str
-    inputs: tuple[PromptSpec, ...]
-    n: int = 1
-    max_tokens: int | None = None  # None: the decoder's trained depth
-    sampling: block_pb2.SamplingParams = field(default_factory=block_pb2.SamplingParams)
-    stop: StopSpec = StopSpec()  # applied to the read-out block here (gateway/stops.py)
-    names: Names = ()  # (checked name, request field): chat's top_logprobs, max_completion_tokens
-
-
-def invalid(e: InvalidSampling, names: Names = ()) -> InvalidRequest:
-    """A sampling check's failure as the gateway's InvalidRequest, naming the request's field."""
-    return InvalidRequest(str(e), dict(names).get(e.param, e.param))
-
-
-def make_sampling(*args, names: Names = (), **fields) -> block_pb2.SamplingParams:
-    """The HTTP and gRPC mappers' one way to the sampling type: `sampling_params`'s
-    arguments, its InvalidSampling as the gateway's InvalidRequest naming the field."""
-    try:
-        return sampling.sampling_params(*args, **fields)
-    except InvalidSampling as e:
-        raise invalid(e, names) from e
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One returned token's exact log-probability and the top candidates' (best first)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class ChoiceResult:
-    index: int
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop) or "length" (max_tokens)
-    eos_pos: int
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    # when asked for (SamplingParams.logprobs): one per returned token
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Generation:
-    request_id: str
-    model: str
-    created: int
-    choices: tuple[ChoiceResult, ...]
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One stream chunk of one choice; the last of each choice carries finish_reason."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    first: int = 0  # the offset of token_ids in the choice's: where its logprobs start
 
 
 def fingerprint(p: GenerateParams, max_tokens: int) -> str:
@@ -177,16 +98,11 @@ class GatewayService:
         idempotency: KeyStore | None = None,
         decoder_digest: str = "",
     ) -> None:
-        self._fingerprint = fingerprint
-        self.decoder_digest = decoder_digest
-        self._keys = idempotency
-        self._capture = capture
-        self._commits = commits
-        self._tok = tokenizer
+        self._capture, self._commits, self._keys = capture, commits, idempotency
+        self._tok, self._m, self._config = tokenizer, metrics, config
         self.vocab_size = len(tokenizer)  # every token id of a request is below it
-        self._m = metrics
-        self._config = config
         self.default_max_tokens = default_max_tokens
+        self.decoder_digest, self._fingerprint = decoder_digest, fingerprint
 
     @property
     def model_name(self) -> str:
@@ -200,51 +116,6 @@ class GatewayService:
     def fingerprint(self) -> str:
         """OpenAI's system_fingerprint: the decoder's digest, which fixes what a seed reads."""
         return self._fingerprint
-
-    def validate(self, p: GenerateParams) -> int:
-        """Raise InvalidRequest for anything the pipeline cannot serve; returns max_tokens."""
-        c = self._config
-        if p.model != c.model_name:
-            raise ModelNotFound(
-                f"The model `{p.model}` does not exist; this server serves `{c.model_name}`."
-            )
-        if not p.inputs:
-            raise InvalidRequest("The prompt must not be empty.", "prompt")
-        for spec in p.inputs:
-            if spec.token_ids is not None:
-                if not spec.token_ids or len(spec.token_ids) > c.limits.prompt_len_max:
-                    raise InvalidRequest(
-                        f"A prompt of token ids has 1 to {c.limits.prompt_len_max} ids.", "prompt"
-                    )
-                self.check_token_ids(spec.token_ids, "prompt")
-                continue
-            if spec.messages is not None:
-                if not spec.messages:
-                    raise InvalidRequest("`messages` must not be empty.", "messages")
-                if not any(content for _, content in spec.messages):
-                    raise InvalidRequest("The messages have no content.", "messages")
-                texts = [content for _, content in spec.messages]
-                param = "messages"
-            elif not spec.prompt:
-                raise InvalidRequest("The prompt must not be empty.", "prompt")
-            else:
-                texts, param = [spec.prompt], "prompt"
-            try:
-                sampling.check_prompt_text("".join(texts), c.limits, param)
-            except InvalidSampling as e:
-                raise invalid(e) from e
-        if p.n < 1:
-            raise InvalidRequest(f"n must be at least 1, got {p.n}.", "n")
-        self.check_token_ids(p.stop.token_ids, "stop_token_ids")
-        if len(p.stop.strings) > MAX_STOP_STRINGS or not all(p.stop.strings):
-            raise InvalidRequest(f"`stop` takes 1 to {MAX_STOP_STRINGS} non-empty strings.", "stop")
-        max_tokens = self.default_max_tokens if p.max_tokens is None else p.max_tokens
-        try:
-            sampling.check_lane_count(len(p.inputs) * p.n, c.limits)
-            sampling.check_lane(p.sampling, max_tokens, c.limits)
-        except InvalidSampling as e:
-            raise invalid(e, p.names) from e
-        return max_tokens
 
     def lanes(self, p: GenerateParams, max_tokens: int) -> list[capture_pb2.CaptureLane]:
         """n lanes per input, inputs in order; choice index = input * n + copy."""
@@ -268,18 +139,21 @@ class GatewayService:
 
     async def generate(
         self,
-        p: GenerateParams,
+        convert: Convert,
         *,
         api: str,
         timeout: float | None = None,
         idempotency_key: str | None = None,
     ) -> Generation:
+        """The answer to the request `convert` (an edge's conversion, given what this
+        gateway serves) makes; it runs within the request's accounting, so a request it
+        refuses is counted and logged as a failed one."""
         t0 = time.perf_counter()
         request_id = uuid7()
         m, model = self._m, self._m.model_name
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                generation = await self._generate(p, request_id, timeout, idempotency_key)
+                generation = await self._generate(convert, request_id, timeout, idempotency_key)
             except asyncio.CancelledError:  # the client went away
                 m.requests.labels(api, "Cancelled").inc()
                 log.info("request cancelled: its caller went away")
@@ -301,9 +175,10 @@ class GatewayService:
             return generation
 
     async def _generate(
-        self, p: GenerateParams, request_id: str, timeout: float | None, key: str | None
+        self, convert: Convert, request_id: str, timeout: float | None, key: str | None
     ) -> Generation:
-        max_tokens = self.validate(p)
+        p = convert(self)
+        max_tokens = p.max_tokens  # resolved by the conversion's check
         loop = asyncio.get_running_loop()
         budget = (
             self._config.request_timeout_s
@@ -463,15 +338,9 @@ class GatewayService:
             logprobs=logprobs,
         )
 
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        try:
-            sampling.check_token_ids(ids, self.vocab_size, param)
-        except InvalidSampling as e:
-            raise invalid(e) from e
-
     def detokenize(self, ids: Sequence[int]) -> str:
         """A client's token ids as text; InvalidRequest for an id outside the vocabulary."""
-        self.check_token_ids(ids, "tokens")
+        params.check_token_ids(ids, self.vocab_size, "tokens")
         return self.decode(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -482,10 +351,7 @@ class GatewayService:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        try:
-            sampling.check_prompt_text(text, self.limits, "prompt")
-        except InvalidSampling as e:
-            raise invalid(e) from e
+        params.check_prompt_text(text, self.limits, "prompt")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def pieces(self, generation: Generation) -> Iterator[Piece]:

@@ -42,6 +42,8 @@ class ReadoutServiceConfig:
     limits: Limits = settings.limits_field(settings.READOUT)
     device: str = declared(settings.DEVICE)
     workers: int = declared(settings.WORKERS)  # concurrent pull loops in this process
+    # lanes of several blocks in one engine execution (readout_svc.cohorts); 1: block by block
+    cohort_lanes: int = declared(settings.READOUT_COHORT_LANES)
     worker_id: str = declared(settings.WORKER_ID)  # default: host-pid-based, set at start-up
     # A live worker renews both every lease_s / 3 (in_progress), so these bound only how long
     # a dead worker holds a block: well inside a request's deadline (60 s by default).

@@ -15,24 +15,18 @@ from pathlib import Path
 import nats
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
 from readout_svc.advisories import ExhaustedBlocks
+from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
-from stateblock.nats_client import (
-    LIVENESS,
-    NatsOptions,
-    NatsState,
-    Readiness,
-    connect,
-    probing,
-    round_trip,
-)
+from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
 from stateblock.protocol import streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
@@ -65,36 +59,13 @@ async def running_readout(
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
     js = nc.jetstream()
-    await streams.ensure_streams(
-        js,
-        duplicate_window_s=config.duplicate_window_s,
-        blocks_storage=config.blocks_storage,
-        replicas=config.nats_replicas,
-    )
-    durable = await streams.ensure_readout_consumer(
-        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
-    )
-    # claims and outcomes signed by our readout keys stand; an entry none of them signed
-    # is a forger's (or no entry at all), claimed over at once
-    peers = config.readout_trusted_keys_dir or config.signing_key_dir
-    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
-    outcome_trust.add(signer.public_key)
-    registry = await Registry.open(
-        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
-    )
+    durable, registry = await _open_bus(js, config, signer)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
     stop = asyncio.Event()
     async with AsyncExitStack() as stack:
-        executor = stack.enter_context(
-            ThreadPoolExecutor(config.workers, thread_name_prefix="readout")
-        )
-        # the rows' digest runs beside the claim and the readout, not after them
-        digests = stack.enter_context(
-            ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
-        )
-        await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+        executor, digests, readouts = await _engine_threads(stack, engine, config, worker_metrics)
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
@@ -120,6 +91,7 @@ async def running_readout(
                 limits=config.limits,
                 max_deliver=config.max_deliver,
                 engine_health=engine_health,
+                readouts=readouts,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -139,6 +111,59 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _engine_threads(
+    stack: AsyncExitStack,
+    engine: ReadoutEngine,
+    config: ReadoutServiceConfig,
+    metrics: WorkerMetrics,
+) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, ReadoutCohorts]:
+    """The readout threads, the digest threads (the rows' hash runs beside the claim and
+    the readout, not after them) and the cohorts that read the workers' blocks, the engine
+    warmed up first."""
+    executor = stack.enter_context(ThreadPoolExecutor(config.workers, thread_name_prefix="readout"))
+    digests = stack.enter_context(
+        ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
+    )
+    await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
+    # combining needs blocks in hand: two executions at a time (a long one never holds up
+    # every other), the rest queue and go together
+    concurrency = min(2, config.workers) if config.cohort_lanes > 1 else config.workers
+    readouts = await stack.enter_async_context(
+        ReadoutCohorts(
+            engine,
+            executor,
+            max_lanes=config.cohort_lanes,
+            concurrency=concurrency,
+            on_cohort=metrics.cohort_blocks.observe,
+        )
+    )
+    return executor, digests, readouts
+
+
+async def _open_bus(
+    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer
+) -> tuple[str, Registry]:
+    """The streams, the readout consumer (its durable name) and the registry. Claims and
+    outcomes signed by our readout keys stand; an entry none of them signed is a forger's
+    (or no entry at all), claimed over at once."""
+    await streams.ensure_streams(
+        js,
+        duplicate_window_s=config.duplicate_window_s,
+        blocks_storage=config.blocks_storage,
+        replicas=config.nats_replicas,
+    )
+    durable = await streams.ensure_readout_consumer(
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
+    )
+    peers = config.readout_trusted_keys_dir or config.signing_key_dir
+    outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
+    outcome_trust.add(signer.public_key)
+    registry = await Registry.open(
+        js, outcome_trust=outcome_trust, signer=signer, replicas=config.nats_replicas
+    )
+    return durable, registry
 
 
 @asynccontextmanager
@@ -182,9 +207,7 @@ async def serve_health(
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
     require_engine(config.engine)  # fail closed before anything is loaded
-    runtime.configure_logging(config.log_level)
-    shutdown = runtime.shutdown_event()
-    metrics = CollectorRegistry()
+    shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)
     model = await asyncio.to_thread(
@@ -196,9 +219,8 @@ async def main() -> None:
     )
     engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
-        state = NatsState.with_metrics("readout_svc", metrics)
-        nc = await connect(NatsOptions.of(config.nats_url), "readout_svc", state)
-        stack.push_async_callback(nc.drain)
+        # drained after the servers have stopped
+        nc, state = await connected(stack, config.nats_url, "readout_svc", metrics)
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )

@@ -17,6 +17,7 @@ its signed digest releases its claim before it is rejected, its answer dropped.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -28,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from readout_svc.cohorts import DirectReadouts, ReadoutCohorts
 from readout_svc.records import commit_record, rejection_record
 from registry import (
     AlreadyClaimed,
@@ -93,61 +95,46 @@ class WorkerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=metrics,
         )
-        self.stage_seconds = Histogram(
+        self.cohort_blocks = Histogram(
+            "stateblock_readout_cohort_blocks",
+            "Blocks read by one engine execution (readout_svc.cohorts).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=metrics,
+        )
+        self.stage_seconds = runtime.stage_histogram(
             "stateblock_readout_stage_seconds",
             "Worker time per committed block by stage: verify (parse, signature, rows), "
             "claim, readout (begun beside the claim), digest (the rows' hash, in a thread "
             "beside claim and readout), digest_wait (what the commit waited for it), "
             "commit, ack.",
-            ["stage"],
-            buckets=runtime.STAGE_BUCKETS_S,
-            registry=metrics,
+            metrics,
         )
-        self.rejected = Counter(
-            "stateblock_blocks_rejected",
-            "Blocks terminated by reason.",
-            ["reason"],
-            registry=metrics,
+        counter = functools.partial(Counter, registry=metrics)
+        self.rejected = counter(
+            "stateblock_blocks_rejected", "Blocks terminated by reason.", ["reason"]
         )
-        self.committed = Counter(
-            "stateblock_blocks_committed", "Blocks committed.", registry=metrics
+        self.committed = counter("stateblock_blocks_committed", "Blocks committed.")
+        self.claims_lost = counter(
+            "stateblock_claims_lost", "Commits refused: the claim was taken over."
         )
-        self.claims_lost = Counter(
-            "stateblock_claims_lost",
-            "Commits refused: the claim was taken over.",
-            registry=metrics,
-        )
-        self.duplicates_dropped = Counter(
+        self.duplicates_dropped = counter(
             "stateblock_duplicate_deliveries_dropped",
             "Redelivered blocks already committed, acked and dropped.",
-            registry=metrics,
         )
-        self.retried = Counter(
-            "stateblock_blocks_retried",
-            "Blocks nak'ed for redelivery, by cause.",
-            ["cause"],
-            registry=metrics,
+        self.retried = counter(
+            "stateblock_blocks_retried", "Blocks nak'ed for redelivery, by cause.", ["cause"]
         )
-        self.untrusted_entries = Counter(
+        self.untrusted_entries = counter(
             "stateblock_registry_untrusted_entries",
             "Registry entries no trusted readout key wrote, claimed over, by kind "
             "(undecodable, untrusted_claim, untrusted_outcome).",
             ["kind"],
-            registry=metrics,
         )
 
 
 def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
     t0 = time.perf_counter()
     return checked.confirm(), time.perf_counter() - t0
-
-
-def _timed_readout(
-    engine: ReadoutEngine, checked: envelope.HeaderVerified
-) -> tuple[list[LaneResult], float]:
-    t0 = time.perf_counter()
-    results = engine.readout(lane_requests(checked))
-    return results, time.perf_counter() - t0
 
 
 def _discard_outcome(future: asyncio.Future) -> None:
@@ -174,9 +161,11 @@ class ReadoutWorker:
         limits: Limits,
         max_deliver: int = 0,  # 0: unbounded (nothing to end on the last delivery)
         engine_health: EngineHealth | None = None,
+        readouts: ReadoutCohorts | None = None,  # shared by the process's workers
     ) -> None:
         self._engine_health = engine_health or EngineHealth()
         self._engine = engine
+        self._readouts = readouts or DirectReadouts(engine, executor)
         self._registry = registry
         self._trust = trust
         self._signer = signer  # signs this worker's commits and rejections
@@ -283,49 +272,19 @@ class ReadoutWorker:
     ) -> str:
         header = checked.header
         t_verified = time.perf_counter()
-        loop = asyncio.get_running_loop()
         # Beside the claim: its answer is used only once the claim is ours.
-        readout = loop.run_in_executor(self._executor, _timed_readout, self._engine, checked)
+        readout = asyncio.ensure_future(self._readouts.read(lane_requests(checked)))
         try:
             claim = await self._claim(header.block_id)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
-            readout.add_done_callback(_discard_outcome)  # not ours: dropped unread
-            # Rows that fail their digest are rejected as such, as when the digest came
-            # before the claim; a block's own outcome comes only after that.
-            try:
-                await digest
-            except envelope.BlockRejected as bad:
-                return await self._drop_unverified(msg, str(bad.reason), bad.detail)
-            if isinstance(e, AlreadyCommitted):
-                return await self._drop_duplicate(msg)
-            if isinstance(e, AlreadyClaimed):
-                # not before the holder's lease can lapse: every nak spends one of the
-                # block's max_deliver deliveries, and a holder that is only slow commits
-                await self._nak("claimed_elsewhere", msg, after_s=e.lease_left_s)
-                log.info("block claimed elsewhere, redelivering later", holder=e.holder)
-                return "claimed_elsewhere"
-            # a block id that cannot be a registry key: no entry can say anything of it
-            return await self._drop_unverified(msg, "malformed", str(e))
+            readout.cancel()  # not ours: dropped unread (skipped if it has not started)
+            readout.add_done_callback(_discard_outcome)
+            return await self._not_ours(msg, e, digest)
         except BaseException:  # NATS trouble mid-claim: the block is redelivered
             readout.add_done_callback(_discard_outcome)
             raise
-        stage = self._m.stage_seconds
         claimed_s = time.perf_counter() - t_verified
-        held, read = [claim], asyncio.Event()
-        keepalive = asyncio.create_task(self._keep_alive(held, msg, read))
-        results: list[LaneResult] | None = None
-        readout_s = 0.0
-        try:
-            results, readout_s = await readout
-            self._engine_health.record(True)
-        except Exception:
-            self._engine_health.record(False)
-            log.exception("readout failed")
-        finally:
-            read.set()
-            keepalive.cancel()
-        await asyncio.gather(keepalive, return_exceptions=True)
-        claim = held[0]
+        claim, results, readout_s = await self._read_held(claim, msg, readout)
         t1 = time.perf_counter()
         try:
             _, digest_s = await digest
@@ -355,20 +314,60 @@ class ReadoutWorker:
             return "claim_lost"
         t2 = time.perf_counter()
         await msg.ack_sync()
-        for name, seconds in (
-            ("verify", t_verified - t_start),
-            ("claim", claimed_s),
-            ("readout", readout_s),
-            ("digest", digest_s),
-            ("digest_wait", t_digest - t1),
-            ("commit", t2 - t_digest),
-            ("ack", time.perf_counter() - t2),
-        ):
-            stage.labels(name).observe(seconds)
+        stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
+                  "digest": digest_s, "digest_wait": t_digest - t1, "commit": t2 - t_digest,
+                  "ack": time.perf_counter() - t2}  # fmt: skip
+        for name, seconds in stages.items():
+            self._m.stage_seconds.labels(name).observe(seconds)
         self._m.committed.inc()
         await self._cleanup_object(block)
         log.info("block committed", lanes=len(header.layout.lanes))
         return "committed"
+
+    async def _not_ours(
+        self,
+        msg: Msg,
+        refused: Exception,
+        digest: asyncio.Future[tuple[envelope.VerifiedBlock, float]],
+    ) -> str:
+        """A delivery whose claim was refused: committed already, claimed elsewhere, or a
+        block id no registry key can be. Rows that fail their digest are rejected as such,
+        as when the digest came before the claim; a block's own outcome comes only after."""
+        try:
+            await digest
+        except envelope.BlockRejected as bad:
+            return await self._drop_unverified(msg, str(bad.reason), bad.detail)
+        if isinstance(refused, AlreadyCommitted):
+            return await self._drop_duplicate(msg)
+        if isinstance(refused, AlreadyClaimed):
+            # not before the holder's lease can lapse: every nak spends one of the
+            # block's max_deliver deliveries, and a holder that is only slow commits
+            await self._nak("claimed_elsewhere", msg, after_s=refused.lease_left_s)
+            log.info("block claimed elsewhere, redelivering later", holder=refused.holder)
+            return "claimed_elsewhere"
+        # a block id that cannot be a registry key: no entry can say anything of it
+        return await self._drop_unverified(msg, "malformed", str(refused))
+
+    async def _read_held(
+        self, claim: Claim, msg: Msg, readout: asyncio.Future[tuple[list[LaneResult], float]]
+    ) -> tuple[Claim, list[LaneResult] | None, float]:
+        """The readout's results (None: it failed) and seconds, the lease renewed while it
+        runs; the claim as last renewed."""
+        held, read = [claim], asyncio.Event()
+        keepalive = asyncio.create_task(self._keep_alive(held, msg, read))
+        results: list[LaneResult] | None = None
+        readout_s = 0.0
+        try:
+            results, readout_s = await readout
+            self._engine_health.record(True)
+        except Exception:
+            self._engine_health.record(False)
+            log.exception("readout failed")
+        finally:
+            read.set()
+            keepalive.cancel()
+        await asyncio.gather(keepalive, return_exceptions=True)
+        return held[0], results, readout_s
 
     async def _claim(self, block_id: str) -> Claim:
         claim = await self._registry.claim(block_id, self.worker_id, self._lease_s)

@@ -33,15 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from registry.errors import (
-    AlreadyClaimed,
-    AlreadyCommitted,
-    ClaimLost,
-    CommitTimeout,
-    RegistryError,
-    RegistryUnavailable,
-    RevisionConflict,
-)
+from registry import errors
 from stateblock.nats_client import retry_transient
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import Signer, TrustStore
@@ -104,8 +96,8 @@ def _nats_errors(what: str) -> Iterator[None]:
         yield
     except (TimeoutError, nats.errors.Error) as e:
         if _wrong_last(e):  # callers handle these inside; one escaping here is a bug
-            raise RevisionConflict(f"{what}: {e}") from e
-        raise RegistryUnavailable(f"{what}: {e}") from e
+            raise errors.RevisionConflict(f"{what}: {e}") from e
+        raise errors.RegistryUnavailable(f"{what}: {e}") from e
 
 
 def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
@@ -113,9 +105,9 @@ def _decode(block_id: str, value: bytes | None) -> pb.RegistryEntry:
     try:
         entry.ParseFromString(value or b"")
     except DecodeError as e:
-        raise RegistryError(f"block {block_id}: undecodable registry entry") from e
+        raise errors.RegistryError(f"block {block_id}: undecodable registry entry") from e
     if entry.state not in _STATES:
-        raise RegistryError(f"block {block_id}: registry entry has no known state")
+        raise errors.RegistryError(f"block {block_id}: registry entry has no known state")
     return entry
 
 
@@ -238,7 +230,7 @@ class Registry:
                     return Claim(block_id, worker_id, rev, now + lease_s, attempt, displaced)
                 except js_errors.KeyWrongLastSequenceError:
                     continue  # another worker moved first; re-read what it wrote
-        raise RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
+        raise errors.RevisionConflict(f"claim {block_id}: lost {_MAX_RACES} races in a row")
 
     async def _takeover(self, block_id: str, value: bytes | None, now: float) -> tuple[int, str]:
         """(attempt, displaced) for a claim over the key's current `value`; raises
@@ -250,18 +242,18 @@ class Registry:
         try:
             entry = _decode(block_id, value)
             displaced = self._untrusted(block_id, entry)
-        except RegistryError:
+        except errors.RegistryError:
             entry, displaced = None, UNDECODABLE
         if entry is not None and not displaced:
             if entry.state in FINAL_STATES:
-                raise AlreadyCommitted(block_id)
+                raise errors.AlreadyCommitted(block_id)
             left = entry.lease_expires_at.ToNanoseconds() / 1e9 - now
             if left > 0:
-                raise AlreadyClaimed(block_id, entry.worker_id, left)
+                raise errors.AlreadyClaimed(block_id, entry.worker_id, left)
             return entry.attempt + 1, ""
         genuine = [e for e in await self.history(block_id) if not self._untrusted(block_id, e)]
         if any(e.state in FINAL_STATES for e in genuine):
-            raise AlreadyCommitted(block_id)  # a forger overwrote a genuine outcome
+            raise errors.AlreadyCommitted(block_id)  # a forger overwrote a genuine outcome
         return max((e.attempt for e in genuine), default=0) + 1, displaced
 
     async def _kv_call(self, call: Callable[[], Awaitable[T]]) -> T:
@@ -332,7 +324,7 @@ class Registry:
         async def on_msg(msg) -> None:
             try:
                 block_id, entry = parse_update(msg.subject, msg.data, msg.headers)
-            except (RegistryError, IndexError):
+            except (errors.RegistryError, IndexError):
                 return  # undecodable: nobody's outcome; the gateway never trusts it
             await cb(block_id, entry)
 
@@ -341,6 +333,7 @@ class Registry:
         with _nats_errors(f"watch bucket {self._bucket}"):
             sub = await self._js.subscribe(
                 updates_subject(self._bucket),
+                stream=f"KV_{self._bucket}",  # named: no stream lookup by subject
                 cb=on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
@@ -355,7 +348,7 @@ class Registry:
                 await self._kv_call(lambda: self._kv.delete(key, last=claim.revision))
             except js_errors.APIError as e:
                 if _wrong_last(e):
-                    raise ClaimLost(claim.block_id, claim.worker_id) from e
+                    raise errors.ClaimLost(claim.block_id, claim.worker_id) from e
                 raise
 
     async def history(self, block_id: str) -> list[pb.RegistryEntry]:
@@ -382,7 +375,7 @@ class Registry:
                 seq = msg.seq + 1
                 try:
                     _, entry = parse_update(subject, msg.data, msg.headers)
-                except RegistryError:
+                except errors.RegistryError:
                     continue  # bytes that are no entry (an empty write too): nobody's
                 if entry is not None:  # a delete: a released claim
                     stored.append(entry)
@@ -420,13 +413,13 @@ class Registry:
                         continue
                     try:
                         entry = _decode(block_id, update.value)
-                    except RegistryError:
+                    except errors.RegistryError:
                         continue  # nobody's entry: wait for the block's own
                     if entry.state == pb.CLAIM_STATE_COMMITTED:
                         return entry.commit
             finally:
                 await watcher.stop()
-        raise CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
+        raise errors.CommitTimeout(f"no commit for block {block_id} within {timeout:g}s")
 
     async def _swap(self, claim: Claim, entry: pb.RegistryEntry, what: str) -> int:
         key = _key(claim.block_id)
@@ -436,7 +429,7 @@ class Registry:
                     lambda: self._kv.update(key, entry.SerializeToString(), last=claim.revision)
                 )
             except js_errors.KeyWrongLastSequenceError as e:
-                raise ClaimLost(claim.block_id, claim.worker_id) from e
+                raise errors.ClaimLost(claim.block_id, claim.worker_id) from e
 
     def _claimed(
         self, block_id: str, worker_id: str, lease_expires_at: float, attempt: int

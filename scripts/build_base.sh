@@ -8,16 +8,11 @@
 #   scripts/build_base.sh MINUTES [INIT|-] [base_ddp options...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-minutes=${1:?minutes}
-init=${2:--}
-shift $(($# >= 2 ? 2 : 1))
+source scripts/stage_args.sh
 out=${STATEBLOCK_BUILD_DIR:-/tmp/base-build}
-ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
 extra=()
 if [ "$init" != "-" ] && [ ! -f "$out/state.pt" ]; then
-  if [ ! -f "$init/model.safetensors" ] && ls "$init"/model.safetensors.part.* >/dev/null 2>&1; then
-    cat "$init"/model.safetensors.part.* >"$init/model.safetensors"
-  fi
+  join_parts "$init" model.safetensors
   extra+=(--init "$init")
 fi
 give_back() {

@@ -8,16 +8,11 @@
 #   scripts/build_readout.sh MINUTES [INIT|-] [readout_ddp options...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-minutes=${1:?minutes}
-init=${2:--}
-shift $(($# >= 2 ? 2 : 1))
+source scripts/stage_args.sh
 out=${STATEBLOCK_BUILD_DIR:-/tmp/readout-build}
-ngpu=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
 extra=()
 if [ "$init" != "-" ]; then
-  if [ ! -f "$init/decoder.safetensors" ] && ls "$init"/decoder.safetensors.part.* >/dev/null 2>&1; then
-    cat "$init"/decoder.safetensors.part.* >"$init/decoder.safetensors"
-  fi
+  join_parts "$init" decoder.safetensors
   extra+=(--init "$init")
 fi
 # whatever happens, what the stage left goes back (a crash after the save still returns it)

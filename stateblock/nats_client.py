@@ -13,7 +13,7 @@ import asyncio
 import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -23,13 +23,21 @@ import nats.js.errors
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from stateblock import settings
+from stateblock import runtime, settings
+from stateblock.protocol import tokens
 
 log = structlog.get_logger("stateblock.nats")
 
 
 class NatsUnreachable(ConnectionError):
     """No server of the list answered at start-up."""
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a client of NATS user `user` gets its replies: its own inboxes, so that a user
+    allowed to subscribe there reads no other user's replies (JetStream deliveries
+    included)."""
+    return f"_INBOX_{user}"
 
 
 def parse_servers(value: str) -> tuple[str, ...]:
@@ -50,6 +58,8 @@ class NatsOptions:
     start_attempts: int = 3  # per server, at start-up only; then reconnect forever
     reconnect_wait_s: float = 1.0
     creds_file: Path | None = None  # a NATS .creds file (JWT + NKey seed)
+    user: str | None = None  # a NATS user, with the password in password_file
+    password_file: Path | None = field(default=None, repr=False)
     tls_ca_file: Path | None = None  # verify the servers' TLS certificates against this CA
     tls_cert_file: Path | None = None  # this client's certificate, for mutual TLS
     tls_key_file: Path | None = None
@@ -57,16 +67,35 @@ class NatsOptions:
     @classmethod
     def of(cls, url: str, environ: Mapping[str, str] | None = None, **kw) -> NatsOptions:
         """The servers of `url`, with the credentials and TLS files STATEBLOCK_NATS_CREDS,
-        _NATS_TLS_CA, _NATS_TLS_CERT and _NATS_TLS_KEY name (every service reads the same)."""
+        _NATS_USER and _NATS_PASSWORD_FILE, _NATS_TLS_CA, _NATS_TLS_CERT and _NATS_TLS_KEY
+        name (every service reads the same)."""
         declared = {
             "creds_file": settings.NATS_CREDS,
+            "user": settings.NATS_USER,
+            "password_file": settings.NATS_PASSWORD_FILE,
             "tls_ca_file": settings.NATS_TLS_CA,
             "tls_cert_file": settings.NATS_TLS_CERT,
             "tls_key_file": settings.NATS_TLS_KEY,
         }
         files = {field: s.read(environ) for field, s in declared.items()}
         files = {field: path for field, path in files.items() if path is not None}
-        return cls(servers=parse_servers(url), **{**files, **kw})
+        options = cls(servers=parse_servers(url), **{**files, **kw})
+        if (options.user is None) != (options.password_file is None):
+            raise runtime.ConfigError(
+                "STATEBLOCK_NATS_USER and STATEBLOCK_NATS_PASSWORD_FILE go together"
+            )
+        return options
+
+    def user_password(self) -> tuple[str, str] | None:
+        """The user and the password its file holds (None without a user); ConfigError
+        naming the file when it holds no password."""
+        if self.user is None or self.password_file is None:
+            return None
+        try:
+            password = tokens.read_token(self.password_file, "NATS password file")
+        except ValueError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_NATS_PASSWORD_FILE: {e}") from None
+        return self.user, password
 
     def tls_context(self) -> ssl.SSLContext | None:
         if self.tls_ca_file is None and self.tls_cert_file is None:
@@ -310,10 +339,13 @@ async def follow_in_health(servicer, names: tuple[str, ...], readiness: Readines
 async def connect(options: NatsOptions, name: str, state: NatsState | None = None) -> nats.NATS:
     """A connection that reconnects forever once made; NatsUnreachable if none can be made."""
     state = state or NatsState(name)
+    refused: list[str] = []  # the server's answer to our login, when it refused it
 
     async def on_error(e: Exception) -> None:
         # one line per error, no traceback: an outage is expected, not a bug
         log.warning("nats error", client=name, error=f"{type(e).__name__}: {e}")
+        if "authorization violation" in str(e).lower():
+            refused.append(str(e))
 
     async def on_disconnected() -> None:
         if nc.is_closed or nc.is_draining:  # our own shutdown, not an outage
@@ -325,6 +357,10 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
         log.info("nats reconnected", client=name, server=nc.connected_url.netloc)
         await state.set(True)
 
+    login = options.user_password()
+    auth = {} if login is None else {
+        "user": login[0], "password": login[1], "inbox_prefix": inbox_prefix(login[0])
+    }  # fmt: skip
     nc = nats.NATS()
     # nats-py can wait forever after some failures (a TLS certificate it does not trust):
     # the start-up is bounded here as well as by its attempts
@@ -343,11 +379,18 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
                 reconnected_cb=on_reconnected,
                 user_credentials=str(options.creds_file) if options.creds_file else None,
                 tls=options.tls_context(),
+                **auth,
             ),
             budget,
         )
     except (nats.errors.NoServersError, OSError, TimeoutError) as e:
         await nc.close()
+        if refused:
+            who = f"user {options.user!r}" if options.user else "a client without a user"
+            raise NatsUnreachable(
+                f"NATS at {', '.join(options.servers)} refused {who} (Authorization "
+                "Violation; STATEBLOCK_NATS_USER, STATEBLOCK_NATS_PASSWORD_FILE)"
+            ) from e
         raise NatsUnreachable(
             f"no NATS server reachable at {', '.join(options.servers)} "
             f"({type(e).__name__}; STATEBLOCK_NATS_URL)"
@@ -356,6 +399,17 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
     nc.options["max_reconnect_attempts"] = -1
     await state.set(True)
     return nc
+
+
+async def connected(
+    stack: AsyncExitStack, url: str, name: str, metrics: CollectorRegistry
+) -> tuple[nats.NATS, NatsState]:
+    """A service process's connection (its state counted in `metrics`), drained when
+    `stack` exits, and that state."""
+    state = NatsState.with_metrics(name, metrics)
+    nc = await connect(NatsOptions.of(url), name, state)
+    stack.push_async_callback(nc.drain)
+    return nc, state
 
 
 async def drain_or_close(nc: nats.NATS) -> None:

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 import structlog
 import structlog.tracebacks
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+from stateblock.protocol import tokens
 
 try:
     import uvloop
@@ -45,8 +47,24 @@ DEFAULT_READY_TIMEOUT_S = 2.0
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
+def stage_histogram(name: str, help_: str, registry: CollectorRegistry) -> Histogram:
+    """A service's time by stage (label `stage`), in STAGE_BUCKETS_S."""
+    return Histogram(name, help_, ["stage"], buckets=STAGE_BUCKETS_S, registry=registry)
+
+
 class ConfigError(ValueError):
     """A STATEBLOCK_* variable that cannot be used; the service refuses to start."""
+
+
+def capture_token(path: Path | None) -> str | None:
+    """The capture token in the file STATEBLOCK_CAPTURE_TOKEN_FILE names (None: no file
+    named), read once at start-up; a ConfigError naming the variable when it holds none."""
+    if path is None:
+        return None
+    try:
+        return tokens.read_token(path)
+    except ValueError as e:
+        raise ConfigError(f"STATEBLOCK_CAPTURE_TOKEN_FILE: {e}") from None
 
 
 class Env:
@@ -299,6 +317,13 @@ def run(main: Coroutine[Any, Any, T], env: Mapping[str, str] | None = None) -> T
         assert uvloop is not None
         return uvloop.run(main)
     return asyncio.run(main)
+
+
+def service_started(log_level: str) -> tuple[asyncio.Event, CollectorRegistry]:
+    """What a service process's main sets up first: its logs, the event SIGINT or SIGTERM
+    sets, and the registry its metrics go in (call from inside the running loop)."""
+    configure_logging(log_level)
+    return shutdown_event(), CollectorRegistry()
 
 
 def shutdown_event() -> asyncio.Event:

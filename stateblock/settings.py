@@ -125,6 +125,17 @@ NATS_CREDS = _setting(
     "NATS_CREDS", Path, None, "a NATS credentials file (JWT and NKey seed)", ALL,
     chart=OPTIONAL,
 )  # fmt: skip
+NATS_USER = _setting(
+    "NATS_USER", str, None,
+    "the NATS user to connect as, with STATEBLOCK_NATS_PASSWORD_FILE; its replies come on "
+    "`_INBOX_<user>.>`. `stateblock up` and the chart give each component its own user, "
+    "allowed only the subjects that component uses (docs/RELIABILITY.md)", ALL,
+    chart=COMPUTED,
+)  # fmt: skip
+NATS_PASSWORD_FILE = _setting(
+    "NATS_PASSWORD_FILE", Path, None, "a file holding STATEBLOCK_NATS_USER's password", ALL,
+    chart=COMPUTED,
+)  # fmt: skip
 NATS_TLS_CA = _setting(
     "NATS_TLS_CA", Path, None, "the CA the NATS servers' TLS certificates are checked against",
     ALL, chart=OPTIONAL,
@@ -213,6 +224,13 @@ READOUT_TRUSTED_KEYS_DIR = _setting(
 WORKERS = _setting(
     "WORKERS", int, 2, "readout pull loops in the process", (READOUT, UP), minimum=1,
     chart="readout.workers",
+)  # fmt: skip
+READOUT_COHORT_LANES = _setting(
+    "READOUT_COHORT_LANES", int, Limits.max_lanes,
+    "lanes from several blocks the process reads in one engine execution, two executions at "
+    "a time (only blocks the engine reads the same together as alone); 1: each block alone, "
+    "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
+    "run: give the process more than 2 workers", (READOUT,), minimum=1,
 )  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
@@ -311,12 +329,24 @@ CAPTURE_COMPILE = _setting(
     "per shape, so batched rows would no longer be bit-identical to a request alone",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
+CAPTURE_COHORT_LANES = _setting(
+    "CAPTURE_COHORT_LANES", int, 32,
+    "lanes one base forward carries at most, from as many requests as fit (never fewer than "
+    "`STATEBLOCK_MAX_LANES`: one request's lanes always share a forward)", (CAPTURE,), minimum=1,
+    chart="capture.cohortLanes",
+)  # fmt: skip
+CAPTURE_COHORT_TOKENS = _setting(
+    "CAPTURE_COHORT_TOKENS", int, 16384,
+    "padded prompt tokens (lanes x bucket width) one base forward carries at most: many short "
+    "prompts or a few long ones; a single request over it runs alone", (CAPTURE,), minimum=1,
+    chart="capture.cohortTokens",
+)  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
-    "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8),
-    "compiled only: the lane counts a cohort is padded to with dummy lanes (`STATEBLOCK_MAX_LANES` "
-    "is always one); every (lane bucket, prompt bucket) shape warms up before the capture is "
-    "SERVING, so fewer buckets are fewer shapes to warm up", (CAPTURE,), minimum=1,
-    chart="capture.laneBuckets",
+    "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
+    "compiled only: the lane counts a cohort is padded to with dummy lanes (the cohort's lane "
+    "limit is always one); every (lane bucket, prompt bucket) shape a cohort can reach warms "
+    "up before the capture is SERVING, so fewer buckets are fewer shapes to warm up",
+    (CAPTURE,), minimum=1, chart="capture.laneBuckets",
 )  # fmt: skip
 BLOCK_TTL_S = _setting(
     "BLOCK_TTL_S", float, 120.0, "how long a signed block stays valid", (CAPTURE,),

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, FastAPI, Request
 
 from gateway import protocol as p
 from gateway.errors import InvalidRequest
+from gateway.generation import ChoiceResult, Piece
 from gateway.logprobs import chat_logprobs
 from gateway.openai.serving import IdempotencyKey, Shape, respond, screen, with_cancellation
-from gateway.service import (
-    ChoiceResult,
-    GatewayService,
-    GenerateParams,
-    Piece,
-    PromptSpec,
-    make_sampling,
-)
+from gateway.params import GenerateParams, PromptSpec, Served, check, make_sampling
+from gateway.service import GatewayService
 
 router = APIRouter()
 
 
-def to_params(req: p.ChatCompletionRequest) -> GenerateParams:
-    """The request as the one GenerateParams; every check names the request's own field:
+def to_params(req: p.ChatCompletionRequest, served: Served) -> GenerateParams:
+    """The request as the one checked GenerateParams; every check names the request's own field:
     chat counts log-probabilities in `top_logprobs`, and its answer depth is
     `max_completion_tokens` when given (`max_tokens`, deprecated, otherwise)."""
     stop = screen(req)
@@ -34,15 +31,15 @@ def to_params(req: p.ChatCompletionRequest) -> GenerateParams:
         raise InvalidRequest("`top_logprobs` needs `logprobs: true`.", "top_logprobs")
     depth = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     names = (("logprobs", "top_logprobs"), ("max_tokens", depth))
-    return GenerateParams(
+    params = GenerateParams(
         model=req.model,
         inputs=(PromptSpec(messages=tuple((m.role, m.text()) for m in req.messages)),),
         n=1 if req.n is None else req.n,
         max_tokens=getattr(req, depth),
         sampling=make_sampling(req.temperature, req.seed, names=names, **req.sampling_fields()),
         stop=stop,
-        names=names,
     )
+    return check(params, served, names)
 
 
 class ChatShape(Shape):
@@ -88,8 +85,8 @@ class ServingChat:
         self.service = service
 
     async def create(self, req: p.ChatCompletionRequest, idempotency_key: str | None):
-        params = to_params(req)
-        g = await self.service.generate(params, api="chat", idempotency_key=idempotency_key)
+        convert = functools.partial(to_params, req)
+        g = await self.service.generate(convert, api="chat", idempotency_key=idempotency_key)
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
         return respond(ChatShape(self.service), g, stream=bool(req.stream), with_usage=with_usage)
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 
 from gateway import protocol as p
 from gateway.errors import InvalidRequest
+from gateway.generation import ChoiceResult, Piece, TokenLogprob
 from gateway.logprobs import completion_logprobs
 from gateway.openai.serving import IdempotencyKey, Shape, respond, screen, with_cancellation
-from gateway.service import (
-    ChoiceResult,
-    GatewayService,
-    GenerateParams,
-    Piece,
-    PromptSpec,
-    TokenLogprob,
-    make_sampling,
-)
+from gateway.params import GenerateParams, PromptSpec, Served, check, make_sampling
+from gateway.service import GatewayService
 
 router = APIRouter()
 
@@ -35,8 +30,13 @@ def prompt_specs(prompt: str | list) -> tuple[PromptSpec, ...]:
     )
 
 
-def to_params(req: p.CompletionRequest) -> GenerateParams:
-    """The request as the one GenerateParams; every field it cannot take is refused by name."""
+def choices_per_prompt(req: p.CompletionRequest) -> int:
+    return 1 if req.n is None else req.n
+
+
+def to_params(req: p.CompletionRequest, served: Served) -> GenerateParams:
+    """The request as the one checked GenerateParams; every field it cannot take is
+    refused by name."""
     stop = screen(req)
     if req.echo and req.logprobs is not None:
         raise InvalidRequest(
@@ -45,14 +45,15 @@ def to_params(req: p.CompletionRequest) -> GenerateParams:
             "echo",
             "unsupported_parameter",
         )
-    return GenerateParams(
+    params = GenerateParams(
         model=req.model,
         inputs=prompt_specs(req.prompt),
-        n=1 if req.n is None else req.n,
+        n=choices_per_prompt(req),
         max_tokens=req.max_tokens,
         sampling=make_sampling(req.temperature, req.seed, **req.sampling_fields()),
         stop=stop,
     )
+    return check(params, served)
 
 
 class CompletionShape(Shape):
@@ -103,11 +104,11 @@ class ServingCompletion:
         self.service = service
 
     async def create(self, req: p.CompletionRequest, idempotency_key: str | None):
-        params = to_params(req)
-        g = await self.service.generate(params, api="completions", idempotency_key=idempotency_key)
-        echoes = [self._prompt_text(s) for s in params.inputs] if req.echo else []
+        convert = functools.partial(to_params, req)
+        g = await self.service.generate(convert, api="completions", idempotency_key=idempotency_key)
+        echoes = [self._prompt_text(s) for s in prompt_specs(req.prompt)] if req.echo else []
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
-        shape = CompletionShape(self.service, echoes, params.n)
+        shape = CompletionShape(self.service, echoes, choices_per_prompt(req))
         return respond(shape, g, stream=bool(req.stream), with_usage=with_usage)
 
     def _prompt_text(self, spec: PromptSpec) -> str:

@@ -20,7 +20,8 @@ from pydantic import BaseModel
 
 from gateway import protocol as p
 from gateway.errors import InvalidRequest
-from gateway.service import ChoiceResult, GatewayService, Generation, Piece, TokenLogprob
+from gateway.generation import ChoiceResult, Generation, Piece, TokenLogprob
+from gateway.service import GatewayService
 from gateway.stops import StopSpec
 
 log = structlog.get_logger("gateway.http")

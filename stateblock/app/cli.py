@@ -6,14 +6,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from stateblock.app import cli_models, settings
-from stateblock.app.cli_models import DEFAULTS, REFERENCE, device_of
+from stateblock.app import cli_audit, cli_models, settings
+from stateblock.app.cli_models import DEFAULTS, REFERENCE, command
 from stateblock.runtime import REPO
 from stateblock.settings import API_KEY, ASK, UP, markdown_table, shown_default
 
@@ -205,92 +204,6 @@ def cmd_keys_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_audit(a: argparse.Namespace) -> int:
-    from stateblock.engines import UnknownEngine, create_engine, require_engine
-    from stateblock.model.loading import load_serving_model
-    from stateblock.runtime import DEFAULT_MODEL_NAME
-    from stateblock.tools import audit
-    from stateblock.train import tasks
-
-    device = device_of(a.device)
-    engine_name = a.engine or ("reference" if a.determinism else None)
-    if engine_name is None:
-        print("stateblock audit: --engine NAME is required (or --determinism)", file=sys.stderr)
-        return 2
-    try:
-        require_engine(engine_name)  # fail closed before anything is loaded
-    except UnknownEngine as e:
-        print(f"stateblock audit: {e}", file=sys.stderr)
-        return 2
-    # the serving setting the readout service reads from STATEBLOCK_GREEDY_DTYPE: the GPU's
-    # bf16 fast path can then be audited where it serves, or its numerics on the CPU
-    options = {"greedy_dtype": a.greedy_dtype} if a.greedy_dtype else {}
-    if options and (engine_name != "torch" or a.determinism):
-        print("stateblock audit: --greedy-dtype applies to the torch engine's parity audit only",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    if a.determinism:
-        import asyncio
-        import tempfile
-
-        from stateblock import runtime
-
-        # the determinism gate runs a real stack over NATS; the parity audit needs no bus
-        from stateblock.app import determinism as audit_determinism
-
-        runtime.configure_logging("warning")  # the stack's logs would bury the report
-        n = a.n_prompts or 8
-        prompts = [e.prompt for e in tasks.generate(n, split="heldout", seed=a.seed)]
-        if a.nats_url is None:  # our own stack and nats-server, in a throwaway dir
-            with tempfile.TemporaryDirectory(prefix="stateblock-audit-") as tmp:
-                report = asyncio.run(audit_determinism.embedded_determinism(
-                    data_dir=Path(a.data_dir or tmp), base_dir=Path(a.base),
-                    decoder_dir=Path(a.decoder), engine_name=engine_name, prompts=prompts,
-                    depth=a.depth, resubmit=not a.no_resubmit, device=device,
-                ))  # fmt: skip
-        else:
-            report = asyncio.run(audit_determinism.external_determinism(
-                a.nats_url, base_dir=Path(a.base), decoder_dir=Path(a.decoder),
-                engine_name=engine_name, trusted_keys=Path(a.trusted_keys),
-                grpc_target=a.grpc, prompts=prompts if a.grpc else [], depth=a.depth,
-                resubmit=not a.no_resubmit, listen_s=a.listen_s, device=device,
-            ))  # fmt: skip
-    else:
-        from stateblock import runtime
-
-        runtime.configure_logging("warning")  # stdout carries the JSON report alone
-        if a.export and engine_name == "onnx":  # asked for: the engine itself never exports
-            from stateblock.engines.onnx_graph import default_graph_path, export_checkpoint
-
-            graph = default_graph_path(a.decoder)
-            export_checkpoint(a.decoder, a.base, graph)
-            print(f"stateblock audit: exported {graph}", file=sys.stderr)
-        model = load_serving_model(DEFAULT_MODEL_NAME, a.base, a.decoder, device=device)
-        try:
-            engine = create_engine(engine_name, model, device, **options)
-        except Exception as e:  # a missing export or runtime: one clear line, not a traceback
-            print(f"stateblock audit: engine {engine_name!r} did not load: {e}", file=sys.stderr)
-            return 1
-        report = audit.parity_audit(
-            model,
-            engine,
-            create_engine("reference", model, device),
-            depths=[int(d) for d in a.depths.split(",")],
-            n_prompts=a.n_prompts or 32,
-            seed=a.seed,
-            lanes=a.lanes,
-        )
-        report["settings"]["engine_options"] = options
-        if a.plot:
-            audit.plot(report, a.plot)
-        if a.markdown:
-            Path(a.markdown).write_text(audit.markdown(report, "stateblock " + shlex.join(a.argv)))
-    if a.json:
-        audit.write_json(report, a.json)
-    print(json.dumps(report, indent=2))
-    return 0 if report["gate"] == "PASS" else 1
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     import subprocess
 
@@ -315,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_ask(sub)
     _add_export(sub)
-    _add_audit(sub)
+    cli_audit.add_parser(sub)
     _add_bench(sub)
     _add_keys(sub)
     return p
@@ -323,11 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_up(sub) -> None:
     """`stateblock up`: each setting a flag, then its variable, then its default."""
-    u = sub.add_parser(
-        "up",
-        formatter_class=DEFAULTS,
-        help="run the embedded default: nats-server and every service",
-    )
+    u = command(sub, "up", cmd_up, "run the embedded default: nats-server and every service")
     # each flag: the flag, else its STATEBLOCK_* variable, else the declared default
     for f in dataclasses.fields(settings.UpFlags):
         setting = f.metadata["setting"]
@@ -339,15 +248,15 @@ def _add_up(sub) -> None:
             help=f"{setting.help} (default: ${setting.name}, else {shown})".replace("`", ""),
         )
     u.add_argument("--ask", default=None, help="ask this once through the HTTP API, then stop")
-    u.set_defaults(fn=cmd_up)
 
 
 def _add_config(sub) -> None:
     """`stateblock config`: the effective settings, as JSON or the README table."""
-    c = sub.add_parser(
+    c = command(
+        sub,
         "config",
-        formatter_class=DEFAULTS,
-        help="print the effective configuration of `up` and each service (JSON)",
+        cmd_config,
+        "print the effective configuration of `up` and each service (JSON)",
     )
     c.add_argument(
         "--service",
@@ -360,14 +269,11 @@ def _add_config(sub) -> None:
         action="store_true",
         help="print every setting as the README's configuration table instead",
     )
-    c.set_defaults(fn=cmd_config)
 
 
 def _add_ask(sub) -> None:
     """`stateblock ask`: one chat completion from a running gateway."""
-    q = sub.add_parser(
-        "ask", formatter_class=DEFAULTS, help="ask a running gateway (chat completion)"
-    )
+    q = command(sub, "ask", cmd_ask, "ask a running gateway (chat completion)")
     q.add_argument("prompt", help="the user message")
     q.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
     q.add_argument("--model", default=None, help="default: the gateway's first model")
@@ -385,14 +291,11 @@ def _add_ask(sub) -> None:
         default=API_KEY.read(os.environ, ASK),
         help="sent as Authorization: Bearer (default: $STATEBLOCK_API_KEY)",
     )
-    q.set_defaults(fn=cmd_ask)
 
 
 def _add_export(sub) -> None:
     """`stateblock export`: the readout decoder to ONNX (and TensorRT)."""
-    x = sub.add_parser(
-        "export", formatter_class=DEFAULTS, help="export the readout decoder to ONNX (opset 17)"
-    )
+    x = command(sub, "export", cmd_export, "export the readout decoder to ONNX (opset 17)")
     x.add_argument("--out", default=None, help="FILE.onnx (default: DECODER/readout.onnx)")
     x.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
     x.add_argument(
@@ -401,64 +304,21 @@ def _add_export(sub) -> None:
         help="base model directory (its lm_head is checked)",
     )
     x.add_argument("--tensorrt", default=None, help="also build a TensorRT engine here")
-    x.set_defaults(fn=cmd_export)
-
-
-def _add_audit(sub) -> None:
-    """`stateblock audit`: the parity audit and release gate, or the determinism gate."""
-    au = sub.add_parser(
-        "audit",
-        formatter_class=DEFAULTS,
-        help="engine parity audit and release gate; --determinism",
-    )
-    au.add_argument("--engine", default=None, help="engine audited against reference")
-    au.add_argument("--determinism", action="store_true", help="the determinism gate instead")
-    au.add_argument("--export", action="store_true", help="onnx: run `stateblock export` first")
-    au.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
-    au.add_argument("--decoder", default=str(REFERENCE / "decoder"), help="decoder directory")
-    au.add_argument("--device", default="auto", help="cuda, cpu, or auto")
-    au.add_argument("--depths", default="256,512,1024,2048,4096,8192", help="parity depths")
-    au.add_argument("--n-prompts", type=int, default=None, help="held-out prompts (32; 8)")
-    au.add_argument("--seed", type=int, default=4321, help="seed of the audited prompts")
-    au.add_argument("--lanes", type=int, default=8, help="lanes per packed enqueue")
-    au.add_argument(
-        "--greedy-dtype", choices=["bfloat16", "float32"], default=None,
-        help="torch: plain greedy cohorts in this dtype (default: bf16 on a GPU, exact on a CPU)",
-    )  # fmt: skip
-    au.add_argument("--json", help="write the JSON report here")
-    au.add_argument("--plot", help="write the PNG plot here (parity)")
-    au.add_argument("--markdown", help="write the markdown table here (parity)")
-    au.add_argument("--nats-url", default=None, help="determinism: audit this NATS, not embedded")
-    au.add_argument("--grpc", default=None, help="determinism: gateway gRPC to send prompts to")
-    au.add_argument("--trusted-keys", default="keys", help="determinism with --nats-url")
-    au.add_argument("--listen-s", type=float, default=0.0, help="determinism: tap other traffic")
-    au.add_argument("--depth", type=int, default=256, help="determinism: max_tokens per prompt")
-    au.add_argument("--no-resubmit", action="store_true", help="determinism: re-read only")
-    au.add_argument("--data-dir", default=None, help="determinism, embedded: NATS store, keys")
-    au.set_defaults(fn=cmd_audit)
 
 
 def _add_bench(sub) -> None:
     """`stateblock bench`: a benchmark module of this checkout."""
-    bn = sub.add_parser(
-        "bench",
-        formatter_class=DEFAULTS,
-        help="benchmarks (docs/BENCHMARKS.md); BENCH --help for each",
-    )
+    bn = command(sub, "bench", cmd_bench, "benchmarks (docs/BENCHMARKS.md); BENCH --help for each")
     bn.add_argument("bench", choices=sorted(BENCHES), help="which benchmark")
     bn.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
-    bn.set_defaults(fn=cmd_bench)
 
 
 def _add_keys(sub) -> None:
     """`stateblock keys generate`: a new signing key pair."""
     k = sub.add_parser("keys", formatter_class=DEFAULTS, help="signing keys")
     ksub = k.add_subparsers(dest="keys_cmd", required=True, help="generate: a new key pair")
-    kg = ksub.add_parser(
-        "generate", formatter_class=DEFAULTS, help="a new Ed25519 key pair and its key id"
-    )
+    kg = command(ksub, "generate", cmd_keys_generate, "a new Ed25519 key pair and its key id")
     kg.add_argument("--out", required=True, help="directory for <key_id>.key and <key_id>.pub")
-    kg.set_defaults(fn=cmd_keys_generate)
 
 
 # modules of the optional extras (pyproject.toml): a command that needs one says which

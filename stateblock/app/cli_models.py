@@ -15,6 +15,13 @@ from stateblock.runtime import REFERENCE
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
 
 
+def command(sub, name: str, fn, help_: str) -> argparse.ArgumentParser:
+    """The subcommand `name` of `sub`, running `fn(args)`; its flags show their defaults."""
+    parser = sub.add_parser(name, formatter_class=DEFAULTS, help=help_)
+    parser.set_defaults(fn=fn)
+    return parser
+
+
 def device_of(name: str) -> str:
     import torch
 
@@ -120,10 +127,11 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> None:
-    b = sub.add_parser(
+    b = command(
+        sub,
         "build-reference",
-        formatter_class=DEFAULTS,
-        help="rebuild the shipped reference base model and decoder (stateblock/train/recipe.py)",
+        cmd_build_reference,
+        "rebuild the shipped reference base model and decoder (stateblock/train/recipe.py)",
     )
     b.add_argument("--out", default=str(REFERENCE), help="where the rebuilt base/ and decoder/ go")
     b.add_argument(
@@ -145,11 +153,8 @@ def add_parsers(sub) -> None:
         help=">0: a smoke run, this many steps a stage, tiny batches",
     )
     b.add_argument("--dry-run", action="store_true", help="print the stages' commands and stop")
-    b.set_defaults(fn=cmd_build_reference)
 
-    t = sub.add_parser(
-        "train", formatter_class=DEFAULTS, help="distil a readout decoder from a base model"
-    )
+    t = command(sub, "train", cmd_train, "distil a readout decoder from a base model")
     t.add_argument("--base", required=True, help="local Hugging Face model directory")
     t.add_argument(
         "--prompts",
@@ -180,9 +185,8 @@ def add_parsers(sub) -> None:
         default="",
         help="JSON ReadoutConfig overrides (task suite default: the shipped decoder's shape)",
     )
-    t.set_defaults(fn=cmd_train)
 
-    e = sub.add_parser("eval", formatter_class=DEFAULTS, help="quality report on held-out prompts")
+    e = command(sub, "eval", cmd_eval, "quality report on held-out prompts")
     e.add_argument("--base", default=str(REFERENCE / "base"), help="base model directory")
     e.add_argument(
         "--decoder",
@@ -198,4 +202,3 @@ def add_parsers(sub) -> None:
     e.add_argument("--json", help="write the JSON report here")
     e.add_argument("--plot", help="write the PNG plot here")
     e.add_argument("--markdown", help="write the markdown tables here")
-    e.set_defaults(fn=cmd_eval)

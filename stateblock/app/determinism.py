@@ -368,7 +368,7 @@ async def embedded_determinism(
     engine = create_engine(engine_name, model, device)
     async with running_stack(config) as urls:
         trust = TrustStore.from_dir(data_dir / "keys")
-        nc = await nats.connect(urls.nats, name="stateblock-audit")
+        nc = await nats.connect(urls.nats_admin, name="stateblock-audit")
         try:
             return await determinism_audit(
                 nc,

@@ -79,6 +79,7 @@ def _config(
     server_name: str,
     max_payload: int | None,
     cluster: ClusterRoutes | None,
+    authorization: str | None,
 ) -> str:
     lines = [
         f'server_name: "{server_name}"',
@@ -93,6 +94,8 @@ def _config(
             f'cluster {{ name: "{cluster.name}", listen: "127.0.0.1:{cluster.port}", '
             f"routes: [{routes}] }}"
         )
+    if authorization is not None:
+        lines.append(authorization)
     return "\n".join(lines) + "\n"
 
 
@@ -119,8 +122,11 @@ def start_nats_server(
     max_payload: int | None = None,
     server_name: str = "stateblock",
     cluster: ClusterRoutes | None = None,
+    authorization: str | None = None,
 ) -> NatsProcess:
-    """Start one server with its store and log under data_dir; returns once it is ready."""
+    """Start one server with its store and log under data_dir; returns once it is ready.
+    `authorization`: a configuration block of users (`stateblock.app.nats_auth`); the
+    configuration file, which then holds passwords, is readable by its owner only."""
     data_dir.mkdir(parents=True, exist_ok=True)
     store = data_dir / "nats"
     store.mkdir(exist_ok=True)
@@ -128,7 +134,9 @@ def start_nats_server(
     conf = data_dir / "nats.conf"
     for _attempt in range(PORT_ATTEMPTS):
         chosen = port or free_port()
-        conf.write_text(_config(chosen, store, server_name, max_payload, cluster))
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(_config(chosen, store, server_name, max_payload, cluster, authorization))
         with log_path.open("ab") as log:
             proc = subprocess.Popen(
                 [nats_server_binary(), "-c", str(conf)],
@@ -308,11 +316,13 @@ class NatsSupervisor:
 
 @asynccontextmanager
 async def supervised_nats_server(
-    data_dir: Path, *, max_payload: int | None = None
+    data_dir: Path, *, max_payload: int | None = None, authorization: str | None = None
 ) -> AsyncIterator[NatsSupervisor]:
     """`start_nats_server` for an async stack, kept running by a NatsSupervisor: started on
     enter; on exit the server running then is stopped."""
-    server = await asyncio.to_thread(start_nats_server, data_dir, max_payload=max_payload)
+    server = await asyncio.to_thread(
+        start_nats_server, data_dir, max_payload=max_payload, authorization=authorization
+    )
     supervisor = NatsSupervisor(server)
     watch = asyncio.create_task(supervisor.run(), name="nats-supervisor")
     try:

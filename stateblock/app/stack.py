@@ -10,6 +10,7 @@ entry point uses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import faulthandler
 import sys
 import threading
@@ -24,13 +25,13 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from stateblock import runtime, settings
+from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
+from stateblock.app.plan import IN_PROCESS, Ports, StackPlan, Wiring
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
+from stateblock.settings import CAPTURE, GATEWAY, READOUT
 
 if TYPE_CHECKING:
-    from capture_svc.config import CaptureConfig
-    from gateway.config import GatewayConfig
-    from readout_svc.config import ReadoutServiceConfig
     from stateblock.engines import ReadoutEngine
     from stateblock.model.loading import ServingModel
     from stateblock.protocol.keys import Signer, TrustStore
@@ -65,8 +66,36 @@ class UpConfig:
     capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
-    # to a worker, both read by one client loop.
+    # to a worker, both read by one client loop. Always so on the stack's own nats-server,
+    # where each service is its own NATS user.
     connection_per_service: bool = False
+
+    def plan(self) -> StackPlan:
+        """The stack `stateblock up` runs: every service in this process."""
+        values = {
+            settings.NATS_REPLICAS: self.nats_replicas,
+            settings.MODEL_NAME: self.model_name,
+            settings.BASE_DIR: self.base_dir,
+            settings.DECODER_DIR: self.decoder_dir,
+            settings.GRACE_S: self.grace_s,
+            settings.ENGINE: self.engine,
+            settings.WORKERS: self.workers,
+            settings.REQUEST_TIMEOUT_S: self.request_timeout_s,
+            settings.API_KEY: self.api_key,
+            settings.BLOCKS_STORAGE: self.blocks_storage,
+            settings.FORWARD_STATE_DIGEST: self.forward_state_digest,
+            settings.CAPTURE_COMPILE: self.capture_compile,
+            settings.BATCH_WINDOW_S: self.batch_window_s,  # None: the capture's default
+        }
+        return StackPlan(
+            data_dir=self.data_dir.resolve(),
+            placement=IN_PROCESS,
+            nats_url=self.nats_url,
+            nats_max_payload=self.nats_max_payload,
+            host=self.host,
+            ports=Ports(http=self.http_port, grpc=self.grpc_port, capture=(self.capture_port,)),
+            values=values,
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +107,9 @@ class StackUrls:
     # resolves when the stack's own nats-server exited and could not be restarted (None
     # when the stack uses a NATS it did not start)
     nats_lost: asyncio.Future[NatsServerLost] | None = field(default=None, compare=False)
+    # `nats` with the admin user's password in it (tools and tests; no service uses it):
+    # the stack's own nats-server admits its users only; `nats` itself on another NATS
+    nats_admin: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,6 +123,7 @@ class _Credentials:
     readout_signer: Signer
     readout_trust: TrustStore
     token_file: Path  # the gateway's credential at the capture
+    nats_passwords: dict[str, Path]  # each component's (and the admin's) at its own NATS
 
 
 def _credentials(data_dir: Path) -> _Credentials:
@@ -108,60 +141,87 @@ def _credentials(data_dir: Path) -> _Credentials:
         readout_signer=load_or_generate_signer(readout_key_dir),
         readout_trust=TrustStore.from_dir(readout_key_dir),
         token_file=token_file,
+        nats_passwords=nats_auth.password_files(data_dir),
     )
 
 
-def _capture_config(config: UpConfig, creds: _Credentials, common: dict) -> CaptureConfig:
-    from capture_svc.config import CaptureConfig
+def credentials_wiring(data_dir: Path, nats_url: str) -> Wiring:
+    """The wiring of a stack in `data_dir`: its keys and token generated there on first run
+    (before any service reads its trust store), and its NATS."""
+    return _wiring(_credentials(data_dir), nats_url)
 
-    window = {} if config.batch_window_s is None else {"batch_window_s": config.batch_window_s}
-    return CaptureConfig(
-        host="127.0.0.1",  # only the gateway beside it calls the capture
-        port=config.capture_port,
-        key_dir=creds.key_dir,
-        token_file=creds.token_file,
-        blocks_storage=config.blocks_storage,
-        forward_state_digest=config.forward_state_digest,
-        compile=config.capture_compile,
-        **window,
-        **common,
+
+def _wiring(creds: _Credentials, nats_url: str) -> Wiring:
+    return Wiring(nats_url, creds.key_dir, creds.readout_key_dir, creds.token_file)
+
+
+async def _served(
+    config: UpConfig, model: ServingModel | None, engine: ReadoutEngine | None
+) -> tuple[ServingModel, ReadoutEngine]:
+    """The given model and engine, else config.base_dir on the CPU with config.engine."""
+    from stateblock.engines import create_engine, require_engine
+    from stateblock.model.loading import load_serving_model
+
+    if engine is None:
+        require_engine(config.engine)
+    if model is None:
+        model = await asyncio.to_thread(
+            load_serving_model, config.model_name, config.base_dir, config.decoder_dir
+        )
+    return model, engine if engine is not None else create_engine(config.engine, model)
+
+
+async def _nats(
+    stack: AsyncExitStack, plan: StackPlan, creds: _Credentials
+) -> tuple[str, asyncio.Future[NatsServerLost] | None]:
+    """The plan's NATS URL, starting the stack's own server (restarted on its port and
+    store whenever it exits, admitting the stack's NATS users only) when the plan names
+    none."""
+    if plan.nats_url is not None:
+        return plan.nats_url, None
+    supervisor = await stack.enter_async_context(
+        supervised_nats_server(
+            plan.data_dir,
+            max_payload=plan.nats_max_payload,
+            authorization=nats_auth.server_authorization(creds.nats_passwords),
+        )
     )
+    return supervisor.server.url, supervisor.lost
 
 
-def _readout_config(
-    config: UpConfig, creds: _Credentials, engine_name: str, common: dict
-) -> ReadoutServiceConfig:
-    from readout_svc.config import ReadoutServiceConfig
+class _Connections:
+    """One NATS connection for the stack, or one per service (`connection_per_service`, and
+    always with `logins`: each service connects as its own user, its password in the file
+    `logins[service]`)."""
 
-    readout_cfg = ReadoutServiceConfig(
-        engine=engine_name,
-        trusted_keys_dir=creds.key_dir,
-        signing_key_dir=creds.readout_key_dir,
-        workers=config.workers,
-        blocks_storage=config.blocks_storage,
-        **common,
-    )
-    # a block a dead worker held must come back while its request still waits
-    runtime.check_redelivery(readout_cfg.ack_wait_s, config.request_timeout_s)
-    return readout_cfg
+    def __init__(
+        self,
+        stack: AsyncExitStack,
+        url: str,
+        metrics: CollectorRegistry,
+        per_service: bool,
+        logins: dict[str, Path] | None = None,
+    ) -> None:
+        self._stack, self._url, self._metrics = stack, url, metrics
+        self._per_service, self._logins = per_service or logins is not None, logins
+        self._conns: list[tuple[nats.NATS, NatsState]] = []
 
-
-def _gateway_config(
-    config: UpConfig, creds: _Credentials, capture_port: int, common: dict
-) -> GatewayConfig:
-    from gateway.config import GatewayConfig
-
-    return GatewayConfig(
-        capture_target=f"127.0.0.1:{capture_port}",
-        capture_token_file=creds.token_file,
-        host=config.host,
-        http_port=config.http_port,
-        grpc_port=config.grpc_port,
-        readout_trusted_keys_dir=creds.readout_key_dir,
-        request_timeout_s=config.request_timeout_s,
-        api_key=config.api_key,
-        **common,
-    )
+    async def __call__(self, service: str) -> tuple[nats.NATS, NatsState]:
+        if self._conns and not self._per_service:
+            return self._conns[0]
+        login = (
+            {}
+            if self._logins is None
+            else {"user": service, "password_file": self._logins[service]}
+        )
+        options = NatsOptions.of(self._url, **login)
+        # the first connection's state is the stack's metric; health follows each one
+        first = not self._conns
+        state = NatsState.with_metrics("stateblock", self._metrics) if first else NatsState(service)
+        nc = await connect(options, f"stateblock-{service}", state)
+        self._stack.push_async_callback(drain_or_close, nc)
+        self._conns.append((nc, state))
+        return self._conns[-1]
 
 
 @asynccontextmanager
@@ -179,90 +239,52 @@ async def running_stack(
     from capture_svc.server import running_capture
     from gateway.server import running_gateway
     from readout_svc.server import running_readout
-    from stateblock.engines import create_engine, require_engine
-    from stateblock.model.loading import load_serving_model
 
-    if engine is None:
-        require_engine(config.engine)
+    plan = (config if engine is None else dataclasses.replace(config, engine=engine.name)).plan()
+    model, engine = await _served(config, model, engine)
     metrics = CollectorRegistry() if metrics is None else metrics
-    data_dir = config.data_dir.resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    creds = _credentials(data_dir)
-    if model is None:
-        model = await asyncio.to_thread(
-            load_serving_model, config.model_name, config.base_dir, config.decoder_dir
-        )
-    if engine is None:
-        engine = create_engine(config.engine, model)
+    plan.data_dir.mkdir(parents=True, exist_ok=True)
+    creds = _credentials(plan.data_dir)
     async with AsyncExitStack() as stack:
-        nats_url, nats_lost = config.nats_url, None
-        if nats_url is None:  # ours: restarted on its port and store whenever it exits
-            supervisor = await stack.enter_async_context(
-                supervised_nats_server(data_dir, max_payload=config.nats_max_payload)
-            )
-            nats_url, nats_lost = supervisor.server.url, supervisor.lost
-        nats_options = NatsOptions.of(nats_url)
-        conns: list[tuple[nats.NATS, NatsState]] = []
-
-        async def connection(service: str) -> tuple[nats.NATS, NatsState]:
-            if conns and not config.connection_per_service:
-                return conns[0]
-            # the first connection's state is the stack's metric; health follows each one
-            state = (
-                NatsState.with_metrics("stateblock", metrics) if not conns else NatsState(service)
-            )
-            nc = await connect(nats_options, f"stateblock-{service}", state)
-            stack.push_async_callback(drain_or_close, nc)
-            conns.append((nc, state))
-            return conns[-1]
-
-        # what every service of the stack is configured with alike
-        common = dict(
-            nats_url=nats_url,
-            nats_replicas=config.nats_replicas,
-            model_name=config.model_name,
-            base_dir=config.base_dir,
-            decoder_dir=config.decoder_dir,
-            grace_s=config.grace_s,
-        )
-        nc, state = await connection("capture")
+        nats_url, nats_lost = await _nats(stack, plan, creds)
+        wiring = _wiring(creds, nats_url)
+        own_nats = plan.nats_url is None  # its users: one per service
+        logins = creds.nats_passwords if own_nats else None
+        connection = _Connections(stack, nats_url, metrics, config.connection_per_service, logins)
+        nc, state = await connection(CAPTURE)
         capture = await stack.enter_async_context(
             running_capture(
-                _capture_config(config, creds, common),
-                nc=nc,
-                model=model,
-                signer=creds.signer,
-                metrics=metrics,
-                nats_state=state,
+                plan.config(plan.service(CAPTURE), wiring),
+                nc=nc, model=model, signer=creds.signer, metrics=metrics, nats_state=state,
             )
-        )
+        )  # fmt: skip
         await stack.enter_async_context(
             running_readout(
-                _readout_config(config, creds, engine.name, common),
-                nc=(await connection("readout"))[0],
-                engine=engine,
-                trust=creds.trust,
-                signer=creds.readout_signer,
-                metrics=metrics,
+                plan.config(plan.service(READOUT), wiring),
+                nc=(await connection(READOUT))[0], engine=engine, trust=creds.trust,
+                signer=creds.readout_signer, metrics=metrics,
             )
-        )
-        nc, state = await connection("gateway")
+        )  # fmt: skip
+        nc, state = await connection(GATEWAY)
+        wiring = dataclasses.replace(wiring, capture_port=capture.port)  # when the plan said 0
         gateway = await stack.enter_async_context(
             running_gateway(
-                _gateway_config(config, creds, capture.port, common),
-                nc=nc,
-                nats_state=state,
-                metrics=metrics,
-                tokenizer=model.tokenizer,
+                plan.config(plan.service(GATEWAY), wiring),
+                nc=nc, nats_state=state, metrics=metrics, tokenizer=model.tokenizer,
                 readout_trust=creds.readout_trust,
             )
-        )
+        )  # fmt: skip
         yield StackUrls(
             http=f"http://{config.host}:{gateway.http_port}",
             grpc=f"{config.host}:{gateway.grpc_port}",
             nats=nats_url,
             key_id=creds.signer.key_id,
             nats_lost=nats_lost,
+            nats_admin=(
+                nats_auth.login_url(nats_url, creds.nats_passwords[nats_auth.ADMIN])
+                if own_nats
+                else nats_url
+            ),
         )
 
 

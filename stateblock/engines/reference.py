@@ -57,6 +57,14 @@ class ReferenceEngine:
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
         self.readout([LaneRequest(rows=rows, depth=16)])
 
+    def cohort_key(self, lanes: Sequence[LaneRequest]) -> tuple[int, int]:
+        """Blocks with equal keys read the same together as alone, bit for bit
+        (readout_svc.cohorts): the decoder pads every lane to the cohort's longest prompt
+        (which moves the pooling's float sums) and reads it to the cohort's deepest answer
+        (a sampled lane's noise is drawn for that many positions), so only blocks of one
+        longest prompt and one deepest lane go together."""
+        return max(lane.rows.shape[0] for lane in lanes), max(lane.depth for lane in lanes)
+
     @torch.inference_mode()
     def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
         dev = self._device

@@ -7,19 +7,8 @@ Triton top-2 kernel (`stateblock.model.kernels.top2`: logits never leave the chi
 keeps the bf16 lm_head GEMM), and one CUDA graph per shape bucket. On the CPU the same code
 runs eagerly in fp32 with the chunked PyTorch top-2 and, by default, no buckets (exact
 shapes, as the reference), so CI imports and tests it against the reference engine.
-device="cuda" without a GPU raises EngineUnavailable.
-
-Shapes. A cohort of at most K_MAX lanes is one enqueue: lanes, prompt rows and answer
-depth are each padded up to a bucket, so a handful of fixed shapes cover all traffic.
-- depth buckets (256, 1024, 2048, 4096, 8192): exact, because the mixer is prefix-causal
-  (position t sees latents and positions <= t), so the positions added by padding cannot
-  change the ones read; positions >= a lane's depth are masked out of the EOS scan.
-- prompt buckets (64 ... 4096): padded rows are zeros and masked out of the pooling by
-  prompt_lens, as in the reference's own right padding.
-- lane buckets (1, 2, 4, 8), one graph per bucket rather than one max-K graph with masking:
-  a single request (K=1) then pays for one lane, not eight. Filler lanes read one zero row
-  at depth 0 and are dropped.
-A shape beyond the largest bucket still runs, eagerly at its exact size (no graph).
+device="cuda" without a GPU raises EngineUnavailable. The shape buckets and the options
+live in `torch_options`; the step every graph records, and the sampling, in `torch_step`.
 
 Graphs. Captured lazily on the first cohort of a shape, and for the common shapes
 (K=1, prompt bucket 512, every depth bucket) in warm_up(). Every graph reads one set of
@@ -46,24 +35,34 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import torch
 from torch import Tensor
 
 from stateblock.engines.base import (
-    TOP_K_SAMPLE,
     LaneRequest,
     LaneResult,
-    lane_filters,
     lane_result,
+)
+from stateblock.engines.torch_options import (
+    DEPTH_BUCKETS,
+    LANE_BUCKETS,
+    PROMPT_BUCKETS,
+    WARM_PROMPT,
+    EngineUnavailable,
+    Shape,
+    TorchEngineOptions,
+    bucket,
+    require_device,
 )
 from stateblock.engines.torch_step import (
     MATMUL_PRECISIONS,
     fused_head,
     matmul_precision,
     readout_step,
+    sample_lanes,
 )
 from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
@@ -71,13 +70,6 @@ from stateblock.model.kernels.attention import DOT_PRECISIONS, dot_precision
 from stateblock.model.kernels.attention import available as attention_available
 from stateblock.model.kernels.top2 import Top2Config, available, default_tiles, top2
 from stateblock.model.loading import ServingModel
-from stateblock.model.vocab import (
-    candidate_mask,
-    chunked_topk,
-    first_eos,
-    gumbel_noise,
-    gumbel_pick,
-)
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.sampling import K_MAX  # lanes per enqueue
 
@@ -94,69 +86,10 @@ __all__ = [
     "readout_step",
 ]
 
-LANE_BUCKETS = (1, 2, 4, 8)
-PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
-DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
-WARM_PROMPT = 512  # the prompt_len profile's typical value
+
 GREEDY = "greedy"  # the graphs' precision key of the greedy fast path
 GREEDY_DTYPES = {"bfloat16": torch.bfloat16}  # fp16: see "Greedy fast path" above
 GREEDY_OFF = "float32"  # greedy_dtype that keeps every cohort on the exact path
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot run on the requested device."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    lanes: int
-    prompt: int
-    depth: int
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket >= n; None when n is beyond them all (or there are none)."""
-    return next((b for b in buckets if b >= n), None)
-
-
-def require_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngineUnavailable(
-            f"readout engine 'torch' asked for device {str(dev)!r}, but torch sees no CUDA "
-            f"device (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-            "set STATEBLOCK_DEVICE=cpu to run it on the CPU"
-        )
-    if dev.type not in ("cuda", "cpu"):
-        raise EngineUnavailable(f"readout engine 'torch' runs on cuda or cpu, not {dev.type!r}")
-    return dev
-
-
-@dataclass(frozen=True)
-class TorchEngineOptions:
-    """How a TorchEngine runs: device, shape buckets, graphs and precisions.
-
-    None picks the device's default (see the module docstring): buckets, CUDA graphs, the
-    fused head and attention, TF32 kernel dots and the bf16 greedy path on a GPU; exact
-    shapes, eager fp32 and no fast path on the CPU.
-    """
-
-    device: str | torch.device = "cpu"
-    lane_buckets: Sequence[int] | None = None
-    prompt_buckets: Sequence[int] | None = None
-    depth_buckets: Sequence[int] | None = None
-    cuda_graphs: bool | None = None
-    warm_shapes: Sequence[Shape] | None = None
-    top2_config: Top2Config | None = None
-    decoder_dtype: torch.dtype = torch.float32
-    autocast: torch.dtype | None = None
-    matmul_precision: str = "highest"
-    kernel_precision: str | None = None
-    logprob_precision: str = "ieee"
-    attention: str | None = None
-    head: str | None = None
-    head_dtype: torch.dtype = torch.float32
-    greedy_dtype: torch.dtype | str | None = None
 
 
 class TorchEngine:
@@ -362,6 +295,15 @@ class TorchEngine:
         kb, pb, db = bucket(k, self._lane_b), bucket(p, self._prompt_b), bucket(d, self._depth_b)
         return Shape(kb or k, pb or p, db or d), None not in (kb, pb, db)
 
+    def cohort_key(self, lanes: Sequence[LaneRequest]) -> tuple:
+        """Blocks with equal keys read the same together as alone (readout_svc.cohorts): the
+        same precision path and depth bucket, and a prompt bucket (or, beyond them, the
+        exact prompt length, which runs eagerly at its size)."""
+        d = max(lane.depth for lane in lanes)
+        p = max(lane.rows.shape[0] for lane in lanes)
+        pb = bucket(p, self._prompt_b)
+        return self._path(lanes), bucket(d, self._depth_b) or d, pb is not None or p
+
     def _path(self, lanes: Sequence[LaneRequest]) -> str:
         """The precision key a cohort runs on: exact dots when a lane asks for
         log-probabilities, the greedy fast path when every lane is plain greedy."""
@@ -511,9 +453,10 @@ class TorchEngine:
             eos = eos[:k]
             sampled = [i for i, lane in enumerate(lanes) if lane.selects]
             if sampled:
-                tokens, eos, chosen = self._sample(
-                    lanes, sampled, h, tokens, eos, chosen, shape.depth
-                )
+                tokens, eos, chosen = sample_lanes(
+                    lanes, sampled, h, tokens, eos, chosen, shape.depth,
+                    head=self._head, n_chunks=self._n_chunks, eos_token_id=self._eos,
+                )  # fmt: skip
             # copies out of the graph's outputs, then each lane cut as every engine cuts it
             margins = (top_v[:k, :, 0] - top_v[:k, :, 1]).cpu().tolist()
             tokens, eos_pos = tokens.cpu().tolist(), eos.cpu().tolist()
@@ -540,35 +483,3 @@ class TorchEngine:
             )  # fmt: skip
             for i, lane in enumerate(lanes)
         ]
-
-    def _sample(
-        self,
-        lanes: Sequence[LaneRequest],
-        sampled: list[int],
-        h: Tensor,  # (Kb, D, d_base)
-        tokens: Tensor,  # (K, D)
-        eos: Tensor,  # (K,)
-        chosen: Tensor,  # (K, D) the emitted tokens' logits
-        depth: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Chunked top-8 + Gumbel selection for the sampling lanes, as in the reference."""
-        dev = self._device
-        idx = torch.tensor(sampled, device=dev)
-        temp = torch.tensor([lanes[i].temperature for i in sampled], device=dev)
-        # per-lane noise from the lane's seed; gumbel_noise draws a row-major stream, so the
-        # first positions match the reference's (max depth, 8) draw at any padded depth
-        noise = torch.stack([gumbel_noise((depth, TOP_K_SAMPLE), lanes[i].seed) for i in sampled])
-        top_v, top_i = chunked_topk(h[idx], self._head, self._n_chunks, TOP_K_SAMPLE)
-        positions = torch.arange(depth, device=dev).expand(len(sampled), depth)
-        keep = candidate_mask(
-            top_v, top_i, temp, lane_filters([lanes[i] for i in sampled], dev), positions, self._eos
-        )
-        pick = gumbel_pick(top_v, temp, noise.to(dev), keep)  # (S, D, 1)
-        picked = torch.gather(top_i, -1, pick).squeeze(-1)  # (S, D)
-        depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
-        valid = positions < depths.unsqueeze(1)
-        tokens, eos, chosen = tokens.clone(), eos.clone(), chosen.clone()
-        tokens[idx] = picked
-        chosen[idx] = torch.gather(top_v, -1, pick).squeeze(-1).to(chosen.dtype)
-        eos[idx] = first_eos(picked, valid, self._eos)
-        return tokens, eos, chosen

@@ -1,19 +1,27 @@
 """One padded cohort through the decoder and the vocabulary top-2: the pure, shape-static
 function every CUDA graph of the torch engine records (and its eager path runs), with the
-precision switch and the fused head it uses. `stateblock.engines.torch_engine` holds the
-engine around it (buckets, graphs, staging, sampling)."""
+precision switch and the fused head it uses; and `sample_lanes`, the sampling lanes'
+selection on the hidden states it returns. `stateblock.engines.torch_engine` holds the
+engine around them (buckets, graphs, staging)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from stateblock.engines.base import TOP_K_SAMPLE, LaneRequest, lane_filters
 from stateblock.model.decoder import ReadoutDecoder
 from stateblock.model.kernels.attention import dot_precision
-from stateblock.model.vocab import first_eos
+from stateblock.model.vocab import (
+    candidate_mask,
+    chunked_topk,
+    first_eos,
+    gumbel_noise,
+    gumbel_pick,
+)
 
 MATMUL_PRECISIONS = ("highest", "high")  # torch's names: fp32, TF32 (10 mantissa bits)
 
@@ -100,3 +108,39 @@ def readout_step(
     valid = positions < depths.unsqueeze(1)  # (K, D): padding positions never stop a lane
     eos_pos = first_eos(top_i[..., 0], valid, eos_token_id)
     return h, top_v, top_i, eos_pos, lse.view(k, d)
+
+
+def sample_lanes(
+    lanes: Sequence[LaneRequest],
+    sampled: list[int],
+    h: Tensor,  # (Kb, D, d_base)
+    tokens: Tensor,  # (K, D)
+    eos: Tensor,  # (K,)
+    chosen: Tensor,  # (K, D) the emitted tokens' logits
+    depth: int,
+    *,
+    head: Tensor,
+    n_chunks: int,
+    eos_token_id: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunked top-8 + Gumbel selection for the sampling lanes, as in the reference."""
+    dev = h.device
+    idx = torch.tensor(sampled, device=dev)
+    temp = torch.tensor([lanes[i].temperature for i in sampled], device=dev)
+    # per-lane noise from the lane's seed; gumbel_noise draws a row-major stream, so the
+    # first positions match the reference's (max depth, 8) draw at any padded depth
+    noise = torch.stack([gumbel_noise((depth, TOP_K_SAMPLE), lanes[i].seed) for i in sampled])
+    top_v, top_i = chunked_topk(h[idx], head, n_chunks, TOP_K_SAMPLE)
+    positions = torch.arange(depth, device=dev).expand(len(sampled), depth)
+    keep = candidate_mask(
+        top_v, top_i, temp, lane_filters([lanes[i] for i in sampled], dev), positions, eos_token_id
+    )
+    pick = gumbel_pick(top_v, temp, noise.to(dev), keep)  # (S, D, 1)
+    picked = torch.gather(top_i, -1, pick).squeeze(-1)  # (S, D)
+    depths = torch.tensor([lanes[i].depth for i in sampled], device=dev)
+    valid = positions < depths.unsqueeze(1)
+    tokens, eos, chosen = tokens.clone(), eos.clone(), chosen.clone()
+    tokens[idx] = picked
+    chosen[idx] = torch.gather(top_v, -1, pick).squeeze(-1).to(chosen.dtype)
+    eos[idx] = first_eos(picked, valid, eos_token_id)
+    return tokens, eos, chosen

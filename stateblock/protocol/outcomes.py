@@ -50,15 +50,30 @@ def sign(record: pb.Commit | pb.Rejection, signer: Signer) -> None:
 def verify(record: pb.Commit | pb.Rejection, trust: TrustStore, block_id: str) -> None:
     """Raise UntrustedOutcome unless a trusted key signed this record for block_id."""
     kind = type(record).__name__.lower()
+    _verify_signed(record, trust, block_id, _context(record), UntrustedOutcome,
+                   (f"{kind} for", f"{kind} of"))  # fmt: skip
+
+
+def _verify_signed(
+    record: pb.Commit | pb.Rejection | pb.RegistryEntry,
+    trust: TrustStore,
+    block_id: str,
+    context: bytes,
+    untrusted: type[Exception],
+    names: tuple[str, str],
+) -> None:
+    """Raise `untrusted` unless a trusted key signed `record` under `context` for block_id;
+    `names`: how its messages name the record's key ("commit for") and block ("commit of")."""
+    stored, about = names
     if record.block_id != block_id:
-        raise UntrustedOutcome(f"{kind} for {record.block_id!r} stored under {block_id!r}")
+        raise untrusted(f"{stored} {record.block_id!r} stored under {block_id!r}")
     public_key = trust.get(record.key_id)
     if public_key is None:
-        raise UntrustedOutcome(f"{kind} of block {block_id}: key {record.key_id!r} not trusted")
+        raise untrusted(f"{about} block {block_id}: key {record.key_id!r} not trusted")
     try:
-        public_key.verify(record.signature, _signing_bytes(record, _context(record)))
+        public_key.verify(record.signature, _signing_bytes(record, context))
     except InvalidSignature as e:
-        raise UntrustedOutcome(f"{kind} of block {block_id}: bad signature") from e
+        raise untrusted(f"{about} block {block_id}: bad signature") from e
 
 
 def outcome_of(
@@ -85,12 +100,4 @@ def verify_claim(entry: pb.RegistryEntry, trust: TrustStore, block_id: str) -> N
     """Raise UntrustedClaim unless `entry` is a claim a trusted key signed for block_id."""
     if entry.state != pb.CLAIM_STATE_CLAIMED:
         raise UntrustedClaim(f"entry of block {block_id} is not a claim")
-    if entry.block_id != block_id:
-        raise UntrustedClaim(f"claim on {entry.block_id!r} stored under {block_id!r}")
-    public_key = trust.get(entry.key_id)
-    if public_key is None:
-        raise UntrustedClaim(f"claim on block {block_id}: key {entry.key_id!r} not trusted")
-    try:
-        public_key.verify(entry.signature, _signing_bytes(entry, CLAIM_CONTEXT))
-    except InvalidSignature as e:
-        raise UntrustedClaim(f"claim on block {block_id}: bad signature") from e
+    _verify_signed(entry, trust, block_id, CLAIM_CONTEXT, UntrustedClaim, ("claim on", "claim on"))

@@ -110,9 +110,11 @@ async def ensure_streams(
     payload_ttl_s: float = 3600.0,
     blocks_storage: str = "file",
     replicas: int = 1,
+    dead_letters: bool = True,
 ) -> None:
-    """The blocks work queue, the rejected-block log and the payload object bucket, each
-    with `replicas` copies on a JetStream cluster.
+    """The blocks work queue, the rejected-block log (with `dead_letters`: the readout
+    writes it, the capture never touches it) and the payload object bucket, each with
+    `replicas` copies on a JetStream cluster.
 
     `blocks_storage` ("file" | "memory") is the work queue's storage; raises StreamConflict
     if the queue already exists with the other one, or any of them with other replicas.
@@ -132,17 +134,18 @@ async def ensure_streams(
             num_replicas=replicas,
         ),
     )
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=REJECTED_STREAM,
-            subjects=["stateblock.rejected.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=7 * 24 * 3600.0,
-            num_replicas=replicas,
-        ),
-    )
+    if dead_letters:
+        await _ensure_stream(
+            js,
+            StreamConfig(
+                name=REJECTED_STREAM,
+                subjects=["stateblock.rejected.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                max_age=7 * 24 * 3600.0,
+                num_replicas=replicas,
+            ),
+        )
     await payload_store(js, ttl_s=payload_ttl_s, replicas=replicas)
 
 

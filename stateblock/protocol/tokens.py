@@ -2,7 +2,8 @@
 
 The gateway sends it as `authorization: Bearer <token>` metadata on every Capture call; the
 capture compares it in constant time. A token file holds one line of at least MIN_CHARS
-printable characters; `stateblock up` writes one (mode 0600) on first run.
+printable characters; `stateblock up` writes one (mode 0600) on first run, and its NATS
+users' passwords in the same shape.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ MIN_CHARS = 16  # a generated token has 43 (32 random bytes, URL-safe base64)
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
 
 
-def read_token(path: Path) -> str:
-    """The token in `path`, surrounding whitespace removed; ValueError naming the file when
-    it cannot be read or is too short to be a secret."""
+def read_token(path: Path, what: str = "capture token file") -> str:
+    """The token in `path`, surrounding whitespace removed; ValueError naming the file (as
+    `what`) when it cannot be read or is too short to be a secret."""
     try:
         token = Path(path).read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"capture token file {path} cannot be read: {e}") from e
+        raise ValueError(f"{what} {path} cannot be read: {e}") from e
     if len(token) < MIN_CHARS or not token.isprintable() or " " in token:
         raise ValueError(
-            f"capture token file {path} must hold one token of at least {MIN_CHARS} "
+            f"{what} {path} must hold one token of at least {MIN_CHARS} "
             "printable characters without spaces"
         )
     return token

@@ -19,18 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from stateblock.train import prose_data, tasks
 from stateblock.train.batching import budget_batches
+from stateblock.train.ddp import (
+    Plan,
+    Ranks,
+    data_parallel,
+    ddp_parser,
+    init_ranks,
+    leave,
+    loader,
+    log,
+    lr_at,
+    ranks_agree,
+)
 from stateblock.train.tokenizer import save_tokenizer
 from stateblock.train.weights import init_weights, save_split
 
@@ -52,11 +60,6 @@ class FastEnc:
 
     def answer(self, a: str) -> list[int]:
         return [self.char[c] for c in a]
-
-
-def log(*a):
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*a, flush=True)
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -99,153 +102,6 @@ class Stream(torch.utils.data.IterableDataset):
                 yield ids, lab
 
 
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a torchrun job (or the whole job, without torchrun)."""
-
-    ddp: bool
-    rank: int
-    world: int
-    device: str
-
-
-def init_ranks(device: str) -> Ranks:
-    """Join torchrun's process group when launched by it; bind this rank's GPU."""
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    local = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if device == "cuda" else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(local)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        # cuDNN's fused attention (PyTorch's first choice on Hopper) builds an execution plan
-        # on the host for every new shape, and a batch's shape is new nearly every step: the
-        # readout trainer's profile (H200) had 180 ms a step of CPU in it, 37 % of the wall.
-        # Flash and memory-efficient attention need no plan.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return Ranks(ddp, rank, world, local)
-
-
-def data_parallel(model: torch.nn.Module, r: Ranks) -> torch.nn.Module:
-    if not r.ddp:
-        return model
-    ids = [r.device] if r.device.startswith("cuda") else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-
-def ranks_agree(model: torch.nn.Module, r: Ranks) -> bool:
-    """Whether every rank ends holding the same weights (a collective: every rank calls it).
-
-    DDP keeps replicas equal only by averaging every gradient; a parameter outside the
-    graph, or a rank that stepped once more, leaves rank 0's checkpoint one replica of
-    several. The fingerprint (sum, sum of squares, an index-weighted sum, in float64) is
-    compared exactly: equal gradients and one optimizer give bitwise-equal weights."""
-    if not r.ddp:
-        return True
-    flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
-    idx = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(97)
-    mine = torch.stack([flat.sum(), flat.square().sum(), (flat * idx).sum()]).to(r.device)
-    every = [torch.empty_like(mine) for _ in range(r.world)]
-    dist.all_gather(every, mine)
-    return all(torch.equal(e, every[0]) for e in every)
-
-
-def leave(r: Ranks) -> None:
-    """End the process: out of the process group, then out at once (the loader's worker
-    processes can hold the interpreter's exit on some platforms)."""
-    if r.ddp:
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)
-
-
-def loader(ds: Stream, workers: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(
-        ds, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None
-    )
-
-
-class Plan:
-    """A run's step count, planned from its pace (steps 100 to 300 of the run, past the
-    warm-up) to fill `plan_minutes` (default `minutes`), and taken from rank 0 by every rank;
-    until then `start + fallback`. `resumed_total`: a resumed run keeps its plan. The run
-    itself stops after `minutes` (a schedule longer than one run spans several: a device call
-    lasts at most 10 minutes, the cosine need not)."""
-
-    def __init__(self, r: Ranks, start: int, resumed_total: int | None, minutes: float,
-                 max_steps: int, fallback: int, plan_minutes: float | None = None) -> None:  # fmt: skip
-        self.r, self.start, self.total = r, start, resumed_total
-        self.minutes, self.max_steps, self.fallback = minutes, max_steps, fallback
-        self.plan_minutes = plan_minutes or minutes
-        self.t0 = self._t100 = self._tlog = time.perf_counter()
-        self.losses: list[float] = []  # every 25th step's
-        # rank 0's progress bar: steps against the plan (the fallback until it is planned)
-        self.bar = tqdm(desc="train", unit="step", initial=start, mininterval=10,
-                        total=resumed_total or start + fallback, disable=r.rank != 0)  # fmt: skip
-
-    def update(self, opt, params, loss: torch.Tensor, step: int, note: str) -> None:
-        """One optimizer step (clipped at 1), the loss kept every 25 steps and a line of
-        metrics every 20 s; `step` is the count after this one, `note` ends the line."""
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        self.bar.update()
-        if step % 25 == 0:
-            self.losses.append(loss.item())
-            self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", refresh=False)
-        if time.perf_counter() - self._tlog > 20:
-            self._tlog = time.perf_counter()
-            recent = self.losses[-8:]
-            log(
-                f"step {step}/{self.total} loss {sum(recent) / max(1, len(recent)):.4f} "
-                f"lr {opt.param_groups[0]['lr']:.2e} t {self._tlog - self.t0:.0f}s {note}"
-            )
-
-    def steps(self, step: int) -> int:
-        """Called before each step: the planned total so far (the schedule's length)."""
-        if self.total is None and step - self.start == 300:
-            pace = (time.perf_counter() - self._t100) / 200
-            left = self.plan_minutes * 60 - (time.perf_counter() - self.t0)
-            total = min(self.start + self.max_steps, step + int(left / pace))
-            if self.r.ddp:  # every rank takes rank 0's plan
-                tt = torch.tensor([total], device=self.r.device)
-                dist.broadcast(tt, 0)
-                total = int(tt.item())
-            self.total = self.bar.total = total
-            log(f"pace {pace * 1000:.1f} ms/step -> total {total} steps")
-        if step - self.start == 100:
-            self._t100 = time.perf_counter()
-        return self.total if self.total is not None else self.start + self.fallback
-
-    def done(self, step: int) -> bool:
-        if self._done(step):
-            self.bar.close()
-            return True
-        return False
-
-    def _done(self, step: int) -> bool:
-        """Called after each step: the plan or max_steps reached, or the clock out. A run
-        that ends before its schedule stops at `minutes`; one whose plan fills its minutes
-        gets 30 s of grace past them, then stops too: a pace measured at steps 100-300 can
-        fall later (runs sharing a GPU: a base stage planned 6.3 minutes ran 9.2)."""
-        if (self.total is not None and step >= self.total) or step - self.start >= self.max_steps:
-            return True
-        short = self.plan_minutes > self.minutes  # this run ends before its schedule does
-        late = time.perf_counter() - self.t0 > self.minutes * 60 + (0 if short else 30)
-        if self.r.ddp:  # every rank takes rank 0's clock, every 10th step
-            if step % 10:
-                return False
-            flag = torch.tensor([int(late)], device=self.r.device)
-            dist.broadcast(flag, 0)
-            late = bool(flag.item())
-        if late:
-            why = "end of this run's" if short else "wall-clock stop past the plan's"
-            log(f"{why} {self.minutes} min at step {step}/{self.total}")
-        return late
-
-
 def build_model(tok, a):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -264,13 +120,6 @@ def build_model(tok, a):
         pad_token_id=tok.pad_token_id,
     )
     return LlamaForCausalLM(cfg)
-
-
-def lr_at(step, total, base, warmup):
-    if step < warmup:
-        return base * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 @torch.no_grad()
@@ -313,37 +162,24 @@ def exact_by_family(model, enc, device, n_each=50, seed=99, budget=65536):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m stateblock.train.base_ddp",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    batch = (512, "sequences a batch, per GPU")
+    ap = ddp_parser(
+        "stateblock.train.base_ddp", __doc__, minutes=7.0, batch=batch, lr=2e-3, warmup=150
     )
     add = ap.add_argument
     add("--out", required=True, help="writes OUT/base (the model) and OUT/fp32.part* (resume)")
-    add("--minutes", type=float, default=7.0, help="wall-clock budget of this run")
-    add("--max-steps", type=int, default=10**9, help="steps of this run at most")
     add("--dim", type=int, default=256, help="hidden size")
     add("--mlp-dim", type=int, default=1024, help="MLP width")
     add("--n-layers", type=int, default=8, help="transformer layers")
     add("--n-heads", type=int, default=8, help="attention heads")
     add("--rope-theta", type=float, default=10000.0, help="RoPE base")
-    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
-    add("--max-batch", type=int, default=512, help="sequences a batch, per GPU")
-    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
-    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
-    add("--lr", type=float, default=2e-3, help="peak learning rate")
-    add("--warmup", type=int, default=150, help="warm-up steps")
-    add("--seed", type=int, default=0, help="random seed")
     add(
         "--init", default="",
         help="start from (no optimizer): an fp32 split checkpoint prefix or a saved base dir",
     )  # fmt: skip
     add("--state", default="", help="full resumable state file (model+opt+step), used if it exists")
-    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
     add("--eval-each", type=int, default=50, help="held-out prompts a family, seed 99, at the end")
     add("--final-eval-each", type=int, default=30, help="the same at seed 1234 (0: skip)")
-    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
-    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
     add("--corpus", default="", help="prose: train on this corpus dir, not the task suite")
     add("--tokenizer", default="", help="prose: the tokenizer dir (prose_tokenizer.py)")
     add("--seq-len", type=int, default=512, help="prose: tokens a training window")
@@ -405,6 +241,31 @@ def evaluate(a: argparse.Namespace, model, enc, device, tok_dir: Path) -> dict:
     return stats
 
 
+def resume(a: argparse.Namespace, model, opt, device) -> tuple[int, int | None]:
+    """The step and planned total of the run `a.state` saved (0, None: a fresh run), its
+    model and optimizer state loaded; --reschedule plans the total anew."""
+    if not (a.state and Path(a.state).exists()):
+        return 0, None
+    st = torch.load(a.state, map_location=device)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    step, total = st["step"], st["total"]
+    log(f"resumed state at step {step}/{total}")
+    return step, None if a.reschedule else total
+
+
+def save(a: argparse.Namespace, model, opt, step: int, total: int | None, out: Path) -> None:
+    """OUT/fp32.part* (fp32 weights), the resume state when asked, and OUT/base (bf16)."""
+    model.eval()
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    save_split(sd, out / "fp32")
+    if a.state:
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "total": total}
+        torch.save(state, a.state)
+    model.to(torch.bfloat16).save_pretrained(str(out / "base"), safe_serialization=True)
+    model.float()
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     r = init_ranks(a.device)
@@ -424,15 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(
         model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95), fused=a.device == "cuda"
     )
-    step, total = 0, None
-    if a.state and Path(a.state).exists():
-        st = torch.load(a.state, map_location=device)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, total = st["step"], st["total"]
-        log(f"resumed state at step {step}/{total}")
-        if a.reschedule:
-            total = None
+    step, total = resume(a, model, opt, device)
     dmodel = data_parallel(model, r)
     dl = loader(training_stream(a, tok_dir, f"{a.seed}-{rank}-{step}"), a.workers)
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
@@ -466,21 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(a),
     }
     if rank == 0:
-        model.eval()
-        sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-        save_split(sd, out / "fp32")
-        if a.state:
-            torch.save(
-                {
-                    "model": model.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step,
-                    "total": total,
-                },
-                a.state,
-            )
-        model.to(torch.bfloat16).save_pretrained(str(tok_dir), safe_serialization=True)
-        model.float()
+        save(a, model, opt, step, total, out)
         t1 = time.perf_counter()
         stats.update(evaluate(a, model, enc, device, tok_dir))
         stats["eval_seconds"] = round(time.perf_counter() - t1, 1)

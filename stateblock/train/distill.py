@@ -131,6 +131,15 @@ def train_step(decoder, opt, base, lm_head, batch: tuple, lr: float, amp) -> tor
     return loss
 
 
+def base_identity(base_dir: str | Path, lm_head: torch.Tensor) -> dict:
+    """The digests a decoder's manifest binds it to: base model, tokenizer and lm_head."""
+    return {
+        "base_model_digest": ckpt.base_model_digest(base_dir),
+        "tokenizer_digest": ckpt.tokenizer_digest(base_dir),
+        "lm_head_digest": ckpt.tensor_digest(lm_head),
+    }
+
+
 def train_decoder(
     base_dir: str | Path,
     prompts_file: str | Path,
@@ -144,11 +153,7 @@ def train_decoder(
     out.mkdir(parents=True, exist_ok=True)
     base, tok = load_base(base_dir, device)
     lm_head = lm_head_weight(base)
-    identity = {
-        "base_model_digest": ckpt.base_model_digest(base_dir),
-        "tokenizer_digest": ckpt.tokenizer_digest(base_dir),
-        "lm_head_digest": ckpt.tensor_digest(lm_head),
-    }
+    identity = base_identity(base_dir, lm_head)
     prompts = read_prompts(prompts_file)
     key = ckpt.sha_files([Path(prompts_file)])[:16] + "-" + identity["base_model_digest"][:16]
     t0 = time.perf_counter()
@@ -185,13 +190,8 @@ def train_decoder(
         bar.update(1)
         cut = cfg.stop_after is not None and step >= cfg.stop_after
         if (step % cfg.ckpt_every == 0 or cut) and step < steps:
-            state = {
-                "decoder": decoder.state_dict(),
-                "opt": opt.state_dict(),
-                "step": step,
-                "steps": steps,
-            }
-            torch.save(state, resume)
+            state = {"decoder": decoder.state_dict(), "opt": opt.state_dict()}
+            torch.save({**state, "step": step, "steps": steps}, resume)
         if cut and step < steps:
             return {"stopped_at": step, "steps": steps}
     stats = {

@@ -39,6 +39,13 @@ def ids_path(text: Path, tok_dir: Path) -> Path:
     return tok_dir.parent / f"{text.stem}-{key.hexdigest()[:12]}.ids.pt"
 
 
+def encode_documents(tok, docs: list[str]) -> torch.Tensor:
+    """Documents as one int32 stream, each `<bos> ... <eos>`."""
+    encoded = tok.backend_tokenizer.encode_batch_fast(docs, add_special_tokens=False)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    return torch.cat([torch.tensor([bos, *e.ids, eos], dtype=torch.int32) for e in encoded])
+
+
 def encode_split(tok, text: Path, tok_dir: Path) -> Path:
     """A split's documents as one int32 stream, each `<bos> ... <eos>`, cached at
     `ids_path` (written once, by rank 0; the other ranks and the loader workers map it)."""
@@ -47,9 +54,7 @@ def encode_split(tok, text: Path, tok_dir: Path) -> Path:
         docs = read_documents(text)
         if not docs:
             raise ValueError(f"{text}: no documents")
-        encoded = tok.backend_tokenizer.encode_batch_fast(docs, add_special_tokens=False)
-        bos, eos = tok.bos_token_id, tok.eos_token_id
-        stream = torch.cat([torch.tensor([bos, *e.ids, eos], dtype=torch.int32) for e in encoded])
+        stream = encode_documents(tok, docs)
         tmp = cache.with_suffix(".tmp")
         torch.save(stream, tmp)
         tmp.rename(cache)

@@ -38,20 +38,10 @@ from torch import Tensor, nn
 from stateblock.model import checkpoint as ckpt
 from stateblock.model.capture import backbone
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
-from stateblock.train import tasks
-from stateblock.train.base_ddp import (
-    FastEnc,
-    Plan,
-    Stream,
-    data_parallel,
-    init_ranks,
-    leave,
-    loader,
-    log,
-    lr_at,
-    ranks_agree,
-)
+from stateblock.train import ddp, tasks
+from stateblock.train.base_ddp import FastEnc, Stream
 from stateblock.train.batching import budget_batches
+from stateblock.train.ddp import log
 from stateblock.train.step_profile import StepProfile
 
 FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
@@ -264,28 +254,18 @@ def heldout_report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m stateblock.train.readout_ddp",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    batch = (256, "prompts a batch, per GPU")
+    ap = ddp.ddp_parser(
+        "stateblock.train.readout_ddp", __doc__, minutes=8.0, batch=batch, lr=1e-3, warmup=200
     )
     add = ap.add_argument
     add("--base", required=True, help="the frozen base model directory (HF)")
     add("--out", required=True, help="writes OUT/decoder (checkpoint) and OUT/state.pt (resume)")
-    add("--minutes", type=float, default=8.0, help="wall-clock budget of this run")
-    add("--max-steps", type=int, default=10**9, help="steps of this run at most")
     add(
         "--schedule-minutes", type=float, default=None,
         help="plan the cosine over this many minutes (default --minutes): later runs resume it",
     )  # fmt: skip
     add("--decoder-config", default="{}", help="JSON ReadoutConfig overrides (new runs, or --init)")
-    add("--budget", type=int, default=65536, help="padded tokens a batch, per GPU")
-    add("--max-batch", type=int, default=256, help="prompts a batch, per GPU")
-    add("--pool", type=int, default=3000, help="fresh prompts a loader worker draws at a time")
-    add("--workers", type=int, default=6, help="loader worker processes per GPU (0: inline)")
-    add("--lr", type=float, default=1e-3, help="peak learning rate")
-    add("--warmup", type=int, default=200, help="warm-up steps")
-    add("--seed", type=int, default=0, help="random seed")
     add("--init", default="", help="a saved decoder dir to start from when OUT has no state")
     add("--eos-weight", type=float, default=1.0, help="loss weight of the EOS targets")
     add("--stop-weight", type=float, default=0.0, help="weight of the per-lane stop loss")
@@ -293,12 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--near-end-weight", type=float, default=1.0,
         help="loss weight of separators after an item one character from the last item",
     )  # fmt: skip
-    add("--reschedule", action="store_true", help="resumed state: new warmup+cosine over this run")
-    add("--weights", default="{}", help='family sampling weights, JSON ({"sort": 2})')
     add("--eval-each", type=int, default=30, help="held-out prompts a family at the end (0: none)")
     add("--profile-steps", type=int, default=0, help="profile this many steps: OUT/profile.txt")
     add("--profile-from", type=int, default=50, help="the run's step the profile starts at")
-    add("--device", default="cuda", help="cuda (DDP over torchrun's ranks) or cpu")
     return ap.parse_args(argv)
 
 
@@ -409,7 +386,7 @@ def add_heldout(stats: dict, base, decoder, enc, device, amp, n_each: int) -> No
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    r = init_ranks(a.device)
+    r = ddp.init_ranks(a.device)
     rank, world, device = r.rank, r.world, r.device
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -426,15 +403,17 @@ def main(argv: list[str] | None = None) -> None:
         fused=a.device == "cuda",
     )  # fmt: skip
     step, total, seen, origin = resume(a, st, decoder, opt, step, seen)
-    dmodel = data_parallel(Passes(decoder), r)
+    dmodel = ddp.data_parallel(Passes(decoder), r)
     weights = json.loads(a.weights)
-    dl = loader(
+    dl = ddp.loader(
         Stream(a.base, f"r{a.seed}-{rank}-{step}", a.budget, a.max_batch, a.pool, weights),
         a.workers,
     )
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")
     start = step
-    plan = Plan(r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000), a.schedule_minutes)
+    plan = ddp.Plan(
+        r, start, total, a.minutes, a.max_steps, min(a.max_steps, 4000), a.schedule_minutes
+    )
     dev_count = 0
     prof = StepProfile(a.profile_steps if rank == 0 else 0, out / "profile.txt", a.profile_from)
     decoder.train()
@@ -442,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         prof.before(step - start)
         steps = plan.steps(step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - origin, steps - origin, a.lr, a.warmup)
+            g["lr"] = ddp.lr_at(step - origin, steps - origin, a.lr, a.warmup)
         loss, target, info = batch_loss(a, base, dmodel, tok, enc, lm_head, ids, lab, amp)
         seen += info["lanes"] * world
         dev_count += info["teacher_deviates"]
@@ -454,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     prof.close(step - start)
     train_s = time.perf_counter() - plan.t0
     total, losses = plan.total, plan.losses
-    agree = ranks_agree(decoder, r)  # every rank, before rank 0 alone saves
+    agree = ddp.ranks_agree(decoder, r)  # every rank, before rank 0 alone saves
     if rank == 0:
         decoder.eval()
         torch.save(
@@ -481,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
             add_heldout(stats, base, decoder, enc, device, amp, a.eval_each)
         log(json.dumps(stats))
         (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    leave(r)
+    ddp.leave(r)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,11 @@ def test_nats_sigkill_under_up_is_survived_under_load(up, serving_model, engine)
         done = [o.done for o in outcomes if o.status == 200 and o.done >= back]
         recovery.append(round(min(done) - killed, 3) if done else None)
     figures = summary(outcomes, _expected(serving_model, engine))
-    figures |= {"kills": kills, "recovery_s": recovery, "committed": _committed([up.urls.nats], n)}
+    figures |= {
+        "kills": kills,
+        "recovery_s": recovery,
+        "committed": _committed([up.urls.nats_admin], n),
+    }
     report("nats_sigkill_under_up", figures)
     assert figures["requests"] == n and figures["errors"] == 0, figures
     assert figures["wrong"] == 0 and figures["committed"] == n, figures
@@ -93,7 +97,7 @@ def test_clients_that_go_away_and_come_back_get_one_readout(up):
             r = http.post("/v1/completions", json=body, headers=headers)
             answers.append(r)
     assert [r.status_code for r in answers] == [200] * keys, [r.text for r in answers]
-    committed = _committed([up.urls.nats], keys, timeout_s=5.0)
+    committed = _committed([up.urls.nats_admin], keys, timeout_s=5.0)
     report(
         "disconnects", {"keys": keys, "committed": committed, "extra_readouts": committed - keys}
     )

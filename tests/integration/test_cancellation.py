@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.plans import PlanTable, PlanTableMetrics
-from readout_svc import worker
+from readout_svc import cohorts, worker
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.protocol import envelope, streams
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -115,16 +115,23 @@ def held_readout(decoder_dir, tmp_path, monkeypatch):
     for `release` (its block published and claimed)."""
     readouts: list[str] = []
     running, release = threading.Event(), threading.Event()
-    real = worker._timed_readout
+    owner: dict[int, str] = {}  # id(lane) -> its block's request id
+    real_lanes, real_timed = worker.lane_requests, cohorts._timed
 
-    def held(engine, checked):
-        readouts.append(checked.header.request_id)
+    def lanes_of(checked):
+        lanes = real_lanes(checked)
+        owner.update((id(lane), checked.header.request_id) for lane in lanes)
+        return lanes
+
+    def held(engine, lanes):
+        readouts.extend(dict.fromkeys(owner[id(lane)] for lane in lanes))
         running.set()
         if not release.wait(30):
             raise TimeoutError("the test never released the readout")
-        return real(engine, checked)
+        return real_timed(engine, lanes)
 
-    monkeypatch.setattr(worker, "_timed_readout", held)
+    monkeypatch.setattr(worker, "lane_requests", lanes_of)
+    monkeypatch.setattr(cohorts, "_timed", held)
     with embedded_stack(decoder_dir, tmp_path, release) as stack:
         yield stack, readouts, running, release
 
@@ -167,7 +174,7 @@ def test_a_grpc_call_cancelled_while_its_capture_is_queued_runs_no_forward(held_
         gone.result()
     assert len(forwards) == 2, forwards  # the first and the last: the cancelled one never ran
     assert capture_gauge(url, plans) == 0
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2  # no block: nothing to end
 
 
 async def blocks_published(nats_url: str) -> int:
@@ -246,7 +253,7 @@ def test_an_http_client_that_goes_away_while_its_capture_is_queued_runs_no_forwa
     asyncio.run(scenario())
     assert len(forwards) == 2, forwards  # the first and the last: the abandoned one never ran
     assert capture_gauge(url, PLANS) == 0
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2  # no block: nothing to end
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2  # no block: nothing to end
     assert requests_counted(url, api, "Cancelled") == 1
 
 
@@ -267,7 +274,7 @@ def test_a_keyed_request_abandoned_before_publish_gives_its_key_back(held_stack)
     answer = asyncio.run(scenario())
     assert '"finish_reason"' in answer
     assert len(forwards) == 2, forwards  # the first and the retry
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 2
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2
 
 
 def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that_answer(
@@ -293,4 +300,4 @@ def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that
     answer = asyncio.run(scenario())
     assert json.loads(answer)["id"] == f"cmpl-{readouts[0]}"  # the abandoned request's
     assert len(readouts) == 1, readouts  # one block, read once: the retry captured none
-    assert asyncio.run(blocks_published(stack.urls.nats)) == 1
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 1

@@ -5,11 +5,13 @@ token will not listen beyond loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import grpc
+import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -84,6 +86,9 @@ async def test_capture_calls_need_the_token_health_does_not(nc, serving_model, t
         health = health_pb2_grpc.HealthStub(channel)  # probes carry no token
         status = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # a wrong one is refused
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=wrong)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def gateway_with(decoder_dir, serving_model, nc, target, token_file):
@@ -139,6 +144,14 @@ async def test_gateway_with_the_token_file_answers_end_to_end(
                 await client.completions.create(model=MODEL, prompt="copy: ab", max_tokens=4)
             assert refused.value.status_code == 503
             assert "token" in refused.value.message
+            # and its readiness says so, while a gateway holding the token is ready
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
+                health = await health_when(http, lambda r: r.status_code == 503)
+            assert health.status_code == 503 and "token" in health.json()["why"], health.text
+        async with gateway_with(decoder_dir, serving_model, nc, target, token_file) as gw:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.http_port}") as http:
+                await asyncio.sleep(1.0)  # a probe round or more
+                assert (await http.get("/health")).status_code == 200
 
 
 def test_no_token_binds_loopback_and_refuses_an_open_host(tmp_path):
@@ -192,3 +205,14 @@ def test_stateblock_up_generates_the_token_and_answers_with_it(stack):
     client = openai.OpenAI(base_url=f"{stack.urls.http}/v1", api_key="-", max_retries=0)
     r = client.completions.create(model=MODEL, prompt="copy: ab", max_tokens=4)
     assert r.choices[0].text and r.usage.completion_tokens > 0
+
+
+async def health_when(http, settled, seconds: float = 10.0):
+    """/health once `settled(reply)` holds or `seconds` passed (probes run in rounds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        reply = await http.get("/health")
+        if settled(reply) or loop.time() > deadline:
+            return reply
+        await asyncio.sleep(0.2)

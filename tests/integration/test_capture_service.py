@@ -13,7 +13,7 @@ from nats.js.api import StorageType
 from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width
-from capture_svc.config import CaptureConfig
+from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import (
     CaptureIntegrityError,
     CohortStamp,
@@ -231,6 +231,44 @@ async def test_batcher_groups_concurrent_requests(serving_model, metrics, reg):
     assert len(outs) == 6 and sorted(sizes) == [2, 4]  # K_max = 4 lanes per forward
 
 
+@pytest.mark.parametrize(
+    ("cohort", "expected"),
+    [
+        (CohortLimits(lanes=8, tokens=1 << 20), [6]),  # lanes from many requests share one
+        (CohortLimits(lanes=4, tokens=1 << 20), [2, 4]),
+        (CohortLimits(lanes=8, tokens=3 * 16), [3, 3]),  # 3 lanes x 16 wide
+        (CohortLimits(lanes=8, tokens=1), [1] * 6),  # one request always fits
+    ],
+)
+async def test_cohorts_sized_by_lanes_and_tokens(serving_model, cohort, expected):
+    """One forward carries lanes of several requests up to the cohort's lanes and padded
+    tokens; the per-request lane limit stays the request's own."""
+    tok = serving_model.tokenizer
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()))
+    forward = CohortForward(serving_model.model, reg, pad_id=tok.pad_token_id, capture_mode=MODE)
+    sizes: list[int] = []
+    prompts = [f"copy: {i}" for i in range(6)]  # each one bucket: 16 wide
+    assert {bucket_width(len(tok(p)["input_ids"])) for p in prompts} == {16}
+    plans = []
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        layout = envelope.make_layout(
+            f"r{i}", [len(ids)], [4], hidden_size=serving_model.hidden_size, dtype=torch.float32
+        )
+        plans.append((reg.register(f"r{i}", layout), ids))
+    with ThreadPoolExecutor(1) as pool:
+        batcher = ForwardBatcher(
+            forward, pool, window_s=0.05, max_lanes=1, cohort=cohort, on_cohort=sizes.append
+        )
+        async with batcher:
+            await asyncio.gather(*(batcher.submit(p, [ids]) for p, ids in plans))
+            with pytest.raises(ValueError, match="per-request limit 1"):
+                await batcher.submit(plans[0][0], [plans[0][1]] * 2)
+    assert sorted(sizes) == sorted(expected)
+    for p, _ in plans:  # every request got its own rows
+        assert reg.consume(p.request_id, p.layout_digest).shape[0] == p.total_rows
+
+
 @pytest.fixture
 async def capture_service(nats_url, serving_model, tmp_path):
     nc = await nats.connect(nats_url)
@@ -316,7 +354,8 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
         {
             "STATEBLOCK_CAPTURE_COMPILE": "aot_eager",
             "STATEBLOCK_CAPTURE_PORT": "0",
-            "STATEBLOCK_MAX_LANES": "1",  # one shape to warm up: 1 lane x width 16
+            "STATEBLOCK_MAX_LANES": "1",
+            "STATEBLOCK_CAPTURE_COHORT_LANES": "1",  # one shape to warm up: 1 lane x width 16
             "STATEBLOCK_PROMPT_LEN_MAX": "16",
         }
     )

@@ -26,7 +26,7 @@ from capture_svc.batcher import (
     warm_shapes,
     width_buckets,
 )
-from capture_svc.config import CaptureConfig
+from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.server import CAPTURE_SERVICE, running_capture
 from gateway.capture_client import never_reached_capture
@@ -48,12 +48,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_lane_buckets_from_env():
-    assert CaptureConfig.from_env({}).lane_buckets == (1, 2, 4, 8)
+    assert CaptureConfig.from_env({}).lane_buckets == (1, 2, 4, 8, 16, 32)
     assert CaptureConfig.from_env({}).cohort_lane_buckets is None  # eager: no lane padding
     env = {"STATEBLOCK_CAPTURE_COMPILE": "reduce-overhead"}
-    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 2, 4, 8)
-    env |= {"STATEBLOCK_CAPTURE_LANE_BUCKETS": "4,1,16", "STATEBLOCK_MAX_LANES": "6"}
-    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 4, 6)  # max_lanes closes it
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 2, 4, 8, 16, 32)
+    env |= {"STATEBLOCK_CAPTURE_LANE_BUCKETS": "4,1,16", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 4, 12)  # the cohort closes it
     for bad in ("1,two", "0,4", "-1"):
         with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
@@ -75,6 +75,32 @@ def test_warm_shapes_cover_every_cohort_shape():
     assert [lane_bucket(n, (1, 2, 4, 8)) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="exceed the largest lane bucket 8"):
         lane_bucket(9, (1, 2, 4, 8))
+
+
+def test_warm_shapes_stop_at_what_a_cohort_can_carry():
+    """With cohort limits, a width's lane buckets end at the bucket holding the most lanes a
+    cohort that wide can carry (tokens // width, never fewer than one request's lanes)."""
+    buckets, cohort = (1, 2, 4, 8, 16, 32), CohortLimits(lanes=32, tokens=4096)
+    shapes = warm_shapes(buckets, 4096, cohort, request_lanes=8)
+    tops = {w: max(n for n, v in shapes if v == w) for w in width_buckets(4096)}
+    assert tops[16] == tops[128] == 32 and tops[192] == 32  # 4096 // 192 = 21 -> bucket 32
+    assert tops[256] == 16 and tops[512] == 8 and tops[4096] == 8
+    assert len(shapes) < len(warm_shapes(buckets, 4096))
+    for width in width_buckets(4096):  # every cohort the batcher can form is covered
+        for lanes in range(1, cohort.lanes_at(width, 8) + 1):
+            assert (lane_bucket(lanes, buckets), width) in shapes
+    config = CaptureConfig.from_env(
+        {"STATEBLOCK_CAPTURE_COMPILE": "inductor", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
+    )
+    assert config.cohort == CohortLimits(12, 16384) and config.cohort_lane_buckets == (
+        1,
+        2,
+        4,
+        8,
+        12,
+    )
+    env = {"STATEBLOCK_CAPTURE_COHORT_LANES": "2", "STATEBLOCK_MAX_LANES": "6"}
+    assert CaptureConfig.from_env(env).cohort.lanes == 6  # a request's lanes share a forward
 
 
 def batch_shapes(model) -> tuple[list[tuple[int, ...]], Callable[[], None]]:
@@ -191,7 +217,8 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
         "STATEBLOCK_CAPTURE_PORT": str(port),
         "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
         "STATEBLOCK_CAPTURE_LANE_BUCKETS": "1",
-        "STATEBLOCK_MAX_LANES": "3",  # buckets 1 and 3
+        "STATEBLOCK_MAX_LANES": "3",
+        "STATEBLOCK_CAPTURE_COHORT_LANES": "3",  # buckets 1 and 3
         "STATEBLOCK_PROMPT_LEN_MAX": "24",  # widths 16 and 24
     }
     config = CaptureConfig.from_env(env)

@@ -30,7 +30,7 @@ DEPTH = 24
 
 @pytest.fixture
 async def nc(stack):
-    conn = await nats.connect(stack.urls.nats)
+    conn = await nats.connect(stack.urls.nats_admin)
     yield conn
     await conn.close()
 
@@ -119,7 +119,7 @@ def test_cli_embedded_determinism_gate(decoder_dir, tmp_path, capsys):
 
 async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_path):
     report = await det.external_determinism(
-        stack.urls.nats,
+        stack.urls.nats_admin,
         base_dir=stack.config.base_dir,
         decoder_dir=decoder_dir,
         engine_name="reference",
@@ -133,7 +133,7 @@ async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_
     assert report["gate"] == "PASS" and report["counts"] == {"same_output": 1}
     with pytest.raises(ValueError, match="no trusted public keys"):
         await det.external_determinism(
-            stack.urls.nats,
+            stack.urls.nats_admin,
             base_dir=stack.config.base_dir,
             decoder_dir=decoder_dir,
             engine_name="reference",

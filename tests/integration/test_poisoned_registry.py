@@ -246,7 +246,7 @@ async def test_a_forger_poisoning_every_block_on_sight_fails_no_request(stack):
     """The embedded stack and the official client: a registry writer that sees each block as
     it is published writes garbage, then a claim of its own, under its key. The request is
     answered as it would be without them, and the readout counts what it claimed over."""
-    nc = await nats.connect(stack.urls.nats)
+    nc = await nats.connect(stack.urls.nats_admin)
     js = nc.jetstream()
 
     async def on_block(msg) -> None:

@@ -246,7 +246,7 @@ BAD_HTTP = [
 
 
 def test_bad_inputs_get_clear_errors_and_leave_nothing_behind(stack, http_url):
-    before = asyncio.run(_path_state(stack.urls.nats))
+    before = asyncio.run(_path_state(stack.urls.nats_admin))
     for path, body, param in BAD_HTTP:
         r = httpx.post(f"{http_url}{path}", json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
@@ -271,7 +271,7 @@ def test_bad_inputs_get_clear_errors_and_leave_nothing_behind(stack, http_url):
                 stub.Generate(req, timeout=30)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details()
-    assert asyncio.run(_path_state(stack.urls.nats)) == before
+    assert asyncio.run(_path_state(stack.urls.nats_admin)) == before
     metrics = httpx.get(f"{http_url}/metrics").text
     assert "stateblock_capture_active_plans 0.0" in metrics
 

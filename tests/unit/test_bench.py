@@ -185,6 +185,7 @@ def test_load_bench_tiny_end_to_end(tmp_path):
         for stage in ("capture.forward", "capture.publish", "worker.readout", "worker.commit"):
             assert level["stages"][stage]["n"] >= level["n_ok"], stage
         assert level["stages"]["capture.cohort_lanes"]["mean_lanes"] >= 1
+        assert level["stages"]["worker.cohort_blocks"]["mean_blocks"] >= 1
 
     ar = doc["ar"]
     assert ar["mode"] == "eager" and set(ar["batches"]) == {"1", "2"}
@@ -195,6 +196,60 @@ def test_load_bench_tiny_end_to_end(tmp_path):
     table = (out / "load.md").read_text()
     assert "| clients | requests | req/s |" in table and "differing / checked" in table
     assert 0 < (out / "load.png").stat().st_size < 100_000
+
+
+@pytest.mark.slow
+def test_load_bench_fairness_level_tiny(tmp_path):
+    """--big-clients 1: small requests alone, then beside a client sending maximal requests
+    (prompt, `n` and max_tokens from the limits the stack runs with, set here by --env);
+    every request answered, the ratio of the p99s computed, the tables written."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "stateblock.app.cli", "bench", "load", "--out", str(out),
+           "--scale", "tiny", "--device", "cpu", "--levels", "", "--depths", "16",
+           "--prompts", "3", "--ar-batches", "", "--big-clients", "1",
+           "--fairness-requests", "8", "--env", "STATEBLOCK_PROMPT_LEN_MAX=200",
+           "--env", "STATEBLOCK_ANSWER_DEPTH_MAX=160", "--budget-s", "240"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "load.json").read_text())
+    f = doc["fairness"]
+    assert f["limits"] == {"prompt_len_max": 200, "max_lanes": 8, "answer_depth_max": 160}
+    assert f["big"] == {"prompt_len": 200, "n": 8, "max_tokens": 160}
+    assert f["small"] == {"prompt_len": 48, "depth": 16, "requests": 8}
+    for phase in ("alone", "beside"):
+        row = f[phase]
+        assert row["n"] == row["n_ok"] == 8 and row["errors_by_status"] == {}, phase
+        assert row["all_full_depth"] and row["invariance"]["checked"] == 8, phase
+        lat = row["latency_ms"]
+        assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"], phase
+    assert 0 <= f["beside"]["beside_big"] <= 8
+    big = f["big_requests"]
+    assert big["n"] >= 1 and big["n_ok"] == big["n"] and big["errors_by_status"] == {}
+    assert big["all_full_depth"]  # 8 lanes x 160 tokens each
+    ratio = f["beside"]["latency_ms"]["p99"] / f["alone"]["latency_ms"]["p99"]
+    assert f["p99_ratio"] == round(ratio, 2) and f["target_p99_ratio"] == 2.0
+    assert f["meets_target"] == (f["p99_ratio"] <= 2.0)
+    assert f["stages_beside"]["capture.forward"]["n"] >= 8 + big["n"]
+    table = (out / "load.md").read_text()
+    assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
+
+
+def test_load_bench_fairness_shape_defaults_to_the_stack_limits():
+    """The maximal request takes the limits the services run with (the defaults, or what
+    --env sets), unless an argument says otherwise."""
+    from bench.load_fairness import big_shape
+    from bench.load_gpu import parse_args
+
+    args = parse_args(["--out", "x", "--big-clients", "1"])
+    assert big_shape(args)["limits"] == {"prompt_len_max": 4096, "max_lanes": 8,
+                                         "answer_depth_max": 8192}  # fmt: skip
+    assert {k: big_shape(args)[k] for k in ("prompt_len", "n", "max_tokens")} == {
+        "prompt_len": 4096, "n": 8, "max_tokens": 8192}  # fmt: skip
+    args = parse_args(["--out", "x", "--env", "STATEBLOCK_MAX_LANES=4", "--big-max-tokens",
+                       "1014", "--env", "STATEBLOCK_PROMPT_LEN_MAX=512"])  # fmt: skip
+    shape = big_shape(args)
+    assert (shape["prompt_len"], shape["n"], shape["max_tokens"]) == (512, 4, 1014)
+    assert shape["limits"]["answer_depth_max"] == 8192
 
 
 def test_load_bench_counts_answers_that_differ_from_the_prompt_alone():
@@ -214,3 +269,40 @@ def test_load_bench_counts_answers_that_differ_from_the_prompt_alone():
     assert row["errors_by_status"] == {"504": 1} and row["n_ok"] == 3
     # the steady state: the replies after the first, over the time from the first reply
     assert row["req_per_s"] == 10.0 and row["tok_per_s"] == 40.0
+
+
+def test_load_bench_balances_over_capture_and_readout_processes(tmp_path):
+    """--captures 2 --readout-procs 2: the gateway balances over both captures (round-robin
+    over grpc's ipv4: address list), both readout processes take blocks, and the stage
+    histograms are summed over the processes (every request counted once)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "stateblock.app.cli", "bench", "load", "--out", str(out),
+           "--scale", "tiny", "--device", "cpu", "--levels", "4", "--depths", "16",
+           "--level-s", "2", "--max-requests", "16", "--prompts", "2", "--ar-batches", "",
+           "--captures", "2", "--readout-procs", "2", "--workers", "1", "--budget-s", "240"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (level,) = json.loads((out / "load.json").read_text())["load"]["16"]["levels"]
+    assert 0 < level["n_ok"] == level["n"] <= 16 and level["invariance"]["differing"] == 0
+    cores = level["cpu_cores"]
+    names = ("capture-0", "capture-1", "readout-0", "readout-1")
+    assert set(names) <= set(cores) and min(cores[n] for n in names) > 0
+    assert level["stages"]["capture.forward"]["n"] == level["stages"]["worker.readout"]["n"]
+    assert level["stages"]["capture.forward"]["n"] >= level["n_ok"]
+
+
+def test_capture_invariance_bench_on_the_cpu(tmp_path):
+    """bench.capture_invariance at the tiny scale: the eager capture gives lane 0 the same
+    rows at 1, 2 and 4 lanes (the batch invariance the load bench relies on), and the
+    compiled mode is compared the same way."""
+    out = tmp_path / "inv.json"
+    cmd = [sys.executable, "-m", "bench.capture_invariance", "--scale", "tiny", "--device",
+           "cpu", "--modes", "off,aot_eager", "--lanes", "1,2,4", "--width", "32",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"off", "aot_eager"}
+    for lanes in ("1", "2", "4"):
+        assert modes["off"]["vs_own_lanes_1"][lanes]["identical"]
+        assert "identical" in modes["aot_eager"]["vs_eager_alone"][lanes]

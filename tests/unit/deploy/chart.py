@@ -14,6 +14,9 @@ import yaml
 from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
+from stateblock import settings
+from stateblock.app.plan import PROCESSES, WIRING, Ports, StackPlan
+from stateblock.settings import COMPUTED, OPTIONAL
 from tests.helpers import REPO
 
 CHART = REPO / "deploy" / "helm" / "stateblock"
@@ -144,3 +147,60 @@ def gpus(docs: list[dict], component: str, resource: str = "nvidia.com/gpu") -> 
 
 def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+# --- the stack plan the chart deploys ----------------------------------------------------
+
+# Config fields that name where a deployment puts a file or finds a peer (the chart's Secret
+# mounts, its Services, its GPUs, one pod template for every replica): no plan sets them
+# for Kubernetes, so the chart's own tests check them.
+PLACED = {
+    "gateway": {"capture_target", "capture_token_file", "readout_trusted_keys_dir"},
+    "capture": {"host", "key_dir", "token_file", "device"},
+    "readout": {"trusted_keys_dir", "signing_key_dir", "readout_trusted_keys_dir", "device",
+                "worker_id"},
+}  # fmt: skip
+
+
+def merged(base: dict, over: dict) -> dict:
+    """`over` merged into `base` key by key, as Helm merges values into values.yaml."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(base[key], value) if isinstance(value, dict) and key in base else value
+    return out
+
+
+def plan_for(values: dict | None = None) -> StackPlan:
+    """The stack the chart should deploy for `values` (over values.yaml): processes on every
+    interface of their pods, an external NATS, each port and setting the value the
+    declarations' chart key names."""
+    v = merged(VALUES, values or {})
+    keyed = [s for s in settings.SETTINGS if s.chart not in ("", COMPUTED, OPTIONAL)]
+    model = v["model"]
+    c, n = v["capture"]["replicas"], v["readout"]["replicas"]
+
+    def port(setting: settings.Setting) -> int:
+        return int(value_at(setting.chart, v))
+
+    return StackPlan(
+        data_dir=Path("/"),
+        placement=PROCESSES,
+        nats_url=v["nats"]["url"],
+        captures=c,
+        readout_procs=n,
+        host="0.0.0.0",
+        ports=Ports(
+            http=port(settings.HTTP_PORT),
+            grpc=port(settings.GRPC_PORT),
+            capture=(port(settings.CAPTURE_PORT),) * c,
+            capture_metrics=(port(settings.CAPTURE_METRICS_PORT),) * c,
+            readout_metrics=(port(settings.READOUT_METRICS_PORT),) * n,
+            readout_health=(port(settings.READOUT_HEALTH_PORT),) * n,
+        ),
+        values={
+            **{s: value_at(s.chart, v) for s in keyed if s not in WIRING},
+            settings.NATS_REPLICAS: max(1, v["nats"]["replicas"]),
+            settings.BASE_DIR: Path(model["mountPath"]) / model["baseDir"],
+            settings.DECODER_DIR: Path(model["mountPath"]) / model["decoderDir"],
+        },
+    )

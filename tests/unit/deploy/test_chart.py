@@ -9,7 +9,7 @@ The env of every container is read back through the services' own `from_env`.
 from __future__ import annotations
 
 import base64
-import shutil
+import dataclasses
 from pathlib import Path
 
 import helm_python as helm
@@ -20,6 +20,7 @@ from capture_svc.config import CaptureConfig
 from gateway.config import GatewayConfig
 from readout_svc.config import ReadoutServiceConfig
 from stateblock import settings
+from stateblock.app.plan import Wiring
 from stateblock.nats_client import parse_servers
 from stateblock.protocol import tokens
 from stateblock.protocol.keys import TrustStore, generate_keypair, load_or_generate_signer
@@ -28,6 +29,7 @@ from tests.unit.deploy.chart import (
     CONFIGS,
     KUBE_VERSION,
     NAMESPACE,
+    PLACED,
     RELEASE,
     container,
     deployment,
@@ -35,6 +37,7 @@ from tests.unit.deploy.chart import (
     gpus,
     kinds,
     of_kind,
+    plan_for,
     render,
     render_error,
     render_valid,
@@ -67,13 +70,14 @@ def test_default_values_render_and_validate(default_docs):
         + ["PodDisruptionBudget"] * 3
         + ["Pod"]  # helm test
         + ["Secret"]  # the capture token
+        + ["Secret"] * 4  # a NATS user's password per component, the server's users
     )
     for doc in default_docs:
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE
         assert labels["app.kubernetes.io/name"] == "stateblock"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
-        assert labels["app.kubernetes.io/component"] in {*CONFIGS, "test"}
+        assert labels["app.kubernetes.io/component"] in {*CONFIGS, "test", "nats"}
 
 
 def test_selectors_ports_and_probes_are_consistent(default_docs):
@@ -249,15 +253,19 @@ def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
     ]
     assert trusted["secret"]["secretName"] == "stateblock-trusted-keys"
     token = f"{RELEASE}-stateblock-capture-token"
-    assert secrets_referenced(default_docs, "capture") == {"stateblock-signing-key", token}
+    assert secrets_referenced(default_docs, "capture") == {
+        "stateblock-signing-key", token, nats_user("capture")
+    }  # fmt: skip
     assert secrets_referenced(default_docs, "readout") == {
         "stateblock-trusted-keys",
         "stateblock-readout-signing-key",
         "stateblock-readout-trusted-keys",
+        nats_user("readout"),
     }
     assert secrets_referenced(default_docs, "gateway") == {
         "stateblock-readout-trusted-keys",
         token,
+        nats_user("gateway"),
     }
     # the readout signs outcomes with its key; the gateway believes the same key set
     readout_env, gateway_env = env_of(default_docs, "readout"), env_of(default_docs, "gateway")
@@ -272,6 +280,11 @@ def test_each_private_key_is_mounted_only_into_its_signer(default_docs):
         readout_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"]
         == (gateway_env["STATEBLOCK_READOUT_TRUSTED_KEYS_DIR"])
     )
+
+
+def nats_user(component: str) -> str:
+    """The Secret of a component's NATS password."""
+    return f"{RELEASE}-stateblock-nats-{component}"
 
 
 def materialize(secret: dict, directory: Path) -> Path:
@@ -313,13 +326,18 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
     readout_trusted = secrets[f"{RELEASE}-stateblock-readout-trusted-keys"]
     assert set(readout_signing["data"]) == {f"{readout.key_id}.key"}
     token = secrets[f"{RELEASE}-stateblock-capture-token"]["metadata"]["name"]
-    assert secrets_referenced(docs, "capture") == {signing["metadata"]["name"], token}
+    assert secrets_referenced(docs, "capture") == {
+        signing["metadata"]["name"], token, nats_user("capture")
+    }  # fmt: skip
     assert secrets_referenced(docs, "readout") == {
         trusted["metadata"]["name"],
         readout_signing["metadata"]["name"],
         readout_trusted["metadata"]["name"],
+        nats_user("readout"),
     }
-    assert secrets_referenced(docs, "gateway") == {readout_trusted["metadata"]["name"], token}
+    assert secrets_referenced(docs, "gateway") == {
+        readout_trusted["metadata"]["name"], token, nats_user("gateway")
+    }  # fmt: skip
     # Pods roll when their keys change.
     for component, key in (
         ("capture", "checksum/signing-key"),
@@ -344,8 +362,8 @@ def test_chart_created_key_secrets_load_in_the_services(keypair, tmp_path):
 def test_the_capture_token_reaches_exactly_the_gateway_and_the_capture(default_docs, tmp_path):
     """One generated Secret, mounted into the gateway (it presents the token) and the
     capture (it checks it), where STATEBLOCK_CAPTURE_TOKEN_FILE points; the file loads."""
-    (secret,) = of_kind(default_docs, "Secret").values()
-    name = secret["metadata"]["name"]
+    name = f"{RELEASE}-stateblock-capture-token"
+    secret = of_kind(default_docs, "Secret")[name]
     paths = set()
     for component in ("gateway", "capture"):
         path = Path(env_of(default_docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"])
@@ -358,7 +376,7 @@ def test_the_capture_token_reaches_exactly_the_gateway_and_the_capture(default_d
 
     # an existing Secret: referenced under its own name and key, none rendered
     docs = render({"captureToken": {"existingSecret": "mine", "key": "t"}})
-    assert "Secret" not in kinds(docs)
+    assert not any("capture-token" in name for name in of_kind(docs, "Secret"))
     for component in ("gateway", "capture"):
         assert "mine" in secrets_referenced(docs, component)
         assert env_of(docs, component)["STATEBLOCK_CAPTURE_TOKEN_FILE"].endswith("/t")
@@ -432,26 +450,6 @@ def test_service_monitors_scrape_each_metrics_port():
         scraped.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
     assert scraped == set(CONFIGS)
     render_valid({"serviceMonitor": {"enabled": True}})  # the rest still validates
-
-
-@pytest.fixture
-def chart_with_nats_stub(tmp_path) -> Path:
-    """The chart with a stand-in for the NATS dependency in charts/ (the real one is not
-    fetched here), named and configured as the official chart is."""
-    chart = tmp_path / "stateblock"
-    shutil.copytree(CHART, chart)
-    stub = chart / "charts" / "nats"
-    (stub / "templates").mkdir(parents=True)
-    (stub / "Chart.yaml").write_text("apiVersion: v2\nname: nats\nversion: 1.3.0\n")
-    (stub / "templates" / "service.yaml").write_text(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {{ .Release.Name }}-nats\n"
-        "spec:\n  ports:\n    - name: nats\n      port: 4222\n"
-    )
-    (stub / "templates" / "config.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-nats-config\n"
-        "data:\n  jetstream: {{ .Values.config.jetstream.enabled | quote }}\n"
-    )
-    return chart
 
 
 def test_nats_dependency_is_optional_and_jetstream_enabled(chart_with_nats_stub):
@@ -611,7 +609,10 @@ def test_capture_startup_probe_waits_out_the_warm_up(default_docs):
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= CAPTURE_WARM_UP_S + CAPTURE_MODEL_LOAD_S, budget
     env = env_of(
-        render_valid({"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8"}}), "capture"
+        render_valid(
+            {"capture": {"compile": "reduce-overhead", "laneBuckets": "2,8", "cohortLanes": 8}}
+        ),
+        "capture",
     )
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 8)
 
@@ -742,3 +743,53 @@ def test_an_init_container_fills_the_model_volume_from_the_image():
     assert "model.source must be pvc or hostPath" in render_error(
         {"model": {"fillFromImage": True, "source": "image"}}
     )
+
+
+# --- the stack plan ------------------------------------------------------------------------
+
+PLAN_VALUES = {
+    "readout": {"replicas": 3, "workers": 4, "engine": "onnx", "leaseSeconds": 5,
+                "ackWaitSeconds": 8, "ports": {"metrics": 9191, "health": 50072}},
+    "capture": {"replicas": 2, "ports": {"grpc": 50062, "metrics": 9292}, "compile": "inductor",
+                "laneBuckets": "2,8", "batchWindowSeconds": 0.002},
+    "gateway": {"ports": {"http": 8080, "grpc": 50052}, "requestTimeoutSeconds": 30},
+    "serving": {"maxLanes": 16, "answerDepthMax": 512},
+    "model": {"name": "org/model-v2.1", "mountPath": "/opt/m"},
+    "nats": {"url": "nats://a:4222,nats://b:4222,nats://c:4222", "replicas": 3},
+    "logLevel": "debug",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{}, PLAN_VALUES], ids=["defaults", "changed"])
+def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
+    """The services the chart deploys, their ports and each one's config agree with the stack
+    plan (stateblock/app/plan.py) for the same values, but for where each deployment puts
+    its files and finds its peers."""
+    plan, docs = plan_for(values), render_valid(values)
+    services = plan.services()
+    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for d in of_kind(docs, "Deployment").values()}  # fmt: skip
+    assert components == {s.component for s in services} == set(CONFIGS)  # NATS is external
+    for component in ("capture", "readout"):
+        processes = [s for s in services if s.component == component]
+        assert deployment(docs, component)["spec"]["replicas"] == len(processes), component
+
+    wiring = Wiring(plan.nats_url, Path("keys"), Path("readout-keys"), Path("token"))
+    for component, read in CONFIGS.items():
+        deployed = read.from_env(env_of(docs, component))
+        planned = plan.config(plan.service(component), wiring)
+        for f in dataclasses.fields(read):
+            if f.name not in PLACED[component]:
+                assert getattr(deployed, f.name) == getattr(planned, f.name), (component, f.name)
+        ports = {p["name"]: p["containerPort"] for p in container(docs, component)["ports"]}
+        if component == "gateway":
+            assert (ports["http"], ports["grpc"]) == (plan.ports.http, plan.ports.grpc)
+            assert {int(deployed.capture_target.rsplit(":", 1)[1])} == set(plan.ports.capture)
+        elif component == "capture":
+            assert {(ports["grpc"], ports["metrics"])} == set(
+                zip(plan.ports.capture, plan.ports.capture_metrics, strict=True)
+            )
+        else:
+            assert {(ports["metrics"], ports["health"])} == set(
+                zip(plan.ports.readout_metrics, plan.ports.readout_health, strict=True)
+            )

@@ -4,6 +4,7 @@ HTTP app in process (ASGI) over a fake capture and commit source."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import grpc
@@ -24,7 +25,7 @@ from gateway.http import create_app
 from gateway.openai.errors import openai_error
 from stateblock.nats_client import NatsState, Readiness
 from stateblock.v1 import capture_pb2, gateway_pb2
-from tests.unit.gateway.conftest import MODEL
+from tests.unit.gateway.conftest import DEFAULT_MAX_TOKENS, MODEL
 
 ERRORS = [
     (InvalidRequest("bad n", "n"), 400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
@@ -71,22 +72,24 @@ def test_capture_errors_become_gateway_errors(code, expected):
         assert error.param == "prompt"
 
 
-def test_grpc_requests_map_to_one_sampling_type():
+def test_grpc_requests_map_to_one_sampling_type(service):
     p = params_of(
         gateway_pb2.GenerateRequest(
             model=MODEL, prompt="copy: a", max_tokens=5, temperature=0.5, seed=3, n=2,
             ignore_eos=True,
-        )
+        ),
+        service,
     )  # fmt: skip
     assert (p.n, p.max_tokens) == (2, 5)
     assert (p.sampling.temperature, p.sampling.seed, p.sampling.ignore_eos) == (0.5, 3, True)
-    unset = params_of(gateway_pb2.GenerateRequest(model=MODEL, prompt="x"))
-    assert unset.max_tokens is None and not unset.sampling.HasField("seed")
+    unset = params_of(gateway_pb2.GenerateRequest(model=MODEL, prompt="x"), service)
+    assert unset.max_tokens == DEFAULT_MAX_TOKENS and not unset.sampling.HasField("seed")
     with pytest.raises(InvalidRequest):
         params_of(
             gateway_pb2.GenerateRequest(
                 model=MODEL, prompt="x", messages=[capture_pb2.ChatMessage(role="user")]
-            )
+            ),
+            service,
         )
 
 
@@ -220,9 +223,11 @@ async def test_a_prompt_longer_than_any_allowed_is_refused_before_tokenising(ser
 
 
 def params_of_prompt(prompt: str):
-    from gateway.service import GenerateParams, PromptSpec
+    from gateway.params import GenerateParams, PromptSpec, check
 
-    return GenerateParams(model=MODEL, inputs=(PromptSpec(prompt=prompt),))
+    return functools.partial(
+        check, GenerateParams(model=MODEL, inputs=(PromptSpec(prompt=prompt),))
+    )
 
 
 async def test_health_follows_readiness_and_says_why(service):

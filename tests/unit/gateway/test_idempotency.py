@@ -5,13 +5,14 @@ a first request that never ran gives its key back."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 
 from gateway.errors import BlockRejected, InvalidRequest, ReadoutFailed, Unavailable
 from gateway.idempotency import Record, store_key
-from gateway.service import GenerateParams, PromptSpec, make_sampling
+from gateway.params import GenerateParams, PromptSpec, check, make_sampling
 from tests.unit.gateway.conftest import MODEL
 
 
@@ -47,10 +48,12 @@ def keyed(service):
     return service
 
 
-def params(prompt="copy: ab", temperature=None) -> GenerateParams:
-    return GenerateParams(
+def params(prompt="copy: ab", temperature=None):
+    """The request as an edge's conversion gives it to `generate`."""
+    p = GenerateParams(
         model=MODEL, inputs=(PromptSpec(prompt=prompt),), sampling=make_sampling(temperature, None)
     )
+    return functools.partial(check, p)
 
 
 async def test_a_retry_gets_the_first_answer_and_runs_nothing(keyed, fakes):
@@ -136,7 +139,8 @@ async def test_a_key_left_by_a_request_that_never_ran_lapses_with_its_deadline(k
     capture, _ = fakes
     p = params()
     stored = store_key(MODEL, "k-lapsed")
-    fp = fingerprint(p, keyed.validate(p))
+    checked = p(keyed)
+    fp = fingerprint(checked, checked.max_tokens)
     await keyed._keys.create(stored, Record("dead", fp, expires_at=time.time() - 1))
     g = await keyed.generate(p, api="t", idempotency_key="k-lapsed")
     assert len(capture.calls) == 1 and g.request_id != "dead"

@@ -50,23 +50,23 @@ def test_each_family_attaches_its_own_routes(service):
 )
 def test_chat_to_params_names_the_depth_field_the_request_used(service, fields, param):
     req = p.ChatCompletionRequest(model=MODEL, messages=MESSAGES, **fields)
-    params = chat.to_params(req)
     if param is None:
-        assert service.validate(params) == 4
+        assert chat.to_params(req, service).max_tokens == 4
         return
     with pytest.raises(InvalidRequest) as e:
-        service.validate(params)
+        chat.to_params(req, service)
     assert e.value.param == param
 
 
-def test_to_params_refuses_by_the_requests_field_before_any_service_call():
+def test_to_params_refuses_by_the_requests_field(service):
     with pytest.raises(InvalidRequest) as e:
         chat.to_params(
-            p.ChatCompletionRequest(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=9)
+            p.ChatCompletionRequest(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=9),
+            service,
         )
     assert e.value.param == "top_logprobs"
     with pytest.raises(InvalidRequest) as e:
-        completions.to_params(p.CompletionRequest(model=MODEL, prompt="a", logprobs=9))
+        completions.to_params(p.CompletionRequest(model=MODEL, prompt="a", logprobs=9), service)
     assert e.value.param == "logprobs"
 
 

@@ -1,14 +1,15 @@
-"""GatewayService's logic with a fake capture client and commit source: validation, lanes,
-the generation, errors, and stream pieces."""
+"""GatewayService's logic with a fake capture client and commit source: the request check
+(gateway/params.py), lanes, the generation, errors, and stream pieces."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 
 from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
-from gateway.service import GenerateParams, PromptSpec, make_sampling
+from gateway.params import GenerateParams, PromptSpec, check, make_sampling
 from registry import RegistryUnavailable
 from stateblock.protocol.sampling import NO_EOS, SEED_LIMIT
 from tests.unit.gateway.conftest import DEFAULT_MAX_TOKENS, MODEL
@@ -18,6 +19,11 @@ def params(**kw) -> GenerateParams:
     kw.setdefault("model", MODEL)
     kw.setdefault("inputs", (PromptSpec(prompt="copy: ab"),))
     return GenerateParams(**kw)
+
+
+def request(**kw):
+    """The request as an edge's conversion gives it to `generate`."""
+    return functools.partial(check, params(**kw))
 
 
 @pytest.mark.parametrize(
@@ -38,21 +44,21 @@ def params(**kw) -> GenerateParams:
         (params(sampling=make_sampling(math.nan, None)), "temperature"),
     ],
 )
-def test_validate_refuses_what_cannot_be_served(service, p, param):
+def test_check_refuses_what_cannot_be_served(service, p, param):
     with pytest.raises(InvalidRequest) as e:
-        service.validate(p)
+        check(p, service)
     assert e.value.param == param
 
 
 def test_model_not_found_has_its_code(service):
     with pytest.raises(InvalidRequest) as e:
-        service.validate(params(model="gpt-4"))
+        check(params(model="gpt-4"), service)
     assert e.value.code == "model_not_found" and "gpt-4" in e.value.message
 
 
-def test_validate_returns_the_depth_read(service):
-    assert service.validate(params()) == DEFAULT_MAX_TOKENS
-    assert service.validate(params(max_tokens=64)) == 64
+def test_check_resolves_the_depth_read(service):
+    assert check(params(), service).max_tokens == DEFAULT_MAX_TOKENS
+    assert check(params(max_tokens=64), service).max_tokens == 64
 
 
 @pytest.mark.parametrize("seed", [-1, SEED_LIMIT])
@@ -84,7 +90,7 @@ def test_unseeded_lanes_stay_unseeded(service):
 async def test_generate_decodes_the_commit(service, fakes, detokenizer):
     capture, commits = fakes
     commits.answers = [[20, 21, 22], [23]]
-    g = await service.generate(params(n=2, max_tokens=8), api="test")
+    g = await service.generate(request(n=2, max_tokens=8), api="test")
     ((request_id, model, lanes),) = capture.calls
     assert g.request_id == request_id and model == MODEL and len(lanes) == 2
     assert [c.text for c in g.choices] == [
@@ -99,7 +105,7 @@ async def test_generate_decodes_the_commit(service, fakes, detokenizer):
 async def test_no_eos_is_finish_reason_length(service, fakes):
     _, commits = fakes
     commits.eos = False
-    (choice,) = (await service.generate(params(), api="test")).choices
+    (choice,) = (await service.generate(request(), api="test")).choices
     assert choice.finish_reason == "length" and choice.eos_pos == NO_EOS
 
 
@@ -107,27 +113,27 @@ async def test_no_commit_in_time_is_deadline_exceeded(service, fakes):
     _, commits = fakes
     commits.delay_s = 5.0  # the service's request timeout is 2 s
     with pytest.raises(DeadlineExceeded):
-        await service.generate(params(), api="test", timeout=0.2)
+        await service.generate(request(), api="test", timeout=0.2)
 
 
 async def test_a_registry_outage_is_unavailable(service, fakes):
     _, commits = fakes
     commits.error = RegistryUnavailable("nats down")
     with pytest.raises(Unavailable):
-        await service.generate(params(), api="test")
+        await service.generate(request(), api="test")
 
 
 async def test_invalid_requests_never_reach_the_capture(service, fakes):
     capture, _ = fakes
     with pytest.raises(InvalidRequest):
-        await service.generate(params(max_tokens=1000), api="test")
+        await service.generate(request(max_tokens=1000), api="test")
     assert capture.calls == []
 
 
 async def test_stream_pieces_concatenate_to_the_text(service, fakes):
     _, commits = fakes
     commits.answers = [list(range(5, 45)), [7]]
-    g = await service.generate(params(n=2), api="test")
+    g = await service.generate(request(n=2), api="test")
     for choice in g.choices:
         pieces = [p for p in service.pieces(g) if p.index == choice.index]
         assert "".join(p.text for p in pieces) == choice.text
@@ -148,7 +154,7 @@ async def test_stream_pieces_wait_for_a_whole_character(service, fakes):
     _, commits = fakes
     text = "a" * 15 + "é" + "b" * 20  # é is 2 bytes: bytes 15 and 16, across the 16 boundary
     commits.answers = [list(text.encode())]
-    g = await service.generate(params(), api="test")
+    g = await service.generate(request(), api="test")
     pieces = list(service.pieces(g))
     assert "".join(p.text for p in pieces) == text
     assert not any("\ufffd" in p.text for p in pieces)

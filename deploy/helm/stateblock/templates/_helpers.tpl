@@ -143,7 +143,7 @@ A passthrough name must be STATEBLOCK_* and must not override one the chart sets
     "STATEBLOCK_MAX_LANES" ($ctx.Values.serving.maxLanes | int)
     "STATEBLOCK_PROMPT_LEN_MAX" ($ctx.Values.serving.promptLenMax | int)
     "STATEBLOCK_ANSWER_DEPTH_MAX" ($ctx.Values.serving.answerDepthMax | int)
-  ) .vars }}
+  ) .vars (include "stateblock.natsUserVars" (dict "ctx" $ctx "component" .component) | fromYaml) }}
 {{- range $name, $value := .extra }}
 {{- if not (hasPrefix "STATEBLOCK_" $name) }}
 {{- fail (printf "%s.env.%s: only STATEBLOCK_* variables configure the services" $.component $name) }}
@@ -408,4 +408,51 @@ initContainers:
         path: {{ .Values.captureToken.key }}
     # Group-readable: with fsGroup set, the non-root user reads it through its group.
     defaultMode: 0440
+{{- end }}
+
+{{/*
+NATS users, one per component (natsAuth): each component's password in a Secret of its own,
+mounted into that component's pods only; the server's side (bcrypt hashes and each user's
+permissions, files/nats-permissions.json) in <release>-stateblock-nats-auth as auth.conf,
+which the bundled NATS includes. Named from the release alone: the NATS chart's values
+template it in its own context.
+*/}}
+{{- define "stateblock.natsUserSecretName" -}}
+{{- include "stateblock.componentName" (dict "ctx" .ctx "component" (printf "nats-%s" .component)) }}
+{{- end }}
+
+{{- define "stateblock.natsAuthSecretName" -}}
+{{- printf "%s-stateblock-nats-auth" .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stateblock.natsUserDir" -}}/var/run/stateblock/nats-user{{- end }}
+
+{{/* STATEBLOCK_NATS_USER and _NATS_PASSWORD_FILE of a component; dict: ctx, component. */}}
+{{- define "stateblock.natsUserVars" -}}
+{{- if .ctx.Values.natsAuth.enabled }}
+{{- dict "STATEBLOCK_NATS_USER" .component "STATEBLOCK_NATS_PASSWORD_FILE" (printf "%s/password" (include "stateblock.natsUserDir" .ctx)) | toYaml }}
+{{- else }}{}{{ end }}
+{{- end }}
+
+{{- define "stateblock.natsUserMount" -}}
+{{- if .ctx.Values.natsAuth.enabled }}
+- name: nats-user
+  mountPath: {{ include "stateblock.natsUserDir" .ctx }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "stateblock.natsUserVolume" -}}
+{{- if .ctx.Values.natsAuth.enabled }}
+- name: nats-user
+  secret:
+    secretName: {{ include "stateblock.natsUserSecretName" . }}
+    # Group-readable: with fsGroup set, the non-root user reads it through its group.
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* A NATS configuration list of quoted strings. */}}
+{{- define "stateblock.natsList" -}}
+[{{ range $i, $s := . }}{{ if $i }}, {{ end }}{{ quote $s }}{{ end }}]
 {{- end }}

@@ -1,0 +1,104 @@
+"""Readout cohorts: the blocks a process holds at once, read in one engine execution, each
+answer the same as the block read alone (the shipped model, reference and torch engines)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from readout_svc.cohorts import ReadoutCohorts
+from stateblock.engines import LaneRequest
+from tests.engine_fixtures import lanes_of
+
+
+class Counting:
+    """The engine, counting executions and the lanes of each; `poison` makes a cohort that
+    holds that many-lane block raise (and that block alone too)."""
+
+    def __init__(self, engine, poison_depth: int | None = None) -> None:
+        self._engine = engine
+        self.name, self.identity = engine.name, engine.identity
+        self.calls: list[int] = []
+        self._poison = poison_depth
+        if hasattr(engine, "cohort_key"):
+            self.cohort_key = engine.cohort_key
+
+    def readout(self, lanes):
+        self.calls.append(len(lanes))
+        if self._poison is not None and any(lane.depth == self._poison for lane in lanes):
+            raise RuntimeError("poisoned lane")
+        return self._engine.readout(lanes)
+
+
+def blocks_of(captured) -> list[list[LaneRequest]]:
+    """Six blocks of one prompt's rows: one lane each at depth 48 (one a seeded sampled
+    lane), a two-lane block at 48, and one at depth 200 (another key: never combined with
+    the 48s); and two of other prompts, whose lengths the reference's key tells apart."""
+    return [
+        lanes_of(captured[:1], [48]),
+        lanes_of(captured[:1], [48], temps=[0.8], seeds=[5]),
+        lanes_of(captured[:1], [48, 48], temps=[0.0, 1.2], seeds=[None, 6]),
+        lanes_of(captured[:1], [48]),
+        lanes_of(captured[:1], [200]),
+        lanes_of(captured[1:2], [48]),
+        lanes_of(captured[4:5], [48]),
+    ]
+
+
+async def read_all(engine, blocks, *, max_lanes: int, cancel: int | None = None):
+    with ThreadPoolExecutor(1) as pool:
+        async with ReadoutCohorts(engine, pool, max_lanes=max_lanes) as cohorts:
+            tasks = [asyncio.ensure_future(cohorts.read(b)) for b in blocks]
+            if cancel is not None:
+                tasks[cancel].cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize("engine_name", ["reference", "torch"])
+async def test_blocks_read_together_answer_as_alone(engine_name, reference, engine, captured):
+    inner = reference if engine_name == "reference" else engine
+    blocks = blocks_of(captured)
+    alone = [inner.readout(b) for b in blocks]
+    counting = Counting(inner)
+    outs = await read_all(counting, blocks, max_lanes=8)
+    for (results, seconds), want in zip(outs, alone, strict=True):
+        assert results == want and seconds > 0
+    # blocks of one key go together (bit for bit the same as alone), others apart
+    assert len(counting.calls) < len(blocks) and max(counting.calls) >= 4
+    assert sum(counting.calls) == sum(len(b) for b in blocks)
+
+
+async def test_cohorts_keep_to_max_lanes(reference, captured):
+    counting = Counting(reference)
+    blocks = [lanes_of(captured[:1], [16])] * 7
+    outs = await read_all(counting, blocks, max_lanes=3)
+    assert all(results == reference.readout(blocks[0]) for results, _ in outs)
+    assert max(counting.calls) == 3 and sum(counting.calls) == 7
+
+
+async def test_an_engine_without_a_key_reads_block_by_block(reference, captured):
+    counting = Counting(reference)
+    del counting.cohort_key  # e.g. the ONNX engine: no claim that company changes nothing
+    outs = await read_all(counting, [lanes_of(captured[:1], [16])] * 4, max_lanes=8)
+    assert len(outs) == 4 and counting.calls == [1, 1, 1, 1]
+
+
+async def test_a_failing_block_fails_only_itself(reference, captured):
+    """A cohort whose execution raises is read again block by block."""
+    counting = Counting(reference, poison_depth=33)
+    blocks = [lanes_of(captured[i : i + 1], [33 if i == 2 else 16]) for i in range(4)]
+    counting.cohort_key = lambda lanes: "one"  # so the poisoned block shares the cohort
+    outs = await read_all(counting, blocks, max_lanes=8)
+    assert isinstance(outs[2], RuntimeError)
+    for i in (0, 1, 3):
+        assert outs[i][0] == reference.readout(blocks[i])
+
+
+async def test_a_cancelled_read_is_not_executed(reference, captured):
+    counting = Counting(reference)
+    blocks = [lanes_of(captured[i : i + 1], [16]) for i in range(4)]
+    outs = await read_all(counting, blocks, max_lanes=8, cancel=3)
+    assert isinstance(outs[3], asyncio.CancelledError)
+    assert sum(counting.calls) == 3  # the cancelled block's lane never reached the engine
