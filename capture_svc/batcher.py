@@ -86,6 +86,10 @@ def warm_shapes(
     return shapes
 
 
+class Dropped(Exception):
+    """The request was taken back (`ForwardBatcher.drop`) before its forward started."""
+
+
 @dataclass
 class Pending:
     plan: CapturePlan
@@ -177,6 +181,8 @@ class ForwardBatcher:
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        # submitted, no forward started: what `drop` can still take back, by request id
+        self._unstarted: dict[str, Pending] = {}
 
     async def __aenter__(self) -> ForwardBatcher:
         self._task = asyncio.create_task(self._run(), name="capture-batcher")
@@ -200,8 +206,23 @@ class ForwardBatcher:
                 f"{len(lane_ids)} lanes exceed the per-request limit {self._max_lanes}"
             )
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(Pending(plan, lane_ids, future))
-        await future
+        pending = Pending(plan, lane_ids, future)
+        self._unstarted[plan.request_id] = pending
+        try:
+            await self._queue.put(pending)
+            await future
+        finally:
+            self._unstarted.pop(plan.request_id, None)
+
+    def drop(self, request_id: str) -> bool:
+        """Take back a request whose forward has not started: its `submit` raises Dropped
+        and nothing of it is ever forwarded. False once its forward started (or for an
+        unknown id): then its `submit` ends as the forward does."""
+        pending = self._unstarted.pop(request_id, None)
+        if pending is None or pending.future.done():
+            return False
+        pending.future.set_exception(Dropped(f"request {request_id} dropped before its forward"))
+        return True
 
     async def _collect(self) -> list[Pending]:
         """The next batch. With no window (the default) nothing waits: the first request
@@ -254,6 +275,8 @@ class ForwardBatcher:
                 cohort = [p for p in cohort if not p.future.done()]
                 if not cohort:
                     continue
+                for p in cohort:  # from here on `drop` cannot take it back
+                    self._unstarted.pop(p.plan.request_id, None)
                 try:
                     await loop.run_in_executor(self._executor, self._forward, cohort)
                 except Exception as e:  # the forward failed: every request in it fails

@@ -22,6 +22,7 @@ from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
 from capture_svc.service import (
     CAPTURE_MODE,
+    CaptureDropped,
     CaptureError,
     CaptureFailed,
     CaptureMetrics,
@@ -52,6 +53,7 @@ PARAM_METADATA = "stateblock-param"  # trailing metadata: which request field wa
 ORIGIN_METADATA = "stateblock-origin"  # trailing metadata: the capture service answered
 _STATUS = (
     (InvalidCapture, grpc.StatusCode.INVALID_ARGUMENT),
+    (CaptureDropped, grpc.StatusCode.CANCELLED),
     (CaptureUnavailable, grpc.StatusCode.UNAVAILABLE),
     (CaptureFailed, grpc.StatusCode.INTERNAL),
 )
@@ -92,6 +94,11 @@ class CaptureServicer(capture_pb2_grpc.CaptureServicer):
             block_id=captured.block_id,
             prompt_tokens=list(captured.prompt_tokens),
         )
+
+    async def Cancel(
+        self, request: capture_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> capture_pb2.CancelResponse:
+        return capture_pb2.CancelResponse(dropped=self._service.cancel(request.request_id))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from capture_svc.batcher import ForwardBatcher
+from capture_svc.batcher import Dropped, ForwardBatcher
 from capture_svc.config import CaptureConfig
 from capture_svc.plans import PlanError, PlanTable
 from capture_svc.publisher import BlockPublisher, PublishError
@@ -51,6 +51,10 @@ class CaptureUnavailable(CaptureError):
 
 class CaptureWarmingUp(CaptureUnavailable):
     """The forward is still warming up (UNAVAILABLE): nothing ran, so it may be sent again."""
+
+
+class CaptureDropped(CaptureError):
+    """Its caller cancelled it before its forward (CANCELLED): nothing ran or was published."""
 
 
 class CaptureFailed(CaptureError):
@@ -181,6 +185,13 @@ class CaptureService:
         except InvalidSampling as e:
             raise InvalidCapture(str(e), e.param) from e
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop the request if its forward has not started (its capture then raises
+        CaptureDropped); False when it has (its capture goes on to publish) or is unknown."""
+        dropped = self._batcher.drop(request_id)
+        log.info("capture cancel", request_id=request_id, dropped=dropped)
+        return dropped
+
     async def capture(
         self,
         request_id: str | None,
@@ -211,6 +222,8 @@ class CaptureService:
         try:
             await self._batcher.submit(plan, lane_ids)
             rows = self._plans.consume(request_id, plan.layout_digest)
+        except Dropped as e:
+            raise CaptureDropped(str(e)) from e
         except PlanError as e:
             log.error("capture integrity check failed", error=str(e))
             raise CaptureFailed(str(e)) from e

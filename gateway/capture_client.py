@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import (
@@ -29,6 +30,12 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 RETRY_PAUSE_S = 0.2
+log = structlog.get_logger("gateway.capture_client")
+
+
+class CaptureDropped(Unavailable):
+    """The capture dropped the request before its forward, as its Cancel asked: nothing
+    ran or was published (a 503 if a caller ever saw it: safe to send again)."""
 
 
 def never_reached_capture(error: grpc.aio.AioRpcError) -> bool:
@@ -54,6 +61,10 @@ def translate(error: grpc.aio.AioRpcError) -> GatewayError:
         return DeadlineExceeded(f"capture did not finish in time: {detail}")
     if code == grpc.StatusCode.INTERNAL:
         return ReadoutFailed(detail)
+    if code == grpc.StatusCode.CANCELLED and dict(error.trailing_metadata() or ()).get(
+        ORIGIN_METADATA
+    ):
+        return CaptureDropped(f"the capture dropped it before its forward: {detail}")
     if code == grpc.StatusCode.UNAUTHENTICATED:  # the gateway's token, not the client's fault
         return Unavailable(f"the capture refused the gateway's token: {detail}")
     return Unavailable(f"capture service unavailable ({code.name}): {detail}")
@@ -106,3 +117,18 @@ class GrpcCaptureClient:
                     raise translate(e) from e
                 await asyncio.sleep(RETRY_PAUSE_S)
         return CaptureResult(response.block_id, tuple(response.prompt_tokens))
+
+    async def cancel(self, request_id: str, *, timeout: float) -> bool:
+        """Ask the capture to drop a request whose forward has not started; True if it did
+        (its Capture call then ends in CaptureDropped). False when it has started, or when
+        the capture cannot be asked: its Capture call's own end says what became of it."""
+        try:
+            reply = await self._stub.Cancel(
+                capture_pb2.CancelRequest(request_id=request_id),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("capture cancel not delivered", code=e.code().name, detail=e.details())
+            return False
+        return reply.dropped

@@ -51,6 +51,14 @@ REQUEST_REASONS = frozenset({"limits"})
 Convert = Callable[[params.Served], GenerateParams]
 
 
+CANCEL_TIMEOUT_S = 2.0  # how long a gone client's capture cancel may take to be delivered
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 class CaptureClient(Protocol):
     async def capture(
         self,
@@ -60,6 +68,8 @@ class CaptureClient(Protocol):
         *,
         timeout: float,
     ) -> CaptureResult: ...
+
+    async def cancel(self, request_id: str, *, timeout: float) -> bool: ...
 
 
 class CommitSource(Protocol):
@@ -227,14 +237,18 @@ class GatewayService:
         loop, model = asyncio.get_running_loop(), self._m.model_name
         capture_id = request_id
         for attempt in range(MAX_RECAPTURES + 1):
+            call = asyncio.ensure_future(
+                self._capture.capture(capture_id, p.model, lanes, timeout=deadline - loop.time())
+            )
             try:
                 with _in(self._m.waiting.labels(model)):
-                    captured = await self._capture.capture(
-                        capture_id, p.model, lanes, timeout=deadline - loop.time()
-                    )
-            except (Unavailable, InvalidRequest, asyncio.CancelledError):
-                if key is not None:  # a first capture that never ran (or was cancelled
-                    # before publishing) gives the key back at once: a retry runs it anew
+                    captured = await asyncio.shield(call)
+            except asyncio.CancelledError:  # the client went away: settle what its capture did
+                await asyncio.shield(self._abandon(call, capture_id, key, attempt))
+                raise
+            except (Unavailable, InvalidRequest):
+                if key is not None:  # a first capture that never ran gives the key back at
+                    # once: a retry runs it anew
                     await asyncio.shield(key.give_back() if attempt == 0 else key.lapse())
                 raise
             if key is not None:  # published: a retry follows it, even past a client's cancel
@@ -253,6 +267,24 @@ class GatewayService:
                 log.warning("rejected block captured again", block_id=e.block_id,
                             reason=e.reason, capture_id=capture_id, attempt=attempt + 1)  # fmt: skip
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _abandon(
+        self, call: asyncio.Future, capture_id: str, key: OwnedKey | None, attempt: int
+    ) -> None:
+        """A capture whose client went away: dropped if its forward has not started.
+        Otherwise it goes on to publish, and a key then names its block, so a retry with
+        the key follows that block instead of capturing a second one."""
+        await self._capture.cancel(capture_id, timeout=CANCEL_TIMEOUT_S)
+        if key is None:
+            call.add_done_callback(_retrieved)
+            return
+        try:
+            captured = await call
+        except Exception:  # dropped, or it failed: nothing published, the key goes back
+            await (key.give_back() if attempt == 0 else key.lapse())
+            return
+        await key.point_to(captured.block_id, captured.prompt_tokens)
+        log.info("abandoned request's block kept for its key", block_id=captured.block_id)
 
     async def _retake(self, stored: str, first: Record, mine: Record) -> int:
         """The key of a request whose block was rejected, for this retry; ReadoutFailed

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stateblock.v1 import block_pb2 as stateblock_dot_v1_dot_block__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/capture.proto\x12\rstateblock.v1\x1a\x19stateblock/v1/block.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x01\n\x0b\x43\x61ptureLane\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.stateblock.v1.ChatMessagesH\x00\x12)\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.stateblock.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\rB\x07\n\x05input\"^\n\x0e\x43\x61ptureRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x05lanes\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.CaptureLane\"N\n\x0f\x43\x61ptureResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\r2S\n\x07\x43\x61pture\x12H\n\x07\x43\x61pture\x12\x1d.stateblock.v1.CaptureRequest\x1a\x1e.stateblock.v1.CaptureResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstateblock/v1/capture.proto\x12\rstateblock.v1\x1a\x19stateblock/v1/block.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.stateblock.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x01\n\x0b\x43\x61ptureLane\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.stateblock.v1.ChatMessagesH\x00\x12)\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.stateblock.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\rB\x07\n\x05input\"^\n\x0e\x43\x61ptureRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x05lanes\x18\x03 \x03(\x0b\x32\x1a.stateblock.v1.CaptureLane\"N\n\x0f\x43\x61ptureResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x03(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0e\x43\x61ncelResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x32\x9a\x01\n\x07\x43\x61pture\x12H\n\x07\x43\x61pture\x12\x1d.stateblock.v1.CaptureRequest\x1a\x1e.stateblock.v1.CaptureResponse\x12\x45\n\x06\x43\x61ncel\x12\x1c.stateblock.v1.CancelRequest\x1a\x1d.stateblock.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,6 +44,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CAPTUREREQUEST']._serialized_end=500
   _globals['_CAPTURERESPONSE']._serialized_start=502
   _globals['_CAPTURERESPONSE']._serialized_end=580
-  _globals['_CAPTURE']._serialized_start=582
-  _globals['_CAPTURE']._serialized_end=665
+  _globals['_CANCELREQUEST']._serialized_start=582
+  _globals['_CANCELREQUEST']._serialized_end=617
+  _globals['_CANCELRESPONSE']._serialized_start=619
+  _globals['_CANCELRESPONSE']._serialized_end=652
+  _globals['_CAPTURE']._serialized_start=655
+  _globals['_CAPTURE']._serialized_end=809
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,11 @@ class CaptureStub:
                 request_serializer=stateblock_dot_v1_dot_capture__pb2.CaptureRequest.SerializeToString,
                 response_deserializer=stateblock_dot_v1_dot_capture__pb2.CaptureResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/stateblock.v1.Capture/Cancel',
+                request_serializer=stateblock_dot_v1_dot_capture__pb2.CancelRequest.SerializeToString,
+                response_deserializer=stateblock_dot_v1_dot_capture__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class CaptureServicer:
@@ -53,6 +58,13 @@ class CaptureServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Drops a queued Capture; the gateway calls it when its client goes away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CaptureServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_CaptureServicer_to_server(servicer, server):
                     servicer.Capture,
                     request_deserializer=stateblock_dot_v1_dot_capture__pb2.CaptureRequest.FromString,
                     response_serializer=stateblock_dot_v1_dot_capture__pb2.CaptureResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=stateblock_dot_v1_dot_capture__pb2.CancelRequest.FromString,
+                    response_serializer=stateblock_dot_v1_dot_capture__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Capture:
             '/stateblock.v1.Capture/Capture',
             stateblock_dot_v1_dot_capture__pb2.CaptureRequest.SerializeToString,
             stateblock_dot_v1_dot_capture__pb2.CaptureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stateblock.v1.Capture/Cancel',
+            stateblock_dot_v1_dot_capture__pb2.CancelRequest.SerializeToString,
+            stateblock_dot_v1_dot_capture__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -152,9 +152,8 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     assert figures["executed_503"] == 0, figures
     assert figures["clean_503"] <= max(1, n // 100), figures
     assert registry["commits_in_one_key"] <= 1, figures
-    # one committed block per answered request: none lost; a second readout only from the
-    # open window of a client that went away while its block was published (a disconnect)
-    assert 0 <= figures["double_committed"] <= figures["disconnected"], figures
+    # one committed block per answered request: none lost, none read out twice
+    assert figures["double_committed"] == 0, figures
     assert all(r is not None and r <= RECOVERY_S for r in figures["recovery_s"]["nats"]), figures
     # the sniper's faults landed mid-readout: another worker took the lease over and committed
     assert sum(s["taken_over"] for s in figures["shots"]) >= 1, figures

@@ -21,7 +21,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from capture_svc.batcher import CohortForward, ForwardBatcher
+from capture_svc.batcher import CohortForward, Dropped, ForwardBatcher
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from readout_svc import cohorts, worker
 from stateblock.app.stack import StackThread, UpConfig
@@ -70,6 +70,26 @@ async def test_a_cancelled_capture_behind_a_running_cohort_is_never_forwarded():
     with pytest.raises(asyncio.CancelledError):
         await queued
     assert forward.cohorts == [["first"], ["later"]]
+
+
+async def test_drop_takes_back_a_queued_capture_and_never_a_running_one():
+    """The capture's Cancel: a request still queued is dropped (its submit raises Dropped,
+    nothing of it is forwarded); one whose forward started is not (it runs to its end)."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = HeldForward()
+    with ThreadPoolExecutor(1) as pool:
+        async with ForwardBatcher(forward, pool, window_s=0.0, max_lanes=8) as batcher:
+            first = asyncio.create_task(batcher.submit(register(plans, "first", 3), [[1] * 3]))
+            queued = asyncio.create_task(batcher.submit(register(plans, "queued", 40), [[1] * 40]))
+            await asyncio.to_thread(forward.started.wait, 10)
+            assert batcher.drop("first") is False  # its forward is running
+            assert batcher.drop("queued") is True
+            assert batcher.drop("queued") is False and batcher.drop("unknown") is False
+            forward.release.set()
+            await first
+    with pytest.raises(Dropped):
+        await queued
+    assert forward.cohorts == [["first"]]
 
 
 def capture_gauge(http_url: str, name: str) -> float:
@@ -275,6 +295,33 @@ def test_a_keyed_request_abandoned_before_publish_gives_its_key_back(held_stack)
     assert '"finish_reason"' in answer
     assert len(forwards) == 2, forwards  # the first and the retry
     assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 2
+
+
+def test_a_keyed_request_abandoned_while_its_forward_runs_keeps_its_block_for_the_retry(
+    held_stack,
+):
+    """Past the point of no return (its forward running) the capture goes on to publish; the
+    gateway waits for that reply and the key names the block, so a retry with the key is
+    answered from it: one forward, one block."""
+    stack, forwards, running, release = held_stack
+    url = stack.urls.http
+
+    async def scenario() -> str:
+        gone = asyncio.create_task(post(url, "completions", "copy: a", key="running"))
+        assert await asyncio.to_thread(running.wait, 20)  # its forward holds
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        retry = asyncio.create_task(post(url, "completions", "copy: a", key="running"))
+        await asyncio.sleep(0.5)  # the retry finds the key held by the abandoned request
+        release.set()
+        return await retry
+
+    answer = asyncio.run(scenario())
+    assert '"finish_reason"' in answer
+    assert len(forwards) == 1, forwards
+    assert asyncio.run(blocks_published(stack.urls.nats_admin)) == 1
+    until(lambda: requests_counted(url, "completions", "Cancelled") == 1, "not counted")
 
 
 def test_a_keyed_request_abandoned_after_publish_is_read_and_its_retry_gets_that_answer(

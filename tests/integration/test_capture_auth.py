@@ -74,6 +74,13 @@ async def test_capture_calls_need_the_token_health_does_not(nc, serving_model, t
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "capture token" in refused.value.details()
         assert captures(metrics) == 0  # a refused call ran nothing
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # Cancel sits behind it too
+            await stub.Cancel(capture_pb2.CancelRequest(request_id="r"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = await stub.Cancel(
+            capture_pb2.CancelRequest(request_id="none"), metadata=tokens.bearer(token), timeout=10
+        )
+        assert reply.dropped is False  # nothing queued under that id
 
         reply = await stub.Capture(
             capture_pb2.CaptureRequest(request_id="r-ok", model=MODEL, lanes=[LANE]),

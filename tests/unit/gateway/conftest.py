@@ -44,6 +44,9 @@ class FakeCapture:
         self.calls.append((request_id, model, list(lanes)))
         return CaptureResult(f"block-{len(self.calls)}", tuple(3 for _ in lanes))
 
+    async def cancel(self, request_id: str, *, timeout: float) -> bool:
+        return False  # every call here has run by the time a cancel could come
+
 
 @dataclass
 class FakeCommits:
