@@ -219,7 +219,8 @@ class ProcStack:
             time.sleep(0.2)
 
     def scrape(self, families: tuple[str, ...] = SCRAPED) -> dict[tuple[str, str], float]:
-        """{(sample name, stage label or ''): value} of the histograms' _sum and _count."""
+        """{(sample name, stage label or ''): value} of the histograms' _sum and _count and
+        the counters' _total, summed over the services (two readout processes: both)."""
         out: dict[tuple[str, str], float] = {}
         for url in self._metrics_urls:
             with urllib.request.urlopen(url, timeout=5) as r:
@@ -228,7 +229,7 @@ class ProcStack:
                 if family.name not in families:
                     continue
                 for s in family.samples:
-                    if s.name.endswith(("_sum", "_count")):  # summed over the processes
+                    if s.name.endswith(("_sum", "_count", "_total")):  # summed over the processes
                         key = (s.name, s.labels.get("stage", ""))
                         out[key] = out.get(key, 0.0) + s.value
         return out

@@ -246,7 +246,14 @@ class ReadoutWorker:
         if ref.bucket != streams.PAYLOAD_BUCKET:
             raise Rejected(OBJECT_MISSING, f"unknown bucket {ref.bucket!r}")
         try:
-            result = await self._objects.get(ref.name)
+            # bounded: nats-py's get waits for the chunks with no deadline, and an object
+            # whose chunks go while it is read (deleted, aged out) would hold this worker
+            # and its pull loop forever
+            result = await asyncio.wait_for(self._objects.get(ref.name), self._lease_s)
+        except TimeoutError as e:
+            if await streams.payload_gone(self._nc.jetstream(), self._objects, ref.name):
+                raise Rejected(OBJECT_MISSING, f"object {ref.name!r} gone while read") from e
+            raise  # a slow store: no ack, the block comes back after ack_wait
         except js_errors.DigestMismatchError as e:
             raise Rejected(
                 str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks", authentic=False
@@ -346,8 +353,8 @@ class ReadoutWorker:
     ) -> tuple[Claim, list[LaneResult] | None, float]:
         """The readout's results (None: it failed) and seconds, the lease renewed while it
         runs; the claim as last renewed."""
-        held = [claim]
-        keepalive = asyncio.create_task(self._keep_alive(held, msg))
+        held, read = [claim], asyncio.Event()
+        keepalive = asyncio.create_task(self._keep_alive(held, msg, read))
         results: list[LaneResult] | None = None
         readout_s = 0.0
         try:
@@ -357,6 +364,7 @@ class ReadoutWorker:
             self._engine_health.record(False)
             log.exception("readout failed")
         finally:
+            read.set()
             keepalive.cancel()
         await asyncio.gather(keepalive, return_exceptions=True)
         return held[0], results, readout_s
@@ -375,10 +383,15 @@ class ReadoutWorker:
         except ClaimLost:
             log.info("claim already taken over; nothing to release")
 
-    async def _keep_alive(self, held: list[Claim], msg: Msg) -> None:
-        """Renew the lease (and JetStream's ack timer) while a long readout runs."""
-        while True:
+    async def _keep_alive(self, held: list[Claim], msg: Msg, read: asyncio.Event) -> None:
+        """Renew the lease (and JetStream's ack timer) while a long readout runs, until
+        `read`. The event, not the cancel alone, ends it: Python 3.11's asyncio.wait_for
+        (under nats-py's requests) drops a cancel that arrives with the reply, and a renewal
+        loop that outlived its readout would hold the claim, and this worker, forever."""
+        while not read.is_set():
             await asyncio.sleep(self._lease_s / 3)
+            if read.is_set():
+                return
             try:
                 held[0] = await self._registry.renew(held[0], self._lease_s)
                 await msg.in_progress()

@@ -170,6 +170,20 @@ async def payload_store(
     return store
 
 
+async def payload_gone(js: JetStreamContext, objects: ObjectStore, name: str) -> bool:
+    """Whether the payload object `name` can no longer be read: deleted, or its chunks no
+    longer stored while its meta still names them (a delete landing, chunks aged out)."""
+    try:
+        info = await objects.get_info(name)
+    except js_errors.NotFoundError:
+        return True
+    try:
+        await js.get_last_msg(f"OBJ_{PAYLOAD_BUCKET}", f"$O.{PAYLOAD_BUCKET}.C.{info.nuid}")
+    except js_errors.NotFoundError:
+        return True
+    return False
+
+
 async def ensure_readout_consumer(
     js: JetStreamContext, model: str, *, ack_wait_s: float, max_deliver: int
 ) -> str:
