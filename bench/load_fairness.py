@@ -24,18 +24,17 @@ import time
 from bench import load_probes
 from bench.load_gpu import Level, summarize
 from bench.models import SCALES, bench_prompt
-from stateblock import settings
+from gateway.config import GatewayConfig
 from stateblock.protocol.sampling import Limits
 
 TARGET_P99_RATIO = 2.0
 
 
-def stack_limits(env: list[str]) -> Limits:
+def stack_limits(env: list[tuple[str, str]]) -> Limits:
     """The request limits the bench's services run with: the --env settings over the
-    defaults (bench.procs gives a service no other STATEBLOCK_* variable), read as the
-    gateway reads them."""
-    environ = dict(kv.split("=", 1) for kv in env)
-    return Limits(**{k: s.read(environ, settings.GATEWAY) for k, s in settings.LIMITS.items()})
+    defaults (bench.procs gives a service no other STATEBLOCK_* variable), read by the
+    gateway's own config."""
+    return GatewayConfig.from_env(dict(env)).limits
 
 
 def big_shape(args) -> dict:

@@ -56,6 +56,14 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stateblock-bench"
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    """--env's STATEBLOCK_X=V as (name, value)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -78,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
-    ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V",
+    ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V", type=env_pair,
                     help="a setting for every service, e.g. STATEBLOCK_CAPTURE_COHORT_LANES=32")  # fmt: skip
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument("--ar-batches", type=ints, default=[64, 1, 8, 32, 128],
@@ -272,7 +280,7 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),
         nats_monitor=True,
-        extra_env=dict(kv.split("=", 1) for kv in args.env),
+        extra_env=dict(args.env),
     )
     stack = ProcStack(config)
     t0 = time.perf_counter()

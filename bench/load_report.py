@@ -146,7 +146,7 @@ def markdown(doc: dict) -> str:
         f"`{c['capture_compile']}`, {c.get('captures', 1)} capture and "
         f"{c.get('readout_procs', 1)} readout processes of {c['workers']} workers, blocks storage "
         f"`{c['blocks_storage']}`, {c['level_s']} s a level"
-        + "".join(f", `{kv}`" for kv in c.get("env") or ()),
+        + "".join(f", `{name}={value}`" for name, value in c.get("env") or ()),
     ]
     for depth, entry in doc.get("load", {}).items():
         ref = entry["reference"]
