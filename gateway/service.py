@@ -34,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.params import GenerateParams
 from gateway.stops import StopSpec, apply_stops
 from registry import CommitTimeout, RegistryError
+from stateblock import runtime
 from stateblock.protocol import sampling
 from stateblock.protocol.ids import uuid7
 from stateblock.protocol.sampling import NO_EOS, Limits
@@ -52,11 +53,6 @@ Convert = Callable[[params.Served], GenerateParams]
 
 
 CANCEL_TIMEOUT_S = 2.0  # how long a gone client's capture cancel may take to be delivered
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 class CaptureClient(Protocol):
@@ -276,7 +272,7 @@ class GatewayService:
         the key follows that block instead of capturing a second one."""
         await self._capture.cancel(capture_id, timeout=CANCEL_TIMEOUT_S)
         if key is None:
-            call.add_done_callback(_retrieved)
+            call.add_done_callback(runtime.discard_outcome)
             return
         try:
             captured = await call

@@ -137,11 +137,6 @@ def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedB
     return checked.confirm(), time.perf_counter() - t0
 
 
-def _discard_outcome(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
 class ReadoutWorker:
     def __init__(
         self,
@@ -205,7 +200,7 @@ class ReadoutWorker:
                 return await self._claim_and_read(msg, block, checked, digest, t_start)
             finally:  # on a raise, its outcome is not wanted: drop it if it has not started
                 digest.cancel()
-                digest.add_done_callback(_discard_outcome)
+                digest.add_done_callback(runtime.discard_outcome)
 
     async def _verify(
         self, block: block_pb.StateBlock, inline_rows: memoryview | None
@@ -278,10 +273,10 @@ class ReadoutWorker:
             claim = await self._claim(header.block_id)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
             readout.cancel()  # not ours: dropped unread (skipped if it has not started)
-            readout.add_done_callback(_discard_outcome)
+            readout.add_done_callback(runtime.discard_outcome)
             return await self._not_ours(msg, e, digest)
         except BaseException:  # NATS trouble mid-claim: the block is redelivered
-            readout.add_done_callback(_discard_outcome)
+            readout.add_done_callback(runtime.discard_outcome)
             raise
         claimed_s = time.perf_counter() - t_verified
         claim, results, readout_s = await self._read_held(claim, msg, readout)

@@ -326,6 +326,13 @@ def service_started(log_level: str) -> tuple[asyncio.Event, CollectorRegistry]:
     return shutdown_event(), CollectorRegistry()
 
 
+def discard_outcome(future: asyncio.Future) -> None:
+    """A done callback for a future whose outcome nobody awaits any more: its exception is
+    retrieved, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 def shutdown_event() -> asyncio.Event:
     """An Event set by SIGINT or SIGTERM (call from inside the running loop)."""
     event = asyncio.Event()
