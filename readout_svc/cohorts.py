@@ -142,41 +142,33 @@ class ReadoutCohorts:
         return out
 
     async def _execute(self, cohort: list[_Queued]) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            lanes = [lane for q in cohort for lane in q.lanes]
-            try:
-                results, seconds = await loop.run_in_executor(
-                    self._executor, _timed, self._engine, lanes
-                )
-            except Exception:
-                if len(cohort) == 1:
-                    raise
-                log.warning("cohort readout failed; reading its blocks one by one")
-                for q in cohort:
-                    await self._alone(q)
-                return
-            if self._on_cohort is not None:
-                self._on_cohort(len(cohort))
-            at = 0
-            for q in cohort:
-                if not q.future.done():
-                    q.future.set_result((results[at : at + len(q.lanes)], seconds))
-                at += len(q.lanes)
-        except Exception as e:
-            for q in cohort:
-                if not q.future.done():
-                    q.future.set_exception(e)
+            await self._read(cohort)
         finally:
             self._slots.release()
 
-    async def _alone(self, q: _Queued) -> None:
+    async def _read(self, cohort: list[_Queued]) -> None:
+        """One execution of the cohort's lanes, each block's futures given its results; a
+        cohort of several that raises is read again block by block."""
+        lanes = [lane for q in cohort for lane in q.lanes]
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self._executor, _timed, self._engine, q.lanes)
+            results, seconds = await loop.run_in_executor(
+                self._executor, _timed, self._engine, lanes
+            )
         except Exception as e:
-            if not q.future.done():
-                q.future.set_exception(e)
+            if len(cohort) > 1:
+                log.warning("cohort readout failed; reading its blocks one by one")
+                for q in cohort:
+                    await self._read([q])
+                return
+            if not cohort[0].future.done():
+                cohort[0].future.set_exception(e)
             return
-        if not q.future.done():
-            q.future.set_result(result)
+        if self._on_cohort is not None:
+            self._on_cohort(len(cohort))
+        at = 0
+        for q in cohort:
+            if not q.future.done():
+                q.future.set_result((results[at : at + len(q.lanes)], seconds))
+            at += len(q.lanes)
