@@ -56,11 +56,13 @@ def sentences(document: str) -> list[str]:
 
 
 def _plain(s: str) -> bool:
-    """A sentence worth quoting: 4-30 words, no quotation marks of its own (the prompts
-    quote with them), mostly letters."""
+    """A sentence worth quoting: 4-30 words, from a capital letter to . ! or ? (so a passage
+    of them splits back into the same sentences), no quotation marks of its own (the
+    prompts quote with them), mostly letters."""
     words = len(s.split())
     letters = sum(c.isalpha() or c == " " for c in s)
-    return MIN_WORDS <= words <= MAX_WORDS and '"' not in s and letters >= 0.8 * len(s)
+    ends = s[0].isupper() and s[-1] in ".!?"
+    return MIN_WORDS <= words <= MAX_WORDS and ends and '"' not in s and letters >= 0.8 * len(s)
 
 
 def _word(w: str) -> str:
