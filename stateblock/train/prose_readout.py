@@ -54,10 +54,10 @@ class Scale:
 
 # the readout's shape: recipe.DECODER_CONFIG (the shipped synthetic decoder's)
 SCALES = {
-    "tiny": Scale(recipe.PROSE_TINY, 5.0, 100, 1024, 300, 40, 24,
-                  TuneConfig(steps=100, token_budget=3072, lr=3e-3, warmup=10),
-                  DistillConfig(steps=120, token_budget=384, max_lanes=16, lr=2e-3, warmup=10,
-                                max_answer=24, eos_weight=3.0, ckpt_every=40,
+    "tiny": Scale(recipe.PROSE_TINY, 5.0, 200, 1024, 1200, 60, 24,
+                  TuneConfig(steps=200, token_budget=3072, lr=3e-3, warmup=10),
+                  DistillConfig(steps=300, token_budget=384, max_lanes=16, lr=3e-3, warmup=10,
+                                max_answer=24, eos_weight=3.0, ckpt_every=100,
                                 decoder={"d_r": 48, "n_latent": 8, "n_heads": 4, "n_mixer": 1,
                                          "row_attn": True, "rope": True, "mlp_ratio": 2}),
                   teacher_budget=8192),

@@ -7,6 +7,8 @@ prose prompt through the official openai client with exactly the readout's own a
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -31,16 +33,27 @@ def _build(root: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """The sample split a quarter held out, and the pair built from it."""
+def built(tmp_path_factory) -> Iterator[Path]:
+    """The sample split a quarter held out, and the pair built from it. One thread a
+    process (the base stage's too): on two cores shared with other work, two threads each
+    ran the chain several times slower."""
     root = tmp_path_factory.mktemp("prose")
     train, heldout = corpus.split(corpus.load_sample(SAMPLE), share=0.25)
     (root / "corpus").mkdir()
     corpus.write_documents(train, root / "corpus" / "train.txt")
     corpus.write_documents(heldout, root / "corpus" / "heldout.txt")
-    torch.set_num_threads(2)
-    assert _build(root) == 0
-    return root
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        assert _build(root) == 0
+        yield root
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
 
 
 def test_the_chain_writes_every_stage_and_resumes_past_them(built):
@@ -71,7 +84,7 @@ def test_the_readout_learned_its_teacher(built):
     before = prose_fidelity.fidelity(base, fresh, held, TINY.max_answer, tok.eos_token_id,
                                      tok.pad_token_id, "cpu")  # fmt: skip
     after = summary["readout"]["family"]["all"]["token_agreement"]
-    assert after > 0.1 and after > 3 * before["family"]["all"]["token_agreement"]
+    assert after > 0.15 and after > 3 * before["family"]["all"]["token_agreement"]
 
 
 def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
