@@ -56,7 +56,7 @@ def _build_prose(a: argparse.Namespace) -> int:
     args = argparse.Namespace(
         corpus=a.corpus, work=a.work_dir or "runs/prose", out=a.out,
         scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
-        device=device_of(a.device), seed=a.seed,
+        device=device_of(a.device), seed=a.seed, until="all",
     )  # fmt: skip
     if a.dry_run:
         print(json.dumps(vars(args)))

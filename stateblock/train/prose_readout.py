@@ -1,4 +1,4 @@
-"""The prose pair built by one command (issue 41): base -> tasks -> tuned base -> teacher ->
+"""The prose pair built by one command (issue 41): tasks -> base -> tuned base -> teacher ->
 readout -> evaluation, each stage skipped when its output exists (a stage writes its output
 last, whole), so a build that stopped resumes where it stopped.
 
@@ -10,11 +10,13 @@ last, whole), so a build that stopped resumes where it stopped.
     tokenizer/         the BPE (`prose_tokenizer`), unless --tokenizer or a base is given
     prose-base-run/    the document-trained base (`base_ddp --corpus`), unless --base or
                        --base-weights (a `prose_stage` checkpoint prefix) gives one
-    tasks/             tune.jsonl, train.jsonl, heldout.jsonl (`prose_tasks`)
+    tasks/             train.jsonl.gz, heldout.jsonl.gz (`prose_tasks`): the train prompts
+                       tune the base and train the readout
     tuned/             the base tuned on the tasks (`prose_tune`): the served base
     teacher/           train.jsonl, heldout.jsonl: the tuned base's greedy answers
     decoder/           the readout distilled on the train teacher (`distill.fit`)
     summary.json, summary.md   the base vs truth and the readout vs teacher, held out
+    readouts.jsonl     the readout's answer ids to each held-out prompt, in teacher order
 
 OUT/base and OUT/decoder are then the pair `stateblock up --base OUT/base --decoder
 OUT/decoder` serves. A scale (`SCALES`) sets every size; `tiny` is the CPU test's.
@@ -61,11 +63,11 @@ SCALES = {
                                 decoder={"d_r": 48, "n_latent": 8, "n_heads": 4, "n_mixer": 1,
                                          "row_attn": True, "rope": True, "mlp_ratio": 2}),
                   teacher_budget=8192),
-    "bench": Scale(recipe.PROSE_BASE, 8.0, 0, prose_tokenizer.VOCAB_SIZE, 30000, 1000, 256,
+    "bench": Scale(recipe.PROSE_BASE, 8.0, 0, prose_tokenizer.VOCAB_SIZE, 20000, 1000, 256,
                    TuneConfig(steps=3000, token_budget=65536, lr=3e-4, warmup=100,
-                              max_minutes=2.0),
+                              max_minutes=1.5),
                    DistillConfig(steps=6000, token_budget=49152, lr=1e-3, warmup=200,
-                                 max_answer=256, eos_weight=10.0, max_minutes=3.5,
+                                 max_answer=256, eos_weight=10.0, max_minutes=3.0,
                                  decoder=dict(recipe.DECODER_CONFIG))),
 }  # fmt: skip
 
@@ -74,11 +76,17 @@ def log(*parts) -> None:
     print("[prose]", *parts, flush=True)
 
 
+def need_corpus(a, stage: str) -> None:
+    if not a.corpus:
+        raise SystemExit(f"--corpus is needed to build {stage} (its output is not in --work)")
+
+
 def stage_tokenizer(a, work: Path, scale: Scale) -> Path:
     if a.tokenizer:
         return Path(a.tokenizer)
     out = work / "tokenizer"
     if not (out / "tokenizer.json").is_file():
+        need_corpus(a, "a tokenizer")
         log("tokenizer: a BPE of", scale.vocab_size, "tokens on", a.corpus)
         texts = read_documents(Path(a.corpus) / "train.txt")
         prose_tokenizer.save_bpe(prose_tokenizer.train_bpe(texts, scale.vocab_size), out)
@@ -98,6 +106,7 @@ def stage_base(a, work: Path, scale: Scale) -> Path:
         log("base: from the stage weights", a.base_weights)
         from_stage_weights(Path(a.base_weights), tok, out, scale)
         return out
+    need_corpus(a, "the base")
     cmd = recipe.prose_base(Path(a.corpus), tok, work, 0 if a.device == "cpu" else 1,
                             scale.base_minutes, tiny=scale.base_args == recipe.PROSE_TINY)  # fmt: skip
     extra = ["--workers", "0", "--eval-tokens", "65536"]
@@ -131,13 +140,14 @@ def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> 
 
 def stage_tasks(a, work: Path, scale: Scale) -> Path:
     out = work / "tasks"
-    if (out / "heldout.jsonl").is_file():
+    if (out / "heldout.jsonl.gz").is_file():
         return out
+    need_corpus(a, "the tasks")
     tmp = out.with_name("tasks.tmp")
     for split, n, seed in (("train", scale.train_prompts, a.seed),
                            ("heldout", scale.heldout_prompts, a.seed + 1)):  # fmt: skip
         exs = prose_tasks.from_corpus(a.corpus, split, n, seed, scale.weights)
-        prose_tasks.write(exs, tmp / f"{split}.jsonl")
+        prose_tasks.write(exs, tmp / f"{split}.jsonl.gz")
         log(f"tasks: {len(exs)} {split} prompts")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -147,7 +157,7 @@ def stage_tasks(a, work: Path, scale: Scale) -> Path:
 def stage_tune(a, work: Path, scale: Scale, base: Path, tasks: Path) -> Path:
     out = work / "tuned"
     if not (out / "model.safetensors").is_file():
-        stats = prose_tune.tune(base, prose_tasks.read(tasks / "train.jsonl"), out,
+        stats = prose_tune.tune(base, prose_tasks.read(tasks / "train.jsonl.gz"), out,
                                 replace(scale.tune, seed=a.seed), a.device)  # fmt: skip
         log("tune:", json.dumps({k: v for k, v in stats.items() if k != "config"}))
     return out
@@ -164,7 +174,7 @@ def stage_teacher(a, work: Path, scale: Scale, tuned: Path, tasks: Path) -> Path
     tmp.mkdir(parents=True, exist_ok=True)
     for split in ("train", "heldout"):
         t0 = time.perf_counter()
-        recs = prose_fidelity.teacher_records(model, tok, prose_tasks.read(tasks / f"{split}.jsonl"),
+        recs = prose_fidelity.teacher_records(model, tok, prose_tasks.read(tasks / f"{split}.jsonl.gz"),
                                               scale.max_answer, a.device, scale.teacher_budget)  # fmt: skip
         (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         log(f"teacher: {len(recs)} {split} answers in {time.perf_counter() - t0:.1f} s")
@@ -219,6 +229,8 @@ def stage_eval(a, work: Path, scale: Scale, tuned: Path, teacher: Path, decoder:
     if tuned_stats.is_file():
         summary["tune"] = json.loads(tuned_stats.read_text())
     summary["decoder"] = json.loads((decoder / "manifest.json").read_text()).get("training")
+    readouts = summary["readout"].pop("readouts")
+    (work / "readouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in readouts))
     (work / "summary.md").write_text(prose_fidelity.markdown(summary))
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -240,8 +252,10 @@ def build(a: argparse.Namespace) -> dict:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    base = timed("base", stage_base, a, work, scale)
     tasks = timed("tasks", stage_tasks, a, work, scale)
+    if a.until == "tasks":
+        return {}
+    base = timed("base", stage_base, a, work, scale)
     tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
     teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
     decoder = timed("distil", stage_distil, a, work, scale, tuned, teacher)
@@ -263,7 +277,8 @@ def parser() -> argparse.ArgumentParser:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add = ap.add_argument
-    add("--corpus", required=True, help="a corpus directory: train.txt and heldout.txt")
+    add("--corpus", default="",
+        help="a corpus directory: train.txt and heldout.txt (for the stages that read it)")  # fmt: skip
     add("--work", default="runs/prose", help="every stage's output (a stage found is skipped)")
     add("--out", default="", help="where the pair goes: OUT/base and OUT/decoder")
     add("--scale", choices=sorted(SCALES), default="bench", help="the sizes of every stage")
@@ -273,11 +288,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="a prose_stage checkpoint prefix (DIR/base): the base, in the scale's shape")  # fmt: skip
     add("--device", default="cpu", help="cpu or cuda")
     add("--seed", type=int, default=0, help="tasks, tuning and the readout's seed")
+    add("--until", choices=("tasks", "all"), default="all",
+        help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     summary = build(a)
+    if not summary:
+        return 0
     print(
         json.dumps(
             {k: summary[k] for k in ("base",)}

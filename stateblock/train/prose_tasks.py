@@ -18,6 +18,7 @@ held-out text; `generate` is deterministic given its documents and seed.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -193,11 +194,14 @@ def from_corpus(corpus: str | Path, split: str, n: int, seed: int, weights=None)
 
 
 def write(examples: list[Example], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    lines = (json.dumps(asdict(e), ensure_ascii=False) + "\n" for e in examples)
-    Path(path).write_text("".join(lines), encoding="utf-8")
+    """JSONL, gzipped when the name ends in .gz (a GPU call carries the train prompts)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(asdict(e), ensure_ascii=False) + "\n" for e in examples).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
 
 
 def read(path: str | Path) -> list[Example]:
-    rows = Path(path).read_text(encoding="utf-8").splitlines()
-    return [Example(**json.loads(line)) for line in rows if line.strip()]
+    data = Path(path).read_bytes()
+    text = (gzip.decompress(data) if Path(path).suffix == ".gz" else data).decode()
+    return [Example(**json.loads(line)) for line in text.splitlines() if line.strip()]

@@ -89,7 +89,7 @@ def test_the_readout_learned_its_teacher(built):
 
 def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
     work, pair = built / "work", built / "pair"
-    summary = json.loads((work / "summary.json").read_text())
+    readouts = read_records(work / "readouts.jsonl")
     held = read_records(work / "teacher" / "heldout.jsonl")
     _, tok = load_base(pair / "base")
     config = UpConfig(data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=2,
@@ -100,7 +100,7 @@ def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
     try:
         client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="-", max_retries=0)
         for k in (0, 1, 2):
-            want = summary["readout"]["readouts"][k]
+            want = readouts[k]
             got = client.completions.create(model=config.model_name, prompt=held[k]["prompt"],
                                             max_tokens=TINY.max_answer, temperature=0)  # fmt: skip
             text = tok.decode([t for t in want if t != tok.eos_token_id], skip_special_tokens=True)

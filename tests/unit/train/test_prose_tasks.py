@@ -83,3 +83,39 @@ def test_the_figures_of_one_answer():
     assert report["exact_vs_truth"] == {"repeat": 0.5}
     assert report["continuations"]["distinct4"] == pytest.approx(4 / 5)
     assert report["continuations"]["ended_with_eos"] == 0.0
+
+
+def test_a_stage_checkpoint_becomes_a_base_and_tasks_stop_alone(tmp_path, split):
+    """What a GPU call starts from: `--until tasks` writes the prompts and nothing else, and
+    a `prose_stage` checkpoint (bf16 parts) with its tokenizer becomes a base directory."""
+    import torch
+
+    from stateblock.model.loading import load_base
+    from stateblock.train import base_ddp, prose_readout, prose_tokenizer, weights
+
+    scale = prose_readout.SCALES["tiny"]
+    (tmp_path / "corpus").mkdir()
+    for name, docs in zip(("train", "heldout"), split, strict=True):
+        (tmp_path / "corpus" / f"{name}.txt").write_text("\n\n".join(docs) + "\n")
+    args = ["--corpus", str(tmp_path / "corpus"), "--work", str(tmp_path / "w"), "--scale", "tiny"]
+    assert prose_readout.main([*args, "--until", "tasks"]) == 0
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["tasks"]
+    held = prose_tasks.read(tmp_path / "w" / "tasks" / "heldout.jsonl.gz")
+    assert len(held) == scale.heldout_prompts
+
+    tok_dir = tmp_path / "tok"
+    prose_tokenizer.save_bpe(prose_tokenizer.train_bpe(split[0], scale.vocab_size), tok_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    shape = base_ddp.parse_args(["--out", "-", "--corpus", "-", "--tokenizer", "-",
+                                 *scale.base_args.split()])  # fmt: skip
+    model = base_ddp.build_model(tok, shape)
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    (tmp_path / "stage").mkdir()
+    weights.save_split(sd, tmp_path / "stage" / "base", max_bytes=100_000)  # several parts
+    prose_readout.from_stage_weights(tmp_path / "stage" / "base", tok_dir, tmp_path / "b", scale)
+    loaded, ltok = load_base(tmp_path / "b")
+    assert len(ltok) == len(tok) and loaded.config.vocab_size == scale.vocab_size
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, sd[k].float()), k
