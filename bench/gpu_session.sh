@@ -79,13 +79,17 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
-elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md in $OUT
+elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md (decoder/ if small) in $OUT
   DATA=${2:-.gpu_prose}  # a stage found in DATA/readout (a rerun on this machine) is skipped
   timeout 565 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
     --base-weights "$DATA/base" --work "$DATA/readout" --scale bench --device cuda "${@:3}" \
     > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$?"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
+  if [ -f "$DATA/readout/decoder/manifest.json" ] &&
+    [ "$(du -sm "$DATA/readout/decoder" | cut -f1)" -le 15 ]; then  # two files, 16 MiB each
+    cp -r "$DATA/readout/decoder" "$OUT/decoder"
+  fi
   grep '^\[prose\]' "$OUT/prose-readout.log"; tail -c 2000 "$OUT/prose-readout.log"
   cat "$OUT/summary.md" 2>/dev/null
 elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests

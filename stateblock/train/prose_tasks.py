@@ -9,9 +9,9 @@ them with an answer the prompt decides, and plain continuations.
 
 A passage is a run of 2-5 consecutive sentences of one document. For the four determined
 families the true answer is a function of the prompt (a quoted sentence occurs once in its
-passage, a word once, so the answer is unique); for `continue` the text's own next sentence
-is kept as `answer`, which tunes the base to continue a passage and stop, but the teacher is
-always the base's greedy answer. Examples come from the documents of one split of the
+passage, a word once, so the answer is unique); for `continue` the text's own next 1-4
+sentences are kept as `answer`, which tunes the base to continue a passage and stop, but the
+teacher is always the base's greedy answer. Examples come from the documents of one split of the
 corpus (`corpus.py` splits by a hash of the document id), so a held-out prompt quotes only
 held-out text; `generate` is deterministic given its documents and seed.
 """
@@ -139,9 +139,11 @@ def question(rng: random.Random, sents: list[str], a: int, b: int) -> tuple[str,
 
 
 def continuation(rng: random.Random, sents: list[str], a: int, b: int) -> tuple[str, str] | None:
+    """The passage alone; its answer the text's next 1-4 sentences (what tuning teaches the
+    base to write before `<eos>`: answers of a few tokens to a few hundred)."""
     if b >= len(sents) or not _plain(sents[b]):
         return None
-    return " ".join(sents[a:b]), sents[b]
+    return " ".join(sents[a:b]), " ".join(sents[b : b + rng.randint(1, 4)])
 
 
 MAKERS: dict[str, Callable] = {
