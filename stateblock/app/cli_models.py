@@ -148,7 +148,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub) -> None:
+def _build_reference_parser(sub) -> None:
     b = command(
         sub,
         "build-reference",
@@ -196,6 +196,10 @@ def add_parsers(sub) -> None:
     b.add_argument("--base-weights", default="", help="prose: a prose_stage weights prefix")
     b.add_argument("--device", default="auto", help="prose: cuda, cpu, or auto")
     b.add_argument("--seed", type=int, default=0, help="prose: tasks, tuning, readout")
+
+
+def add_parsers(sub) -> None:
+    _build_reference_parser(sub)
 
     t = command(sub, "train", cmd_train, "distil a readout decoder from a base model")
     t.add_argument("--base", required=True, help="local Hugging Face model directory")
