@@ -69,7 +69,7 @@ SCALES = {
                    DistillConfig(steps=6000, token_budget=49152, lr=1e-3, warmup=200,
                                  max_answer=256, eos_weight=10.0, max_minutes=3.0,
                                  decoder=dict(recipe.DECODER_CONFIG)),
-                   weights={"continue": 2.5}),  # its draws fail more often: about a fifth
+                   weights={"continue": 2.5}),  # 2.5x draws, as they fail more often: a fifth
 }  # fmt: skip
 
 
