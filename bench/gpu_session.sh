@@ -20,6 +20,10 @@
 #       # stateblock.train.prose_stage on DATA (default .gpu_prose, written here by
 #       # `python -m stateblock.train.prose_shards`; no wheels needed), about 7 minutes;
 #       # ARGS go to the trainer (e.g. --init DATA/base --epochs 6)
+#   bash bench/gpu_session.sh prose-readout [DATA [ARGS]]  # the prose pair after the base
+#       # (issue 41): stateblock.train.prose_readout --scale bench on DATA/base.part* (a prose
+#       # stage's weights), DATA/tokenizer and DATA/readout/tasks (written here with --until
+#       # tasks): tuned base, teacher, readout, evaluation, about 8 minutes; summary in $OUT
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
 # compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
@@ -27,8 +31,8 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, invariance, prose, e2e, e2e-both or e2e-procs}
-if [ "$STAGE" != prose ]; then source bench/gpu_env.sh || exit 1; fi
+STAGE=${1:?checks, smoke, measure, final, load, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
+case "$STAGE" in prose | prose-readout) ;; *) source bench/gpu_env.sh || exit 1 ;; esac
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: smoke, then e2e
@@ -75,6 +79,19 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
+elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md (decoder/ if small) in $OUT
+  DATA=${2:-.gpu_prose}  # a stage found in DATA/readout (a rerun on this machine) is skipped
+  timeout 565 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
+    --base-weights "$DATA/base" --work "$DATA/readout" --scale bench --device cuda "${@:3}" \
+    > "$OUT/prose-readout.log" 2>&1
+  echo "prose-readout rc=$?"
+  cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
+  if [ -f "$DATA/readout/decoder/manifest.json" ] &&
+    [ "$(du -sm "$DATA/readout/decoder" | cut -f1)" -le 15 ]; then  # two files, 16 MiB each
+    cp -r "$DATA/readout/decoder" "$OUT/decoder"
+  fi
+  grep '^\[prose\]' "$OUT/prose-readout.log"; tail -c 2000 "$OUT/prose-readout.log"
+  cat "$OUT/summary.md" 2>/dev/null
 elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests
   smoke_s=300
   if [ "$STAGE" = measure ]; then  # the eval first (about 25 s); the whole under 10 minutes

@@ -1,5 +1,5 @@
 """The model-building commands of `stateblock`: build-reference (the shipped pair's
-recipe), train (a readout decoder for a base model) and eval (the quality report)."""
+recipe, or the prose pair's), train (a readout decoder for a base model) and eval (the quality report)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,37 @@ def device_of(name: str) -> str:
 
 
 def cmd_build_reference(a: argparse.Namespace) -> int:
+    if a.recipe == "prose":
+        return _build_prose(a)
     from stateblock.train import recipe
 
-    out, work = Path(a.out), Path(a.work_dir)
+    out, work = Path(a.out), Path(a.work_dir or "runs/reference")
     if a.dry_run:
         ngpu = recipe.gpu_count()
         for cmd in recipe.plan(out, work, a.stage, a.start, ngpu, a.smoke):
             print(shlex.join(cmd))
         return 0
     recipe.build(out, work, a.stage, a.start, a.smoke)
+    return 0
+
+
+def _build_prose(a: argparse.Namespace) -> int:
+    """The prose pair (stateblock/train/prose_readout.py): every stage, resumable."""
+    from stateblock.train import prose_readout
+
+    if not a.corpus or Path(a.out) == REFERENCE:
+        print("stateblock build-reference --recipe prose needs --corpus and an --out of its "
+              "own (the shipped reference pair stays where it is)", file=sys.stderr)  # fmt: skip
+        return 2
+    args = argparse.Namespace(
+        corpus=a.corpus, work=a.work_dir or "runs/prose", out=a.out,
+        scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
+        device=device_of(a.device), seed=a.seed, until="all",
+    )  # fmt: skip
+    if a.dry_run:
+        print(json.dumps(vars(args)))
+        return 0
+    prose_readout.build(args)
     return 0
 
 
@@ -126,33 +148,58 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub) -> None:
+def _build_reference_parser(sub) -> None:
     b = command(
         sub,
         "build-reference",
         cmd_build_reference,
-        "rebuild the shipped reference base model and decoder (stateblock/train/recipe.py)",
+        "build a pair: the shipped reference's recipe (stateblock/train/recipe.py), or the "
+        "prose pair's (stateblock/train/prose_readout.py)",
     )
-    b.add_argument("--out", default=str(REFERENCE), help="where the rebuilt base/ and decoder/ go")
     b.add_argument(
-        "--work-dir", default="runs/reference", help="the stages' checkpoints and state files"
+        "--recipe",
+        choices=["reference", "prose"],
+        default="reference",
+        help="reference: the synthetic pair's stages; prose: base, tasks, tuned base, "
+        "teacher, readout, evaluation on an English corpus (docs/CORPUS.md)",
+    )
+    b.add_argument(
+        "--out",
+        default=str(REFERENCE),
+        help="where base/ and decoder/ go (prose: required, never the shipped pair's place)",
+    )
+    b.add_argument(
+        "--work-dir",
+        default=None,
+        help="the stages' outputs and state files (default: runs/reference or runs/prose)",
     )
     b.add_argument(
         "--stage",
         choices=["all", "base", "decoder"],
         default="all",
-        help="which model to build (decoder: against the base already in --out)",
+        help="reference: which model to build (decoder: against the base already in --out)",
     )
     b.add_argument(
-        "--start", type=int, default=1, help="the first of the chosen stages to run (resume)"
+        "--start", type=int, default=1, help="reference: the first chosen stage to run (resume)"
     )
     b.add_argument(
         "--smoke",
         type=int,
         default=0,
-        help=">0: a smoke run, this many steps a stage, tiny batches",
+        help="reference: >0, a smoke run, this many steps a stage, tiny batches",
     )
     b.add_argument("--dry-run", action="store_true", help="print the stages' commands and stop")
+    b.add_argument("--corpus", default="", help="prose: train.txt and heldout.txt (corpus.py)")
+    b.add_argument("--scale", choices=["tiny", "bench"], default="bench", help="prose: sizes")
+    b.add_argument("--tokenizer", default="", help="prose: a BPE directory (default: built)")
+    b.add_argument("--base", default="", help="prose: a document-trained base directory")
+    b.add_argument("--base-weights", default="", help="prose: a prose_stage weights prefix")
+    b.add_argument("--device", default="auto", help="prose: cuda, cpu, or auto")
+    b.add_argument("--seed", type=int, default=0, help="prose: tasks, tuning, readout")
+
+
+def add_parsers(sub) -> None:
+    _build_reference_parser(sub)
 
     t = command(sub, "train", cmd_train, "distil a readout decoder from a base model")
     t.add_argument("--base", required=True, help="local Hugging Face model directory")

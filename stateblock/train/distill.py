@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from stateblock.model import checkpoint as ckpt
@@ -21,6 +20,7 @@ from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
 from stateblock.train.batching import budget_batches
+from stateblock.train.readout_ddp import answer_loss
 from stateblock.train.reference import fit_steps, lr_at
 from stateblock.train.teacher import greedy_answers, load_cache, save_cache
 
@@ -39,6 +39,7 @@ class DistillConfig:
     ckpt_every: int = 500
     max_minutes: float = 0.0  # >0: shrink the step count to fit (decided at step 80, logged)
     stop_after: int | None = None  # leave a checkpoint after this step (time-sliced runs)
+    eos_weight: float = 1.0  # loss weight of the EOS targets (readout_ddp's --eos-weight)
     decoder: dict = field(default_factory=dict)  # ReadoutConfig overrides
 
 
@@ -114,16 +115,20 @@ def resume_state(resume: Path, decoder: ReadoutDecoder, opt, steps: int, device)
     return state["step"], state["steps"]
 
 
-def train_step(decoder, opt, base, lm_head, batch: tuple, lr: float, amp) -> torch.Tensor:
-    """One optimizer step on one batch: the base's rows, the decoder's cross-entropy."""
+def train_step(
+    decoder, opt, base, lm_head, batch: tuple, lr: float, amp, eos_weight: float = 1.0
+) -> torch.Tensor:
+    """One optimizer step on one batch: the base's rows, the decoder's cross-entropy averaged
+    over its passes (first guess and each refinement), EOS targets weighted `eos_weight`."""
     ids, mask, lens, tgt = batch
     rows = capture(base, ids, mask)  # (K, P, d_base), frozen
     pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
     for g in opt.param_groups:
         g["lr"] = lr
     with amp:
-        logits = decoder.logits(rows, lens, pos, lm_head)  # (K, D, V)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100)
+        passes = decoder.pass_logits(rows, lens, pos, lm_head)  # [(K, D, V)]
+    eos = decoder.cfg.eos_token_id
+    loss = sum(answer_loss(lg, tgt, eos, eos_weight) for lg in passes) / len(passes)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
@@ -149,8 +154,8 @@ def train_decoder(
     device: str = "cpu",
     data_dir: str | Path = "data",
 ) -> dict:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """A decoder distilled from the base's greedy answers to the prompts of a JSONL file
+    (the teacher cached under data_dir), written to out_dir."""
     base, tok = load_base(base_dir, device)
     lm_head = lm_head_weight(base)
     identity = base_identity(base_dir, lm_head)
@@ -160,8 +165,22 @@ def train_decoder(
     records, data_digest = build_teacher(
         base, tok, prompts, Path(data_dir) / f"teacher-{key}.jsonl", cfg, device
     )
-    teacher_s = time.perf_counter() - t0
+    stats = {"teacher_seconds": round(time.perf_counter() - t0, 1),
+             "teacher_dropped": len(prompts) - len(records)}  # fmt: skip
+    return fit(base, tok, records, {**identity, "data_digest": data_digest}, out_dir, cfg,
+               device, stats)  # fmt: skip
 
+
+def fit(
+    base, tok, records: list[dict], identity: dict, out_dir: str | Path, cfg: DistillConfig,
+    device: str, stats: dict | None = None,
+) -> dict:  # fmt: skip
+    """Train a decoder on teacher records ({"prompt_ids", "answer_ids"}: the base's greedy
+    answer, EOS included when emitted) and save it to out_dir bound to `identity`;
+    resumable from out_dir/ckpt.pt (same batches, same step index, same optimizer state)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lm_head = lm_head_weight(base)
     decoder = new_decoder(base, tok, lm_head, cfg, device)
     opt = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     resume = out / "ckpt.pt"
@@ -183,7 +202,7 @@ def train_decoder(
             bar.total = steps
         batch = _batch(records, batches[step % len(batches)], device, tok.pad_token_id)
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
-        loss = train_step(decoder, opt, base, lm_head, batch, lr, amp)
+        loss = train_step(decoder, opt, base, lm_head, batch, lr, amp, cfg.eos_weight)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         step += 1
@@ -197,18 +216,12 @@ def train_decoder(
     stats = {
         "steps": steps,
         "train_seconds": round(time.perf_counter() - t1, 1),
-        "teacher_seconds": round(teacher_s, 1),
+        **(stats or {}),
         "final_loss": float(loss.item()),
         "device": device,
         "examples": len(records),
-        "teacher_dropped": len(prompts) - len(records),
         "params": sum(p.numel() for p in decoder.parameters()),
     }
-    ckpt.save_decoder(
-        out,
-        decoder.eval(),
-        {**identity, "data_digest": data_digest},
-        {"training": {**stats, "config": asdict(cfg)}},
-    )
+    ckpt.save_decoder(out, decoder.eval(), identity, {"training": {**stats, "config": asdict(cfg)}})
     resume.unlink(missing_ok=True)
     return stats

@@ -36,6 +36,7 @@ def test_gpu_triton_top2_equals_topk(cfg):
         check_top2_kernel(n, vocab=131072, dim=2688, seed=n, cfg=cfg)
     check_top2_kernel(300, vocab=5000, dim=200, seed=1, ties=True, cfg=cfg)
     check_top2_kernel(16, vocab=70000, dim=64, seed=2, ties=True, cfg=cfg)  # splits, tails
+    check_top2_kernel(2048, vocab=16384, dim=384, seed=5, ties=True, cfg=cfg)  # the prose base
 
 
 @needs_cuda

@@ -330,3 +330,31 @@ def test_rope_makes_row_attention_relative():
     assert score(3, 10) != pytest.approx(score(3, 11), abs=1e-4)
     with pytest.raises(ValueError, match="rope"):
         ReadoutConfig(d_base=8, vocab_size=10, eos_token_id=2, d_r=6, n_heads=2, rope=True)
+
+
+def test_a_subword_vocabulary_of_16384_reads_as_its_full_logits():
+    """The prose base's vocabulary (issue 41): the chunked top-2 and the sampling's top-8
+    over 16,384 lm_head rows are the full logits' top-k, EOS and log-probabilities included."""
+    from stateblock.model.vocab import chunked_topk_lse
+
+    vocab, eos = 16_384, 2
+    torch.manual_seed(0)
+    cfg = ReadoutConfig(d_base=D_BASE, vocab_size=vocab, eos_token_id=eos, d_r=32, n_latent=4,
+                        n_heads=4, row_attn=True, rope=True)  # fmt: skip
+    dec = ReadoutDecoder(cfg).eval()
+    w = torch.randn(vocab, D_BASE)
+    rows, lens, pos = lanes(3, 9, 40)
+    with torch.no_grad():
+        w[eos] = dec.hidden(rows, lens, pos)[0, 5] * 100  # EOS wins at lane 0's position 5
+        full = dec.logits(rows, lens, pos, w)  # (K, D, V)
+        out = dec(rows, lens, pos, torch.full((3,), 40), w)
+        v8, i8, _ = chunked_topk_lse(dec.hidden(rows, lens, pos), w, cfg.n_chunks, 8)
+    top = torch.topk(full, 8, dim=-1)
+    assert torch.equal(out.top1, top.indices[..., 0]) and torch.equal(out.top2, top.indices[..., 1])
+    assert torch.equal(i8, top.indices) and torch.allclose(v8, top.values, atol=1e-4)
+    lp = torch.log_softmax(full, -1).max(-1).values
+    assert torch.allclose(out.top1_logprob, lp, atol=1e-4)
+    hits = out.top1 == eos
+    assert bool(hits.any())
+    first = torch.where(hits, torch.arange(40), NO_EOS).min(-1).values
+    assert torch.equal(out.eos_pos, first)

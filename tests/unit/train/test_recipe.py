@@ -88,3 +88,17 @@ def test_a_rebuild_lands_in_models_through_the_package_link(tmp_path):
     recipe._replace(stage, link / "base")
     assert link.is_symlink()
     assert [p.name for p in models.iterdir()] == ["config.json"]
+
+
+def test_the_prose_recipe_needs_its_corpus_and_an_out_of_its_own(capsys):
+    from stateblock.app import cli
+
+    assert cli.main(["build-reference", "--recipe", "prose", "--corpus", "c"]) == 2
+    assert "--out of its own" in capsys.readouterr().err  # never over the shipped pair
+    assert cli.main(["build-reference", "--recipe", "prose", "--out", "o"]) == 2
+    capsys.readouterr()
+    argv = ["build-reference", "--recipe", "prose", "--corpus", "c", "--out", "o", "--dry-run",
+            "--scale", "tiny", "--device", "cpu"]  # fmt: skip
+    assert cli.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["work"] == "runs/prose" and plan["scale"] == "tiny" and plan["out"] == "o"

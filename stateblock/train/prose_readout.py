@@ -1,0 +1,312 @@
+"""The prose pair built by one command (issue 41): tasks -> base -> tuned base -> teacher ->
+readout -> evaluation, each stage skipped when its output exists (a stage writes its output
+last, whole), so a build that stopped resumes where it stopped.
+
+    python -m stateblock.train.prose_readout --corpus data/prose --work runs/prose \\
+        --out models/prose [--scale bench] [--tokenizer DIR] [--base DIR | --base-weights P]
+
+`stateblock build-reference --recipe prose` runs the same. WORK holds every stage's output:
+
+    tokenizer/         the BPE (`prose_tokenizer`), unless --tokenizer or a base is given
+    prose-base-run/    the document-trained base (`base_ddp --corpus`), unless --base or
+                       --base-weights (a `prose_stage` checkpoint prefix) gives one
+    tasks/             train.jsonl.gz, heldout.jsonl.gz (`prose_tasks`): the train prompts
+                       tune the base and train the readout
+    tuned/             the base tuned on the tasks (`prose_tune`): the served base
+    teacher/           train.jsonl, heldout.jsonl: the tuned base's greedy answers
+    decoder/           the readout distilled on the train teacher (`distill.fit`)
+    summary.json, summary.md   the base vs truth and the readout vs teacher, held out
+    readouts.jsonl     the readout's answer ids to each held-out prompt, in teacher order
+
+OUT/base and OUT/decoder are then the pair `stateblock up --base OUT/base --decoder
+OUT/decoder` serves. A scale (`SCALES`) sets every size; `tiny` is the CPU test's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from stateblock.train import prose_fidelity, prose_tasks, prose_tokenizer, prose_tune, recipe
+from stateblock.train.corpus import read_documents
+from stateblock.train.distill import DistillConfig
+from stateblock.train.prose_tune import TuneConfig
+
+
+@dataclass(frozen=True)
+class Scale:
+    base_args: str  # base_ddp's shape and batch (recipe.PROSE_TINY or PROSE_BASE)
+    base_minutes: float
+    base_max_steps: int  # 0: as many as the minutes hold
+    vocab_size: int  # the BPE built when no tokenizer is given
+    train_prompts: int  # tune and distil on these (train documents)
+    heldout_prompts: int
+    max_answer: int  # the teacher's cap and the decoder's served depth
+    tune: TuneConfig
+    distill: DistillConfig
+    teacher_budget: int = 65536  # tokens a verifying forward
+    weights: dict = field(default_factory=dict)  # prose_tasks family weights
+
+
+# the readout's shape: recipe.DECODER_CONFIG (the shipped synthetic decoder's)
+SCALES = {
+    "tiny": Scale(recipe.PROSE_TINY, 5.0, 200, 1024, 1200, 60, 24,
+                  TuneConfig(steps=200, token_budget=3072, lr=3e-3, warmup=10),
+                  DistillConfig(steps=300, token_budget=384, max_lanes=16, lr=3e-3, warmup=10,
+                                max_answer=24, eos_weight=3.0, ckpt_every=100,
+                                decoder={"d_r": 48, "n_latent": 8, "n_heads": 4, "n_mixer": 1,
+                                         "row_attn": True, "rope": True, "mlp_ratio": 2}),
+                  teacher_budget=8192),
+    "bench": Scale(recipe.PROSE_BASE, 8.0, 0, prose_tokenizer.VOCAB_SIZE, 20000, 1000, 256,
+                   TuneConfig(steps=3000, token_budget=65536, lr=3e-4, warmup=100,
+                              max_minutes=1.5),
+                   DistillConfig(steps=6000, token_budget=49152, lr=1e-3, warmup=200,
+                                 max_answer=256, eos_weight=10.0, max_minutes=3.0,
+                                 decoder=dict(recipe.DECODER_CONFIG)),
+                   weights={"continue": 2.5}),  # 2.5x draws, as they fail more often: a fifth
+}  # fmt: skip
+
+
+def log(*parts) -> None:
+    print("[prose]", *parts, flush=True)
+
+
+def need_corpus(a, stage: str) -> None:
+    if not a.corpus:
+        raise SystemExit(f"--corpus is needed to build {stage} (its output is not in --work)")
+
+
+def stage_tokenizer(a, work: Path, scale: Scale) -> Path:
+    if a.tokenizer:
+        return Path(a.tokenizer)
+    out = work / "tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        need_corpus(a, "a tokenizer")
+        log("tokenizer: a BPE of", scale.vocab_size, "tokens on", a.corpus)
+        texts = read_documents(Path(a.corpus) / "train.txt")
+        prose_tokenizer.save_bpe(prose_tokenizer.train_bpe(texts, scale.vocab_size), out)
+    return out
+
+
+def stage_base(a, work: Path, scale: Scale) -> Path:
+    """The document-trained base: --base, or --base-weights made a base directory, or a
+    base_ddp run on the corpus (its own state file resumes it)."""
+    if a.base:
+        return Path(a.base)
+    out = work / "prose-base-run" / "base"
+    if (out / "model.safetensors").is_file():
+        return out
+    tok = stage_tokenizer(a, work, scale)
+    if a.base_weights:
+        log("base: from the stage weights", a.base_weights)
+        from_stage_weights(Path(a.base_weights), tok, out, scale)
+        return out
+    need_corpus(a, "the base")
+    cmd = recipe.prose_base(Path(a.corpus), tok, work, 0 if a.device == "cpu" else 1,
+                            scale.base_minutes, tiny=scale.base_args == recipe.PROSE_TINY)  # fmt: skip
+    extra = ["--workers", "0", "--eval-tokens", "65536"]
+    if scale.base_max_steps:
+        extra += ["--max-steps", str(scale.base_max_steps)]
+    log("base:", " ".join(cmd + extra))
+    subprocess.run(cmd + extra, check=True)
+    return out
+
+
+def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> None:
+    """A base directory from a `prose_stage` checkpoint (bf16 parts at `prefix`) and its
+    tokenizer, in the shape of the scale."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from stateblock.train import base_ddp, prose_data
+    from stateblock.train.weights import init_weights
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    shape = base_ddp.parse_args(["--out", "-", "--corpus", "-", "--tokenizer", "-",
+                                 *scale.base_args.split()])  # fmt: skip
+    model = base_ddp.build_model(tok, shape)
+    model.load_state_dict({k: v.float() for k, v in init_weights(prefix).items()})
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+    prose_data.copy_tokenizer(tok_dir, tmp)
+    tmp.rename(out)
+
+
+def stage_tasks(a, work: Path, scale: Scale) -> Path:
+    out = work / "tasks"
+    if (out / "heldout.jsonl.gz").is_file():
+        return out
+    need_corpus(a, "the tasks")
+    tmp = out.with_name("tasks.tmp")
+    for split, n, seed in (("train", scale.train_prompts, a.seed),
+                           ("heldout", scale.heldout_prompts, a.seed + 1)):  # fmt: skip
+        exs = prose_tasks.from_corpus(a.corpus, split, n, seed, scale.weights)
+        prose_tasks.write(exs, tmp / f"{split}.jsonl.gz")
+        log(f"tasks: {len(exs)} {split} prompts")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def stage_tune(a, work: Path, scale: Scale, base: Path, tasks: Path) -> Path:
+    out = work / "tuned"
+    if not (out / "model.safetensors").is_file():
+        stats = prose_tune.tune(base, prose_tasks.read(tasks / "train.jsonl.gz"), out,
+                                replace(scale.tune, seed=a.seed), a.device)  # fmt: skip
+        log("tune:", json.dumps({k: v for k, v in stats.items() if k != "config"}))
+    return out
+
+
+def stage_teacher(a, work: Path, scale: Scale, tuned: Path, tasks: Path) -> Path:
+    from stateblock.model.loading import load_base
+
+    out = work / "teacher"
+    if (out / "heldout.jsonl").is_file():
+        return out
+    model, tok = load_base(tuned, a.device)
+    tmp = out.with_name("teacher.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "heldout"):
+        t0 = time.perf_counter()
+        recs = prose_fidelity.teacher_records(model, tok, prose_tasks.read(tasks / f"{split}.jsonl.gz"),
+                                              scale.max_answer, a.device, scale.teacher_budget)  # fmt: skip
+        (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        log(f"teacher: {len(recs)} {split} answers in {time.perf_counter() - t0:.1f} s")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Path:
+    from stateblock.model import checkpoint as ckpt
+    from stateblock.model.capture import lm_head_weight
+    from stateblock.model.loading import load_base
+    from stateblock.train import distill
+
+    out = work / "decoder"
+    if (out / "manifest.json").is_file():
+        return out
+    base, tok = load_base(tuned, a.device)
+    identity = distill.base_identity(tuned, lm_head_weight(base))
+    identity["data_digest"] = ckpt.sha_files([teacher / "train.jsonl"])
+    cfg = replace(scale.distill, seed=a.seed)
+    stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
+                        a.device)  # fmt: skip
+    log("distil:", json.dumps(stats))
+    return out
+
+
+def stage_eval(a, work: Path, scale: Scale, tuned: Path, teacher: Path, decoder: Path) -> dict:
+    from stateblock.model.capture import lm_head_weight
+    from stateblock.model.checkpoint import load_decoder
+    from stateblock.model.loading import load_base
+
+    path = work / "summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    base, tok = load_base(tuned, a.device)
+    dec, _ = load_decoder(decoder, base_dir=tuned, lm_head=lm_head_weight(base))
+    dec = dec.to(a.device).eval()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    held = read_records(teacher / "heldout.jsonl")
+    summary = {"scale": a.scale, "max_answer": scale.max_answer,
+               "base": prose_fidelity.base_report(held, eos),
+               "base_train_split": prose_fidelity.base_report(
+                   read_records(teacher / "train.jsonl"), eos),
+               "readout": prose_fidelity.fidelity(base, dec, held, scale.max_answer, eos, pad,
+                                                  a.device)}  # fmt: skip
+    tuned_stats = tuned / "tune_stats.json"
+    if tuned_stats.is_file():
+        summary["tune"] = json.loads(tuned_stats.read_text())
+    summary["decoder"] = json.loads((decoder / "manifest.json").read_text()).get("training")
+    readouts = summary["readout"].pop("readouts")
+    (work / "readouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in readouts))
+    (work / "summary.md").write_text(prose_fidelity.markdown(summary))
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def timed(name: str, stage, *args):
+    """A stage's result, its wall time logged (a skipped stage takes about none)."""
+    t = time.perf_counter()
+    out = stage(*args)
+    log(f"stage {name}: {time.perf_counter() - t:.1f} s")
+    return out
+
+
+def build(a: argparse.Namespace) -> dict:
+    """Every stage in order; then the pair into a.out (when given)."""
+    scale = SCALES[a.scale]
+    if a.base and (a.tokenizer or a.base_weights):
+        raise ValueError("--base carries its own tokenizer and weights: give it alone")
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tasks = timed("tasks", stage_tasks, a, work, scale)
+    if a.until == "tasks":
+        return {}
+    base = timed("base", stage_base, a, work, scale)
+    tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
+    teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
+    decoder = timed("distil", stage_distil, a, work, scale, tuned, teacher)
+    summary = timed("eval", stage_eval, a, work, scale, tuned, teacher, decoder)
+    if a.out:
+        for name, src in (("base", tuned), ("decoder", decoder)):
+            recipe._replace(src, Path(a.out) / name)
+    log(f"done in {time.perf_counter() - t0:.1f} s; {work / 'summary.md'}")
+    return summary
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m stateblock.train.prose_readout",
+                                 description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_arguments(ap)
+    return ap
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add = ap.add_argument
+    add("--corpus", default="",
+        help="a corpus directory: train.txt and heldout.txt (for the stages that read it)")  # fmt: skip
+    add("--work", default="runs/prose", help="every stage's output (a stage found is skipped)")
+    add("--out", default="", help="where the pair goes: OUT/base and OUT/decoder")
+    add("--scale", choices=sorted(SCALES), default="bench", help="the sizes of every stage")
+    add("--tokenizer", default="", help="the BPE directory (default: one built in WORK)")
+    add("--base", default="", help="a document-trained base directory (skips the base stage)")
+    add("--base-weights", default="",
+        help="a prose_stage checkpoint prefix (DIR/base): the base, in the scale's shape")  # fmt: skip
+    add("--device", default="cpu", help="cpu or cuda")
+    add("--seed", type=int, default=0, help="tasks, tuning and the readout's seed")
+    add("--until", choices=("tasks", "all"), default="all",
+        help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    summary = build(a)
+    if not summary:
+        return 0
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("base",)}
+            | {"readout": {k: v for k, v in summary["readout"].items() if k != "readouts"}},
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
