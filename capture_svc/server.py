@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from capture_svc.auth import CaptureTokenInterceptor
 from capture_svc.batcher import MIN_BUCKET, CohortForward, ForwardBatcher, warm_shapes
 from capture_svc.config import CaptureConfig
+from capture_svc.dataplane import Sealer, data_plane
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
 from capture_svc.service import (
@@ -34,6 +35,7 @@ from capture_svc.service import (
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.model.slots import SlotPool
 from stateblock.nats_client import (
     LIVENESS,
     NatsState,
@@ -43,7 +45,7 @@ from stateblock.nats_client import (
     probing,
     round_trip,
 )
-from stateblock.protocol import streams
+from stateblock.protocol import locator, streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
@@ -106,6 +108,7 @@ class RunningCapture:
     port: int
     service: CaptureService
     plans: PlanTable
+    slots: SlotPool | None  # the local data plane's: the readout of this process reads them
 
 
 async def _health_not_serving(server: grpc.aio.Server) -> health.aio.HealthServicer:
@@ -198,8 +201,15 @@ async def running_capture(
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
         )
-        plans = PlanTable(PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s)
+        local = config.data_plane == locator.LOCAL
+        plans = PlanTable(
+            PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not local
+        )
+        slots = SlotPool(config.data_plane_slots) if local else None
+        sealer = Sealer(signer, model.identity, config.block_ttl_s)
         capture_metrics = CaptureMetrics(metrics)
+        if slots is not None:
+            capture_metrics.slots_held.set_function(slots.held)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
         forward = _forward(model, plans, config)
@@ -213,9 +223,8 @@ async def running_capture(
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )
-        service = CaptureService(
-            model, plans, batcher, publisher, signer, capture_metrics, config=config
-        )
+        plane = data_plane(config, publisher, sealer, slots)
+        service = CaptureService(model, plans, batcher, plane, capture_metrics, config=config)
         port, health_servicer = await _serve(stack, service, config)
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
         await _warm_up(forward, executor, config, capture_metrics)
@@ -235,12 +244,18 @@ async def running_capture(
             port=port,
             model=model.name,
             token=config.token_file is not None,
+            data_plane=config.data_plane,
         )
-        yield RunningCapture(port, service, plans)
+        yield RunningCapture(port, service, plans, slots)
 
 
 async def main() -> None:
     config = CaptureConfig.from_env()
+    if config.data_plane != locator.BUS:  # no readout here could ever reach the rows
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE={config.data_plane}: the capture alone serves the bus; "
+            "`stateblock up` runs the local data plane"
+        )
     shutdown, metrics = runtime.service_started(config.log_level)
     model = await asyncio.to_thread(
         load_serving_model,

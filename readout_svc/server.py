@@ -26,8 +26,9 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
+from stateblock.model.slots import SlotPool
 from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
-from stateblock.protocol import streams
+from stateblock.protocol import locator, streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
 log = structlog.get_logger("readout_svc")
@@ -53,13 +54,22 @@ async def running_readout(
     signer: Signer,
     metrics: CollectorRegistry,
     engine_health: EngineHealth | None = None,
+    slots: SlotPool | None = None,
 ) -> AsyncIterator[RunningReadout]:
-    """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
+    """`config.workers` pull loops; on exit each finishes the block in hand, then stops. On
+    the local data plane they read the capture's `slots` (this process's), and pull that
+    placement's blocks alone."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
+    if (config.data_plane == locator.LOCAL) != (slots is not None):
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE={config.data_plane} "
+            + ("needs the capture's slot pool in this process" if slots is None else "has no slots")
+        )
     js = nc.jetstream()
-    durable, registry = await _open_bus(js, config, signer)
+    placement = None if slots is None else slots.instance_id
+    durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -92,6 +102,7 @@ async def running_readout(
                 max_deliver=config.max_deliver,
                 engine_health=engine_health,
                 readouts=readouts,
+                slots=slots,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -143,7 +154,7 @@ async def _engine_threads(
 
 
 async def _open_bus(
-    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer
+    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer, placement: str | None
 ) -> tuple[str, Registry]:
     """The streams, the readout consumer (its durable name) and the registry. Claims and
     outcomes signed by our readout keys stand; an entry none of them signed is a forger's
@@ -155,8 +166,9 @@ async def _open_bus(
         replicas=config.nats_replicas,
     )
     durable = await streams.ensure_readout_consumer(
-        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
-    )
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver,
+        placement=placement,
+    )  # fmt: skip
     peers = config.readout_trusted_keys_dir or config.signing_key_dir
     outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
     outcome_trust.add(signer.public_key)
@@ -206,6 +218,11 @@ async def serve_health(
 
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
+    if config.data_plane != locator.BUS:  # the rows would be in another process's pool
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE={config.data_plane}: the readout alone serves the bus; "
+            "`stateblock up` runs the local data plane"
+        )
     require_engine(config.engine)  # fail closed before anything is loaded
     shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
