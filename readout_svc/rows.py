@@ -45,6 +45,12 @@ class Rejected(Exception):
         super().__init__(f"{reason}: {detail}")
 
 
+def free_slot(slots: SlotPool | None, header: block_pb.StateBlockHeader) -> None:
+    """Give back the slot of a block that has its outcome, if the block still holds it."""
+    if slots is not None and locator.on_host(header):
+        slots.free(header.locator.slot, header.block_id)
+
+
 class BlockRows:
     """One process's way to its blocks' rows: the payload store and, on the local data
     plane, the slot pool it shares with the capture."""
@@ -91,8 +97,7 @@ class BlockRows:
 
     def free(self, header: block_pb.StateBlockHeader) -> None:
         """The block has its outcome: its slot, if it still holds one, goes back."""
-        if self._slots is not None and locator.on_host(header):
-            self._slots.free(header.locator.slot, header.block_id)
+        free_slot(self._slots, header)
 
     def _in_slot(self, block: block_pb.StateBlock) -> SlotVerified:
         header = envelope.trusted_header(block, self._trust, rows_apart=True)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from readout_svc.advisories import ExhaustedBlocks
 from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
+from readout_svc.rows import free_slot
 from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
 from stateblock import runtime
@@ -79,7 +80,7 @@ async def running_readout(
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
-            streams.BLOCKS_STREAM, durable,
+            streams.BLOCKS_STREAM, durable, on_rejected=functools.partial(free_slot, slots),
         )  # fmt: skip
         advisories = await exhausted.subscribe()
         stack.push_async_callback(advisories.unsubscribe)
