@@ -1,12 +1,13 @@
-"""How a capture's rows leave it: sealed into the block on the bus, or held in a slot.
+"""How a capture's rows leave it: sealed into the block on the bus, or held on this host.
 
 `BusPlane` digests the rows' bytes, signs the header and publishes the block with its rows
 (inline, or through the object store over max_payload). `LocalPlane` keeps the rows where
 the forward left them, in a slot of the process's slot pool (stateblock.model.slots): it
 reserves a slot (waiting while every slot is held), checksums the rows on their device,
 signs a header whose locator names the pool and the slot, and publishes the header alone
-on the pool's placement subject. A capture that fails after its reservation gives the slot
-back: nothing of it stays behind.
+on the pool's placement subject. `HostPlane` does the same with a shared-memory region of
+this host (stateblock.model.shm) for readout processes beside the capture's. A capture
+that fails after its reservation gives the slot back: nothing of it stays behind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 from capture_svc.config import CaptureConfig
 from capture_svc.publisher import BlockPublisher
 from stateblock.model.rows import rows_view
+from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool, rows_checksum
 from stateblock.protocol import envelope, locator
 from stateblock.protocol.envelope import ModelIdentity
@@ -125,13 +127,62 @@ class LocalPlane:
         return Delivered(block_id, False)
 
 
+class HostPlane:
+    """Rows in a shared-memory region of this host (stateblock.model.shm), for readout
+    processes beside the capture's."""
+
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, regions: HostRegions, *, wait_s: float
+    ) -> None:
+        self._publisher, self._sealer = publisher, sealer
+        self._regions, self._wait_s = regions, wait_s
+
+    async def deliver(
+        self,
+        layout: pb.Layout,
+        rows: Tensor,
+        *,
+        request_id: str,
+        sampling: Sequence[pb.SamplingParams],
+        stage: Histogram,
+    ) -> Delivered:
+        s, regions = self._sealer, self._regions
+        block_id, now = uuid7(), time.time()
+        region = await regions.reserve(block_id, now + s.ttl_s, self._wait_s)
+        try:
+            t0 = time.perf_counter()
+            checksum = await asyncio.to_thread(rows_checksum, rows)  # on the rows' device
+            await asyncio.to_thread(regions.write, region, rows)
+            header = envelope.signed_header(
+                layout, checksum, pb.DIGEST_ALGORITHM_SLOT_CHECKSUM, request_id=request_id,
+                identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
+                block_id=block_id, now=now,
+                locator=locator.slot_locator(locator.HOST, regions.placement, 0, region),
+            )  # fmt: skip
+            t1 = time.perf_counter()
+            stage.labels("sign").observe(t1 - t0)
+            await self._publisher.publish_header(header)
+            stage.labels("publish").observe(time.perf_counter() - t1)
+        except BaseException:
+            regions.release(region)  # no block goes out: its region goes
+            raise
+        return Delivered(block_id, False)
+
+
 def data_plane(
-    config: CaptureConfig, publisher: BlockPublisher, sealer: Sealer, pool: SlotPool | None
+    config: CaptureConfig,
+    publisher: BlockPublisher,
+    sealer: Sealer,
+    slots: SlotPool | HostRegions | None,
 ) -> DataPlane:
-    """The plane the config names; `local` needs the process's slot pool."""
+    """The plane the config names, with the slots it keeps rows in (`local`: the process's
+    slot pool; `host`: its shared-memory regions)."""
     if config.data_plane == locator.BUS:
         algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         return BusPlane(publisher, sealer, algorithm)
-    if pool is None:
-        raise ValueError(f"data plane {config.data_plane!r} needs a slot pool")
-    return LocalPlane(publisher, sealer, pool, wait_s=config.publish_timeout_s)
+    wait_s = config.publish_timeout_s
+    if isinstance(slots, SlotPool) and config.data_plane == locator.LOCAL:
+        return LocalPlane(publisher, sealer, slots, wait_s=wait_s)
+    if isinstance(slots, HostRegions) and config.data_plane == locator.HOST:
+        return HostPlane(publisher, sealer, slots, wait_s=wait_s)
+    raise ValueError(f"data plane {config.data_plane!r} without its slots")

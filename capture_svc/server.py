@@ -35,6 +35,7 @@ from capture_svc.service import (
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool
 from stateblock.nats_client import (
     LIVENESS,
@@ -136,6 +137,16 @@ async def _warm_up(
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
 
 
+def _slots(config: CaptureConfig) -> SlotPool | HostRegions | None:
+    """Where the rows wait for their readout: the process's slot pool (`local`), this
+    host's shared-memory regions (`host`), or none (the bus carries them)."""
+    if config.data_plane == locator.LOCAL:
+        return SlotPool(config.data_plane_slots)
+    if config.data_plane == locator.HOST:
+        return HostRegions(config.data_plane_slots, config.block_ttl_s)
+    return None
+
+
 def _door(config: CaptureConfig) -> list[grpc.aio.ServerInterceptor]:
     """The token check when the config names a token file; none on a loopback-only capture
     (CaptureConfig refuses a non-loopback host without one)."""
@@ -205,11 +216,11 @@ async def running_capture(
         plans = PlanTable(
             PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not local
         )
-        slots = SlotPool(config.data_plane_slots) if local else None
+        held = _slots(config)
         sealer = Sealer(signer, model.identity, config.block_ttl_s)
         capture_metrics = CaptureMetrics(metrics)
-        if slots is not None:
-            capture_metrics.slots_held.set_function(slots.held)
+        if held is not None:
+            capture_metrics.slots_held.set_function(held.held)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
         forward = _forward(model, plans, config)
@@ -223,7 +234,7 @@ async def running_capture(
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )
-        plane = data_plane(config, publisher, sealer, slots)
+        plane = data_plane(config, publisher, sealer, held)
         service = CaptureService(model, plans, batcher, plane, capture_metrics, config=config)
         port, health_servicer = await _serve(stack, service, config)
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
@@ -246,15 +257,15 @@ async def running_capture(
             token=config.token_file is not None,
             data_plane=config.data_plane,
         )
-        yield RunningCapture(port, service, plans, slots)
+        yield RunningCapture(port, service, plans, held if isinstance(held, SlotPool) else None)
 
 
 async def main() -> None:
     config = CaptureConfig.from_env()
-    if config.data_plane != locator.BUS:  # no readout here could ever reach the rows
+    if config.data_plane == locator.LOCAL:  # no readout here could ever reach the rows
         raise runtime.ConfigError(
-            f"STATEBLOCK_DATA_PLANE={config.data_plane}: the capture alone serves the bus; "
-            "`stateblock up` runs the local data plane"
+            "STATEBLOCK_DATA_PLANE=local: a capture process of its own serves `bus` or "
+            "`host`; `stateblock up` runs the local data plane"
         )
     shutdown, metrics = runtime.service_started(config.log_level)
     model = await asyncio.to_thread(

@@ -16,9 +16,11 @@ import nats
 import nats.js.errors as js_errors
 import structlog
 from nats.js.object_store import ObjectStore
+from torch import Tensor
 
 from stateblock.engines import ReadoutEngine
 from stateblock.model.rows import check_rows
+from stateblock.model.shm import open_region, region_name, unlink_region
 from stateblock.model.slots import SlotPool, SlotVerified
 from stateblock.protocol import envelope, locator, streams
 from stateblock.protocol.envelope import BlockRejected, HeaderVerified, LayoutError, RejectReason
@@ -46,9 +48,13 @@ class Rejected(Exception):
 
 
 def free_slot(slots: SlotPool | None, header: block_pb.StateBlockHeader) -> None:
-    """Give back the slot of a block that has its outcome, if the block still holds it."""
-    if slots is not None and locator.on_host(header):
+    """Give back the slot of a block that has its outcome, if the block still holds it
+    (a host region is the block's alone: unlinked)."""
+    kind = locator.transport(header)
+    if kind == block_pb.TRANSPORT_LOCAL and slots is not None:
         slots.free(header.locator.slot, header.block_id)
+    elif kind == block_pb.TRANSPORT_HOST and header.locator.region == region_name(header.block_id):
+        unlink_region(header.locator.region)
 
 
 class BlockRows:
@@ -65,8 +71,10 @@ class BlockRows:
         objects: ObjectStore,
         object_timeout_s: float,
         slots: SlotPool | None = None,
+        host: str | None = None,  # this host's placement, on the host data plane
     ) -> None:
         self._engine, self._trust, self._limits = engine, trust, limits
+        self._host = host
         self._nc, self._objects, self._object_timeout = nc, objects, object_timeout_s
         self._slots = slots
 
@@ -102,6 +110,8 @@ class BlockRows:
     def _in_slot(self, block: block_pb.StateBlock) -> SlotVerified:
         header = envelope.trusted_header(block, self._trust, rows_apart=True)
         where = header.locator
+        if where.transport == block_pb.TRANSPORT_HOST:
+            return SlotVerified(header, self._in_region(header))
         if self._slots is None or where.placement != self._slots.instance_id:
             raise Rejected(ROWS_MISSING, f"pool {where.placement!r} is not this process's")
         held = self._slots.rows(where.slot)
@@ -113,6 +123,20 @@ class BlockRows:
             detail = f"slot {where.slot} holds other rows: {e}"
             raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, detail, authentic=True) from e
         return SlotVerified(header, held[1])
+
+    def _in_region(self, header: block_pb.StateBlockHeader) -> Tensor:
+        where = header.locator
+        if where.placement != self._host:
+            raise Rejected(ROWS_MISSING, f"placement {where.placement!r} is not this host's")
+        if where.region != region_name(header.block_id):
+            raise Rejected(ROWS_MISSING, f"region {where.region!r} is not the block's")
+        try:
+            rows = open_region(where.region, header.layout)
+        except ValueError as e:  # written over with other rows, or cut short
+            raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, str(e), authentic=True) from e
+        if rows is None:
+            raise Rejected(ROWS_MISSING, f"region {where.region} is gone: the rows are gone")
+        return rows
 
     def _check_limits(self, header: block_pb.StateBlockHeader) -> None:
         """Signed sizes are still requests: refuse what this worker would not serve before

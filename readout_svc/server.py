@@ -27,6 +27,7 @@ from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
+from stateblock.model.shm import host_placement
 from stateblock.model.slots import SlotPool
 from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
 from stateblock.protocol import locator, streams
@@ -69,7 +70,11 @@ async def running_readout(
             + ("needs the capture's slot pool in this process" if slots is None else "has no slots")
         )
     js = nc.jetstream()
-    placement = None if slots is None else slots.instance_id
+    placement = None  # the bus
+    if slots is not None:
+        placement = slots.instance_id
+    elif config.data_plane == locator.HOST:
+        placement = host_placement()
     durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
@@ -104,6 +109,7 @@ async def running_readout(
                 engine_health=engine_health,
                 readouts=readouts,
                 slots=slots,
+                host=placement if config.data_plane == locator.HOST else None,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -219,10 +225,10 @@ async def serve_health(
 
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
-    if config.data_plane != locator.BUS:  # the rows would be in another process's pool
+    if config.data_plane == locator.LOCAL:  # the rows would be in another process's pool
         raise runtime.ConfigError(
-            f"STATEBLOCK_DATA_PLANE={config.data_plane}: the readout alone serves the bus; "
-            "`stateblock up` runs the local data plane"
+            "STATEBLOCK_DATA_PLANE=local: a readout process of its own serves `bus` or "
+            "`host`; `stateblock up` runs the local data plane"
         )
     require_engine(config.engine)  # fail closed before anything is loaded
     shutdown, metrics = runtime.service_started(config.log_level)

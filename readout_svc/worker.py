@@ -144,14 +144,16 @@ class ReadoutWorker:
         engine_health: EngineHealth | None = None,
         readouts: ReadoutCohorts | None = None,  # shared by the process's workers
         slots: SlotPool | None = None,  # the local data plane's, shared with the capture
+        host: str | None = None,  # the host data plane's placement: this host's regions
     ) -> None:
         self._engine_health = engine_health or EngineHealth()
         self._engine = engine
         self._readouts = readouts or DirectReadouts(engine, executor)
         self._registry = registry
         self._rows = BlockRows(
-            engine, trust, limits, nc=nc, objects=objects, object_timeout_s=lease_s, slots=slots
-        )
+            engine, trust, limits, nc=nc, objects=objects, object_timeout_s=lease_s,
+            slots=slots, host=host,
+        )  # fmt: skip
         self._signer = signer  # signs this worker's commits and rejections
         self._max_deliver = max_deliver
         self._nc = nc

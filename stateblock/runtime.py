@@ -234,11 +234,10 @@ def blocks_storage(value: str) -> str:
 
 def data_plane(value: str) -> str:
     """STATEBLOCK_DATA_PLANE: how a block's rows travel (stateblock.protocol.locator)."""
-    from stateblock.protocol.locator import DATA_PLANES, HOST
+    from stateblock.protocol.locator import DATA_PLANES
 
-    built = [k for k in DATA_PLANES if k != HOST]  # shared memory between processes: not yet
-    if value not in built:
-        raise ConfigError(f"STATEBLOCK_DATA_PLANE={value!r} must be {' or '.join(built)}")
+    if value not in DATA_PLANES:
+        raise ConfigError(f"STATEBLOCK_DATA_PLANE={value!r} must be {', '.join(DATA_PLANES)}")
     return value
 
 

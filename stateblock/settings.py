@@ -243,7 +243,9 @@ DATA_PLANE = _setting(
     "how a block's rows travel, chosen at start-up (the signed header always goes over "
     "JetStream): `bus` (the block's payload, any host), `local` (the capture and the readout "
     "in one process: the rows stay on the capture's device in a slot pool, and only this "
-    "process's workers receive its blocks); capture and readout must agree",
+    "process's workers receive its blocks) or `host` (capture and readout processes on one "
+    "host: the rows in POSIX shared memory, /dev/shm, read by that host's workers alone; a "
+    "GPU's rows pass through the host, CUDA IPC is not built); capture and readout must agree",
     (CAPTURE, READOUT, UP), defaults={UP: "local"},
 )  # fmt: skip
 API_KEY = _setting(
@@ -367,8 +369,9 @@ FORWARD_STATE_DIGEST = _setting(
 )  # fmt: skip
 DATA_PLANE_SLOTS = _setting(
     "DATA_PLANE_SLOTS", int, 64,
-    "`local` data plane: blocks whose rows the capture holds at once, until their commit, "
-    "rejection or expiry; a capture with every slot held waits up to "
+    "`local` and `host` data planes: blocks whose rows the capture holds at once (slots, "
+    "shared-memory regions), until their commit, rejection or expiry; a capture with every "
+    "slot held waits up to "
     "`STATEBLOCK_PUBLISH_TIMEOUT_S` for one, then fails UNAVAILABLE", (CAPTURE,), minimum=1,
 )  # fmt: skip
 PUBLISH_TIMEOUT_S = _setting(

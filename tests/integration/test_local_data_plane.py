@@ -17,6 +17,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.procs import ProcStack, ProcStackConfig
 from capture_svc.dataplane import LocalPlane, Sealer
 from capture_svc.publisher import BlockPublisher
 from readout_svc.config import ReadoutServiceConfig
@@ -24,11 +25,12 @@ from readout_svc.server import running_readout
 from registry import Registry
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
+from stateblock.model.shm import host_placement
 from stateblock.model.slots import SlotPool, SlotPoolFull, rows_checksum
 from stateblock.protocol import envelope, locator, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
-from stateblock.runtime import ConfigError
+from stateblock.runtime import REFERENCE_BASE, ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import commit_pb2
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
@@ -316,6 +318,40 @@ def test_local_answers_are_the_bus_answers(stack, local_stack):
     seen = asyncio.run(consumers(local_stack.urls.nats_admin))
     (name,) = seen
     assert name.startswith(streams.readout_durable(MODEL) + "-") and seen[name] >= len(PROMPTS)
-    text = httpx.get(f"{local_stack.urls.http}/metrics").text
-    held = [line for line in text.splitlines() if line.startswith("stateblock_capture_slots_held")]
-    assert held == ["stateblock_capture_slots_held 0.0"]
+    assert held_slots(f"{local_stack.urls.http}/metrics") == ["stateblock_capture_slots_held 0.0"]
+
+
+def held_slots(metrics_url: str) -> list[str]:
+    text = httpx.get(metrics_url).text
+    return [line for line in text.splitlines() if line.startswith("stateblock_capture_slots_held")]
+
+
+def test_host_answers_are_the_bus_answers_across_processes(stack, decoder_dir, tmp_path):
+    """The deployed shape, a process per service, on the host data plane: the rows in
+    /dev/shm, the headers on this host's placement subject; the answers are the bus's, and
+    every region was unlinked by its reader."""
+    procs = ProcStack(
+        ProcStackConfig(
+            data_dir=tmp_path / "procs", model_name=MODEL, base_dir=REFERENCE_BASE,
+            decoder_dir=decoder_dir, device="cpu", capture_dtype="float32",
+            engine="reference", ready_timeout_s=180.0,
+            extra_env={"STATEBLOCK_DATA_PLANE": "host"},
+        )
+    )  # fmt: skip
+    url = procs.start()
+    try:
+        assert answers(url) == answers(stack.urls.http)
+
+        async def delivered() -> int:
+            nc = await nats.connect(procs.nats_url)
+            try:
+                durable = streams.placement_durable(MODEL, host_placement())
+                info = await nc.jetstream().consumer_info(streams.BLOCKS_STREAM, durable)
+                return info.delivered.stream_seq
+            finally:
+                await nc.close()
+
+        assert asyncio.run(delivered()) >= len(PROMPTS)
+        assert held_slots(procs.metrics_urls[0]) == ["stateblock_capture_slots_held 0.0"]
+    finally:
+        procs.stop()
