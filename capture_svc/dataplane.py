@@ -3,8 +3,8 @@
 `BusPlane` digests the rows' bytes, signs the header and publishes the block with its rows
 (inline, or through the object store over max_payload). `LocalPlane` keeps the rows where
 the forward left them, in a slot of the process's slot pool (stateblock.model.slots): it
-reserves a slot (waiting while every slot is held), checksums the rows on their device,
-signs a header whose locator names the pool and the slot, and publishes the header alone
+reserves a slot (waiting while every slot is held), digests the rows where they are (the
+slot checksum on an accelerator, the configured hash in host memory), signs a header whose locator names the pool and the slot, and publishes the header alone
 on the pool's placement subject. `HostPlane` does the same with a shared-memory region of
 this host (stateblock.model.shm) for readout processes beside the capture's. A capture
 that fails after its reservation gives the slot back: nothing of it stays behind.
@@ -25,7 +25,7 @@ from capture_svc.config import CaptureConfig
 from capture_svc.publisher import BlockPublisher
 from stateblock.model.rows import rows_view
 from stateblock.model.shm import HostRegions
-from stateblock.model.slots import SlotPool, rows_checksum
+from stateblock.model.slots import SlotPool, rows_digest, slot_algorithm
 from stateblock.protocol import envelope, locator
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.ids import uuid7
@@ -41,11 +41,13 @@ class Delivered:
 
 @dataclass(frozen=True)
 class Sealer:
-    """What every plane signs with: the capture's key, its model's identity, the ttl."""
+    """What every plane signs with: the capture's key, its model's identity, the ttl, and
+    the hash of rows' bytes (STATEBLOCK_FORWARD_STATE_DIGEST)."""
 
     signer: Signer
     identity: ModelIdentity
     ttl_s: float
+    algorithm: int = pb.DIGEST_ALGORITHM_BLAKE3
 
 
 class DataPlane(Protocol):
@@ -63,8 +65,8 @@ class DataPlane(Protocol):
 
 
 class BusPlane:
-    def __init__(self, publisher: BlockPublisher, sealer: Sealer, digest_algorithm: int) -> None:
-        self._publisher, self._sealer, self._algorithm = publisher, sealer, digest_algorithm
+    def __init__(self, publisher: BlockPublisher, sealer: Sealer) -> None:
+        self._publisher, self._sealer = publisher, sealer
 
     async def deliver(
         self,
@@ -79,7 +81,7 @@ class BusPlane:
         s = self._sealer
         block = envelope.seal_block(
             layout, rows_view(rows), request_id=request_id, identity=s.identity,
-            sampling=sampling, signer=s.signer, ttl_s=s.ttl_s, digest_algorithm=self._algorithm,
+            sampling=sampling, signer=s.signer, ttl_s=s.ttl_s, digest_algorithm=s.algorithm,
         )  # fmt: skip
         t1 = time.perf_counter()
         stage.labels("sign").observe(t1 - t0)
@@ -108,10 +110,11 @@ class LocalPlane:
         slot = await pool.reserve(block_id, now + s.ttl_s, self._wait_s)
         try:
             t0 = time.perf_counter()
-            # on the rows' device, off the event loop (a GPU synchronises for 32 bytes)
-            checksum = await asyncio.to_thread(rows_checksum, rows)
+            # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
+            algorithm = slot_algorithm(rows, s.algorithm)
+            digest = await asyncio.to_thread(rows_digest, rows, algorithm)
             header = envelope.signed_header(
-                layout, checksum, pb.DIGEST_ALGORITHM_SLOT_CHECKSUM, request_id=request_id,
+                layout, digest, algorithm, request_id=request_id,
                 identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
                 block_id=block_id, now=now,
                 locator=locator.slot_locator(locator.LOCAL, pool.instance_id, slot),
@@ -151,10 +154,12 @@ class HostPlane:
         region = await regions.reserve(block_id, now + s.ttl_s, self._wait_s)
         try:
             t0 = time.perf_counter()
-            checksum = await asyncio.to_thread(rows_checksum, rows)  # on the rows' device
-            await asyncio.to_thread(regions.write, region, rows)
+            # the rows' bytes in host memory (a GPU's copied once), hashed and written once
+            data = await asyncio.to_thread(rows_view, rows)
+            digest = await asyncio.to_thread(envelope.forward_state_digest, data, s.algorithm)
+            await asyncio.to_thread(regions.write, region, data)
             header = envelope.signed_header(
-                layout, checksum, pb.DIGEST_ALGORITHM_SLOT_CHECKSUM, request_id=request_id,
+                layout, digest, s.algorithm, request_id=request_id,
                 identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
                 block_id=block_id, now=now,
                 locator=locator.slot_locator(locator.HOST, regions.placement, 0, region),
@@ -178,8 +183,7 @@ def data_plane(
     """The plane the config names, with the slots it keeps rows in (`local`: the process's
     slot pool; `host`: its shared-memory regions)."""
     if config.data_plane == locator.BUS:
-        algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
-        return BusPlane(publisher, sealer, algorithm)
+        return BusPlane(publisher, sealer)
     wait_s = config.publish_timeout_s
     if isinstance(slots, SlotPool) and config.data_plane == locator.LOCAL:
         return LocalPlane(publisher, sealer, slots, wait_s=wait_s)

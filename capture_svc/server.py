@@ -46,7 +46,7 @@ from stateblock.nats_client import (
     probing,
     round_trip,
 )
-from stateblock.protocol import locator, streams
+from stateblock.protocol import envelope, locator, streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
@@ -217,7 +217,8 @@ async def running_capture(
             PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not local
         )
         held = _slots(config)
-        sealer = Sealer(signer, model.identity, config.block_ttl_s)
+        algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
+        sealer = Sealer(signer, model.identity, config.block_ttl_s, algorithm)
         capture_metrics = CaptureMetrics(metrics)
         if held is not None:
             capture_metrics.slots_held.set_function(held.held)

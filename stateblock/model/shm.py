@@ -7,7 +7,7 @@ signs a header whose locator names the region and this host's placement (`host_p
 the boot and the /dev/shm mount, so processes that see the same regions agree on it
 without talking, and a pod with a /dev/shm of its own is a placement of its own). A worker
 maps the region copy-on-write (no copy: pages are shared until written, and nothing
-writes them), checks the signed checksum over it and unlinks the region once the block has
+writes them), checks the signed digest over it (the header's hash of the bytes written) and unlinks the region once the block has
 its outcome. The capture bounds the regions it has out (`HostRegions`): a reservation
 waits while that many are unread, and it unlinks those past their block's expiry.
 
@@ -142,11 +142,10 @@ class HostRegions:
         self._out[name] = expires_at
         return name
 
-    def write(self, name: str, rows: Tensor) -> None:
-        """The rows into their new region, once (a GPU's through the host)."""
-        data = rows.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    def write(self, name: str, data: bytes | memoryview) -> None:
+        """The rows' bytes (stateblock.model.rows.rows_view) into their new region, once."""
         with open(region_path(name, self._dir), "xb") as f:
-            f.write(memoryview(data))
+            f.write(data)
 
     def release(self, name: str) -> None:
         """The region of a block that never went out."""

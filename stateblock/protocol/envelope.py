@@ -428,10 +428,8 @@ def _check_well_formed(block: pb.StateBlock, *, rows_apart: bool) -> None:
             f"unknown forward_state_algorithm {header.forward_state_algorithm}",
         )
     on_host = locator.on_host(header)
-    if (header.forward_state_algorithm == pb.DIGEST_ALGORITHM_SLOT_CHECKSUM) != on_host:
-        raise BlockRejected(
-            RejectReason.MALFORMED, "the slot checksum goes with rows on this host, and only it"
-        )
+    if header.forward_state_algorithm == pb.DIGEST_ALGORITHM_SLOT_CHECKSUM and not on_host:
+        raise BlockRejected(RejectReason.MALFORMED, "the slot checksum is for rows on this host")
     if on_host:
         if block.payload.WhichOneof("location") is not None:
             raise BlockRejected(RejectReason.MALFORMED, "rows on this host and a payload")

@@ -26,7 +26,7 @@ from registry import Registry
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
 from stateblock.model.shm import host_placement
-from stateblock.model.slots import SlotPool, SlotPoolFull, rows_checksum
+from stateblock.model.slots import SlotPool, SlotPoolFull, rows_digest
 from stateblock.protocol import envelope, locator, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -48,12 +48,19 @@ def captured(serving_model, seed: int, rows_per_lane=(6,)) -> tuple[pb.Layout, t
     return layout, rows
 
 
-async def place(pool: SlotPool, serving_model, layout, rows, ttl_s=60.0) -> pb.StateBlockHeader:
-    """What the local plane does before it publishes: a slot, the checksum, the header."""
+async def place(
+    pool: SlotPool,
+    serving_model,
+    layout,
+    rows,
+    ttl_s=60.0,
+    algorithm=pb.DIGEST_ALGORITHM_SLOT_CHECKSUM,  # what rows on an accelerator carry
+) -> pb.StateBlockHeader:
+    """What the local plane does before it publishes: a slot, the digest, the header."""
     block_id, now = f"block-{layout.lanes[0].request_id}-{time.time_ns()}", time.time()
     slot = await pool.reserve(block_id, now + ttl_s, 1.0)
     header = envelope.signed_header(
-        layout, rows_checksum(rows), pb.DIGEST_ALGORITHM_SLOT_CHECKSUM,
+        layout, rows_digest(rows, algorithm), algorithm,
         request_id=layout.lanes[0].request_id, identity=serving_model.identity,
         sampling=[pb.SamplingParams() for _ in layout.lanes], signer=SIGNER, ttl_s=ttl_s,
         block_id=block_id, now=now,
@@ -104,19 +111,25 @@ async def outcome(nc, block_id: str):
     raise AssertionError(f"no outcome for {block_id}")
 
 
-async def test_a_slot_block_is_read_from_its_slot_and_its_slot_freed(nc, engine, serving_model):
+@pytest.mark.parametrize(
+    "algorithm", [pb.DIGEST_ALGORITHM_SLOT_CHECKSUM, pb.DIGEST_ALGORITHM_BLAKE3],
+    ids=["slot_checksum", "blake3"],
+)  # fmt: skip
+async def test_a_slot_block_is_read_from_its_slot_and_its_slot_freed(
+    nc, engine, serving_model, algorithm
+):
     pool = SlotPool(4)
     async with readout(nc, engine, pool) as (_, metrics):
         layout, rows = captured(serving_model, 1, (5, 9))
-        header = await place(pool, serving_model, layout, rows)
+        header = await place(pool, serving_model, layout, rows, algorithm=algorithm)
         await publish(nc, header)
         state, commit = await outcome(nc, header.block_id)
         assert state == commit_pb2.CLAIM_STATE_COMMITTED
         lanes = [rows[:5], rows[5:]]
         expected = engine.readout([LaneRequest(rows=r, depth=16) for r in lanes])
         assert [list(a.token_ids) for a in commit.lanes] == [list(e.token_ids) for e in expected]
-        assert commit.forward_state_algorithm == pb.DIGEST_ALGORITHM_SLOT_CHECKSUM
-        assert commit.forward_state_digest == rows_checksum(rows)
+        assert commit.forward_state_algorithm == algorithm
+        assert commit.forward_state_digest == rows_digest(rows, algorithm)
         await until(lambda: pool.held() == 0)
         digests = "stateblock_readout_stage_seconds_count"
         assert metrics.get_sample_value(digests, {"stage": "digest"}) == 1

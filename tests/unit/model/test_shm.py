@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from stateblock.model.rows import rows_view
 from stateblock.model.shm import (
     HostRegions,
     host_placement,
@@ -41,9 +42,9 @@ async def test_a_region_is_written_once_and_mapped_by_its_reader(tmp_path, dtype
     rows = torch.randn(5, 8).to(dtype)
     name = await regions.reserve("b1", time.time() + 60, 1.0)
     assert name == region_name("b1")
-    regions.write(name, rows)
+    regions.write(name, rows_view(rows))
     with pytest.raises(FileExistsError):
-        regions.write(name, rows)  # a region is its block's alone
+        regions.write(name, rows_view(rows))  # a region is its block's alone
     mapped = open_region(name, layout_of(rows), tmp_path)
     assert torch.equal(mapped, rows) and rows_checksum(mapped) == rows_checksum(rows)
     assert regions.held() == 1
@@ -56,7 +57,7 @@ async def test_a_region_is_written_once_and_mapped_by_its_reader(tmp_path, dtype
 async def test_every_region_unread_holds_the_capture_then_one_read_lets_it_in(tmp_path):
     regions = HostRegions(1, 60.0, shm_dir=tmp_path)
     first = await regions.reserve("b1", time.time() + 60, 1.0)
-    regions.write(first, torch.zeros(2, 4))
+    regions.write(first, rows_view(torch.zeros(2, 4)))
     with pytest.raises(SlotPoolFull, match="1 shared-memory regions"):
         await regions.reserve("b2", time.time() + 60, 0.05)
     unlink_region(first, tmp_path)  # what a worker does once the block has its outcome
@@ -67,7 +68,7 @@ async def test_an_expired_region_is_unlinked_and_a_dead_capture_s_swept(tmp_path
     clock = Clock()
     regions = HostRegions(2, 60.0, shm_dir=tmp_path, clock=clock)
     name = await regions.reserve("b1", clock.now + 5, 1.0)
-    regions.write(name, torch.zeros(2, 4))
+    regions.write(name, rows_view(torch.zeros(2, 4)))
     clock.now += 5
     assert regions.held() == 0 and not (tmp_path / name).exists()
     old, fresh = tmp_path / region_name("old"), tmp_path / region_name("fresh")
@@ -81,7 +82,7 @@ async def test_an_expired_region_is_unlinked_and_a_dead_capture_s_swept(tmp_path
 async def test_a_region_that_never_went_out_is_released(tmp_path):
     regions = HostRegions(1, 60.0, shm_dir=tmp_path)
     name = await regions.reserve("b1", time.time() + 60, 1.0)
-    regions.write(name, torch.zeros(2, 4))
+    regions.write(name, rows_view(torch.zeros(2, 4)))
     regions.release(name)
     assert regions.held() == 0 and not (tmp_path / name).exists()
 
