@@ -11,7 +11,10 @@ the rows' digest (in a thread of its own; milliseconds at full scale, docs/BENCH
 Nothing built from the block leaves the worker before both the claim and the digest
 succeed: a readout whose claim is refused is dropped unread (a duplicate delivery costs one
 wasted readout, the reply path loses a round trip), and a block whose rows do not match
-its signed digest releases its claim before it is rejected, its answer dropped.
+its signed digest releases its claim before it is rejected, its answer dropped. Rows kept
+on this host (readout_svc.rows: a slot, a shared-memory region) never crossed a network,
+so other rows there mean the block's own were lost: that block ends in a signed rejection
+its request hears, and its slot is freed with its commit or rejection.
 """
 
 from __future__ import annotations
