@@ -10,6 +10,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 
+import grpc
 import httpx
 import nats
 import openai
@@ -18,21 +19,24 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from bench.procs import ProcStack, ProcStackConfig
+from capture_svc.config import CaptureConfig
 from capture_svc.dataplane import LocalPlane, Sealer
 from capture_svc.publisher import BlockPublisher
+from capture_svc.server import running_capture, status_of
+from capture_svc.service import CaptureUnavailable
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from registry import Registry
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
-from stateblock.model.shm import host_placement
+from stateblock.model.shm import SHM_DIR, host_placement
 from stateblock.model.slots import SlotPool, SlotPoolFull, rows_digest
 from stateblock.protocol import envelope, locator, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, ConfigError
 from stateblock.v1 import block_pb2 as pb
-from stateblock.v1 import commit_pb2
+from stateblock.v1 import capture_pb2, commit_pb2
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 
 SIGNER = Signer.generate()
@@ -339,6 +343,7 @@ def held_slots(metrics_url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("stateblock_capture_slots_held")]
 
 
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 def test_host_answers_are_the_bus_answers_across_processes(stack, decoder_dir, tmp_path):
     """The deployed shape, a process per service, on the host data plane: the rows in
     /dev/shm, the headers on this host's placement subject; the answers are the bus's, and
@@ -368,3 +373,34 @@ def test_host_answers_are_the_bus_answers_across_processes(stack, decoder_dir, t
         assert held_slots(procs.metrics_urls[0]) == ["stateblock_capture_slots_held 0.0"]
     finally:
         procs.stop()
+
+
+async def test_a_capture_with_every_slot_held_is_unavailable_and_leaves_nothing(
+    nats_url, serving_model
+):
+    """Through the capture service: the one slot held by an unread block, the next capture
+    waits its publish bound and fails UNAVAILABLE, naming the full pool; no second header
+    went out and no plan or slot of it stayed."""
+    nc = await nats.connect(nats_url)
+    config = CaptureConfig(
+        nats_url=nats_url, port=0, data_plane="local", data_plane_slots=1,
+        publish_timeout_s=0.3,
+    )  # fmt: skip
+    try:
+        async with running_capture(
+            config, nc=nc, model=serving_model, signer=SIGNER, metrics=CollectorRegistry()
+        ) as running:
+            first = await running.service.capture("req-a", MODEL, [lane("copy: a", 4)])
+            assert running.slots.rows(0)[0] == first.block_id
+            with pytest.raises(CaptureUnavailable, match="slots hold blocks") as info:
+                await running.service.capture("req-b", MODEL, [lane("copy: b", 4)])
+            assert status_of(info.value) == grpc.StatusCode.UNAVAILABLE
+            stream = await nc.jetstream().stream_info(streams.BLOCKS_STREAM)
+            assert stream.state.messages == 1 and running.plans.active() == 0
+            assert running.slots.held() == 1 and running.slots.rows(0)[0] == first.block_id
+    finally:
+        await nc.close()
+
+
+def lane(prompt: str, max_tokens: int) -> capture_pb2.CaptureLane:
+    return capture_pb2.CaptureLane(prompt=prompt, max_tokens=max_tokens)
