@@ -143,7 +143,10 @@ def _slots(config: CaptureConfig) -> SlotPool | HostRegions | None:
     if config.data_plane == locator.LOCAL:
         return SlotPool(config.data_plane_slots)
     if config.data_plane == locator.HOST:
-        return HostRegions(config.data_plane_slots, config.block_ttl_s)
+        try:
+            return HostRegions(config.data_plane_slots, config.block_ttl_s)
+        except OSError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
     return None
 
 

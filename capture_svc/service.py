@@ -81,8 +81,8 @@ class CaptureMetrics:
         # where a capture's time goes: the wire-size block makes sign and publish matter
         self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
-            "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
-            "sign (digest + signature; a slot's checksum on its device), publish (JetStream ack).",
+            "Capture time by stage: tokenize, forward (queue + base forward + rows to host, "
+            "but for a local data plane's), sign (digest + signature), publish (JetStream ack).",
             metrics,
         )
         self.cohort_lanes = Histogram(
@@ -93,8 +93,8 @@ class CaptureMetrics:
         )
         self.slots_held = Gauge(
             "stateblock_capture_slots_held",
-            "Local data plane: slots holding a block's rows until its commit, rejection or "
-            "expiry (0 on the bus).",
+            "Local and host data planes: slots (shared-memory regions) holding a block's rows "
+            "until its commit, rejection or expiry (0 on the bus).",
             registry=metrics,
         )
         self.warmup_seconds = Gauge(

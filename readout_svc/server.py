@@ -74,7 +74,10 @@ async def running_readout(
     if slots is not None:
         placement = slots.instance_id
     elif config.data_plane == locator.HOST:
-        placement = host_placement()
+        try:
+            placement = host_placement()
+        except OSError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
     durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)

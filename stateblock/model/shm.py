@@ -39,7 +39,10 @@ POLL_S = 0.005  # a region freed by another process is seen at the next look
 
 
 def host_placement(shm_dir: Path = SHM_DIR) -> str:
-    """This host's placement id: its boot and its shared-memory mount."""
+    """This host's placement id: its boot and its shared-memory mount (FileNotFoundError
+    without one)."""
+    if not shm_dir.is_dir():
+        raise FileNotFoundError(f"{shm_dir}: no shared memory on this host")
     boot = Path("/proc/sys/kernel/random/boot_id")
     boot_id = boot.read_text().strip() if boot.exists() else ""
     stat = shm_dir.stat()
@@ -96,8 +99,6 @@ class HostRegions:
         shm_dir: Path = SHM_DIR,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if not shm_dir.is_dir():
-            raise FileNotFoundError(f"{shm_dir}: no shared memory on this host")
         self.placement = host_placement(shm_dir)
         self._limit, self._dir, self._clock = limit, shm_dir, clock
         self._out: dict[str, float] = {}  # region -> its block's expiry
