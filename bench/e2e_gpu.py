@@ -220,6 +220,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
     ap.add_argument(
+        "--data-plane",
+        choices=["bus", "local"],
+        default="bus",
+        help="the in-process stack's rows: over NATS (the figures so far) or in the capture's "
+        "slot pool on the GPU (`stateblock up`'s default)",
+    )
+    ap.add_argument(
         "--forward-state-digest",
         choices=["blake3", "sha256"],
         default="blake3",
@@ -324,11 +331,16 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         window_ms = 1000.0 * CaptureConfig().batch_window_s
     report.doc["config"].update(
         block_payload_bytes=block_bytes,
-        payload_path="inline" if inline else "object store",
+        payload_path="slot"
+        if args.data_plane == "local"
+        else "inline"
+        if inline
+        else "object store",
         effective_batch_window_ms=window_ms,
         capture_compile=args.capture_compile,
         blocks_storage=args.blocks_storage,
         forward_state_digest=args.forward_state_digest,
+        data_plane=args.data_plane,
     )
     metrics, probe = CollectorRegistry(), KvProbe()
     stack_cfg = bench_stack_config(
@@ -340,6 +352,7 @@ def serve_and_measure(args, scale, base, device: str, report: Report, left) -> N
         capture_compile=args.capture_compile,
         blocks_storage=args.blocks_storage,
         forward_state_digest=args.forward_state_digest,
+        data_plane=args.data_plane,
     )
     t0 = time.perf_counter()
     stack = StackThread(stack_cfg, metrics=metrics, model=serving, engine=engine)

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from capture_svc.batcher import bucket_width
+from stateblock import settings
 from stateblock.app.stack import StackThread, StackUrls, UpConfig
 from stateblock.engines import LaneRequest, create_engine
 from stateblock.model.loading import ServingModel, load_serving_model
@@ -48,7 +49,10 @@ def pct(xs: list[float], q: float) -> float:
 
 @contextmanager
 def embedded_stack(
-    workers: int, base_dir: Path = REFERENCE_BASE, decoder_dir: Path = REFERENCE_DECODER
+    workers: int,
+    base_dir: Path = REFERENCE_BASE,
+    decoder_dir: Path = REFERENCE_DECODER,
+    data_plane: str = settings.DATA_PLANE.default_for(settings.UP),
 ) -> Iterator[StackUrls]:
     """The embedded stack on free ports in a throwaway data dir, stopped on exit."""
     with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
@@ -60,6 +64,7 @@ def embedded_stack(
                 workers=workers,
                 base_dir=base_dir,
                 decoder_dir=decoder_dir,
+                data_plane=data_plane,
             )
         )
         urls = stack.start(timeout=120.0)
@@ -93,6 +98,12 @@ def main() -> None:
         "a multi-threaded main-thread forward can be ~100x slower than a 1-thread one",
     )
     ap.add_argument("--workers", type=int, default=2, help="readout workers in the stack")
+    ap.add_argument(
+        "--data-plane",
+        choices=("bus", "local"),
+        default=settings.DATA_PLANE.default_for(settings.UP),
+        help="how the stack's rows travel (STATEBLOCK_DATA_PLANE; `stateblock up`: local)",
+    )
     ap.add_argument("--base-dir", type=Path, default=REFERENCE_BASE)
     ap.add_argument("--decoder-dir", type=Path, default=REFERENCE_DECODER)
     args = ap.parse_args()
@@ -102,7 +113,7 @@ def main() -> None:
 
     import openai
 
-    with embedded_stack(args.workers, args.base_dir, args.decoder_dir) as urls:
+    with embedded_stack(args.workers, args.base_dir, args.decoder_dir, args.data_plane) as urls:
         client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="unused", max_retries=0)
 
         def http_call() -> str:
@@ -121,7 +132,7 @@ def main() -> None:
 
     ms = 1000.0
     rows = [
-        ("HTTP /v1/completions (embedded stack)", http_times),
+        (f"HTTP /v1/completions (embedded stack, data plane {args.data_plane})", http_times),
         ("in-process capture + decoder", local_times),
     ]
     print(

@@ -234,6 +234,11 @@ class ProcStack:
                         out[key] = out.get(key, 0.0) + s.value
         return out
 
+    @property
+    def metrics_urls(self) -> tuple[str, ...]:
+        """Each capture's /metrics, then each readout's."""
+        return tuple(self._metrics_urls)
+
     def pids(self) -> dict[str, int]:
         """{service name: process id} of the processes still running."""
         return {n: p.pid for n, p in self._procs.items() if p.poll() is None}

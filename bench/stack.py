@@ -82,6 +82,7 @@ def bench_stack_config(
     nats_max_payload: int | None = 8 << 20,  # None: the server's 1 MiB default
     blocks_storage: str = "file",
     forward_state_digest: str = envelope.DEFAULT_FORWARD_STATE_ALGORITHM,
+    data_plane: str = "bus",  # "local": `stateblock up`'s, the rows in the capture's slots
 ) -> UpConfig:
     """The embedded stack as the benches run it: free ports, a connection per service."""
     return UpConfig(
@@ -95,6 +96,7 @@ def bench_stack_config(
         nats_max_payload=nats_max_payload,
         blocks_storage=blocks_storage,
         forward_state_digest=forward_state_digest,
+        data_plane=data_plane,
         request_timeout_s=120.0,
         grace_s=2.0,
         connection_per_service=True,

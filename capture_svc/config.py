@@ -67,6 +67,10 @@ class CaptureConfig:
     blocks_storage: str = declared(settings.BLOCKS_STORAGE)
     # the hash the block's forward_state_digest is signed as: "blake3" or "sha256"
     forward_state_digest: str = declared(settings.FORWARD_STATE_DIGEST)
+    # how the rows travel: "bus" (the payload) or "local" (a slot pool this process's readout
+    # shares: `stateblock up`); the slots held at most, a full pool waits publish_timeout_s
+    data_plane: str = declared(settings.DATA_PLANE)
+    data_plane_slots: int = declared(settings.DATA_PLANE_SLOTS)
     # a publish is retried within this (a leader election takes seconds); well inside the
     # request deadline
     publish_timeout_s: float = declared(settings.PUBLISH_TIMEOUT_S)
@@ -87,6 +91,7 @@ class CaptureConfig:
             envelope.forward_state_algorithm(self.forward_state_digest)
         except ValueError as e:
             raise runtime.ConfigError(f"STATEBLOCK_FORWARD_STATE_DIGEST: {e}") from None
+        runtime.data_plane(self.data_plane)
         if self.token_file is None and self.host and not tokens.is_loopback(self.host):
             raise runtime.ConfigError(
                 f"STATEBLOCK_CAPTURE_HOST={self.host} without STATEBLOCK_CAPTURE_TOKEN_FILE: "

@@ -141,8 +141,12 @@ class PlanTable:
         *,
         plan_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        host_rows: bool = True,
     ) -> None:
+        """`host_rows`: each request's rows are copied to the host (the bus carries bytes);
+        False leaves them on the forward's device (the local data plane's slots)."""
         self._m = metrics
+        self._host_rows = host_rows
         self._ttl = plan_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -270,7 +274,7 @@ class PlanTable:
             return
         # cat copies: the request owns its rows, whatever becomes of the cohort tensor
         packed = torch.cat([rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)])
-        packed = packed.detach().to("cpu")  # (total_rows, d)
+        packed = packed.detach().to("cpu") if self._host_rows else packed.detach()  # (rows, d)
         if packed.shape[0] != plan.total_rows:
             self._m.row_count_mismatch.inc()
             detail = f"{packed.shape[0]} rows, plan {plan.total_rows}"

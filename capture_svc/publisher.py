@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -10,6 +12,7 @@ from nats.js.object_store import ObjectStore
 
 from stateblock.nats_client import describe, retry_transient
 from stateblock.protocol import envelope, streams
+from stateblock.v1 import block_pb2 as pb
 
 # Room for the message headers (Nats-Msg-Id, Nats-Expected-Stream) and protocol framing.
 HEADER_HEADROOM = 512
@@ -33,6 +36,7 @@ class BlockPublisher:
     ) -> None:
         self._js = js
         self._objects = objects
+        self._model = model
         self._subject = streams.blocks_subject(model)
         self._max_payload = max_payload
         self._timeout = timeout_s
@@ -58,18 +62,35 @@ class BlockPublisher:
                 data = block.object_wire(streams.PAYLOAD_BUCKET, block_id)
             else:
                 data = block.wire()
-            await self._js.publish(
-                self._subject,
-                data,
-                timeout=min(self._timeout, ATTEMPT_TIMEOUT_S),
-                stream=streams.BLOCKS_STREAM,
-                headers={"Nats-Msg-Id": block_id},
-            )
+            await self._send(self._subject, data, block_id)
 
+        await self._retried(once, block_id)
+        return via_object
+
+    async def publish_header(self, header: pb.StateBlockHeader) -> None:
+        """A block whose rows stay on this host (its locator says where): the header alone,
+        on its placement's subject, which only that placement's workers consume."""
+        subject = streams.placement_subject(self._model, header.locator.placement)
+        data = envelope.serialize_block(pb.StateBlock(header=header))
+
+        async def once() -> None:
+            await self._send(subject, data, header.block_id)
+
+        await self._retried(once, header.block_id)
+
+    async def _send(self, subject: str, data: bytes, block_id: str) -> None:
+        await self._js.publish(
+            subject,
+            data,
+            timeout=min(self._timeout, ATTEMPT_TIMEOUT_S),
+            stream=streams.BLOCKS_STREAM,
+            headers={"Nats-Msg-Id": block_id},
+        )
+
+    async def _retried(self, once: Callable[[], Awaitable[None]], block_id: str) -> None:
         try:
             # Repeating is safe: JetStream keeps one message per Nats-Msg-Id (its duplicate
             # window), and the object of a block is the same bytes under the same name.
             await retry_transient(once, within_s=self._timeout, what="publish block")
         except (TimeoutError, nats.errors.Error) as e:
             raise PublishError(f"publish block {block_id}: {describe(e)}") from e
-        return via_object

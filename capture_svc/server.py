@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from capture_svc.auth import CaptureTokenInterceptor
 from capture_svc.batcher import MIN_BUCKET, CohortForward, ForwardBatcher, warm_shapes
 from capture_svc.config import CaptureConfig
+from capture_svc.dataplane import Sealer, data_plane
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
 from capture_svc.service import (
@@ -34,6 +35,8 @@ from capture_svc.service import (
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.model.shm import HostRegions
+from stateblock.model.slots import SlotPool
 from stateblock.nats_client import (
     LIVENESS,
     NatsState,
@@ -43,7 +46,7 @@ from stateblock.nats_client import (
     probing,
     round_trip,
 )
-from stateblock.protocol import streams
+from stateblock.protocol import envelope, locator, streams
 from stateblock.protocol.keys import Signer, load_or_generate_signer
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 
@@ -106,6 +109,7 @@ class RunningCapture:
     port: int
     service: CaptureService
     plans: PlanTable
+    slots: SlotPool | None  # the local data plane's: the readout of this process reads them
 
 
 async def _health_not_serving(server: grpc.aio.Server) -> health.aio.HealthServicer:
@@ -131,6 +135,19 @@ async def _warm_up(
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
+
+
+def _slots(config: CaptureConfig) -> SlotPool | HostRegions | None:
+    """Where the rows wait for their readout: the process's slot pool (`local`), this
+    host's shared-memory regions (`host`), or none (the bus carries them)."""
+    if config.data_plane == locator.LOCAL:
+        return SlotPool(config.data_plane_slots)
+    if config.data_plane == locator.HOST:
+        try:
+            return HostRegions(config.data_plane_slots, config.block_ttl_s)
+        except OSError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
+    return None
 
 
 def _door(config: CaptureConfig) -> list[grpc.aio.ServerInterceptor]:
@@ -198,8 +215,16 @@ async def running_capture(
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
         )
-        plans = PlanTable(PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s)
+        local = config.data_plane == locator.LOCAL
+        plans = PlanTable(
+            PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not local
+        )
+        held = _slots(config)
+        algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
+        sealer = Sealer(signer, model.identity, config.block_ttl_s, algorithm)
         capture_metrics = CaptureMetrics(metrics)
+        if held is not None:
+            capture_metrics.slots_held.set_function(held.held)
         # One forward thread: cohorts run one after another, each using every core.
         executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
         forward = _forward(model, plans, config)
@@ -213,9 +238,8 @@ async def running_capture(
                 on_cohort=capture_metrics.cohort_lanes.observe,
             )
         )
-        service = CaptureService(
-            model, plans, batcher, publisher, signer, capture_metrics, config=config
-        )
+        plane = data_plane(config, publisher, sealer, held)
+        service = CaptureService(model, plans, batcher, plane, capture_metrics, config=config)
         port, health_servicer = await _serve(stack, service, config)
         # Listening already: requests meanwhile get UNAVAILABLE (CaptureWarmingUp).
         await _warm_up(forward, executor, config, capture_metrics)
@@ -235,12 +259,18 @@ async def running_capture(
             port=port,
             model=model.name,
             token=config.token_file is not None,
+            data_plane=config.data_plane,
         )
-        yield RunningCapture(port, service, plans)
+        yield RunningCapture(port, service, plans, held if isinstance(held, SlotPool) else None)
 
 
 async def main() -> None:
     config = CaptureConfig.from_env()
+    if config.data_plane == locator.LOCAL:  # no readout here could ever reach the rows
+        raise runtime.ConfigError(
+            "STATEBLOCK_DATA_PLANE=local: a capture process of its own serves `bus` or "
+            "`host`; `stateblock up` runs the local data plane"
+        )
     shutdown, metrics = runtime.service_started(config.log_level)
     model = await asyncio.to_thread(
         load_serving_model,

@@ -16,15 +16,16 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from capture_svc.batcher import Dropped, ForwardBatcher
 from capture_svc.config import CaptureConfig
+from capture_svc.dataplane import DataPlane
 from capture_svc.plans import PlanError, PlanTable
-from capture_svc.publisher import BlockPublisher, PublishError
+from capture_svc.publisher import PublishError
 from stateblock import runtime
 from stateblock.model.loading import ServingModel
 from stateblock.model.prompts import PromptEncoder
-from stateblock.model.rows import check_rows, rows_view
+from stateblock.model.rows import check_rows
+from stateblock.model.slots import SlotPoolFull
 from stateblock.protocol import envelope, sampling
 from stateblock.protocol.ids import uuid7
-from stateblock.protocol.keys import Signer
 from stateblock.protocol.sampling import InvalidSampling
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import capture_pb2
@@ -80,14 +81,20 @@ class CaptureMetrics:
         # where a capture's time goes: the wire-size block makes sign and publish matter
         self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
-            "Capture time by stage: tokenize, forward (queue + base forward + rows to host), "
-            "sign (digest + signature), publish (JetStream ack).",
+            "Capture time by stage: tokenize, forward (queue + base forward + rows to host, "
+            "but for a local data plane's), sign (digest + signature), publish (JetStream ack).",
             metrics,
         )
         self.cohort_lanes = Histogram(
             "stateblock_capture_cohort_lanes",
             "Lanes per packed base forward.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+            registry=metrics,
+        )
+        self.slots_held = Gauge(
+            "stateblock_capture_slots_held",
+            "Local and host data planes: slots (shared-memory regions) holding a block's rows "
+            "until its commit, rejection or expiry (0 on the bus).",
             registry=metrics,
         )
         self.warmup_seconds = Gauge(
@@ -103,16 +110,13 @@ class CaptureService:
         model: ServingModel,
         plans: PlanTable,
         batcher: ForwardBatcher,
-        publisher: BlockPublisher,
-        signer: Signer,
+        plane: DataPlane,
         metrics: CaptureMetrics,
         *,
         config: CaptureConfig,
     ) -> None:
         self._model, self._plans, self._config = model, plans, config
-        self._batcher, self._publisher = batcher, publisher
-        self._signer, self._metrics = signer, metrics
-        self._digest_algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
+        self._batcher, self._plane, self._metrics = batcher, plane, metrics
         self._encode = PromptEncoder(model.tokenizer)
         self._ready = False
 
@@ -232,35 +236,25 @@ class CaptureService:
         t2 = time.perf_counter()
         stage.labels("forward").observe(t2 - t1)
         check_rows(rows, layout)
-        block = envelope.seal_block(
-            layout,
-            rows_view(rows),
-            request_id=request_id,
-            identity=self._model.identity,
-            sampling=[lane.sampling for lane in lanes],
-            signer=self._signer,
-            ttl_s=self._config.block_ttl_s,
-            digest_algorithm=self._digest_algorithm,
-        )
-        t3 = time.perf_counter()
-        stage.labels("sign").observe(t3 - t2)
         try:
-            via_object = await self._publisher.publish(block)
-        except PublishError as e:
+            delivered = await self._plane.deliver(
+                layout, rows, request_id=request_id, sampling=[lane.sampling for lane in lanes],
+                stage=stage,
+            )  # fmt: skip
+        except (PublishError, SlotPoolFull) as e:
             raise CaptureUnavailable(str(e)) from e
         t4 = time.perf_counter()
-        stage.labels("publish").observe(t4 - t3)
         self._metrics.capture_seconds.observe(t4 - t0)
         log.info(
             "block published",
-            block_id=block.header.block_id,
+            block_id=delivered.block_id,
             lanes=len(lanes),
             rows=layout.total_rows,
-            via_object_store=via_object,
+            via_object_store=delivered.via_object_store,
         )
         return Captured(
             request_id,
-            block.header.block_id,
+            delivered.block_id,
             tuple(len(ids) for ids in lane_ids),
-            via_object,
+            delivered.via_object_store,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import nats
@@ -24,6 +25,7 @@ from readout_svc.records import rejection_record
 from registry import AlreadyClaimed, AlreadyCommitted, ClaimLost, Registry, RegistryError
 from stateblock.protocol import envelope
 from stateblock.protocol.keys import Signer, TrustStore
+from stateblock.v1 import block_pb2 as pb
 
 log = structlog.get_logger("stateblock.readout.advisories")
 
@@ -48,6 +50,8 @@ class ExhaustedBlocks:
     stream: str
     consumer: str
     claim_wait_s: float = 30.0  # at most this long for a live lease elsewhere to lapse
+    # told of each block it rejected (the local data plane frees the block's slot)
+    on_rejected: Callable[[pb.StateBlockHeader], None] | None = None
 
     async def subscribe(self):
         """The queue subscription; the caller unsubscribes (or drains) it."""
@@ -88,6 +92,8 @@ class ExhaustedBlocks:
         except ClaimLost:
             return "claim_lost"  # a late worker finished it after all
         log.warning("block rejected", reason=MAX_DELIVERIES, block_id=header.block_id)
+        if self.on_rejected is not None:
+            self.on_rejected(header)
         return "rejected"
 
     async def _claim(self, block_id: str):

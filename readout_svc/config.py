@@ -56,6 +56,9 @@ class ReadoutServiceConfig:
     # nak delay for a block another worker holds a live claim on
     retry_delay_s: float = declared(settings.RETRY_DELAY_S)
     duplicate_window_s: float = declared(settings.DUPLICATE_WINDOW_S)
+    # how the rows travel: "bus", or "local" (the capture's slot pool in this process, whose
+    # placement's blocks these workers consume)
+    data_plane: str = declared(settings.DATA_PLANE)
     # the blocks work queue: "file" or "memory" (streams.py)
     blocks_storage: str = declared(settings.BLOCKS_STORAGE)
     metrics_port: int | None = declared(settings.READOUT_METRICS_PORT)
@@ -72,6 +75,7 @@ class ReadoutServiceConfig:
     def __post_init__(self) -> None:
         runtime.model_name(self.model_name)
         runtime.blocks_storage(self.blocks_storage)
+        runtime.data_plane(self.data_plane)
         if self.matmul_precision not in ("highest", "high"):
             raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")
         if self.readout_head not in ("", "fused", "lm_head"):

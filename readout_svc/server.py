@@ -21,13 +21,16 @@ from prometheus_client import CollectorRegistry
 from readout_svc.advisories import ExhaustedBlocks
 from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
+from readout_svc.rows import free_slot
 from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
 from stateblock.model.loading import load_readout_model
+from stateblock.model.shm import host_placement
+from stateblock.model.slots import SlotPool
 from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
-from stateblock.protocol import streams
+from stateblock.protocol import locator, streams
 from stateblock.protocol.keys import Signer, TrustStore, load_or_generate_signer
 
 log = structlog.get_logger("readout_svc")
@@ -53,13 +56,29 @@ async def running_readout(
     signer: Signer,
     metrics: CollectorRegistry,
     engine_health: EngineHealth | None = None,
+    slots: SlotPool | None = None,
 ) -> AsyncIterator[RunningReadout]:
-    """`config.workers` pull loops; on exit each finishes the block in hand, then stops."""
+    """`config.workers` pull loops; on exit each finishes the block in hand, then stops. On
+    the local data plane they read the capture's `slots` (this process's), and pull that
+    placement's blocks alone."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
+    if (config.data_plane == locator.LOCAL) != (slots is not None):
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE={config.data_plane} "
+            + ("needs the capture's slot pool in this process" if slots is None else "has no slots")
+        )
     js = nc.jetstream()
-    durable, registry = await _open_bus(js, config, signer)
+    placement = None  # the bus
+    if slots is not None:
+        placement = slots.instance_id
+    elif config.data_plane == locator.HOST:
+        try:
+            placement = host_placement()
+        except OSError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
+    durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
@@ -69,7 +88,7 @@ async def running_readout(
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
-            streams.BLOCKS_STREAM, durable,
+            streams.BLOCKS_STREAM, durable, on_rejected=functools.partial(free_slot, slots),
         )  # fmt: skip
         advisories = await exhausted.subscribe()
         stack.push_async_callback(advisories.unsubscribe)
@@ -92,6 +111,8 @@ async def running_readout(
                 max_deliver=config.max_deliver,
                 engine_health=engine_health,
                 readouts=readouts,
+                slots=slots,
+                host=placement if config.data_plane == locator.HOST else None,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -143,7 +164,7 @@ async def _engine_threads(
 
 
 async def _open_bus(
-    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer
+    js: JetStreamContext, config: ReadoutServiceConfig, signer: Signer, placement: str | None
 ) -> tuple[str, Registry]:
     """The streams, the readout consumer (its durable name) and the registry. Claims and
     outcomes signed by our readout keys stand; an entry none of them signed is a forger's
@@ -155,8 +176,9 @@ async def _open_bus(
         replicas=config.nats_replicas,
     )
     durable = await streams.ensure_readout_consumer(
-        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver
-    )
+        js, config.model_name, ack_wait_s=config.ack_wait_s, max_deliver=config.max_deliver,
+        placement=placement,
+    )  # fmt: skip
     peers = config.readout_trusted_keys_dir or config.signing_key_dir
     outcome_trust = TrustStore.from_dir(peers) if Path(peers).is_dir() else TrustStore()
     outcome_trust.add(signer.public_key)
@@ -206,6 +228,11 @@ async def serve_health(
 
 async def main() -> None:
     config = ReadoutServiceConfig.from_env()
+    if config.data_plane == locator.LOCAL:  # the rows would be in another process's pool
+        raise runtime.ConfigError(
+            "STATEBLOCK_DATA_PLANE=local: a readout process of its own serves `bus` or "
+            "`host`; `stateblock up` runs the local data plane"
+        )
     require_engine(config.engine)  # fail closed before anything is loaded
     shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)

@@ -11,7 +11,10 @@ the rows' digest (in a thread of its own; milliseconds at full scale, docs/BENCH
 Nothing built from the block leaves the worker before both the claim and the digest
 succeed: a readout whose claim is refused is dropped unread (a duplicate delivery costs one
 wasted readout, the reply path loses a round trip), and a block whose rows do not match
-its signed digest releases its claim before it is rejected, its answer dropped.
+its signed digest releases its claim before it is rejected, its answer dropped. Rows kept
+on this host (readout_svc.rows: a slot, a shared-memory region) never crossed a network,
+so other rows there mean the block's own were lost: that block ends in a signed rejection
+its request hears, and its slot is freed with its commit or rejection.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 import nats.errors
-import nats.js.errors as js_errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from readout_svc.cohorts import DirectReadouts, ReadoutCohorts
 from readout_svc.records import commit_record, rejection_record
+from readout_svc.rows import BlockRows, Rejected
 from registry import (
     AlreadyClaimed,
     AlreadyCommitted,
@@ -41,28 +44,14 @@ from registry import (
 )
 from stateblock import runtime
 from stateblock.engines import LaneResult, ReadoutEngine, lane_requests
+from stateblock.model.slots import SlotPool, SlotVerified
 from stateblock.protocol import envelope, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.sampling import Limits
 from stateblock.v1 import block_pb2 as block_pb
 
 log = structlog.get_logger("readout_svc")
-# Reasons beyond the envelope's, for blocks whose signed header verified:
-MODEL_MISMATCH = "model_mismatch"  # valid, but for another model's pieces
-OBJECT_MISSING = "object_missing"  # its rows' object is gone from the store
-LIMITS = "limits"  # asks for more than this worker reads (lanes, depth, rows)
 READOUT_FAILED = "readout_failed"  # the engine failed on every delivery
-
-
-class Rejected(Exception):
-    """A block this worker will not read. `authentic` as in envelope.BlockRejected: only a
-    failure of the signed block itself may end the request it names."""
-
-    def __init__(self, reason: str, detail: str, *, authentic: bool = True) -> None:
-        self.reason = reason
-        self.detail = detail
-        self.authentic = authentic
-        super().__init__(f"{reason}: {detail}")
 
 
 class EngineHealth:
@@ -132,7 +121,7 @@ class WorkerMetrics:
         )
 
 
-def _timed_confirm(checked: envelope.HeaderVerified) -> tuple[envelope.VerifiedBlock, float]:
+def _timed_confirm(checked: envelope.HeaderVerified | SlotVerified) -> tuple[object, float]:
     t0 = time.perf_counter()
     return checked.confirm(), time.perf_counter() - t0
 
@@ -157,17 +146,20 @@ class ReadoutWorker:
         max_deliver: int = 0,  # 0: unbounded (nothing to end on the last delivery)
         engine_health: EngineHealth | None = None,
         readouts: ReadoutCohorts | None = None,  # shared by the process's workers
+        slots: SlotPool | None = None,  # the local data plane's, shared with the capture
+        host: str | None = None,  # the host data plane's placement: this host's regions
     ) -> None:
         self._engine_health = engine_health or EngineHealth()
         self._engine = engine
         self._readouts = readouts or DirectReadouts(engine, executor)
         self._registry = registry
-        self._trust = trust
+        self._rows = BlockRows(
+            engine, trust, limits, nc=nc, objects=objects, object_timeout_s=lease_s,
+            slots=slots, host=host,
+        )  # fmt: skip
         self._signer = signer  # signs this worker's commits and rejections
-        self._limits = limits
         self._max_deliver = max_deliver
         self._nc = nc
-        self._objects = objects
         self._executor = executor
         self._digest_executor = digest_executor
         self._m = metrics
@@ -188,7 +180,7 @@ class ReadoutWorker:
             block_id=block_id, request_id=block.header.request_id
         ):
             try:
-                checked = await self._verify(block, inline_rows)
+                checked = await self._rows.verify(block, inline_rows)
             except (Rejected, envelope.BlockRejected) as e:
                 if e.authentic:  # a redelivery after the outcome is dropped by the claim
                     return await self._reject(msg, block.header, str(e.reason), e.detail)
@@ -202,67 +194,12 @@ class ReadoutWorker:
                 digest.cancel()
                 digest.add_done_callback(runtime.discard_outcome)
 
-    async def _verify(
-        self, block: block_pb.StateBlock, inline_rows: memoryview | None
-    ) -> envelope.HeaderVerified:
-        if block.payload.WhichOneof("location") == "object_ref":
-            try:  # signature, expiry and layout first: an untrusted block fetches nothing
-                envelope.verify_header(block, self._trust)
-            except ValueError:  # only the payload is missing: fetch it
-                pass
-            checked = envelope.verify_header(block, self._trust, payload=await self._fetch(block))
-        else:
-            checked = envelope.verify_header(block, self._trust, payload=inline_rows)
-        header, want = checked.header, self._engine.identity
-        if (
-            header.model != want.model
-            or header.base_model_digest != want.base_model_digest
-            or header.lm_head_digest != want.lm_head_digest
-            or header.decoder_digest != want.decoder_digest
-        ):
-            raise Rejected(MODEL_MISMATCH, f"block for {header.model!r} / other model pieces")
-        self._check_limits(header)
-        return checked
-
-    def _check_limits(self, header: block_pb.StateBlockHeader) -> None:
-        """Signed sizes are still requests: refuse what this worker would not serve before
-        allocating anything for it."""
-        lim, lanes = self._limits, header.layout.lanes
-        if len(lanes) > lim.max_lanes:
-            raise Rejected(LIMITS, f"{len(lanes)} lanes, over {lim.max_lanes}")
-        for lane in lanes:
-            if lane.answer_depth > lim.answer_depth_max:
-                raise Rejected(LIMITS, f"depth {lane.answer_depth} over {lim.answer_depth_max}")
-            if lane.row_count > lim.prompt_len_max:
-                raise Rejected(LIMITS, f"{lane.row_count} rows over {lim.prompt_len_max}")
-
-    async def _fetch(self, block: block_pb.StateBlock) -> bytes:
-        ref = block.payload.object_ref
-        if ref.bucket != streams.PAYLOAD_BUCKET:
-            raise Rejected(OBJECT_MISSING, f"unknown bucket {ref.bucket!r}")
-        try:
-            # bounded: nats-py's get waits for the chunks with no deadline, and an object
-            # whose chunks go while it is read (deleted, aged out) would hold this worker
-            # and its pull loop forever
-            result = await asyncio.wait_for(self._objects.get(ref.name), self._lease_s)
-        except TimeoutError as e:
-            if await streams.payload_gone(self._nc.jetstream(), self._objects, ref.name):
-                raise Rejected(OBJECT_MISSING, f"object {ref.name!r} gone while read") from e
-            raise  # a slow store: no ack, the block comes back after ack_wait
-        except js_errors.DigestMismatchError as e:
-            raise Rejected(
-                str(envelope.RejectReason.FORWARD_STATE_DIGEST), "object chunks", authentic=False
-            ) from e
-        except js_errors.NotFoundError as e:
-            raise Rejected(OBJECT_MISSING, f"object {ref.name!r} not found") from e
-        return bytes(result.data or b"")
-
     async def _claim_and_read(
         self,
         msg: Msg,
         block: block_pb.StateBlock,
-        checked: envelope.HeaderVerified,
-        digest: asyncio.Future[tuple[envelope.VerifiedBlock, float]],
+        checked: envelope.HeaderVerified | SlotVerified,
+        digest: asyncio.Future[tuple[object, float]],
         t_start: float,
     ) -> str:
         header = checked.header
@@ -274,7 +211,7 @@ class ReadoutWorker:
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
             readout.cancel()  # not ours: dropped unread (skipped if it has not started)
             readout.add_done_callback(runtime.discard_outcome)
-            return await self._not_ours(msg, e, digest)
+            return await self._not_ours(msg, header, e, digest)
         except BaseException:  # NATS trouble mid-claim: the block is redelivered
             readout.add_done_callback(runtime.discard_outcome)
             raise
@@ -284,6 +221,8 @@ class ReadoutWorker:
         try:
             _, digest_s = await digest
         except envelope.BlockRejected as e:  # signed header, other rows: nothing of it commits
+            if e.authentic:  # rows in a slot that are not its own: this block's are lost
+                return await self._reject(msg, header, str(e.reason), e.detail, claim)
             await self._release(claim)
             return await self._drop_unverified(msg, str(e.reason), e.detail)
         t_digest = time.perf_counter()
@@ -315,15 +254,17 @@ class ReadoutWorker:
         for name, seconds in stages.items():
             self._m.stage_seconds.labels(name).observe(seconds)
         self._m.committed.inc()
-        await self._cleanup_object(block)
+        self._rows.free(header)
+        await self._rows.cleanup(block)
         log.info("block committed", lanes=len(header.layout.lanes))
         return "committed"
 
     async def _not_ours(
         self,
         msg: Msg,
+        header: block_pb.StateBlockHeader,
         refused: Exception,
-        digest: asyncio.Future[tuple[envelope.VerifiedBlock, float]],
+        digest: asyncio.Future[tuple[object, float]],
     ) -> str:
         """A delivery whose claim was refused: committed already, claimed elsewhere, or a
         block id no registry key can be. Rows that fail their digest are rejected as such,
@@ -331,9 +272,10 @@ class ReadoutWorker:
         try:
             await digest
         except envelope.BlockRejected as bad:
-            return await self._drop_unverified(msg, str(bad.reason), bad.detail)
+            if not bad.authentic:  # a slot's lost rows: the claim's holder decides
+                return await self._drop_unverified(msg, str(bad.reason), bad.detail)
         if isinstance(refused, AlreadyCommitted):
-            return await self._drop_duplicate(msg)
+            return await self._drop_duplicate(msg, header)
         if isinstance(refused, AlreadyClaimed):
             # not before the holder's lease can lapse: every nak spends one of the
             # block's max_deliver deliveries, and a holder that is only slow commits
@@ -398,19 +340,12 @@ class ReadoutWorker:
     def _last_delivery(self, msg: Msg) -> bool:
         return bool(self._max_deliver) and msg.metadata.num_delivered >= self._max_deliver
 
-    async def _drop_duplicate(self, msg: Msg) -> str:
+    async def _drop_duplicate(self, msg: Msg, header: block_pb.StateBlockHeader) -> str:
+        self._rows.free(header)
         await msg.ack_sync()
         self._m.duplicates_dropped.inc()
         log.info("duplicate delivery dropped")
         return "duplicate"
-
-    async def _cleanup_object(self, block: block_pb.StateBlock) -> None:
-        if block.payload.WhichOneof("location") != "object_ref":
-            return
-        try:
-            await self._objects.delete(block.payload.object_ref.name)
-        except (TimeoutError, nats.errors.Error) as e:  # the bucket TTL ages it out anyway
-            log.warning("payload object not deleted", error=repr(e))
 
     async def _nak(self, cause: str, msg: Msg, after_s: float = 0.0) -> None:
         self._m.retried.labels(cause).inc()
@@ -430,7 +365,7 @@ class ReadoutWorker:
             try:
                 claim = await self._claim(header.block_id)
             except AlreadyCommitted:
-                return await self._drop_duplicate(msg)
+                return await self._drop_duplicate(msg, header)
             except AlreadyClaimed as e:  # its holder decides; ask again after its lease
                 await self._nak("claimed_elsewhere", msg, after_s=e.lease_left_s)
                 log.info("block claimed elsewhere, redelivering later", holder=e.holder)
@@ -444,6 +379,7 @@ class ReadoutWorker:
             self._m.claims_lost.inc()
             await self._nak("claim_lost", msg)
             return "claim_lost"
+        self._rows.free(header)
         log.warning("block rejected", reason=reason, detail=detail[:200])
         return await self._dead_letter(msg, reason, header.block_id, verified=True)
 

@@ -237,6 +237,15 @@ def blocks_storage(value: str) -> str:
     return value
 
 
+def data_plane(value: str) -> str:
+    """STATEBLOCK_DATA_PLANE: how a block's rows travel (stateblock.protocol.locator)."""
+    from stateblock.protocol.locator import DATA_PLANES
+
+    if value not in DATA_PLANES:
+        raise ConfigError(f"STATEBLOCK_DATA_PLANE={value!r} must be {', '.join(DATA_PLANES)}")
+    return value
+
+
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit

@@ -238,6 +238,16 @@ ENGINE = _setting(
     "cannot load or whose manifest does not match the model, stops the worker at start-up)",
     (READOUT, UP), chart="readout.engine",
 )  # fmt: skip
+DATA_PLANE = _setting(
+    "DATA_PLANE", str, "bus",
+    "how a block's rows travel, chosen at start-up (the signed header always goes over "
+    "JetStream): `bus` (the block's payload, any host), `local` (the capture and the readout "
+    "in one process: the rows stay on the capture's device in a slot pool, and only this "
+    "process's workers receive its blocks) or `host` (capture and readout processes on one "
+    "host: the rows in POSIX shared memory, /dev/shm, read by that host's workers alone; a "
+    "GPU's rows pass through the host, CUDA IPC is not built); capture and readout must agree",
+    (CAPTURE, READOUT, UP), defaults={UP: "local"},
+)  # fmt: skip
 API_KEY = _setting(
     "API_KEY", str, None,
     "clients send `Authorization: Bearer KEY` (HTTP; 401 in OpenAI's shape without it) or "
@@ -363,6 +373,13 @@ FORWARD_STATE_DIGEST = _setting(
     "FORWARD_STATE_DIGEST", str, envelope.DEFAULT_FORWARD_STATE_ALGORITHM,
     "the hash of the block's forward-state digest, `blake3` or `sha256`; the signed header "
     "names it and every worker reads both", (CAPTURE,),
+)  # fmt: skip
+DATA_PLANE_SLOTS = _setting(
+    "DATA_PLANE_SLOTS", int, 64,
+    "`local` and `host` data planes: blocks whose rows the capture holds at once (slots, "
+    "shared-memory regions), until their commit, rejection or expiry; a capture with every "
+    "slot held waits up to "
+    "`STATEBLOCK_PUBLISH_TIMEOUT_S` for one, then fails UNAVAILABLE", (CAPTURE,), minimum=1,
 )  # fmt: skip
 PUBLISH_TIMEOUT_S = _setting(
     "PUBLISH_TIMEOUT_S", float, 20.0,

@@ -72,6 +72,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         nats_replicas=a.nats_replicas,
         model_name=a.model_name,
         api_key=a.api_key,
+        data_plane=a.data_plane,
     )
 
     def ready(urls: embedded.StackUrls) -> None:

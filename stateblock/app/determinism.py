@@ -361,6 +361,7 @@ async def embedded_determinism(
         base_dir=base_dir,
         decoder_dir=decoder_dir,
         engine=engine_name,
+        data_plane="bus",  # the audit re-reads the rows each block carried
     )
     model = await asyncio.to_thread(
         load_serving_model, DEFAULT_MODEL_NAME, base_dir, decoder_dir, device=device

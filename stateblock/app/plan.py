@@ -111,6 +111,11 @@ class StackPlan:
             if setting in WIRING or not set(setting.readers) & set(SERVICES):
                 raise ValueError(f"{setting.name} is not a setting the plan gives its services")
             self.value(setting)  # one that cannot be read stops the plan, not a service
+        if self.value(s.DATA_PLANE) == "local" and self.placement != IN_PROCESS:
+            raise ValueError(
+                "STATEBLOCK_DATA_PLANE=local keeps the rows in the capture's process: "
+                "only an in-process stack can read them"
+            )
         # a block a dead worker held must come back while its request still waits
         runtime.check_redelivery(self.value(s.ACK_WAIT_S), self.value(s.REQUEST_TIMEOUT_S))
 

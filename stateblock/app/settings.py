@@ -39,6 +39,7 @@ class UpFlags:
     api_key: str | None = declared(settings.API_KEY, repr=False)
     nats_url: str | None = declared(settings.NATS_URL)  # None: start an embedded server
     nats_replicas: int = declared(settings.NATS_REPLICAS)
+    data_plane: str = declared(settings.DATA_PLANE)  # local: rows in a slot pool
     log_level: str = declared(settings.LOG_LEVEL)
 
 

@@ -64,6 +64,8 @@ class UpConfig:
     forward_state_digest: str = settings.FORWARD_STATE_DIGEST.default  # the blocks' row hash
     batch_window_s: float | None = None  # None: the capture service's default
     capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
+    # local: the rows stay on the capture's device in a slot pool this process's workers read
+    data_plane: str = settings.DATA_PLANE.default_for(settings.UP)
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
     # to a worker, both read by one client loop. Always so on the stack's own nats-server,
@@ -86,6 +88,7 @@ class UpConfig:
             settings.FORWARD_STATE_DIGEST: self.forward_state_digest,
             settings.CAPTURE_COMPILE: self.capture_compile,
             settings.BATCH_WINDOW_S: self.batch_window_s,  # None: the capture's default
+            settings.DATA_PLANE: self.data_plane,
         }
         return StackPlan(
             data_dir=self.data_dir.resolve(),
@@ -262,7 +265,7 @@ async def running_stack(
             running_readout(
                 plan.config(plan.service(READOUT), wiring),
                 nc=(await connection(READOUT))[0], engine=engine, trust=creds.trust,
-                signer=creds.readout_signer, metrics=metrics,
+                signer=creds.readout_signer, metrics=metrics, slots=capture.slots,
             )
         )  # fmt: skip
         nc, state = await connection(GATEWAY)

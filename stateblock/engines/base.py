@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from stateblock.model.rows import block_lanes
+from stateblock.model.rows import block_lanes, split_lanes
+from stateblock.model.slots import SlotVerified
 from stateblock.model.vocab import Filters
 from stateblock.protocol import envelope
 from stateblock.protocol.envelope import ModelIdentity
@@ -125,13 +126,17 @@ class ReadoutEngine(Protocol):
     def warm_up(self) -> None: ...
 
 
-def lane_requests(block: envelope.VerifiedBlock | envelope.HeaderVerified) -> list[LaneRequest]:
+def lane_requests(
+    block: envelope.VerifiedBlock | envelope.HeaderVerified | SlotVerified,
+) -> list[LaneRequest]:
     """The engine input of a (header-)verified block, lane by lane (also what an audit
-    re-reads)."""
+    re-reads); a slot's rows stay on their device, split by view."""
     header = block.header
+    if isinstance(block, SlotVerified):
+        lanes = split_lanes(block.rows, header.layout)
+    else:
+        lanes = block_lanes(block)
     return [
         LaneRequest(rows=rows, depth=lane.answer_depth, sampling=s)
-        for rows, lane, s in zip(
-            block_lanes(block), header.layout.lanes, header.sampling, strict=True
-        )
+        for rows, lane, s in zip(lanes, header.layout.lanes, header.sampling, strict=True)
     ]

@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from stateblock.protocol import wire
+from stateblock.protocol import locator, wire
 from stateblock.protocol.ids import uuid7
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
@@ -275,9 +275,41 @@ def seal_block(
     digest_algorithm: int = _DEFAULT_ALGORITHM,
 ) -> SealedBlock:
     """Digest and sign the rows; they stay where they are (see `SealedBlock`)."""
-    check_layout(layout, request_id)
     data = memoryview(rows).cast("B")  # bytes, whatever view of them was handed in
+    check_layout(layout, request_id)
     check_payload_size(data, layout)
+    header = signed_header(
+        layout,
+        forward_state_digest(data, digest_algorithm),
+        digest_algorithm,
+        request_id=request_id,
+        identity=identity,
+        sampling=sampling,
+        signer=signer,
+        ttl_s=ttl_s,
+        block_id=block_id,
+        now=now,
+    )
+    return SealedBlock(header, data)
+
+
+def signed_header(
+    layout: pb.Layout,
+    digest: bytes,
+    algorithm: int,
+    *,
+    request_id: str,
+    identity: ModelIdentity,
+    sampling: Sequence[pb.SamplingParams],
+    signer: Signer,
+    ttl_s: float,
+    block_id: str | None = None,
+    now: float | None = None,
+    locator: pb.RowsLocator | None = None,
+) -> pb.StateBlockHeader:
+    """The signed header of rows whose digest is computed already (`seal_block` for bytes;
+    stateblock.protocol.locator for rows that stay where they were captured)."""
+    check_layout(layout, request_id)
     if len(sampling) != len(layout.lanes):
         raise LayoutError(f"{len(sampling)} sampling params for {len(layout.lanes)} lanes")
     if ttl_s <= 0:
@@ -289,17 +321,18 @@ def seal_block(
         model=identity.model,
         layout=layout,
         layout_digest=layout_digest(layout),
-        forward_state_digest=forward_state_digest(data, digest_algorithm),
-        forward_state_algorithm=digest_algorithm,
+        forward_state_digest=digest,
+        forward_state_algorithm=algorithm,
         base_model_digest=identity.base_model_digest,
         lm_head_digest=identity.lm_head_digest,
         decoder_digest=identity.decoder_digest,
         sampling=sampling,
         created_at=_timestamp(now),
         expires_at=_timestamp(now + ttl_s),
+        locator=locator,
     )
     sign_header(header, signer)
-    return SealedBlock(header, data)
+    return header
 
 
 def serialize_block(block: pb.StateBlock) -> bytes:
@@ -365,7 +398,8 @@ def _check_forward_state(header: pb.StateBlockHeader, data: bytes | memoryview) 
 
 
 _READABLE_ALGORITHMS = frozenset(FORWARD_STATE_ALGORITHMS.values()) | {
-    pb.DIGEST_ALGORITHM_UNSPECIFIED
+    pb.DIGEST_ALGORITHM_UNSPECIFIED,
+    pb.DIGEST_ALGORITHM_SLOT_CHECKSUM,
 }
 
 
@@ -393,7 +427,13 @@ def _check_well_formed(block: pb.StateBlock, *, rows_apart: bool) -> None:
             RejectReason.MALFORMED,
             f"unknown forward_state_algorithm {header.forward_state_algorithm}",
         )
-    if block.payload.WhichOneof("location") is None and not rows_apart:
+    on_host = locator.on_host(header)
+    if header.forward_state_algorithm == pb.DIGEST_ALGORITHM_SLOT_CHECKSUM and not on_host:
+        raise BlockRejected(RejectReason.MALFORMED, "the slot checksum is for rows on this host")
+    if on_host:
+        if block.payload.WhichOneof("location") is not None:
+            raise BlockRejected(RejectReason.MALFORMED, "rows on this host and a payload")
+    elif block.payload.WhichOneof("location") is None and not rows_apart:
         raise BlockRejected(RejectReason.MALFORMED, "no payload")
 
 
@@ -440,16 +480,9 @@ def verify_header(
 ) -> HeaderVerified:
     """`verify` up to the forward-state digest: well-formed, trusted key, signature, expiry,
     layout digest, and rows of the layout's size; `.confirm()` checks the digest."""
-    _check_well_formed(block, rows_apart=payload is not None)
-    header = block.header
-    _check_signed(header, trust_store)
-    # Only signed fields are trusted from here on.
-    now = time.time() if now is None else now
-    if now * 1e9 >= header.expires_at.ToNanoseconds():
-        expired = f"expired at {header.expires_at.ToJsonString()}"
-        raise BlockRejected(RejectReason.EXPIRED, expired, authentic=True)
-    if layout_digest(header.layout) != header.layout_digest:
-        raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}", authentic=True)
+    header = trusted_header(block, trust_store, now, rows_apart=payload is not None)
+    if locator.on_host(header):
+        raise BlockRejected(RejectReason.MALFORMED, "its rows are not on the bus")
     data = _payload_bytes(block, payload)
     try:
         check_payload_size(data, header.layout)
@@ -460,6 +493,24 @@ def verify_header(
         _check_forward_state(header, data)
         raise BlockRejected(RejectReason.MALFORMED, str(e), authentic=True) from e
     return HeaderVerified(header=header, data=data)
+
+
+def trusted_header(
+    block: pb.StateBlock, trust_store: TrustStore, now: float | None = None, *, rows_apart: bool
+) -> pb.StateBlockHeader:
+    """The header, once well-formed, signed by a trusted key, unexpired and of a matching
+    layout digest; its rows are the caller's to check. Raises BlockRejected."""
+    _check_well_formed(block, rows_apart=rows_apart)
+    header = block.header
+    _check_signed(header, trust_store)
+    # Only signed fields are trusted from here on.
+    now = time.time() if now is None else now
+    if now * 1e9 >= header.expires_at.ToNanoseconds():
+        expired = f"expired at {header.expires_at.ToJsonString()}"
+        raise BlockRejected(RejectReason.EXPIRED, expired, authentic=True)
+    if layout_digest(header.layout) != header.layout_digest:
+        raise BlockRejected(RejectReason.LAYOUT_DIGEST, f"block {header.block_id}", authentic=True)
+    return header
 
 
 def _payload_bytes(block: pb.StateBlock, fetched: bytes | memoryview | None) -> bytes | memoryview:

@@ -42,6 +42,10 @@ CHUNK_HEADROOM = 1024
 BLOCKS_STORAGE = {"file": StorageType.FILE, "memory": StorageType.MEMORY}
 
 
+# A placement's consumer is deleted by the server after this long without a pull.
+PLACEMENT_IDLE_S = 3600.0
+
+
 class StreamConflict(RuntimeError):
     """A stream exists with a setting JetStream cannot change and the config asks otherwise."""
 
@@ -62,6 +66,20 @@ def model_token(model: str) -> str:
 def blocks_subject(model: str) -> str:
     """The subject of a model's blocks (">": every model's)."""
     return f"stateblock.blocks.{model if model == '>' else model_token(model)}"
+
+
+def placement_subject(model: str, placement: str) -> str:
+    """The subject of `model`'s blocks whose rows only `placement`'s workers reach
+    (stateblock.protocol.locator). A token under the model's subject: the bus consumer's
+    filter (the model's subject exactly) never matches it; the blocks stream stores it."""
+    if not _TOKEN.match(placement) or len(placement) > 64:
+        raise ValueError(f"placement {placement!r} is not a subject token")
+    return f"{blocks_subject(model)}.{placement}"
+
+
+def placement_durable(model: str, placement: str) -> str:
+    """The pull consumer of one placement's blocks."""
+    return f"{readout_durable(model)}-{placement}"
 
 
 def rejected_subject(reason: str) -> str:
@@ -185,20 +203,33 @@ async def payload_gone(js: JetStreamContext, objects: ObjectStore, name: str) ->
 
 
 async def ensure_readout_consumer(
-    js: JetStreamContext, model: str, *, ack_wait_s: float, max_deliver: int
+    js: JetStreamContext,
+    model: str,
+    *,
+    ack_wait_s: float,
+    max_deliver: int,
+    placement: str | None = None,
 ) -> str:
-    """The durable pull consumer every readout worker of `model` shares; returns its name."""
+    """The durable pull consumer every readout worker of `model` shares, or with
+    `placement` the one of that placement's blocks (`placement_subject`; its pool lives as
+    long as its process, so the server deletes the consumer once nobody has pulled from it
+    for PLACEMENT_IDLE_S); returns its name."""
     durable = readout_durable(model)
+    subject, idle = blocks_subject(model), None
+    if placement is not None:
+        subject, idle = placement_subject(model, placement), PLACEMENT_IDLE_S
+        durable = placement_durable(model, placement)
     try:
         await js.consumer_info(BLOCKS_STREAM, durable)
     except js_errors.NotFoundError:
         config = ConsumerConfig(
             durable_name=durable,
-            filter_subject=blocks_subject(model),
+            filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=ack_wait_s,
             max_deliver=max_deliver,
+            inactive_threshold=idle,
         )
         await js.add_consumer(BLOCKS_STREAM, config)
     return durable

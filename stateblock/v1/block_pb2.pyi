@@ -27,6 +27,14 @@ class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIGEST_ALGORITHM_UNSPECIFIED: _ClassVar[DigestAlgorithm]
     DIGEST_ALGORITHM_SHA256: _ClassVar[DigestAlgorithm]
     DIGEST_ALGORITHM_BLAKE3: _ClassVar[DigestAlgorithm]
+    DIGEST_ALGORITHM_SLOT_CHECKSUM: _ClassVar[DigestAlgorithm]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_BUS: _ClassVar[Transport]
+    TRANSPORT_LOCAL: _ClassVar[Transport]
+    TRANSPORT_HOST: _ClassVar[Transport]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -36,6 +44,23 @@ CAPTURE_MODE_FINAL_HIDDEN: CaptureMode
 DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
 DIGEST_ALGORITHM_SHA256: DigestAlgorithm
 DIGEST_ALGORITHM_BLAKE3: DigestAlgorithm
+DIGEST_ALGORITHM_SLOT_CHECKSUM: DigestAlgorithm
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_BUS: Transport
+TRANSPORT_LOCAL: Transport
+TRANSPORT_HOST: Transport
+
+class RowsLocator(_message.Message):
+    __slots__ = ("transport", "placement", "slot", "region")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    placement: str
+    slot: int
+    region: str
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., slot: _Optional[int] = ..., region: _Optional[str] = ...) -> None: ...
 
 class Lane(_message.Message):
     __slots__ = ("request_id", "lane_index", "row_offset", "row_count", "answer_depth")
@@ -86,7 +111,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class StateBlockHeader(_message.Message):
-    __slots__ = ("request_id", "block_id", "model", "layout", "layout_digest", "forward_state_digest", "base_model_digest", "lm_head_digest", "decoder_digest", "sampling", "created_at", "expires_at", "key_id", "signature", "forward_state_algorithm")
+    __slots__ = ("request_id", "block_id", "model", "layout", "layout_digest", "forward_state_digest", "base_model_digest", "lm_head_digest", "decoder_digest", "sampling", "created_at", "expires_at", "key_id", "signature", "forward_state_algorithm", "locator")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +127,7 @@ class StateBlockHeader(_message.Message):
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_STATE_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    LOCATOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_id: str
     model: str
@@ -117,7 +143,8 @@ class StateBlockHeader(_message.Message):
     key_id: str
     signature: bytes
     forward_state_algorithm: DigestAlgorithm
-    def __init__(self, request_id: _Optional[str] = ..., block_id: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_digest: _Optional[bytes] = ..., forward_state_digest: _Optional[bytes] = ..., base_model_digest: _Optional[bytes] = ..., lm_head_digest: _Optional[bytes] = ..., decoder_digest: _Optional[bytes] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., forward_state_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ...) -> None: ...
+    locator: RowsLocator
+    def __init__(self, request_id: _Optional[str] = ..., block_id: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_digest: _Optional[bytes] = ..., forward_state_digest: _Optional[bytes] = ..., base_model_digest: _Optional[bytes] = ..., lm_head_digest: _Optional[bytes] = ..., decoder_digest: _Optional[bytes] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., forward_state_algorithm: _Optional[_Union[DigestAlgorithm, str]] = ..., locator: _Optional[_Union[RowsLocator, _Mapping]] = ...) -> None: ...
 
 class ObjectRef(_message.Message):
     __slots__ = ("bucket", "name", "digest", "size")

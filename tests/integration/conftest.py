@@ -97,6 +97,7 @@ def stack(decoder_dir, tmp_path_factory) -> Iterator[StackThread]:
         workers=2,
         decoder_dir=decoder_dir,
         request_timeout_s=30.0,
+        data_plane="bus",  # the portable path; test_local_data_plane runs `up`'s default
     )
     runner = StackThread(config)
     runner.start()

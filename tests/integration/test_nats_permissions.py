@@ -230,6 +230,7 @@ def test_the_embedded_stack_answers_through_the_object_store(
     config = UpConfig(
         data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1,
         decoder_dir=decoder_dir, nats_max_payload=16 * 1024, request_timeout_s=30.0,
+        data_plane="bus",  # rows over max_payload: the object store
     )  # fmt: skip
     stack = StackThread(config, model=serving_model, engine=engine)
     urls = stack.start()

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.procs import ProcStack, ProcStackConfig
+from capture_svc.config import CaptureConfig
+from readout_svc.config import ReadoutServiceConfig
 from stateblock import settings
 from stateblock.app.plan import (
     IN_PROCESS,
@@ -155,3 +157,23 @@ def test_a_process_runs_with_the_plans_settings_alone(tmp_path, monkeypatch):
     stack._spawn("probe", [sys.executable, "-c", show], {"STATEBLOCK_WORKERS": "3"})
     assert stack._procs["probe"].wait(30) == 0
     assert (tmp_path / "probe.log").read_text().strip() == "['SB_UNRELATED', 'STATEBLOCK_WORKERS']"
+
+
+def test_the_plan_carries_the_data_plane_and_refuses_local_rows_across_processes():
+    """`stateblock up` keeps the rows in its process (local); a stack of processes keeps
+    the bus, and a local plane it could never read is refused before anything starts."""
+    plan = UpConfig(data_dir=Path("/d")).plan()
+    for component in ("capture", "readout"):
+        assert plan.config(plan.service(component), WIRING).data_plane == "local"
+    bus = UpConfig(data_dir=Path("/d"), data_plane="bus").plan()
+    assert bus.config(bus.service("capture"), WIRING).data_plane == "bus"
+    procs = _procs().plan()
+    assert procs.config(procs.service("readout"), WIRING).data_plane == "bus"
+    with pytest.raises(ValueError, match="DATA_PLANE=local"):
+        _procs(extra_env={"STATEBLOCK_DATA_PLANE": "local"}).plan()
+
+
+@pytest.mark.parametrize("config", [CaptureConfig, ReadoutServiceConfig])
+def test_an_unknown_data_plane_is_a_start_up_error(config):
+    with pytest.raises(ConfigError, match="STATEBLOCK_DATA_PLANE='shm' must be"):
+        config.from_env({"STATEBLOCK_DATA_PLANE": "shm"})

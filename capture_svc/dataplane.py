@@ -1,0 +1,192 @@
+"""How a capture's rows leave it: sealed into the block on the bus, or held on this host.
+
+`BusPlane` digests the rows' bytes, signs the header and publishes the block with its rows
+(inline, or through the object store over max_payload). `LocalPlane` keeps the rows where
+the forward left them, in a slot of the process's slot pool (stateblock.model.slots): it
+reserves a slot (waiting while every slot is held), digests the rows where they are (the
+slot checksum on an accelerator, the configured hash in host memory), signs a header whose locator names the pool and the slot, and publishes the header alone
+on the pool's placement subject. `HostPlane` does the same with a shared-memory region of
+this host (stateblock.model.shm) for readout processes beside the capture's. A capture
+that fails after its reservation gives the slot back: nothing of it stays behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import Histogram
+from torch import Tensor
+
+from capture_svc.config import CaptureConfig
+from capture_svc.publisher import BlockPublisher
+from stateblock.model.rows import rows_view
+from stateblock.model.shm import HostRegions
+from stateblock.model.slots import SlotPool, rows_digest, slot_algorithm
+from stateblock.protocol import envelope, locator
+from stateblock.protocol.envelope import ModelIdentity
+from stateblock.protocol.ids import uuid7
+from stateblock.protocol.keys import Signer
+from stateblock.v1 import block_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Delivered:
+    block_id: str
+    via_object_store: bool
+
+
+@dataclass(frozen=True)
+class Sealer:
+    """What every plane signs with: the capture's key, its model's identity, the ttl, and
+    the hash of rows' bytes (STATEBLOCK_FORWARD_STATE_DIGEST)."""
+
+    signer: Signer
+    identity: ModelIdentity
+    ttl_s: float
+    algorithm: int = pb.DIGEST_ALGORITHM_BLAKE3
+
+
+class DataPlane(Protocol):
+    async def deliver(
+        self,
+        layout: pb.Layout,
+        rows: Tensor,
+        *,
+        request_id: str,
+        sampling: Sequence[pb.SamplingParams],
+        stage: Histogram,
+    ) -> Delivered:
+        """Sign and publish the block of `rows`; raises PublishError or SlotPoolFull."""
+        ...
+
+
+class BusPlane:
+    def __init__(self, publisher: BlockPublisher, sealer: Sealer) -> None:
+        self._publisher, self._sealer = publisher, sealer
+
+    async def deliver(
+        self,
+        layout: pb.Layout,
+        rows: Tensor,
+        *,
+        request_id: str,
+        sampling: Sequence[pb.SamplingParams],
+        stage: Histogram,
+    ) -> Delivered:
+        t0 = time.perf_counter()
+        s = self._sealer
+        block = envelope.seal_block(
+            layout, rows_view(rows), request_id=request_id, identity=s.identity,
+            sampling=sampling, signer=s.signer, ttl_s=s.ttl_s, digest_algorithm=s.algorithm,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        stage.labels("sign").observe(t1 - t0)
+        via_object = await self._publisher.publish(block)
+        stage.labels("publish").observe(time.perf_counter() - t1)
+        return Delivered(block.header.block_id, via_object)
+
+
+class LocalPlane:
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, pool: SlotPool, *, wait_s: float
+    ) -> None:
+        self._publisher, self._sealer, self._pool, self._wait_s = publisher, sealer, pool, wait_s
+
+    async def deliver(
+        self,
+        layout: pb.Layout,
+        rows: Tensor,
+        *,
+        request_id: str,
+        sampling: Sequence[pb.SamplingParams],
+        stage: Histogram,
+    ) -> Delivered:
+        s, pool = self._sealer, self._pool
+        block_id, now = uuid7(), time.time()
+        slot = await pool.reserve(block_id, now + s.ttl_s, self._wait_s)
+        try:
+            t0 = time.perf_counter()
+            # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
+            algorithm = slot_algorithm(rows, s.algorithm)
+            digest = await asyncio.to_thread(rows_digest, rows, algorithm)
+            header = envelope.signed_header(
+                layout, digest, algorithm, request_id=request_id,
+                identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
+                block_id=block_id, now=now,
+                locator=locator.slot_locator(locator.LOCAL, pool.instance_id, slot),
+            )  # fmt: skip
+            pool.fill(slot, block_id, rows)
+            t1 = time.perf_counter()
+            stage.labels("sign").observe(t1 - t0)
+            await self._publisher.publish_header(header)
+            stage.labels("publish").observe(time.perf_counter() - t1)
+        except BaseException:
+            pool.free(slot, block_id)  # no block goes out: its slot goes back
+            raise
+        return Delivered(block_id, False)
+
+
+class HostPlane:
+    """Rows in a shared-memory region of this host (stateblock.model.shm), for readout
+    processes beside the capture's."""
+
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, regions: HostRegions, *, wait_s: float
+    ) -> None:
+        self._publisher, self._sealer = publisher, sealer
+        self._regions, self._wait_s = regions, wait_s
+
+    async def deliver(
+        self,
+        layout: pb.Layout,
+        rows: Tensor,
+        *,
+        request_id: str,
+        sampling: Sequence[pb.SamplingParams],
+        stage: Histogram,
+    ) -> Delivered:
+        s, regions = self._sealer, self._regions
+        block_id, now = uuid7(), time.time()
+        region = await regions.reserve(block_id, now + s.ttl_s, self._wait_s)
+        try:
+            t0 = time.perf_counter()
+            # the rows' bytes in host memory (a GPU's copied once), hashed and written once
+            data = await asyncio.to_thread(rows_view, rows)
+            digest = await asyncio.to_thread(envelope.forward_state_digest, data, s.algorithm)
+            await asyncio.to_thread(regions.write, region, data)
+            header = envelope.signed_header(
+                layout, digest, s.algorithm, request_id=request_id,
+                identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
+                block_id=block_id, now=now,
+                locator=locator.slot_locator(locator.HOST, regions.placement, 0, region),
+            )  # fmt: skip
+            t1 = time.perf_counter()
+            stage.labels("sign").observe(t1 - t0)
+            await self._publisher.publish_header(header)
+            stage.labels("publish").observe(time.perf_counter() - t1)
+        except BaseException:
+            regions.release(region)  # no block goes out: its region goes
+            raise
+        return Delivered(block_id, False)
+
+
+def data_plane(
+    config: CaptureConfig,
+    publisher: BlockPublisher,
+    sealer: Sealer,
+    slots: SlotPool | HostRegions | None,
+) -> DataPlane:
+    """The plane the config names, with the slots it keeps rows in (`local`: the process's
+    slot pool; `host`: its shared-memory regions)."""
+    if config.data_plane == locator.BUS:
+        return BusPlane(publisher, sealer)
+    wait_s = config.publish_timeout_s
+    if isinstance(slots, SlotPool) and config.data_plane == locator.LOCAL:
+        return LocalPlane(publisher, sealer, slots, wait_s=wait_s)
+    if isinstance(slots, HostRegions) and config.data_plane == locator.HOST:
+        return HostPlane(publisher, sealer, slots, wait_s=wait_s)
+    raise ValueError(f"data plane {config.data_plane!r} without its slots")
