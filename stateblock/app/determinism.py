@@ -353,14 +353,8 @@ async def embedded_determinism(
     from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
 
-    config = UpConfig(
-        data_dir=data_dir,
-        http_port=0,
-        grpc_port=0,
-        workers=workers,
-        base_dir=base_dir,
-        decoder_dir=decoder_dir,
-        engine=engine_name,
+    config = UpConfig.on_free_ports(
+        data_dir, workers=workers, base_dir=base_dir, decoder_dir=decoder_dir, engine=engine_name
     )
     model = await asyncio.to_thread(
         load_serving_model, DEFAULT_MODEL_NAME, base_dir, decoder_dir, device=device
