@@ -42,8 +42,8 @@ class CaptureConfig(BlocksServiceConfig):
     # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path). The
     # start-up warm-up runs every (lane bucket, width bucket) shape before the service is
     # SERVING, so no request compiles. Off by default: a compiled kernel may round
-    # differently per shape, so batched rows are no longer guaranteed bit-identical to the
-    # same request alone.
+    # differently per shape, so batched rows are not guaranteed bit-identical to the same
+    # request alone.
     compile: str = declared(settings.CAPTURE_COMPILE)
     # one forward's lanes and padded tokens (lanes x bucket width), from as many requests as
     # fit: continuous batching sized by tokens, not only lanes

@@ -17,12 +17,12 @@ class GatewayConfig(ServiceConfig):
     capture_target: str = declared(settings.CAPTURE_TARGET)  # the Capture service's gRPC address
     # the internal token sent on every Capture call; None: none sent (a loopback capture)
     capture_token_file: Path | None = declared(settings.CAPTURE_TOKEN_FILE)
-    host: str = declared(settings.GATEWAY_HOST)
+    host: str = declared(settings.GATEWAY_HOST)  # both listeners bind it
     http_port: int = declared(settings.HTTP_PORT)  # 0 picks a free port
-    grpc_port: int = declared(settings.GRPC_PORT)
+    grpc_port: int = declared(settings.GRPC_PORT)  # the Gateway service; 0: a free port
     # every *.pub in here is a readout key whose commits and rejections are believed
     readout_trusted_keys_dir: Path = declared(settings.READOUT_TRUSTED_KEYS_DIR)
-    request_timeout_s: float = declared(settings.REQUEST_TIMEOUT_S)
+    request_timeout_s: float = declared(settings.REQUEST_TIMEOUT_S)  # capture to outcome
     stream_chunk_tokens: int = declared(settings.STREAM_CHUNK_TOKENS)
     # an HTTP request body over this is a 413, unread
     max_body_bytes: int = declared(settings.MAX_BODY_BYTES)

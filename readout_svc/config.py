@@ -15,7 +15,7 @@ declared = settings.fields_for(settings.READOUT)
 
 @dataclass(frozen=True)
 class ReadoutServiceConfig(BlocksServiceConfig):
-    engine: str = declared(settings.ENGINE)
+    engine: str = declared(settings.ENGINE)  # reference, onnx or torch; unknown: no start
     # torch engine only: "high" runs the decoder's linears in TF32 through torch's
     # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
     matmul_precision: str = declared(settings.MATMUL_PRECISION)
@@ -41,12 +41,12 @@ class ReadoutServiceConfig(BlocksServiceConfig):
     lease_s: float = declared(settings.LEASE_S)
     # > lease: JetStream redelivers only after the claim could expire
     ack_wait_s: float = declared(settings.ACK_WAIT_S)
-    max_deliver: int = declared(settings.MAX_DELIVER)
+    max_deliver: int = declared(settings.MAX_DELIVER)  # then a max_deliveries rejection
     # how long an idle worker waits per pull (and to notice stop)
     fetch_timeout_s: float = declared(settings.FETCH_TIMEOUT_S)
     # nak delay for a block another worker holds a live claim on
     retry_delay_s: float = declared(settings.RETRY_DELAY_S)
-    metrics_port: int | None = declared(settings.READOUT_METRICS_PORT)
+    metrics_port: int | None = declared(settings.READOUT_METRICS_PORT)  # None: no /metrics
     # the standard gRPC health service, on this process's event loop: SERVING while NATS is
     # connected and the engine answers (the chart's probes); None: not served
     health_port: int | None = declared(settings.READOUT_HEALTH_PORT)

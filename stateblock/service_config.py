@@ -26,14 +26,14 @@ class ServiceConfig:
     nats_url: str = every(settings.NATS_URL)  # one URL, or a cluster's, comma-separated
     # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
     nats_replicas: int = every(settings.NATS_REPLICAS)
-    model_name: str = every(settings.MODEL_NAME)
+    model_name: str = every(settings.MODEL_NAME)  # what clients ask for; names its subjects
     # the base model (the gateway: its tokenizer, to decode answers)
     base_dir: Path = every(settings.BASE_DIR)
     # the decoder (the gateway: its manifest, for the default max_tokens)
     decoder_dir: Path = every(settings.DECODER_DIR)
     # prompts x n, prompt length, answer depth: what a request (and a signed block) may ask
     limits: Limits = settings.limits_field(*settings.SERVICES)
-    grace_s: float = every(settings.GRACE_S)
+    grace_s: float = every(settings.GRACE_S)  # SIGTERM waits this long for work in flight
     ready_timeout_s: float = every(settings.READY_TIMEOUT_S)  # readiness: a round trip's bound
     log_level: str = every(settings.LOG_LEVEL)
 
@@ -49,7 +49,9 @@ class ServiceConfig:
 
 @dataclass(frozen=True)
 class BlocksServiceConfig(ServiceConfig):
-    device: str = on_blocks(settings.DEVICE)
+    device: str = on_blocks(settings.DEVICE)  # where the model runs: cpu or cuda
+    # JetStream's duplicate window of the blocks stream: a republished block id inside it is
+    # dropped
     duplicate_window_s: float = on_blocks(settings.DUPLICATE_WINDOW_S)
     # the blocks work queue: "file" or "memory" (streams.py)
     blocks_storage: str = on_blocks(settings.BLOCKS_STORAGE)
