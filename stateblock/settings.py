@@ -331,7 +331,7 @@ CAPTURE_COMPILE = _setting(
     "a `torch.compile` backend (`inductor`) or mode (`reduce-overhead`: one CUDA graph per "
     "shape, the GPU setting) for the base forward, one graph per (lane bucket, prompt "
     "bucket) shape, every one compiled by a warm-up before the capture is SERVING; off by default: a compiled kernel may round differently "
-    "per shape, so batched rows would no longer be bit-identical to a request alone",
+    "per shape, so batched rows may differ in their last bits from a request alone",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
 CAPTURE_COHORT_LANES = _setting(

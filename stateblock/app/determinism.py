@@ -184,7 +184,7 @@ class BlockTap:
             return
         payload, error = None, ""
         if block.payload.WhichOneof("location") == "object_ref":
-            try:  # now: the worker deletes the object once it commits
+            try:  # fetched at once: the worker deletes the object once it commits
                 payload = bytes(
                     (await self._objects.get(block.payload.object_ref.name)).data or b""
                 )
