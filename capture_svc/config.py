@@ -58,6 +58,9 @@ class CaptureConfig(BlocksServiceConfig):
     # a publish is retried within this (a leader election takes seconds); well inside the
     # request deadline
     publish_timeout_s: float = declared(settings.PUBLISH_TIMEOUT_S)
+    # gateways reconnect (and re-resolve a headless Service) this often: scaled-out replicas
+    # get their share of the traffic
+    max_connection_age_s: float = declared(settings.CAPTURE_MAX_CONNECTION_AGE_S)
     metrics_port: int | None = declared(settings.CAPTURE_METRICS_PORT)
 
     def __post_init__(self) -> None:

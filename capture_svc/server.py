@@ -163,7 +163,7 @@ async def _serve(
     servicer: the standard health service (Kubernetes' native gRPC probes and load balancers
     ask it), NOT_SERVING until the warm-up is done, and first on shutdown, so routing stops
     before in-flight work drains."""
-    server = runtime.grpc_server(_door(config))
+    server = runtime.grpc_server(_door(config), max_connection_age_s=config.max_connection_age_s)
     capture_pb2_grpc.add_CaptureServicer_to_server(CaptureServicer(service), server)
     health_servicer = await _health_not_serving(server)
     port = runtime.grpc_bind(server, config.bind_host, config.port, "capture gRPC")

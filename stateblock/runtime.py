@@ -172,14 +172,19 @@ def _refuse_undecodable():
     return RefuseUndecodable()
 
 
-def grpc_server(interceptors=()):
+def grpc_server(interceptors=(), *, max_connection_age_s: float = 0.0):
     """A grpc.aio server as every service runs one: its port alone (no SO_REUSEPORT), and
-    undecodable requests refused as INVALID_ARGUMENT."""
+    undecodable requests refused as INVALID_ARGUMENT. With `max_connection_age_s` a client's
+    connection is closed (GOAWAY) after that long, calls in flight given as long again, so
+    clients resolve the address again and reach replicas that came up since."""
     import grpc
 
-    return grpc.aio.server(
-        interceptors=[_refuse_undecodable(), *interceptors], options=GRPC_SERVER_OPTIONS
-    )
+    options = list(GRPC_SERVER_OPTIONS)
+    if max_connection_age_s > 0:
+        age_ms = int(max_connection_age_s * 1000)
+        options += [("grpc.max_connection_age_ms", age_ms),
+                    ("grpc.max_connection_age_grace_ms", age_ms)]  # fmt: skip
+    return grpc.aio.server(interceptors=[_refuse_undecodable(), *interceptors], options=options)
 
 
 def grpc_bind(server, host: str, port: int, what: str, tls: tuple[Path, Path] | None = None) -> int:

@@ -313,6 +313,13 @@ CAPTURE_PORT = _setting(
     "CAPTURE_PORT", int, 50061, "the capture's gRPC port (0: any free port)", (CAPTURE,),
     minimum=0, chart="capture.ports.grpc",
 )  # fmt: skip
+CAPTURE_MAX_CONNECTION_AGE_S = _setting(
+    "CAPTURE_MAX_CONNECTION_AGE_S", float, 60.0,
+    "a gateway's connection to the capture is closed after this long (calls in flight get "
+    "as long again to finish), so gateways resolve the capture's address again and spread "
+    "over replicas added since (0: never)", (CAPTURE,),
+    zero_ok=True, chart="capture.maxConnectionAgeSeconds",
+)  # fmt: skip
 KEY_DIR = _setting(
     "KEY_DIR", Path, Path("keys"), "the capture's signing key directory (generated on first run)",
     (CAPTURE,), chart=COMPUTED,

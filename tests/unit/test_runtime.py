@@ -88,3 +88,31 @@ def test_any_hugging_face_style_model_name_has_its_own_nats_token():
     for bad in ("", "a b", "x" * 257, "a\nb"):
         with pytest.raises(runtime.ConfigError, match="STATEBLOCK_MODEL_NAME"):
             runtime.model_name(bad)
+
+
+async def test_a_max_connection_age_makes_clients_reconnect_without_failing_a_call():
+    """The capture's `max_connection_age_s`: gRPC resolves a target again only when a
+    connection ends, so an aged connection is how gateways reach replicas added since.
+    Every call goes through while the server closes connections under it."""
+    import grpc
+
+    peers: list[str] = []
+
+    async def peer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        peers.append(context.peer())  # the client's address: a new port, a new connection
+        return request
+
+    server = runtime.grpc_server(max_connection_age_s=0.2)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.Echo", {"Peer": grpc.unary_unary_rpc_method_handler(peer)})])  # fmt: skip
+    port = runtime.grpc_bind(server, "127.0.0.1", 0, "test")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.Echo/Peer")
+            for i in range(20):
+                assert await call(bytes([i]), timeout=5) == bytes([i])
+                await asyncio.sleep(0.05)
+    finally:
+        await server.stop(None)
+    assert len(peers) == 20 and len(set(peers)) >= 2, set(peers)

@@ -36,6 +36,7 @@ from tests.unit.deploy.chart import (
     env_of,
     gpus,
     kinds,
+    merged,
     of_kind,
     plan_for,
     render,
@@ -693,6 +694,33 @@ def test_keda_scales_the_readout_on_its_consumer_lag():
     assert meta["lagThreshold"] == "6"
     both = {"readout": {"autoscaling": {"enabled": True, "keda": {"enabled": True}}}}
     assert "choose one" in render_error(both)
+
+
+def test_keda_scales_the_capture_on_the_requests_waiting_for_it():
+    name = "org/model-v2.1"
+    scaling = {"minReplicas": 2, "maxReplicas": 6,
+               "keda": {"enabled": True, "prometheusServerAddress": "http://prom:9090"}}  # fmt: skip
+    docs = render_valid({"model": {"name": name}, "capture": {"autoscaling": scaling}})
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    capture = deployment(docs, "capture")
+    assert "replicas" not in capture["spec"]  # KEDA owns the count
+    assert scaled["spec"]["scaleTargetRef"]["name"] == capture["metadata"]["name"]
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 6)
+    (trigger,) = scaled["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "prometheus" and meta["serverAddress"] == "http://prom:9090"
+    # the gauge the gateways export, for this release's namespace and served model
+    assert meta["query"].startswith("sum(stateblock:num_requests_waiting{")
+    assert f'model_name="{name}"' in meta["query"] and meta["threshold"] == "32"
+    # scaled-out pods get traffic: gateways reconnect and resolve the Service again
+    assert env_of(docs, "capture")["STATEBLOCK_CAPTURE_MAX_CONNECTION_AGE_S"] == "60"
+    custom = merged(scaling, {"keda": {"query": "sum(up)", "waitingPerReplica": 8}})
+    (scaled,) = of_kind(render_valid({"capture": {"autoscaling": custom}}), "ScaledObject").values()
+    assert scaled["spec"]["triggers"][0]["metadata"]["query"] == "sum(up)"
+    assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == "8"
+    upside_down = {"capture": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}
+    assert "must not exceed" in render_error(upside_down)
+    assert "ScaledObject" not in kinds(render_valid({}))
 
 
 def test_network_policies_fence_capture_behind_the_gateway():

@@ -338,6 +338,9 @@ initContainers:
 {{- if and $v.readout.autoscaling.enabled $v.readout.autoscaling.keda.enabled }}
 {{- fail "readout.autoscaling.enabled (the CPU HPA) and readout.autoscaling.keda.enabled both scale the readout: choose one" }}
 {{- end }}
+{{- if gt ($v.capture.autoscaling.minReplicas | int) ($v.capture.autoscaling.maxReplicas | int) }}
+{{- fail "capture.autoscaling.minReplicas must not exceed maxReplicas" }}
+{{- end }}
 {{- if and $v.model.fillFromImage (eq $v.model.source "image") }}
 {{- fail "model.fillFromImage copies the image's models into a volume: model.source must be pvc or hostPath" }}
 {{- end }}
