@@ -57,10 +57,8 @@ def embedded_stack(
     """The embedded stack on free ports in a throwaway data dir, stopped on exit."""
     with tempfile.TemporaryDirectory(prefix="stateblock-bench-") as tmp:
         stack = StackThread(
-            UpConfig(
-                data_dir=Path(tmp),
-                http_port=0,
-                grpc_port=0,
+            UpConfig.on_free_ports(
+                Path(tmp),
                 workers=workers,
                 base_dir=base_dir,
                 decoder_dir=decoder_dir,

@@ -85,10 +85,8 @@ def bench_stack_config(
     data_plane: str = "bus",  # "local": `stateblock up`'s, the rows in the capture's slots
 ) -> UpConfig:
     """The embedded stack as the benches run it: free ports, a connection per service."""
-    return UpConfig(
-        data_dir=data_dir,
-        http_port=0,
-        grpc_port=0,
+    return UpConfig.on_free_ports(
+        data_dir,
         workers=workers,
         model_name=model_name,
         batch_window_s=batch_window_s,

@@ -32,6 +32,7 @@ from torch import nn
 
 from capture_svc.config import CohortLimits
 from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
+from stateblock import runtime
 from stateblock.model.capture import capture, warm_up
 
 log = structlog.get_logger("capture_svc.batcher")
@@ -190,15 +191,7 @@ class ForwardBatcher:
 
     async def __aexit__(self, *exc) -> None:
         assert self._task is not None
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        while not self._queue.empty():
-            p = self._queue.get_nowait()
-            if not p.future.done():
-                p.future.set_exception(RuntimeError("capture service is shutting down"))
+        await runtime.stop_serving(self._task, self._queue, "capture service is shutting down")
 
     async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> None:
         if len(lane_ids) > self._max_lanes:

@@ -1,15 +1,15 @@
-"""The capture service's configuration, read once from STATEBLOCK_* variables (declared in
-stateblock/settings.py: defaults, bounds and help live there)."""
+"""The capture service's configuration: the fields it shares with the readout
+(BlocksServiceConfig) and its own, read once from STATEBLOCK_* variables declared in
+stateblock/settings.py."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime, settings
 from stateblock.protocol import envelope, tokens
-from stateblock.protocol.sampling import Limits
+from stateblock.service_config import BlocksServiceConfig
 
 declared = settings.fields_for(settings.CAPTURE)
 
@@ -29,28 +29,21 @@ class CohortLimits:
 
 
 @dataclass(frozen=True)
-class CaptureConfig:
-    nats_url: str = declared(settings.NATS_URL)  # one URL, or a cluster's, comma-separated
-    # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
-    nats_replicas: int = declared(settings.NATS_REPLICAS)
+class CaptureConfig(BlocksServiceConfig):
     # None: 0.0.0.0 with a token, else loopback only (bind_host)
     host: str | None = declared(settings.CAPTURE_HOST)
     port: int = declared(settings.CAPTURE_PORT)  # gRPC Capture; 0 picks a free port
-    model_name: str = declared(settings.MODEL_NAME)
-    base_dir: Path = declared(settings.BASE_DIR)
-    decoder_dir: Path = declared(settings.DECODER_DIR)
     # callers present the token in here (Bearer metadata); None: no check, loopback only
     token_file: Path | None = declared(settings.CAPTURE_TOKEN_FILE)
     key_dir: Path = declared(settings.KEY_DIR)  # the signing key; generated here on first run
-    device: str = declared(settings.DEVICE)
     dtype: str = declared(settings.CAPTURE_DTYPE)
     batch_window_s: float = declared(settings.BATCH_WINDOW_S)  # >0 waits for company
     # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...) or an
     # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path). The
     # start-up warm-up runs every (lane bucket, width bucket) shape before the service is
     # SERVING, so no request compiles. Off by default: a compiled kernel may round
-    # differently per shape, so batched rows are no longer guaranteed bit-identical to the
-    # same request alone.
+    # differently per shape, so batched rows are not guaranteed bit-identical to the same
+    # request alone.
     compile: str = declared(settings.CAPTURE_COMPILE)
     # one forward's lanes and padded tokens (lanes x bucket width), from as many requests as
     # fit: continuous batching sized by tokens, not only lanes
@@ -59,17 +52,11 @@ class CaptureConfig:
     # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
     # limit is always one), so the shapes to warm up are these x the prompt-width buckets
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
-    # lanes per request and per cohort forward, prompt length, depth
-    limits: Limits = settings.limits_field(settings.CAPTURE)
     block_ttl_s: float = declared(settings.BLOCK_TTL_S)
-    duplicate_window_s: float = declared(settings.DUPLICATE_WINDOW_S)
-    # the blocks work queue: "file" or "memory" (streams.py)
-    blocks_storage: str = declared(settings.BLOCKS_STORAGE)
     # the hash the block's forward_state_digest is signed as: "blake3" or "sha256"
     forward_state_digest: str = declared(settings.FORWARD_STATE_DIGEST)
-    # how the rows travel: "bus" (the payload) or "local" (a slot pool this process's readout
-    # shares: `stateblock up`); the slots held at most, a full pool waits publish_timeout_s
-    data_plane: str = declared(settings.DATA_PLANE)
+    # `local` / `host` data planes: the slots (regions) held at most; a full pool waits
+    # publish_timeout_s
     data_plane_slots: int = declared(settings.DATA_PLANE_SLOTS)
     # a publish is retried within this (a leader election takes seconds); well inside the
     # request deadline
@@ -78,20 +65,13 @@ class CaptureConfig:
     # get their share of the traffic
     max_connection_age_s: float = declared(settings.CAPTURE_MAX_CONNECTION_AGE_S)
     metrics_port: int | None = declared(settings.CAPTURE_METRICS_PORT)
-    # where /metrics listens: loopback unless told (the Helm chart says 0.0.0.0)
-    metrics_host: str = declared(settings.METRICS_HOST)
-    grace_s: float = declared(settings.GRACE_S)
-    ready_timeout_s: float = declared(settings.READY_TIMEOUT_S)  # readiness: a round trip's bound
-    log_level: str = declared(settings.LOG_LEVEL)
 
     def __post_init__(self) -> None:
-        runtime.model_name(self.model_name)
-        runtime.blocks_storage(self.blocks_storage)
+        super().__post_init__()
         try:
             envelope.forward_state_algorithm(self.forward_state_digest)
         except ValueError as e:
             raise runtime.ConfigError(f"STATEBLOCK_FORWARD_STATE_DIGEST: {e}") from None
-        runtime.data_plane(self.data_plane)
         if self.token_file is None and self.host and not tokens.is_loopback(self.host):
             raise runtime.ConfigError(
                 f"STATEBLOCK_CAPTURE_HOST={self.host} without STATEBLOCK_CAPTURE_TOKEN_FILE: "
@@ -128,7 +108,3 @@ class CaptureConfig:
             return None
         top = self.cohort.lanes
         return tuple(sorted({b for b in self.lane_buckets if b < top} | {top}))
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> CaptureConfig:
-        return settings.read_config(cls, environ)

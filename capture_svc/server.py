@@ -34,7 +34,7 @@ from capture_svc.service import (
 )
 from stateblock import runtime
 from stateblock.model.capture import compile_backbone
-from stateblock.model.loading import ServingModel, load_serving_model, parse_dtype
+from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool
 from stateblock.nats_client import (
@@ -272,14 +272,7 @@ async def main() -> None:
             "`host`; `stateblock up` runs the local data plane"
         )
     shutdown, metrics = runtime.service_started(config.log_level)
-    model = await asyncio.to_thread(
-        load_serving_model,
-        config.model_name,
-        config.base_dir,
-        config.decoder_dir,
-        device=config.device,
-        dtype=parse_dtype(config.dtype),
-    )
+    model = await load_service_model(config, dtype=parse_dtype(config.dtype))
     signer = load_or_generate_signer(config.key_dir)
     log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
     async with AsyncExitStack() as stack:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -94,14 +93,8 @@ class GrpcCaptureClient:
             raise Unavailable(f"the capture says {name}")
 
     async def capture(
-        self,
-        request_id: str,
-        model: str,
-        lanes: Sequence[capture_pb2.CaptureLane],
-        *,
-        timeout: float,
+        self, request: capture_pb2.CaptureRequest, *, timeout: float
     ) -> CaptureResult:
-        request = capture_pb2.CaptureRequest(request_id=request_id, model=model, lanes=lanes)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

@@ -1,5 +1,5 @@
-"""OpenAI-compatible wire types (pydantic), in the OpenAI reference's field order, then
-vLLM's extensions.
+"""OpenAI-compatible wire types (pydantic): the OpenAI fields both APIs take and vLLM's
+extensions (`_Request`, in the OpenAI reference's order), then each API's own.
 
 Types are strict: a string where a number belongs is a 400, not a silent coercion. A known
 field the readout cannot honour with a non-default value is refused (`refusals`: a 400
@@ -43,8 +43,28 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
 ROLES = ("system", "developer", "user", "assistant")
 
 
+class StreamOptions(BaseModel):
+    include_usage: StrictBool | None = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    # the OpenAI fields of both APIs
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    # chat: deprecated by OpenAI for max_completion_tokens, still sent by many clients
+    max_tokens: StrictInt | None = None
+    n: StrictInt | None = None
+    presence_penalty: Number | None = None
+    response_format: dict[str, Any] | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    user: StrictStr | None = None
 
     # vLLM's extensions, in both APIs
     ignore_eos: StrictBool = False  # read all max_tokens positions
@@ -65,7 +85,7 @@ class _Request(BaseModel):
         for name, (is_default, why) in REFUSED.items():
             if name in type(self).model_fields and not is_default(getattr(self, name)):
                 out.append((name, why))
-        if getattr(self, "best_of", None) not in (None, getattr(self, "n", None) or 1):
+        if getattr(self, "best_of", None) not in (None, self.n or 1):
             out.append(("best_of", "best_of must equal n: choices carry no score to rank them"))
         return out
 
@@ -79,7 +99,7 @@ class _Request(BaseModel):
             "logprobs": self.logprob_count(),
             "ignore_eos": self.ignore_eos,
             "top_k": self.top_k,
-            "top_p": getattr(self, "top_p", None),
+            "top_p": self.top_p,
             "min_p": self.min_p,
             "min_tokens": self.min_tokens,
         }
@@ -88,10 +108,6 @@ class _Request(BaseModel):
         stop = self.stop
         strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return strings, tuple(self.stop_token_ids or ()), bool(self.include_stop_str_in_output)
-
-
-class StreamOptions(BaseModel):
-    include_usage: StrictBool | None = None
 
 
 class ContentPart(BaseModel):
@@ -120,21 +136,8 @@ class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     best_of: StrictInt | None = None
     echo: StrictBool | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
     logprobs: StrictInt | None = None
-    max_tokens: StrictInt | None = None
-    n: StrictInt | None = None
-    presence_penalty: Number | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool | None = False
-    stream_options: StreamOptions | None = None
     suffix: StrictStr | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    user: StrictStr | None = None
-    response_format: dict[str, Any] | None = None
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -143,24 +146,11 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     model: StrictStr
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
     logprobs: StrictBool | None = None
     max_completion_tokens: StrictInt | None = None
-    max_tokens: StrictInt | None = None  # deprecated by OpenAI, still sent by many clients
-    n: StrictInt | None = None
-    presence_penalty: Number | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool | None = False
-    stream_options: StreamOptions | None = None
-    temperature: Number | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: Any = None
     tools: list[Any] | None = None
     top_logprobs: StrictInt | None = None
-    top_p: Number | None = None
-    user: StrictStr | None = None
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -59,12 +59,7 @@ CANCEL_TIMEOUT_S = 2.0  # how long a gone client's capture cancel may take to be
 
 class CaptureClient(Protocol):
     async def capture(
-        self,
-        request_id: str,
-        model: str,
-        lanes: Sequence[capture_pb2.CaptureLane],
-        *,
-        timeout: float,
+        self, request: capture_pb2.CaptureRequest, *, timeout: float
     ) -> CaptureResult: ...
 
     async def cancel(self, request_id: str, *, timeout: float) -> bool: ...
@@ -235,8 +230,9 @@ class GatewayService:
         loop, model = asyncio.get_running_loop(), self._m.model_name
         capture_id = request_id
         for attempt in range(MAX_RECAPTURES + 1):
+            request = capture_pb2.CaptureRequest(request_id=capture_id, model=p.model, lanes=lanes)
             call = asyncio.ensure_future(
-                self._capture.capture(capture_id, p.model, lanes, timeout=deadline - loop.time())
+                self._capture.capture(request, timeout=deadline - loop.time())
             )
             try:
                 with _in(self._m.waiting.labels(model)):

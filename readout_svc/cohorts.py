@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from stateblock import runtime
 from stateblock.engines.base import LaneRequest, LaneResult, ReadoutEngine
 
 log = structlog.get_logger("readout_svc.cohorts")
@@ -87,12 +88,8 @@ class ReadoutCohorts:
 
     async def __aexit__(self, *exc) -> None:
         assert self._task is not None
-        self._task.cancel()
-        await asyncio.gather(self._task, *self._running, return_exceptions=True)
-        while not self._queue.empty():
-            q = self._queue.get_nowait()
-            if not q.future.done():
-                q.future.set_exception(RuntimeError("readout cohorts are shutting down"))
+        why = "readout cohorts are shutting down"
+        await runtime.stop_serving(self._task, self._queue, why, *self._running)
 
     async def read(self, lanes: Sequence[LaneRequest]) -> tuple[list[LaneResult], float]:
         future = asyncio.get_running_loop().create_future()

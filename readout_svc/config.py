@@ -1,27 +1,21 @@
-"""The readout service's configuration, read once from STATEBLOCK_* variables (declared in
-stateblock/settings.py: defaults, bounds and help live there)."""
+"""The readout service's configuration: the fields it shares with the capture
+(BlocksServiceConfig) and its own, read once from STATEBLOCK_* variables declared in
+stateblock/settings.py."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from stateblock import runtime, settings
-from stateblock.protocol.sampling import Limits
+from stateblock.service_config import BlocksServiceConfig
 
 declared = settings.fields_for(settings.READOUT)
 
 
 @dataclass(frozen=True)
-class ReadoutServiceConfig:
-    nats_url: str = declared(settings.NATS_URL)  # one URL, or a cluster's, comma-separated
-    # copies of every stream and bucket on a JetStream cluster (1: the embedded server)
-    nats_replicas: int = declared(settings.NATS_REPLICAS)
-    model_name: str = declared(settings.MODEL_NAME)
-    base_dir: Path = declared(settings.BASE_DIR)
-    decoder_dir: Path = declared(settings.DECODER_DIR)
-    engine: str = declared(settings.ENGINE)
+class ReadoutServiceConfig(BlocksServiceConfig):
+    engine: str = declared(settings.ENGINE)  # reference, onnx or torch; unknown: no start
     # torch engine only: "high" runs the decoder's linears in TF32 through torch's
     # process-wide switch, safe in a readout process of its own (docs/BENCHMARKS.md)
     matmul_precision: str = declared(settings.MATMUL_PRECISION)
@@ -38,9 +32,6 @@ class ReadoutServiceConfig:
     # every readout key whose registry claims and outcomes stand (the gateway's set); an
     # entry no key here signed is a forger's and is claimed over. Default: signing_key_dir.
     readout_trusted_keys_dir: Path | None = declared(settings.READOUT_TRUSTED_KEYS_DIR)
-    # what a signed block may ask this worker to read
-    limits: Limits = settings.limits_field(settings.READOUT)
-    device: str = declared(settings.DEVICE)
     workers: int = declared(settings.WORKERS)  # concurrent pull loops in this process
     # lanes of several blocks in one engine execution (readout_svc.cohorts); 1: block by block
     cohort_lanes: int = declared(settings.READOUT_COHORT_LANES)
@@ -50,32 +41,18 @@ class ReadoutServiceConfig:
     lease_s: float = declared(settings.LEASE_S)
     # > lease: JetStream redelivers only after the claim could expire
     ack_wait_s: float = declared(settings.ACK_WAIT_S)
-    max_deliver: int = declared(settings.MAX_DELIVER)
+    max_deliver: int = declared(settings.MAX_DELIVER)  # then a max_deliveries rejection
     # how long an idle worker waits per pull (and to notice stop)
     fetch_timeout_s: float = declared(settings.FETCH_TIMEOUT_S)
     # nak delay for a block another worker holds a live claim on
     retry_delay_s: float = declared(settings.RETRY_DELAY_S)
-    duplicate_window_s: float = declared(settings.DUPLICATE_WINDOW_S)
-    # how the rows travel: "bus", or "local" (the capture's slot pool in this process, whose
-    # placement's blocks these workers consume)
-    data_plane: str = declared(settings.DATA_PLANE)
-    # the blocks work queue: "file" or "memory" (streams.py)
-    blocks_storage: str = declared(settings.BLOCKS_STORAGE)
-    metrics_port: int | None = declared(settings.READOUT_METRICS_PORT)
+    metrics_port: int | None = declared(settings.READOUT_METRICS_PORT)  # None: no /metrics
     # the standard gRPC health service, on this process's event loop: SERVING while NATS is
     # connected and the engine answers (the chart's probes); None: not served
     health_port: int | None = declared(settings.READOUT_HEALTH_PORT)
-    # where /metrics (and the readout health check) listen: loopback unless told (the Helm
-    # chart says 0.0.0.0)
-    metrics_host: str = declared(settings.METRICS_HOST)
-    grace_s: float = declared(settings.GRACE_S)
-    ready_timeout_s: float = declared(settings.READY_TIMEOUT_S)  # readiness: a round trip's bound
-    log_level: str = declared(settings.LOG_LEVEL)
 
     def __post_init__(self) -> None:
-        runtime.model_name(self.model_name)
-        runtime.blocks_storage(self.blocks_storage)
-        runtime.data_plane(self.data_plane)
+        super().__post_init__()
         if self.matmul_precision not in ("highest", "high"):
             raise runtime.ConfigError("STATEBLOCK_MATMUL_PRECISION must be highest or high")
         if self.readout_head not in ("", "fused", "lm_head"):
@@ -103,7 +80,3 @@ class ReadoutServiceConfig:
         if self.greedy_dtype:
             options["greedy_dtype"] = self.greedy_dtype
         return options
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReadoutServiceConfig:
-        return settings.read_config(cls, environ)

@@ -26,7 +26,7 @@ from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_w
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
-from stateblock.model.loading import load_readout_model
+from stateblock.model.loading import load_service_model
 from stateblock.model.shm import host_placement
 from stateblock.model.slots import SlotPool
 from stateblock.nats_client import LIVENESS, Readiness, connected, probing, round_trip
@@ -237,13 +237,7 @@ async def main() -> None:
     shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)
-    model = await asyncio.to_thread(
-        load_readout_model,
-        config.model_name,
-        config.base_dir,
-        config.decoder_dir,
-        device=config.device,
-    )
+    model = await load_service_model(config, lm_head_only=True)
     engine = create_engine(config.engine, model, config.device, **config.engine_options())
     async with AsyncExitStack() as stack:
         # drained after the servers have stopped

@@ -155,8 +155,8 @@ TRANSIENT = (
 
 # JetStream's err_code 10158 (HTTP-like code 409), "duplicate message id is in process": a
 # publish repeated under the same Nats-Msg-Id while a clustered stream's leader is still
-# applying the first copy, whose ack was lost to an election. The first copy lands (the
-# chaos test saw its block committed while the retry was refused), and the same publish
+# applying the first copy, whose ack was lost to an election. The first copy lands (its
+# block commits while the retry is refused), and the same publish
 # a moment later gets the duplicate ack: a delay, not an answer.
 DUPLICATE_IN_PROCESS = 10158
 

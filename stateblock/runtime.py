@@ -347,6 +347,22 @@ def discard_outcome(future: asyncio.Future) -> None:
         future.exception()
 
 
+async def stop_serving(
+    task: asyncio.Task, queue: asyncio.Queue, why: str, *started: asyncio.Task
+) -> None:
+    """Stop the task that serves `queue` and the tasks it `started`, then fail each item
+    still queued (its `future`) with RuntimeError(why): no caller waits on a stopped loop.
+    The serving task's own error, when it died of one, is raised."""
+    task.cancel()
+    await asyncio.gather(task, *started, return_exceptions=True)
+    while not queue.empty():
+        item = queue.get_nowait()
+        if not item.future.done():
+            item.future.set_exception(RuntimeError(why))
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+
+
 def shutdown_event() -> asyncio.Event:
     """An Event set by SIGINT or SIGTERM (call from inside the running loop)."""
     event = asyncio.Event()

@@ -80,10 +80,15 @@ class Setting:
             return _int_tuple(self.name, env.str(self.key, ""), default, self.minimum)
         return env.optional_str(self.key) if default is None else env.str(self.key, default)
 
-    def field(self, reader: str, **kw: Any) -> Any:
-        """A dataclass field holding this setting in `reader`'s config."""
-        if reader not in self.readers:
-            raise ValueError(f"{self.name} is not declared as read by {reader}")
+    def field(self, *readers: str, **kw: Any) -> Any:
+        """A dataclass field holding this setting in a config that `readers` share (one
+        reader's own, or a base class of several readers' configs, which read it alike)."""
+        for reader in readers:
+            if reader not in self.readers:
+                raise ValueError(f"{self.name} is not declared as read by {reader}")
+        if len(readers) > 1 and set(readers) & set(self.defaults):
+            raise ValueError(f"{self.name} has a default of its own for one of {readers}")
+        reader = readers[0] if len(readers) == 1 else None
         meta = {"setting": self, "reader": reader}
         return dataclasses.field(default=self.default_for(reader), metadata=meta, **kw)
 
@@ -343,7 +348,7 @@ CAPTURE_COMPILE = _setting(
     "a `torch.compile` backend (`inductor`) or mode (`reduce-overhead`: one CUDA graph per "
     "shape, the GPU setting) for the base forward, one graph per (lane bucket, prompt "
     "bucket) shape, every one compiled by a warm-up before the capture is SERVING; off by default: a compiled kernel may round differently "
-    "per shape, so batched rows would no longer be bit-identical to a request alone",
+    "per shape, so batched rows may differ in their last bits from a request alone",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
 CAPTURE_COHORT_LANES = _setting(
@@ -475,15 +480,17 @@ LIMITS = {"max_lanes": MAX_LANES, "prompt_len_max": PROMPT_LEN_MAX,
 # --- configs from the declarations -----------------------------------------------------------
 
 
-def fields_for(reader: str) -> Callable[..., Any]:
-    """`declared = fields_for(GATEWAY)`, then in the config: `http_port: int = declared(HTTP_PORT)`."""
-    return lambda setting, **kw: setting.field(reader, **kw)
+def fields_for(*readers: str) -> Callable[..., Any]:
+    """`declared = fields_for(GATEWAY)`, then in the config: `http_port: int = declared(HTTP_PORT)`;
+    `fields_for(*SERVICES)` declares the fields of a base class every service's config extends."""
+    return lambda setting, **kw: setting.field(*readers, **kw)
 
 
-def limits_field(reader: str) -> Any:
+def limits_field(*readers: str) -> Any:
     """The config's `limits`: one Limits from MAX_LANES, PROMPT_LEN_MAX, ANSWER_DEPTH_MAX."""
     for s in LIMITS.values():
-        s.field(reader)  # declared for this reader
+        s.field(*readers)  # declared for these readers
+    reader = readers[0] if len(readers) == 1 else None
     return dataclasses.field(default=Limits(), metadata={"limits": LIMITS, "reader": reader})
 
 

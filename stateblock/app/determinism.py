@@ -184,7 +184,7 @@ class BlockTap:
             return
         payload, error = None, ""
         if block.payload.WhichOneof("location") == "object_ref":
-            try:  # now: the worker deletes the object once it commits
+            try:  # fetched at once: the worker deletes the object once it commits
                 payload = bytes(
                     (await self._objects.get(block.payload.object_ref.name)).data or b""
                 )
@@ -353,10 +353,8 @@ async def embedded_determinism(
     from stateblock.model.loading import load_serving_model
     from stateblock.runtime import DEFAULT_MODEL_NAME
 
-    config = UpConfig(
-        data_dir=data_dir,
-        http_port=0,
-        grpc_port=0,
+    config = UpConfig.on_free_ports(
+        data_dir,
         workers=workers,
         base_dir=base_dir,
         decoder_dir=decoder_dir,

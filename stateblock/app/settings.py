@@ -27,11 +27,11 @@ declared = settings.fields_for(settings.UP)
 class UpFlags:
     """`stateblock up`'s flags (--data-dir, ...) and the settings that set their defaults."""
 
-    data_dir: Path = declared(settings.DATA_DIR)
+    data_dir: Path = declared(settings.DATA_DIR)  # NATS store, keys, the capture token, logs
     host: str = declared(settings.GATEWAY_HOST)
     http_port: int = declared(settings.HTTP_PORT)
     grpc_port: int = declared(settings.GRPC_PORT)
-    workers: int = declared(settings.WORKERS)
+    workers: int = declared(settings.WORKERS)  # the readout's pull loops
     base: Path = declared(settings.BASE_DIR)
     decoder: Path = declared(settings.DECODER_DIR)
     engine: str = declared(settings.ENGINE)

@@ -72,6 +72,12 @@ class UpConfig:
     # where each service is its own NATS user.
     connection_per_service: bool = False
 
+    @classmethod
+    def on_free_ports(cls, data_dir: Path, **kw: Any) -> UpConfig:
+        """The stack in `data_dir` with its HTTP and gRPC ports free ones (the benches', the
+        determinism audit's and the tests' stacks)."""
+        return cls(data_dir=data_dir, http_port=0, grpc_port=0, **kw)
+
     def plan(self) -> StackPlan:
         """The stack `stateblock up` runs: every service in this process."""
         values = {

@@ -155,7 +155,7 @@ class TorchEngine:
             raise ValueError(f"logprob_precision must be one of {DOT_PRECISIONS}")
         self._logprob_precision = opts.logprob_precision
         # The mixer's fp32 attention: the Triton flash kernel where it can run (SDPA's fp32
-        # path has no tensor cores and was most of the decoder's time), else SDPA.
+        # path has no tensor cores and is most of the decoder's time), else SDPA.
         # (rope too: rotated q and k are plain (K, H, n, hd) tensors; tests/gpu checks it)
         fused_ok = on_gpu and attention_available(dev) and opts.decoder_dtype == torch.float32
         self.attention = opts.attention or (

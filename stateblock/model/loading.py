@@ -6,10 +6,12 @@ other, so both sides derive it the same way, from the files on disk.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -103,8 +105,36 @@ def load_serving_model(
 def load_readout_model(
     name: str, base_dir: str | Path, decoder_dir: str | Path, **kw
 ) -> ServingModel:
-    """The readout worker's load: `load_serving_model(..., lm_head_only=True)`."""
+    """The lm_head alone, what a readout worker needs: `load_serving_model(..., lm_head_only=True)`."""
     return load_serving_model(name, base_dir, decoder_dir, lm_head_only=True, **kw)
+
+
+class ModelConfig(Protocol):
+    """What a service's config says of the model it serves (the capture's, the readout's)."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def base_dir(self) -> Path: ...
+    @property
+    def decoder_dir(self) -> Path: ...
+    @property
+    def device(self) -> str: ...
+
+
+async def load_service_model(
+    config: ModelConfig, *, dtype: torch.dtype = torch.float32, lm_head_only: bool = False
+) -> ServingModel:
+    """The model a service's config names, loaded off the event loop at start-up."""
+    return await asyncio.to_thread(
+        load_serving_model,
+        config.model_name,
+        config.base_dir,
+        config.decoder_dir,
+        device=config.device,
+        dtype=dtype,
+        lm_head_only=lm_head_only,
+    )
 
 
 def _identity(name: str, manifest: dict, base_dir: str | Path, lm_head: Tensor) -> ModelIdentity:

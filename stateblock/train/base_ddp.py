@@ -161,6 +161,20 @@ def exact_by_family(model, enc, device, n_each=50, seed=99, budget=65536):
     }
 
 
+SHAPE = {"dim": 256, "mlp_dim": 1024, "n_layers": 8, "n_heads": 8}  # the task base's default
+SHAPE_HELP = {"dim": "hidden size", "mlp_dim": "MLP width", "n_layers": "transformer layers",
+              "n_heads": "attention heads"}  # fmt: skip
+
+
+def add_shape_args(ap: argparse.ArgumentParser, defaults: dict[str, int] | None = None) -> None:
+    """The base model's shape: --dim, --mlp-dim, --n-layers, --n-heads (each from `defaults`,
+    else unset) and --rope-theta; the task trainer and the prose stage take the same."""
+    for name, help_ in SHAPE_HELP.items():
+        default = (defaults or {}).get(name)
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=help_)
+    ap.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     batch = (512, "sequences a batch, per GPU")
     ap = ddp_parser(
@@ -168,11 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = ap.add_argument
     add("--out", required=True, help="writes OUT/base (the model) and OUT/fp32.part* (resume)")
-    add("--dim", type=int, default=256, help="hidden size")
-    add("--mlp-dim", type=int, default=1024, help="MLP width")
-    add("--n-layers", type=int, default=8, help="transformer layers")
-    add("--n-heads", type=int, default=8, help="attention heads")
-    add("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    add_shape_args(ap, SHAPE)
     add(
         "--init", default="",
         help="start from (no optimizer): an fp32 split checkpoint prefix or a saved base dir",

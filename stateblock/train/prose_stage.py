@@ -54,11 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--device", default="cuda", help="cuda or cpu")
     add("--compile", choices=("auto", "on", "off"), default="auto",
         help="torch.compile the step: auto keeps it where the probe finds it faster")  # fmt: skip
-    add("--dim", type=int, help="hidden size")
-    add("--mlp-dim", type=int, help="MLP width")
-    add("--n-layers", type=int, help="transformer layers")
-    add("--n-heads", type=int, help="attention heads")
-    add("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    base_ddp.add_shape_args(ap)
     add("--seq-len", type=int, help="tokens a training window")
     add("--budget", type=int, help="tokens a batch (windows of --seq-len)")
     add("--lr", type=float, help="peak learning rate of every arm")

@@ -111,7 +111,7 @@ def near_end_weights(
 
     The long answers' misses are early stops right after such an item (`alpha: hmw hzc`
     stopped after `hnc`, `countdown: 640 533` after `633`): there the separator and EOS are
-    the confusable pair, as the end was before EOS was weighted. Items are the runs between
+    the confusable pair, as they are when EOS is not weighted. Items are the runs between
     separators; only items of the last item's length (at most `max_item`) are compared."""
     b, d = target.shape
     idx = torch.arange(d, device=target.device)

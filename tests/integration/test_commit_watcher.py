@@ -150,8 +150,8 @@ async def test_the_watcher_rereads_the_registry_for_an_outcome_it_never_saw(regi
 
 async def test_a_genuine_outcome_a_forger_overwrote_is_still_found(nc, registry):
     """A forger's write that lands after the genuine commit replaces it as the key's last
-    value (seen in the full chaos run: a retry following its block after a NATS outage
-    waited for a commit that was no longer the bucket's last word). The key keeps its
+    value (a retry following its block after a NATS outage would wait for a commit that is
+    not the bucket's last word). The key keeps its
     revisions: a late reader finds the newest trusted outcome, and a redelivery is still
     dropped as committed (never run twice)."""
     from registry import AlreadyCommitted

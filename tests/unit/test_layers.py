@@ -55,7 +55,7 @@ def layer_of(module: str) -> str | None:
     sub = parts[1]
     if sub == "v1":
         return "protocol"
-    if sub in ("nats_client", "settings"):  # the services' NATS connection and settings
+    if sub in ("nats_client", "settings", "service_config"):  # the services' NATS, settings
         return "runtime"
     return sub if sub in CORE_BELOW else "root"
 

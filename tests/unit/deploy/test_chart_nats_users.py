@@ -57,7 +57,7 @@ def test_each_component_gets_its_own_nats_user_and_only_its_own(tmp_path):
     assert not any(p in conf for p in passwords)
 
 
-def test_without_nats_users_the_services_connect_as_before():
+def test_without_nats_users_the_services_connect_without_credentials():
     docs = render_valid({"natsAuth": {"enabled": False}})
     assert not any("-nats-" in name for name in of_kind(docs, "Secret"))
     for component in CONFIGS:

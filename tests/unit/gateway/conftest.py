@@ -4,7 +4,6 @@ the capture service and the registry, so its logic and both transports run witho
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -32,17 +31,12 @@ class FakeCapture:
     error: Exception | None = None
 
     async def capture(
-        self,
-        request_id: str,
-        model: str,
-        lanes: Sequence[capture_pb2.CaptureLane],
-        *,
-        timeout: float,
+        self, request: capture_pb2.CaptureRequest, *, timeout: float
     ) -> CaptureResult:
         if self.error is not None:
             raise self.error
-        self.calls.append((request_id, model, list(lanes)))
-        return CaptureResult(f"block-{len(self.calls)}", tuple(3 for _ in lanes))
+        self.calls.append((request.request_id, request.model, list(request.lanes)))
+        return CaptureResult(f"block-{len(self.calls)}", tuple(3 for _ in request.lanes))
 
     async def cancel(self, request_id: str, *, timeout: float) -> bool:
         return False  # every call here has run by the time a cancel could come

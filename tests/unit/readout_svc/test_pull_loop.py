@@ -1,7 +1,7 @@
-"""The readout's pull loop outlives whatever a fetch raises: the full-scale chaos run found
-both readout processes idle after a 150 s NATS outage, their loops ended by an
-`asyncio.TimeoutError` (a fetch whose deadline passed while the loop was busy) that only
-nats' own TimeoutError was caught for; health still said SERVING."""
+"""The readout's pull loop outlives whatever a fetch raises, `asyncio.TimeoutError` included
+(a fetch whose deadline passes while the loop is busy raises it, not nats' own
+TimeoutError): a loop it ended would leave the process idle after a NATS outage while its
+health said SERVING."""
 
 from __future__ import annotations
 
