@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import Histogram
 from torch import Tensor
@@ -90,11 +90,24 @@ class BusPlane:
         return Delivered(block.header.block_id, via_object)
 
 
-class LocalPlane:
-    def __init__(
-        self, publisher: BlockPublisher, sealer: Sealer, pool: SlotPool, *, wait_s: float
-    ) -> None:
-        self._publisher, self._sealer, self._pool, self._wait_s = publisher, sealer, pool, wait_s
+class _HeldPlane:
+    """A plane that keeps the rows where the capture put them: the signed header alone goes
+    out, its locator naming them. A failure before the publish gives their place back."""
+
+    def __init__(self, publisher: BlockPublisher, sealer: Sealer, *, wait_s: float) -> None:
+        self._publisher, self._sealer, self._wait_s = publisher, sealer, wait_s
+
+    async def _reserve(self, block_id: str, expires_at: float) -> Any:
+        raise NotImplementedError
+
+    async def _place(
+        self, held: Any, block_id: str, rows: Tensor
+    ) -> tuple[bytes, int, pb.RowsLocator]:
+        """Put the rows in `held`; returns their digest, its algorithm and their locator."""
+        raise NotImplementedError
+
+    def _give_back(self, held: Any, block_id: str) -> None:
+        raise NotImplementedError
 
     async def deliver(
         self,
@@ -105,73 +118,81 @@ class LocalPlane:
         sampling: Sequence[pb.SamplingParams],
         stage: Histogram,
     ) -> Delivered:
-        s, pool = self._sealer, self._pool
+        s = self._sealer
         block_id, now = uuid7(), time.time()
-        slot = await pool.reserve(block_id, now + s.ttl_s, self._wait_s)
+        held = await self._reserve(block_id, now + s.ttl_s)
         try:
             t0 = time.perf_counter()
-            # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
-            algorithm = slot_algorithm(rows, s.algorithm)
-            digest = await asyncio.to_thread(rows_digest, rows, algorithm)
+            digest, algorithm, where = await self._place(held, block_id, rows)
             header = envelope.signed_header(
                 layout, digest, algorithm, request_id=request_id,
                 identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
-                block_id=block_id, now=now,
-                locator=locator.slot_locator(locator.LOCAL, pool.instance_id, slot),
+                block_id=block_id, now=now, locator=where,
             )  # fmt: skip
-            pool.fill(slot, block_id, rows)
             t1 = time.perf_counter()
             stage.labels("sign").observe(t1 - t0)
             await self._publisher.publish_header(header)
             stage.labels("publish").observe(time.perf_counter() - t1)
         except BaseException:
-            pool.free(slot, block_id)  # no block goes out: its slot goes back
+            self._give_back(held, block_id)  # no block goes out
             raise
         return Delivered(block_id, False)
 
 
-class HostPlane:
+class LocalPlane(_HeldPlane):
+    """Rows in a slot of this process's pool, on the capture's device."""
+
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, pool: SlotPool, *, wait_s: float
+    ) -> None:
+        super().__init__(publisher, sealer, wait_s=wait_s)
+        self._pool = pool
+
+    async def _reserve(self, block_id: str, expires_at: float) -> int:
+        return await self._pool.reserve(block_id, expires_at, self._wait_s)
+
+    async def _place(
+        self, held: int, block_id: str, rows: Tensor
+    ) -> tuple[bytes, int, pb.RowsLocator]:
+        # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
+        algorithm = slot_algorithm(rows, self._sealer.algorithm)
+        digest = await asyncio.to_thread(rows_digest, rows, algorithm)
+        self._pool.fill(held, block_id, rows)
+        return digest, algorithm, locator.slot_locator(locator.LOCAL, self._pool.instance_id, held)
+
+    def _give_back(self, held: int, block_id: str) -> None:
+        self._pool.free(held, block_id)
+
+
+class HostPlane(_HeldPlane):
     """Rows in a shared-memory region of this host (stateblock.model.shm), for readout
     processes beside the capture's."""
 
     def __init__(
         self, publisher: BlockPublisher, sealer: Sealer, regions: HostRegions, *, wait_s: float
     ) -> None:
-        self._publisher, self._sealer = publisher, sealer
-        self._regions, self._wait_s = regions, wait_s
+        super().__init__(publisher, sealer, wait_s=wait_s)
+        self._regions = regions
 
-    async def deliver(
-        self,
-        layout: pb.Layout,
-        rows: Tensor,
-        *,
-        request_id: str,
-        sampling: Sequence[pb.SamplingParams],
-        stage: Histogram,
-    ) -> Delivered:
-        s, regions = self._sealer, self._regions
-        block_id, now = uuid7(), time.time()
-        region = await regions.reserve(block_id, now + s.ttl_s, self._wait_s)
-        try:
-            t0 = time.perf_counter()
-            # the rows' bytes in host memory (a GPU's copied once), hashed and written once
-            data = await asyncio.to_thread(rows_view, rows)
-            digest = await asyncio.to_thread(envelope.forward_state_digest, data, s.algorithm)
-            await asyncio.to_thread(regions.write, region, data)
-            header = envelope.signed_header(
-                layout, digest, s.algorithm, request_id=request_id,
-                identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
-                block_id=block_id, now=now,
-                locator=locator.slot_locator(locator.HOST, regions.placement, 0, region),
-            )  # fmt: skip
-            t1 = time.perf_counter()
-            stage.labels("sign").observe(t1 - t0)
-            await self._publisher.publish_header(header)
-            stage.labels("publish").observe(time.perf_counter() - t1)
-        except BaseException:
-            regions.release(region)  # no block goes out: its region goes
-            raise
-        return Delivered(block_id, False)
+    async def _reserve(self, block_id: str, expires_at: float) -> str:
+        return await self._regions.reserve(block_id, expires_at, self._wait_s)
+
+    async def _place(
+        self, held: str, block_id: str, rows: Tensor
+    ) -> tuple[bytes, int, pb.RowsLocator]:
+        # the rows' bytes in host memory (a GPU's copied once), hashed and written once
+        algorithm = self._sealer.algorithm
+        data = await asyncio.to_thread(rows_view, rows)
+        digest = await asyncio.to_thread(envelope.forward_state_digest, data, algorithm)
+        await asyncio.to_thread(self._regions.write, held, data)
+        return (
+            digest,
+            algorithm,
+            locator.slot_locator(locator.HOST, self._regions.placement, 0, held),
+        )
+
+    def _give_back(self, held: str, block_id: str) -> None:
+        self._regions.release(held)
 
 
 def data_plane(

@@ -59,21 +59,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    config = embedded.UpConfig(
-        data_dir=Path(a.data_dir),
-        host=a.host,
-        http_port=a.http_port,
-        grpc_port=a.grpc_port,
-        workers=a.workers,
-        base_dir=Path(a.base),
-        decoder_dir=Path(a.decoder),
-        engine=a.engine,
-        nats_url=a.nats_url,
-        nats_replicas=a.nats_replicas,
-        model_name=a.model_name,
-        api_key=a.api_key,
-        data_plane=a.data_plane,
-    )
+    config = embedded.UpConfig(**up_config_values(a))
 
     def ready(urls: embedded.StackUrls) -> None:
         print(f"stateblock is up (model {config.model_name}, signing key {urls.key_id})")
@@ -112,6 +98,21 @@ def cmd_up(a: argparse.Namespace) -> int:
         return 1
     print("stateblock stopped", flush=True)
     return results[0] if results else 0
+
+
+# UpFlags' names that UpConfig spells otherwise; log_level is configured, not passed on
+_UP_CONFIG_NAMES = {"base": "base_dir", "decoder": "decoder_dir", "log_level": None}
+
+
+def up_config_values(a: argparse.Namespace) -> dict:
+    """UpConfig's keyword arguments from `up`'s flags (each a declared setting's value)."""
+    values = {}
+    for f in dataclasses.fields(settings.UpFlags):
+        name = _UP_CONFIG_NAMES.get(f.name, f.name)
+        if name is not None:
+            value = getattr(a, f.name)
+            values[name] = Path(value) if f.type in (Path, "Path") else value
+    return values
 
 
 def cmd_ask(a: argparse.Namespace) -> int:
