@@ -90,19 +90,24 @@ class BusPlane:
         return Delivered(block.header.block_id, via_object)
 
 
+Placed = tuple[bytes, int, pb.RowsLocator]  # the rows' digest, its algorithm, their locator
+
+
 class _HeldPlane:
     """A plane that keeps the rows where the capture put them: the signed header alone goes
     out, its locator naming them. A failure before the publish gives their place back."""
 
-    def __init__(self, publisher: BlockPublisher, sealer: Sealer, *, wait_s: float) -> None:
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, store: Any, *, wait_s: float
+    ) -> None:
         self._publisher, self._sealer, self._wait_s = publisher, sealer, wait_s
+        self._store = store  # where rows are kept: a SlotPool, HostRegions
 
     async def _reserve(self, block_id: str, expires_at: float) -> Any:
-        raise NotImplementedError
+        """A place for the block's rows, waiting up to wait_s for one (then SlotPoolFull)."""
+        return await self._store.reserve(block_id, expires_at, self._wait_s)
 
-    async def _place(
-        self, held: Any, block_id: str, rows: Tensor
-    ) -> tuple[bytes, int, pb.RowsLocator]:
+    async def _place(self, held: Any, block_id: str, rows: Tensor) -> Placed:
         """Put the rows in `held`; returns their digest, its algorithm and their locator."""
         raise NotImplementedError
 
@@ -140,59 +145,35 @@ class _HeldPlane:
 
 
 class LocalPlane(_HeldPlane):
-    """Rows in a slot of this process's pool, on the capture's device."""
+    """Rows in a slot of this process's pool (`store`: a SlotPool), on the capture's
+    device."""
 
-    def __init__(
-        self, publisher: BlockPublisher, sealer: Sealer, pool: SlotPool, *, wait_s: float
-    ) -> None:
-        super().__init__(publisher, sealer, wait_s=wait_s)
-        self._pool = pool
-
-    async def _reserve(self, block_id: str, expires_at: float) -> int:
-        return await self._pool.reserve(block_id, expires_at, self._wait_s)
-
-    async def _place(
-        self, held: int, block_id: str, rows: Tensor
-    ) -> tuple[bytes, int, pb.RowsLocator]:
+    async def _place(self, held: int, block_id: str, rows: Tensor) -> Placed:
         # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
         algorithm = slot_algorithm(rows, self._sealer.algorithm)
         digest = await asyncio.to_thread(rows_digest, rows, algorithm)
-        self._pool.fill(held, block_id, rows)
-        return digest, algorithm, locator.slot_locator(locator.LOCAL, self._pool.instance_id, held)
+        self._store.fill(held, block_id, rows)
+        return digest, algorithm, locator.slot_locator(locator.LOCAL, self._store.instance_id, held)
 
     def _give_back(self, held: int, block_id: str) -> None:
-        self._pool.free(held, block_id)
+        self._store.free(held, block_id)
 
 
 class HostPlane(_HeldPlane):
-    """Rows in a shared-memory region of this host (stateblock.model.shm), for readout
-    processes beside the capture's."""
+    """Rows in a shared-memory region of this host (`store`: stateblock.model.shm's
+    HostRegions), for readout processes beside the capture's."""
 
-    def __init__(
-        self, publisher: BlockPublisher, sealer: Sealer, regions: HostRegions, *, wait_s: float
-    ) -> None:
-        super().__init__(publisher, sealer, wait_s=wait_s)
-        self._regions = regions
-
-    async def _reserve(self, block_id: str, expires_at: float) -> str:
-        return await self._regions.reserve(block_id, expires_at, self._wait_s)
-
-    async def _place(
-        self, held: str, block_id: str, rows: Tensor
-    ) -> tuple[bytes, int, pb.RowsLocator]:
+    async def _place(self, held: str, block_id: str, rows: Tensor) -> Placed:
         # the rows' bytes in host memory (a GPU's copied once), hashed and written once
         algorithm = self._sealer.algorithm
         data = await asyncio.to_thread(rows_view, rows)
         digest = await asyncio.to_thread(envelope.forward_state_digest, data, algorithm)
-        await asyncio.to_thread(self._regions.write, held, data)
-        return (
-            digest,
-            algorithm,
-            locator.slot_locator(locator.HOST, self._regions.placement, 0, held),
-        )
+        await asyncio.to_thread(self._store.write, held, data)
+        where = locator.slot_locator(locator.HOST, self._store.placement, 0, held)
+        return digest, algorithm, where
 
     def _give_back(self, held: str, block_id: str) -> None:
-        self._regions.release(held)
+        self._store.release(held)
 
 
 def data_plane(
