@@ -32,6 +32,7 @@ from tests.unit.deploy.chart import (
     PLACED,
     RELEASE,
     container,
+    containers_of,
     deployment,
     env_of,
     gpus,
@@ -788,15 +789,18 @@ PLAN_VALUES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("values", [{}, PLAN_VALUES], ids=["defaults", "changed"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, PLAN_VALUES, {**PLAN_VALUES, "placement": "pod"}],
+    ids=["defaults", "changed", "pod"],
+)
 def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
     """The services the chart deploys, their ports and each one's config agree with the stack
     plan (stateblock/app/plan.py) for the same values, but for where each deployment puts
-    its files and finds its peers."""
+    its files and finds its peers; with placement pod, a readout process per capture pod."""
     plan, docs = plan_for(values), render_valid(values)
     services = plan.services()
-    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
-                  for d in of_kind(docs, "Deployment").values()}  # fmt: skip
+    components = {name for d in of_kind(docs, "Deployment").values() for name in containers_of(d)}
     assert components == {s.component for s in services} == set(CONFIGS)  # NATS is external
     for component in ("capture", "readout"):
         processes = [s for s in services if s.component == component]
@@ -809,7 +813,9 @@ def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
         for f in dataclasses.fields(read):
             if f.name not in PLACED[component]:
                 assert getattr(deployed, f.name) == getattr(planned, f.name), (component, f.name)
-        ports = {p["name"]: p["containerPort"] for p in container(docs, component)["ports"]}
+        # a shared pod's port names are unique in the pod: "readout-metrics"
+        ports = {p["name"].removeprefix(f"{component}-"): p["containerPort"]
+                 for p in container(docs, component)["ports"]}  # fmt: skip
         if component == "gateway":
             assert (ports["http"], ports["grpc"]) == (plan.ports.http, plan.ports.grpc)
             assert {int(deployed.capture_target.rsplit(":", 1)[1])} == set(plan.ports.capture)
