@@ -502,9 +502,10 @@ def test_a_nats_url_list_must_be_urls(chart_with_nats_stub):
     assert "/nats/url" in render_error({"nats": {"url": "nats://a:4222,b:4222"}})
 
 
-def test_helm_lint_is_clean(chart_with_nats_stub):
+@pytest.mark.parametrize("values", [None, {"placement": "pod"}], ids=["apart", "pod"])
+def test_helm_lint_is_clean(chart_with_nats_stub, values):
     # The stand-in subchart only silences "missing dependency: nats" (nothing is fetched).
-    report = helm.lint(chart_with_nats_stub, strict=True, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(chart_with_nats_stub, values, strict=True, kube_version=f"v{KUBE_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
     assert not problems and not report["errors"], report
 
