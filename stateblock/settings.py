@@ -251,7 +251,7 @@ DATA_PLANE = _setting(
     "process's workers receive its blocks) or `host` (capture and readout processes on one "
     "host: the rows in POSIX shared memory, /dev/shm, read by that host's workers alone; a "
     "GPU's rows pass through the host, CUDA IPC is not built); capture and readout must agree",
-    (CAPTURE, READOUT, UP), defaults={UP: "local"},
+    (CAPTURE, READOUT, UP), defaults={UP: "local"}, chart=COMPUTED,
 )  # fmt: skip
 API_KEY = _setting(
     "API_KEY", str, None,

@@ -88,13 +88,19 @@ def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
+def containers_of(dep: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+
+
 def deployment(docs: list[dict], component: str) -> dict:
-    return of_kind(docs, "Deployment")[f"{RELEASE}-stateblock-{component}"]
+    """The Deployment whose pods run `component`'s container: its own, or with placement
+    pod the capture's for the readout."""
+    (dep,) = [d for d in of_kind(docs, "Deployment").values() if component in containers_of(d)]
+    return dep
 
 
 def container(docs: list[dict], component: str) -> dict:
-    (c,) = deployment(docs, component)["spec"]["template"]["spec"]["containers"]
-    return c
+    return containers_of(deployment(docs, component))[component]
 
 
 def env_of(docs: list[dict], component: str) -> dict[str, str]:
@@ -125,13 +131,14 @@ def volumes_by_mount(docs: list[dict], component: str) -> dict[str, dict]:
 
 
 def secrets_referenced(docs: list[dict], component: str) -> set[str]:
-    pod = deployment(docs, component)["spec"]["template"]["spec"]
-    names = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    for v in pod["volumes"]:
+    """The Secrets `component`'s container reads: through the volumes it mounts, its env."""
+    c = container(docs, component)
+    volumes = volumes_by_mount(docs, component).values()
+    names = {v["secret"]["secretName"] for v in volumes if "secret" in v}
+    for v in volumes:
         for source in v.get("projected", {}).get("sources", []):
             if "secret" in source:
                 names.add(source["secret"]["name"])
-    c = container(docs, component)
     for e in c.get("env", []) + c.get("envFrom", []):
         ref = e.get("valueFrom", {}).get("secretKeyRef") or e.get("secretRef")
         if ref:
@@ -173,11 +180,13 @@ def merged(base: dict, over: dict) -> dict:
 def plan_for(values: dict | None = None) -> StackPlan:
     """The stack the chart should deploy for `values` (over values.yaml): processes on every
     interface of their pods, an external NATS, each port and setting the value the
-    declarations' chart key names."""
+    declarations' chart key names, the data plane the placement allows."""
     v = merged(VALUES, values or {})
     keyed = [s for s in settings.SETTINGS if s.chart not in ("", COMPUTED, OPTIONAL)]
     model = v["model"]
-    c, n = v["capture"]["replicas"], v["readout"]["replicas"]
+    pod = v["placement"] == "pod"  # a readout container in every capture pod
+    c = v["capture"]["replicas"]
+    n = c if pod else v["readout"]["replicas"]
 
     def port(setting: settings.Setting) -> int:
         return int(value_at(setting.chart, v))
@@ -200,6 +209,7 @@ def plan_for(values: dict | None = None) -> StackPlan:
         values={
             **{s: value_at(s.chart, v) for s in keyed if s not in WIRING},
             settings.NATS_REPLICAS: max(1, v["nats"]["replicas"]),
+            settings.DATA_PLANE: "host" if pod else "bus",
             settings.BASE_DIR: Path(model["mountPath"]) / model["baseDir"],
             settings.DECODER_DIR: Path(model["mountPath"]) / model["decoderDir"],
         },

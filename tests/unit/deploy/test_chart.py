@@ -32,6 +32,7 @@ from tests.unit.deploy.chart import (
     PLACED,
     RELEASE,
     container,
+    containers_of,
     deployment,
     env_of,
     gpus,
@@ -501,9 +502,10 @@ def test_a_nats_url_list_must_be_urls(chart_with_nats_stub):
     assert "/nats/url" in render_error({"nats": {"url": "nats://a:4222,b:4222"}})
 
 
-def test_helm_lint_is_clean(chart_with_nats_stub):
+@pytest.mark.parametrize("values", [None, {"placement": "pod"}], ids=["apart", "pod"])
+def test_helm_lint_is_clean(chart_with_nats_stub, values):
     # The stand-in subchart only silences "missing dependency: nats" (nothing is fetched).
-    report = helm.lint(chart_with_nats_stub, strict=True, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(chart_with_nats_stub, values, strict=True, kube_version=f"v{KUBE_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
     assert not problems and not report["errors"], report
 
@@ -788,15 +790,18 @@ PLAN_VALUES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("values", [{}, PLAN_VALUES], ids=["defaults", "changed"])
+@pytest.mark.parametrize(
+    "values",
+    [{}, PLAN_VALUES, {**PLAN_VALUES, "placement": "pod"}],
+    ids=["defaults", "changed", "pod"],
+)
 def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
     """The services the chart deploys, their ports and each one's config agree with the stack
     plan (stateblock/app/plan.py) for the same values, but for where each deployment puts
-    its files and finds its peers."""
+    its files and finds its peers; with placement pod, a readout process per capture pod."""
     plan, docs = plan_for(values), render_valid(values)
     services = plan.services()
-    components = {d["metadata"]["labels"]["app.kubernetes.io/component"]
-                  for d in of_kind(docs, "Deployment").values()}  # fmt: skip
+    components = {name for d in of_kind(docs, "Deployment").values() for name in containers_of(d)}
     assert components == {s.component for s in services} == set(CONFIGS)  # NATS is external
     for component in ("capture", "readout"):
         processes = [s for s in services if s.component == component]
@@ -809,7 +814,9 @@ def test_the_chart_deploys_the_stack_plan_for_the_same_values(values):
         for f in dataclasses.fields(read):
             if f.name not in PLACED[component]:
                 assert getattr(deployed, f.name) == getattr(planned, f.name), (component, f.name)
-        ports = {p["name"]: p["containerPort"] for p in container(docs, component)["ports"]}
+        # a shared pod's port names are unique in the pod: "readout-metrics"
+        ports = {p["name"].removeprefix(f"{component}-"): p["containerPort"]
+                 for p in container(docs, component)["ports"]}  # fmt: skip
         if component == "gateway":
             assert (ports["http"], ports["grpc"]) == (plan.ports.http, plan.ports.grpc)
             assert {int(deployed.capture_target.rsplit(":", 1)[1])} == set(plan.ports.capture)

@@ -437,9 +437,10 @@ template it in its own context.
 {{- else }}{}{{ end }}
 {{- end }}
 
+{{/* Mount and volume of that Secret; dict: ctx, component, volume (its name: "nats-user"). */}}
 {{- define "stateblock.natsUserMount" -}}
 {{- if .ctx.Values.natsAuth.enabled }}
-- name: nats-user
+- name: {{ .volume | default "nats-user" }}
   mountPath: {{ include "stateblock.natsUserDir" .ctx }}
   readOnly: true
 {{- end }}
@@ -447,7 +448,7 @@ template it in its own context.
 
 {{- define "stateblock.natsUserVolume" -}}
 {{- if .ctx.Values.natsAuth.enabled }}
-- name: nats-user
+- name: {{ .volume | default "nats-user" }}
   secret:
     secretName: {{ include "stateblock.natsUserSecretName" . }}
     # Group-readable: with fsGroup set, the non-root user reads it through its group.
