@@ -128,7 +128,8 @@ async def _engine_threads(
     )
     await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
     # combining needs blocks in hand: two executions at a time (a long one never holds up
-    # every other), the rest queue and go together
+    # every other), the rest queue and go together; a block of more answer positions than
+    # one maximal lane is read in parts, one execution at a time, beside the cohorts
     concurrency = min(2, config.workers) if config.cohort_lanes > 1 else config.workers
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
@@ -136,6 +137,7 @@ async def _engine_threads(
             executor,
             max_lanes=config.cohort_lanes,
             concurrency=concurrency,
+            part_positions=config.limits.answer_depth_max,
             on_cohort=metrics.cohort_blocks.observe,
         )
     )
