@@ -76,6 +76,9 @@ class DirectReadouts:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, _timed, self._engine, lanes)
 
+    def is_long(self, lanes: Sequence[LaneRequest]) -> bool:
+        return False  # every block is read as it comes
+
 
 class ReadoutCohorts:
     """`read(lanes)` -> (the lanes' results, the seconds of the executions that read them).

@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 from readout_svc.advisories import ExhaustedBlocks
 from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
-from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
+from readout_svc.pull import run_worker
+from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
