@@ -277,7 +277,7 @@ class PlanTable:
         if len(indices) == len(plan.lane_lengths):  # the whole request in one forward
             self._assemble(request_id, entry, mode, views)
             return
-        # a part: copied now, since a compiled forward's next replay overwrites its output
+        # a part is copied at record time: a compiled forward's next replay overwrites it
         for i, view in zip(indices, views, strict=True):
             entry.lanes[i] = view.detach().to("cpu", copy=True)
         if len(entry.lanes) == len(plan.lane_lengths):
