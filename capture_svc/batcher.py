@@ -2,8 +2,18 @@
 
 Requests queued while the previous forward ran (or within an optional window) are grouped
 by padded-length bucket and run as cohorts bounded by lanes and by padded tokens (lanes x
-the bucket width, `CohortLimits`), one forward each, on a single forward thread, the
-narrowest bucket first. Lanes are right-padded to a bucket width (powers of two and 1.5x
+the bucket width, `CohortLimits`), one forward each, the narrowest bucket first.
+
+A request over the token bound (a maximal one: 8 lanes of 4,096 tokens) is captured in
+parts instead, as many of its lanes a forward as the bound allows (one lane when a single
+lane is over it), by a second runner beside the cohorts': its parts never hold up the
+cohorts of the requests that fit. With an executor of two threads (the eager forward) a
+part runs beside a cohort; with one (a compiled forward: its CUDA graphs belong to the
+thread that warmed them up) the two runners take turns, so a request queued behind a part
+goes in the next forward. Parts of several such requests go round-robin, one part of each
+in turn; the plan table assembles a request's rows once its last lane is in.
+
+Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal
 decoder-only (Llama; NemotronH attention and Mamba conv/scan), so with right padding no
 valid position sees a pad column, and the pad rows are dropped. A mask would only push
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -70,19 +81,16 @@ def lane_bucket(lanes: int, buckets: Sequence[int]) -> int:
 
 
 def warm_shapes(
-    lane_buckets: Sequence[int],
-    prompt_len_max: int,
-    cohort: CohortLimits | None = None,
-    request_lanes: int = 1,
+    lane_buckets: Sequence[int], prompt_len_max: int, cohort: CohortLimits | None = None
 ) -> list[tuple[int, int]]:
     """Every (lanes, width) shape a compiled cohort forward can run: with cohort limits, a
-    width's lane buckets stop at the one that holds the most lanes a cohort that wide can
-    carry, so wide prompts add few shapes."""
+    width's lane buckets stop at the one that holds the most lanes a forward that wide can
+    carry (a request over them goes in parts), so wide prompts add few shapes."""
     shapes = []
     for width in width_buckets(prompt_len_max):
         top = lane_buckets[-1]
         if cohort is not None:
-            top = lane_bucket(cohort.lanes_at(width, request_lanes), lane_buckets)
+            top = lane_bucket(cohort.lanes_at(width), lane_buckets)
         shapes += [(n, width) for n in lane_buckets if n <= top]
     return shapes
 
@@ -93,13 +101,24 @@ class Dropped(Exception):
 
 @dataclass
 class Pending:
+    """Lanes of one request for a forward: all of them, or a part (lanes `first_lane` on)."""
+
     plan: CapturePlan
     lane_ids: Sequence[Sequence[int]]
     future: asyncio.Future = field(repr=False)
+    first_lane: int = 0
 
     @property
     def bucket(self) -> int:
         return bucket_width(max(len(ids) for ids in self.lane_ids))
+
+    def parts(self, lanes: int) -> list[Pending]:
+        """This request as parts of at most `lanes` lanes (at least one), in lane order."""
+        step = max(1, lanes)
+        return [
+            Pending(self.plan, self.lane_ids[i : i + step], self.future, i)
+            for i in range(0, len(self.lane_ids), step)
+        ]
 
 
 class CohortForward:
@@ -139,7 +158,7 @@ class CohortForward:
         slots: list[Slot] = []
         lanes: list[Sequence[int]] = []
         for p in cohort:
-            for i, ids in enumerate(p.lane_ids):
+            for i, ids in enumerate(p.lane_ids, start=p.first_lane):
                 slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
                 lanes.append(ids)
         real = len(lanes)
@@ -161,7 +180,10 @@ class CohortForward:
 
 
 class ForwardBatcher:
-    """`submit` resolves once the forward that carried the request has recorded its rows."""
+    """`submit` resolves once the forwards that carried the request have recorded its rows.
+
+    Two runners share the executor: cohorts of the requests that fit the token bound, and
+    the parts of those over it (module docstring)."""
 
     def __init__(
         self,
@@ -181,17 +203,32 @@ class ForwardBatcher:
         self._cohort = cohort or CohortLimits(max_lanes, 1 << 62)
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[Pending] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self._oversized: asyncio.Queue[Pending] = asyncio.Queue()  # over the token bound
+        # requests over the token bound being captured: each one's parts still to run
+        self._rotation: deque[list[Pending]] = deque()
+        self._tasks: list[asyncio.Task] = []
         # submitted, no forward started: what `drop` can still take back, by request id
         self._unstarted: dict[str, Pending] = {}
 
     async def __aenter__(self) -> ForwardBatcher:
-        self._task = asyncio.create_task(self._run(), name="capture-batcher")
+        self._tasks = [
+            asyncio.create_task(self._run(), name="capture-batcher"),
+            asyncio.create_task(self._run_parts(), name="capture-parts"),
+        ]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        assert self._task is not None
-        await runtime.stop_serving(self._task, self._queue, "capture service is shutting down")
+        def waiting() -> list[Pending]:
+            parted = [parts[0] for parts in self._rotation if parts]
+            return parted + runtime.drained(self._queue) + runtime.drained(self._oversized)
+
+        await runtime.stop_serving(self._tasks, "capture service is shutting down", waiting)
+
+    def over_bound(self, lane_ids: Sequence[Sequence[int]]) -> bool:
+        """Whether a request's lanes at its bucket width are over the cohort's token bound:
+        it is captured in parts."""
+        width = bucket_width(max(len(ids) for ids in lane_ids))
+        return len(lane_ids) * width > self._cohort.tokens
 
     async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> None:
         if len(lane_ids) > self._max_lanes:
@@ -202,7 +239,7 @@ class ForwardBatcher:
         pending = Pending(plan, lane_ids, future)
         self._unstarted[plan.request_id] = pending
         try:
-            await self._queue.put(pending)
+            await (self._oversized if self.over_bound(lane_ids) else self._queue).put(pending)
             await future
         finally:
             self._unstarted.pop(plan.request_id, None)
@@ -260,26 +297,53 @@ class ForwardBatcher:
         return cohorts
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        """The requests that fit the token bound, a batch at a time, a cohort a forward."""
         while True:
             batch = await self._collect()
             for cohort in self._cohorts(batch):
                 # a caller that went away while an earlier cohort ran: its forward never starts
                 cohort = [p for p in cohort if not p.future.done()]
-                if not cohort:
-                    continue
-                for p in cohort:  # from here on `drop` cannot take it back
-                    self._unstarted.pop(p.plan.request_id, None)
-                try:
-                    await loop.run_in_executor(self._executor, self._forward, cohort)
-                except Exception as e:  # the forward failed: every request in it fails
-                    log.exception("cohort forward failed", lanes=len(cohort))
+                if cohort and await self._run_forward(cohort):
                     for p in cohort:
                         if not p.future.done():
-                            p.future.set_exception(e)
-                    continue
-                if self._on_cohort is not None:
-                    self._on_cohort(sum(len(p.lane_ids) for p in cohort))
-                for p in cohort:
-                    if not p.future.done():
-                        p.future.set_result(None)
+                            p.future.set_result(None)
+
+    async def _run_parts(self) -> None:
+        """The requests over the token bound, a part a forward, one part of each in turn. A
+        request whose caller went away (or that failed) runs none of its remaining parts."""
+        while True:
+            if not self._rotation:
+                self._rotation.append(self._split(await self._oversized.get()))
+            while not self._oversized.empty():
+                self._rotation.append(self._split(self._oversized.get_nowait()))
+            parts = self._rotation[0]  # kept there while it runs: a stop fails its caller
+            part = parts[0]
+            done = part.future.done() or not await self._run_forward([part])
+            self._rotation.popleft()
+            del parts[0]
+            if done:
+                continue
+            if parts:
+                self._rotation.append(parts)
+            elif not part.future.done():
+                part.future.set_result(None)
+
+    def _split(self, pending: Pending) -> list[Pending]:
+        return pending.parts(self._cohort.lanes_at(pending.bucket))
+
+    async def _run_forward(self, cohort: list[Pending]) -> bool:
+        """One forward on the executor; False when it failed (its requests' futures then
+        carry the error)."""
+        for p in cohort:  # from here on `drop` cannot take it back
+            self._unstarted.pop(p.plan.request_id, None)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, cohort)
+        except Exception as e:  # the forward failed: every request in it fails
+            log.exception("cohort forward failed", lanes=sum(len(p.lane_ids) for p in cohort))
+            for p in cohort:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return False
+        if self._on_cohort is not None:
+            self._on_cohort(sum(len(p.lane_ids) for p in cohort))
+        return True

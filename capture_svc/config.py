@@ -17,15 +17,16 @@ declared = settings.fields_for(settings.CAPTURE)
 @dataclass(frozen=True)
 class CohortLimits:
     """What one base forward carries at most: lanes, and padded tokens (lanes x the bucket
-    width). A cohort goes over `tokens` only when a single request does."""
+    width). A forward goes over `tokens` only when a single lane does; a request over it is
+    captured in parts (capture_svc.batcher)."""
 
     lanes: int
     tokens: int
 
-    def lanes_at(self, width: int, request_lanes: int) -> int:
-        """The most lanes a cohort of this bucket width can hold (a lone request of
-        `request_lanes` always fits)."""
-        return min(self.lanes, max(request_lanes, self.tokens // width))
+    def lanes_at(self, width: int) -> int:
+        """The most lanes a forward of this bucket width carries: one at least (a lane over
+        the token bound runs alone)."""
+        return min(self.lanes, max(1, self.tokens // width))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ A request registers an immutable plan (its layout) before the forward. The forwa
 records the cohort's rows through `record`, stamped with each slot's request identity;
 the table checks identity, per-lane lengths (of the token rows the cohort's forward was
 built from), total rows, the layout digest and the capture mode, and holds the rows for
-that request only. `consume` hands them over exactly once, against the layout digest.
+that request only. A request over the cohort's token budget is captured in parts, some of
+its lanes a forward (capture_svc.batcher): each lane is recorded exactly once, by whichever
+forward carried it, and the request's rows are assembled, in lane order, and checked once
+its last lane is in. `consume` hands them over exactly once, against the layout digest.
 
 `record` runs on the forward thread inside the hook, the rest on the event loop, so every
 method takes the lock. A failed check poisons only the request it concerns: the other
@@ -131,7 +134,7 @@ class _Entry:
     plan: CapturePlan
     rows: Tensor | None = None
     error: CaptureIntegrityError | None = None
-    recorded: bool = field(default=False)
+    lanes: dict[int, Tensor] = field(default_factory=dict)  # recorded so far, by lane index
 
 
 class PlanTable:
@@ -188,7 +191,8 @@ class PlanTable:
                     raise DoubleConsume(f"request {request_id} was already consumed")
                 raise PlanNotFound(f"request {request_id} has no capture plan")
             if entry.error is None and entry.rows is None:
-                raise NotRecorded(f"request {request_id}: the forward recorded no rows")
+                detail = f"{len(entry.lanes)} of {len(entry.plan.lane_lengths)} lanes recorded"
+                raise NotRecorded(f"request {request_id}: the forward recorded no rows ({detail})")
             del self._entries[request_id]
             self._m.active_plans.set(len(self._entries))
             self._remember_consumed(request_id)
@@ -248,11 +252,12 @@ class PlanTable:
             return
         self._m.records.inc()
         plan = entry.plan
-        if entry.recorded:
-            self._m.cross_request_events.inc()
-            self._fail(request_id, "cross_request_events", "a second forward recorded rows")
+        if entry.error is not None:  # poisoned already: nothing more of it is kept
             return
-        entry.recorded = True
+        if any(s.lane_index in entry.lanes for s in slots) or entry.rows is not None:
+            self._m.cross_request_events.inc()
+            self._fail(request_id, "cross_request_events", "a second forward recorded a lane")
+            return
         if any(s.plan_token != plan.token for s in slots):
             self._m.identity_mismatch.inc()
             self._fail(request_id, "identity_mismatch", "hook stamp is not this plan's")
@@ -264,17 +269,34 @@ class PlanTable:
             )
             return
         slots = sorted(slots, key=lambda s: s.lane_index)
+        indices = [s.lane_index for s in slots]
         actual = [int(lane_lengths[s.batch_row]) for s in slots]
-        if [s.lane_index for s in slots] != list(range(len(plan.lane_lengths))) or tuple(
-            actual
-        ) != plan.lane_lengths:
+        planned = [plan.lane_lengths[i] for i in indices if 0 <= i < len(plan.lane_lengths)]
+        if len(set(indices)) != len(indices) or actual != planned:
             self._m.lane_length_mismatch.inc()
-            detail = f"lanes {actual}, plan {list(plan.lane_lengths)}"
+            detail = f"lanes {indices} of {actual} rows, plan {list(plan.lane_lengths)}"
             self._fail(request_id, "lane_length_mismatch", detail)
             return
+        views = [rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)]
+        if len(indices) == len(plan.lane_lengths):  # the whole request in one forward
+            self._assemble(request_id, entry, mode, views)
+            return
+        # a part is copied at record time: a compiled forward's next replay overwrites it
+        where = "cpu" if self._host_rows else rows.device
+        for i, view in zip(indices, views, strict=True):
+            entry.lanes[i] = view.detach().to(where, copy=True)
+        if len(entry.lanes) == len(plan.lane_lengths):
+            parts = [entry.lanes.pop(i) for i in range(len(plan.lane_lengths))]
+            self._assemble(request_id, entry, mode, parts)
+
+    def _assemble(self, request_id: str, entry: _Entry, mode: int, lanes: list[Tensor]) -> None:
+        """Every lane is in (in lane order): the request's packed rows, checked against its
+        plan."""
+        plan = entry.plan
         # cat copies: the request owns its rows, whatever becomes of the cohort tensor
-        packed = torch.cat([rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)])
-        packed = packed.detach().to("cpu") if self._host_rows else packed.detach()  # (rows, d)
+        packed = torch.cat(lanes).detach()  # (total_rows, d)
+        packed = packed.to("cpu") if self._host_rows else packed  # `local`: stays on its device
+        actual = list(plan.lane_lengths)
         if packed.shape[0] != plan.total_rows:
             self._m.row_count_mismatch.inc()
             detail = f"{packed.shape[0]} rows, plan {plan.total_rows}"
@@ -303,6 +325,7 @@ class PlanTable:
         if entry is not None and entry.error is None:
             entry.error = CaptureIntegrityError(kind, request_id, detail)
             entry.rows = None
+            entry.lanes = {}
 
     def _sweep_locked(self) -> int:
         now = self._clock()

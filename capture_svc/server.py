@@ -131,7 +131,7 @@ async def _warm_up(
     limit = config.limits.prompt_len_max
     shapes = [(1, MIN_BUCKET)]
     if buckets is not None:
-        shapes = warm_shapes(buckets, limit, config.cohort, config.limits.max_lanes)
+        shapes = warm_shapes(buckets, limit, config.cohort)
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
@@ -225,8 +225,13 @@ async def running_capture(
         capture_metrics = CaptureMetrics(metrics)
         if held is not None:
             capture_metrics.slots_held.set_function(held.held)
-        # One forward thread: cohorts run one after another, each using every core.
-        executor = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="capture-fwd"))
+        # Eager: two forward threads, so a part of a request over the token bound runs
+        # beside the cohorts of those that fit. Compiled: one, the thread whose warm-up
+        # recorded the CUDA graphs (they are per thread); the batcher's runners take turns.
+        threads = 2 if config.compile == "off" else 1
+        executor = stack.enter_context(
+            ThreadPoolExecutor(threads, thread_name_prefix="capture-fwd")
+        )
         forward = _forward(model, plans, config)
         batcher = await stack.enter_async_context(
             ForwardBatcher(

@@ -11,12 +11,21 @@ says they read the same way together as alone: its `cohort_key(lanes)` (the prec
 and depth bucket a block's lanes run at) must be equal for every block of a cohort, and an
 engine without one is never combined. A cohort whose execution raises is read again block
 by block, so one bad block fails only its own request.
+
+A long block (more answer positions than `part_positions`, one maximal lane's: a maximal
+request's 8 lanes of 8,192) never holds every execution: a runner of its own reads long
+blocks one execution at a time, beside the cohorts, one part of each in turn. A part is as
+many of the block's lanes as fit `part_positions` (one at least), and a block is read in
+parts only when each part has the whole block's `cohort_key` (it then reads the same apart
+as together); otherwise it is read whole, still by that runner. Its caller gets the
+block's results once its last part is read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -42,6 +51,16 @@ class _Queued:
     future: asyncio.Future = field(repr=False)
 
 
+@dataclass
+class _Long:
+    """A long block being read: its parts still to read, the results of those read."""
+
+    queued: _Queued
+    parts: list[Sequence[LaneRequest]]
+    results: list[LaneResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+
 def _timed(engine: ReadoutEngine, lanes: Sequence[LaneRequest]) -> tuple[list[LaneResult], float]:
     t0 = time.perf_counter()
     results = engine.readout(lanes)
@@ -58,11 +77,15 @@ class DirectReadouts:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, _timed, self._engine, lanes)
 
+    def is_long(self, lanes: Sequence[LaneRequest]) -> bool:
+        return False  # every block is read as it comes
+
 
 class ReadoutCohorts:
-    """`read(lanes)` -> (the lanes' results, the seconds of the execution that read them).
-    At most `concurrency` executions run at once (the executor's threads); blocks that
-    arrive meanwhile wait and are read together."""
+    """`read(lanes)` -> (the lanes' results, the seconds of the executions that read them).
+    At most `concurrency` executions run at once (the executor's threads), one of them at
+    most a long block's (module docstring); blocks that arrive meanwhile wait and are read
+    together."""
 
     def __init__(
         self,
@@ -71,39 +94,79 @@ class ReadoutCohorts:
         *,
         max_lanes: int,
         concurrency: int = 1,
+        part_positions: int | None = None,  # None: no block is long
         on_cohort=None,  # Callable[[int], None]: blocks per execution, for a histogram
     ) -> None:
         self._engine = engine
         self._executor = executor
         self._max_lanes = max_lanes
+        self._part_positions = part_positions
         self._slots = asyncio.Semaphore(concurrency)
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self._long: asyncio.Queue[_Long] = asyncio.Queue()
+        self._rotation: deque[_Long] = deque()  # long blocks being read, in turn
+        self._tasks: list[asyncio.Task] = []
         self._running: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> ReadoutCohorts:
-        self._task = asyncio.create_task(self._run(), name="readout-cohorts")
+        self._tasks = [
+            asyncio.create_task(self._run(), name="readout-cohorts"),
+            asyncio.create_task(self._run_long(), name="readout-long"),
+        ]
         return self
 
     async def __aexit__(self, *exc) -> None:
-        assert self._task is not None
+        def waiting() -> list[_Queued]:
+            long = [b.queued for b in self._rotation]
+            long += [b.queued for b in runtime.drained(self._long)]
+            return long + runtime.drained(self._queue)
+
         why = "readout cohorts are shutting down"
-        await runtime.stop_serving(self._task, self._queue, why, *self._running)
+        await runtime.stop_serving(self._tasks, why, waiting, *self._running)
 
     async def read(self, lanes: Sequence[LaneRequest]) -> tuple[list[LaneResult], float]:
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Queued(lanes, cohort_key(self._engine, lanes), future))
+        queued = _Queued(lanes, cohort_key(self._engine, lanes), future)
+        if self.is_long(lanes):
+            await self._long.put(_Long(queued, self.parts(queued)))
+        else:
+            await self._queue.put(queued)
         return await future
+
+    def is_long(self, lanes: Sequence[LaneRequest]) -> bool:
+        """More answer positions than one part carries."""
+        budget = self._part_positions
+        return budget is not None and sum(lane.depth for lane in lanes) > budget
+
+    def parts(self, queued: _Queued) -> list[Sequence[LaneRequest]]:
+        """A long block's parts: its lanes in order, as many an execution as fit
+        `part_positions` (one at least); the whole block as one part unless every part has
+        its cohort key (an engine without one: never in parts)."""
+        assert self._part_positions is not None
+        if queued.key is None:
+            return [queued.lanes]
+        parts: list[list[LaneRequest]] = []
+        positions = 0
+        for lane in queued.lanes:
+            if not parts or positions + lane.depth > self._part_positions:
+                parts.append([])
+                positions = 0
+            parts[-1].append(lane)
+            positions += lane.depth
+        if any(cohort_key(self._engine, part) != queued.key for part in parts):
+            return [queued.lanes]
+        return list(parts)
 
     async def _run(self) -> None:
         while True:
-            await self._slots.acquire()  # while every slot runs, blocks queue up together
-            try:
-                batch = [await self._queue.get()]
+            first = await self._queue.get()
+            try:  # while every slot runs, blocks queue up together
+                await self._slots.acquire()
             except BaseException:
-                self._slots.release()
+                self._queue.put_nowait(first)  # a stop fails its caller
                 raise
+            batch = [first]
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             cohorts = self.cohorts([q for q in batch if not q.future.done()])
@@ -115,6 +178,42 @@ class ReadoutCohorts:
                 task.add_done_callback(self._running.discard)
             if not cohorts:
                 self._slots.release()
+
+    async def _run_long(self) -> None:
+        """Long blocks, one execution at a time, one part of each in turn. A block whose
+        caller went away (or whose part failed) reads none of its remaining parts."""
+        while True:
+            if not self._rotation:
+                self._rotation.append(await self._long.get())
+            while not self._long.empty():
+                self._rotation.append(self._long.get_nowait())
+            block = self._rotation[0]  # kept there while it reads: a stop fails its caller
+            async with self._slots:
+                going = not block.queued.future.done() and await self._read_part(block)
+            self._rotation.popleft()
+            if going and block.parts:
+                self._rotation.append(block)
+            elif going:
+                block.queued.future.set_result((block.results, block.seconds))
+
+    async def _read_part(self, block: _Long) -> bool:
+        """Read the block's next part; False when it failed (the block's caller then has
+        the error) or its caller went away meanwhile."""
+        part = block.parts.pop(0)
+        loop = asyncio.get_running_loop()
+        try:
+            results, seconds = await loop.run_in_executor(
+                self._executor, _timed, self._engine, part
+            )
+        except Exception as e:
+            if not block.queued.future.done():
+                block.queued.future.set_exception(e)
+            return False
+        if self._on_cohort is not None:
+            self._on_cohort(1)
+        block.results += results
+        block.seconds += seconds
+        return not block.queued.future.done()
 
     def cohorts(self, batch: list[_Queued]) -> list[list[_Queued]]:
         """The batch split into executions: blocks of one key together, up to max_lanes

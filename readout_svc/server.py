@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry
 from readout_svc.advisories import ExhaustedBlocks
 from readout_svc.cohorts import ReadoutCohorts
 from readout_svc.config import ReadoutServiceConfig
+from readout_svc.pull import run_worker
 from readout_svc.rows import free_slot
-from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics, run_worker
+from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
@@ -149,7 +150,8 @@ async def _engine_threads(
     )
     await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
     # combining needs blocks in hand: two executions at a time (a long one never holds up
-    # every other), the rest queue and go together
+    # every other), the rest queue and go together; a block of more answer positions than
+    # one maximal lane is read in parts, one execution at a time, beside the cohorts
     concurrency = min(2, config.workers) if config.cohort_lanes > 1 else config.workers
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
@@ -157,6 +159,7 @@ async def _engine_threads(
             executor,
             max_lanes=config.cohort_lanes,
             concurrency=concurrency,
+            part_positions=config.limits.answer_depth_max,
             on_cohort=metrics.cohort_blocks.observe,
         )
     )

@@ -167,8 +167,10 @@ class ReadoutWorker:
         self._lease_s = lease_s
         self._retry = retry_delay_s
 
-    async def handle(self, msg: Msg) -> str:
-        """Process one delivery; returns what happened (for logs and tests)."""
+    async def handle(self, msg: Msg, long_read: asyncio.Event | None = None) -> str:
+        """Process one delivery; returns what happened (for logs and tests). `long_read` is
+        set once the block's readout is queued as a long block's (readout_svc.cohorts):
+        its pull loop may then pull the next block meanwhile (readout_svc.pull)."""
         t_start = time.perf_counter()
         try:
             # inline rows stay a view of msg.data (2.75 MB not copied through protobuf)
@@ -189,7 +191,7 @@ class ReadoutWorker:
                 self._digest_executor, _timed_confirm, checked
             )
             try:
-                return await self._claim_and_read(msg, block, checked, digest, t_start)
+                return await self._claim_and_read(msg, block, checked, digest, t_start, long_read)
             finally:  # on a raise, its outcome is not wanted: drop it if it has not started
                 digest.cancel()
                 digest.add_done_callback(runtime.discard_outcome)
@@ -201,11 +203,15 @@ class ReadoutWorker:
         checked: envelope.HeaderVerified | SlotVerified,
         digest: asyncio.Future[tuple[object, float]],
         t_start: float,
+        long_read: asyncio.Event | None,
     ) -> str:
         header = checked.header
         t_verified = time.perf_counter()
         # Beside the claim: its answer is used only once the claim is ours.
-        readout = asyncio.ensure_future(self._readouts.read(lane_requests(checked)))
+        lanes = lane_requests(checked)
+        readout = asyncio.ensure_future(self._readouts.read(lanes))
+        if long_read is not None and self._readouts.is_long(lanes):
+            long_read.set()
         try:
             claim = await self._claim(header.block_id)
         except (AlreadyCommitted, ValueError, AlreadyClaimed) as e:
@@ -399,26 +405,3 @@ class ReadoutWorker:
             headers[streams.BLOCK_ID_HEADER] = block_id
         await self._nc.publish(streams.rejected_subject(reason), msg.data, headers=headers)
         return f"rejected:{reason}"
-
-
-async def run_worker(
-    worker: ReadoutWorker, psub, stop: asyncio.Event, *, fetch_timeout_s: float
-) -> None:
-    """Pull one block at a time until `stop`; a block in hand is always finished."""
-    while not stop.is_set():
-        try:
-            msgs = await psub.fetch(1, timeout=fetch_timeout_s)
-        except TimeoutError:  # nats' and asyncio's own: a fetch whose deadline passed while
-            continue  # the loop was busy raises the latter, which must not end the loop
-        except Exception as e:  # NATS trouble or a bug: the pull loop must outlive it
-            log.warning("fetch failed", error=repr(e), worker_id=worker.worker_id)
-            await asyncio.sleep(fetch_timeout_s)
-            continue
-        for msg in msgs:
-            try:
-                await worker.handle(msg)
-            except (RegistryError, TimeoutError, nats.errors.Error) as e:
-                # NATS trouble mid-block: no ack, so JetStream redelivers after ack_wait.
-                log.warning("block left for redelivery", error=repr(e), worker_id=worker.worker_id)
-            except Exception:  # a bug must not kill the pull loop; the block is redelivered
-                log.exception("unexpected failure handling a block", worker_id=worker.worker_id)

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -347,20 +347,33 @@ def discard_outcome(future: asyncio.Future) -> None:
         future.exception()
 
 
-async def stop_serving(
-    task: asyncio.Task, queue: asyncio.Queue, why: str, *started: asyncio.Task
-) -> None:
-    """Stop the task that serves `queue` and the tasks it `started`, then fail each item
-    still queued (its `future`) with RuntimeError(why): no caller waits on a stopped loop.
-    The serving task's own error, when it died of one, is raised."""
-    task.cancel()
-    await asyncio.gather(task, *started, return_exceptions=True)
+def drained(queue: asyncio.Queue) -> list:
+    """What is left in `queue`, taken out of it."""
+    items = []
     while not queue.empty():
-        item = queue.get_nowait()
+        items.append(queue.get_nowait())
+    return items
+
+
+async def stop_serving(
+    tasks: Sequence[asyncio.Task],
+    why: str,
+    waiting: Callable[[], Iterable[Any]],
+    *started: asyncio.Task,
+) -> None:
+    """Stop the tasks that serve a queue and the tasks they `started`, then fail each item
+    `waiting()` gives (what still waits, asked once they have stopped) through its `future`
+    with RuntimeError(why): no caller waits on a stopped loop. A serving task's own error,
+    when it died of one, is raised."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, *started, return_exceptions=True)
+    for item in waiting():
         if not item.future.done():
             item.future.set_exception(RuntimeError(why))
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
 
 
 def shutdown_event() -> asyncio.Event:

@@ -354,13 +354,15 @@ CAPTURE_COMPILE = _setting(
 CAPTURE_COHORT_LANES = _setting(
     "CAPTURE_COHORT_LANES", int, 32,
     "lanes one base forward carries at most, from as many requests as fit (never fewer than "
-    "`STATEBLOCK_MAX_LANES`: one request's lanes always share a forward)", (CAPTURE,), minimum=1,
+    "`STATEBLOCK_MAX_LANES`: a request's lanes share a forward unless they are over "
+    "`STATEBLOCK_CAPTURE_COHORT_TOKENS`)", (CAPTURE,), minimum=1,
     chart="capture.cohortLanes",
 )  # fmt: skip
 CAPTURE_COHORT_TOKENS = _setting(
     "CAPTURE_COHORT_TOKENS", int, 16384,
     "padded prompt tokens (lanes x bucket width) one base forward carries at most: many short "
-    "prompts or a few long ones; a single request over it runs alone", (CAPTURE,), minimum=1,
+    "prompts or a few long ones; a request over it is captured in parts (as many lanes a "
+    "forward as fit, one at least) beside the others' forwards", (CAPTURE,), minimum=1,
     chart="capture.cohortTokens",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(

@@ -9,6 +9,7 @@ original stash raced under concurrent traffic.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -135,11 +136,16 @@ def capture(
     A mask still passes through for callers that left-pad or want the masked reference.
 
     `on_rows` sees the rows inside the hook, before anyone else: the capture registry
-    uses it to verify the request identity and layout at the moment of recording.
+    uses it to verify the request identity and layout at the moment of recording. Several
+    threads may run forwards of one model at once: each call's hook takes only the output
+    of its own thread's forward.
     """
     sink: list[Tensor] = []
+    thread = threading.get_ident()
 
     def hook(_module: nn.Module, _args: tuple, output) -> None:
+        if threading.get_ident() != thread:  # another thread's forward of the same model
+            return
         rows = output[0] if isinstance(output, tuple) else output.last_hidden_state
         if on_rows is not None:
             on_rows(rows)

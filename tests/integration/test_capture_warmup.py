@@ -79,15 +79,16 @@ def test_warm_shapes_cover_every_cohort_shape():
 
 def test_warm_shapes_stop_at_what_a_cohort_can_carry():
     """With cohort limits, a width's lane buckets end at the bucket holding the most lanes a
-    cohort that wide can carry (tokens // width, never fewer than one request's lanes)."""
+    forward that wide can carry (tokens // width, one at least: a request over it goes in
+    parts)."""
     buckets, cohort = (1, 2, 4, 8, 16, 32), CohortLimits(lanes=32, tokens=4096)
-    shapes = warm_shapes(buckets, 4096, cohort, request_lanes=8)
+    shapes = warm_shapes(buckets, 4096, cohort)
     tops = {w: max(n for n, v in shapes if v == w) for w in width_buckets(4096)}
     assert tops[16] == tops[128] == 32 and tops[192] == 32  # 4096 // 192 = 21 -> bucket 32
-    assert tops[256] == 16 and tops[512] == 8 and tops[4096] == 8
+    assert tops[256] == 16 and tops[512] == 8 and tops[1024] == 4 and tops[4096] == 1
     assert len(shapes) < len(warm_shapes(buckets, 4096))
     for width in width_buckets(4096):  # every cohort the batcher can form is covered
-        for lanes in range(1, cohort.lanes_at(width, 8) + 1):
+        for lanes in range(1, cohort.lanes_at(width) + 1):
             assert (lane_bucket(lanes, buckets), width) in shapes
     config = CaptureConfig.from_env(
         {"STATEBLOCK_CAPTURE_COMPILE": "inductor", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}

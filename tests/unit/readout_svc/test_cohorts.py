@@ -4,6 +4,7 @@ answer the same as the block read alone (the shipped model, reference and torch 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -102,3 +103,75 @@ async def test_a_cancelled_read_is_not_executed(reference, captured):
     outs = await read_all(counting, blocks, max_lanes=8, cancel=3)
     assert isinstance(outs[3], asyncio.CancelledError)
     assert sum(counting.calls) == 3  # the cancelled block's lane never reached the engine
+
+
+@pytest.mark.parametrize("engine_name", ["reference", "torch"])
+async def test_a_long_block_is_read_in_parts_and_answers_as_whole(
+    engine_name, reference, engine, captured
+):
+    """A block of more answer positions than a part carries goes in parts of lanes that
+    share its cohort key: the same results, bit for bit, as the block read whole."""
+    inner = reference if engine_name == "reference" else engine
+    block = lanes_of(
+        captured[:1], [48] * 5, temps=[0.0, 0.9, 0.0, 1.1, 0.0], seeds=[None, 3, None, 4, None]
+    )
+    counting = Counting(inner)
+    with ThreadPoolExecutor(2) as pool:
+        async with ReadoutCohorts(
+            counting, pool, max_lanes=8, concurrency=2, part_positions=96
+        ) as cohorts:
+            results, seconds = await cohorts.read(block)
+    assert results == inner.readout(block) and seconds > 0
+    assert counting.calls == [2, 2, 1]
+
+
+async def test_a_long_block_whose_parts_would_read_otherwise_is_read_whole(reference, captured):
+    """The reference engine pads a cohort to its longest prompt: a part without the longest
+    lane would read otherwise, so the block is read whole (still apart from the cohorts)."""
+    counting = Counting(reference)
+    block = lanes_of([captured[1], captured[4]], [48, 48, 48])  # two prompt lengths
+    with ThreadPoolExecutor(2) as pool:
+        async with ReadoutCohorts(
+            counting, pool, max_lanes=8, concurrency=2, part_positions=48
+        ) as cohorts:
+            results, _ = await cohorts.read(block)
+    assert results == reference.readout(block) and counting.calls == [3]
+
+
+class Held(Counting):
+    """Executions of lanes at `held_depth` wait for `release`."""
+
+    def __init__(self, engine, held_depth: int) -> None:
+        super().__init__(engine)
+        self.held_depth, self.release = held_depth, threading.Event()
+        self.holding = threading.Event()
+
+    def readout(self, lanes):
+        if any(lane.depth == self.held_depth for lane in lanes):
+            self.holding.set()
+            assert self.release.wait(30), "the test never released the long block"
+        return super().readout(lanes)
+
+
+async def test_long_blocks_never_hold_every_execution(reference, captured):
+    """Two long blocks and short ones with two execution slots: the long blocks' parts go
+    one at a time, so while one is held the short blocks are read through the other slot;
+    every answer is the same as alone once the long ones go on."""
+    held = Held(reference, held_depth=64)
+    longs = [lanes_of(captured[i : i + 1], [64] * 3) for i in range(2)]
+    shorts = [lanes_of(captured[i : i + 1], [16 + i]) for i in range(4)]  # one a cohort
+    with ThreadPoolExecutor(3) as pool:
+        async with ReadoutCohorts(
+            held, pool, max_lanes=8, concurrency=2, part_positions=64
+        ) as cohorts:
+            long_reads = [asyncio.ensure_future(cohorts.read(b)) for b in longs]
+            await asyncio.to_thread(held.holding.wait, 10)
+            short_outs = await asyncio.wait_for(
+                asyncio.gather(*(cohorts.read(b) for b in shorts)), 30
+            )
+            assert not any(r.done() for r in long_reads)  # held, while the short ones went
+            held.release.set()
+            long_outs = await asyncio.gather(*long_reads)
+    for (results, _), block in zip(short_outs + long_outs, shorts + longs, strict=True):
+        assert results == reference.readout(block)
+    assert held.calls.count(1) >= 6 and 3 not in held.calls  # the long ones a lane a part
