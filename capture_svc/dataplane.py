@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import Histogram
 from torch import Tensor
@@ -50,7 +50,44 @@ class Sealer:
     algorithm: int = pb.DIGEST_ALGORITHM_BLAKE3
 
 
-class DataPlane(Protocol):
+@dataclass(frozen=True)
+class Placed:
+    """Where a block's rows went: their digest under `algorithm`, the locator that names
+    them (None: they travel in the block), and their bytes when they do."""
+
+    digest: bytes
+    algorithm: int
+    locator: pb.RowsLocator | None = None
+    data: memoryview | None = None
+
+
+class DataPlane:
+    """How a block's rows travel; its signed header always goes over JetStream. `deliver`
+    finds the rows a place (`store`: a SlotPool or HostRegions, for the planes that keep
+    them), puts them there, signs the header and publishes; a failure before the publish
+    gives their place back, so nothing of the capture stays behind."""
+
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, store: Any = None, *, wait_s: float = 0
+    ) -> None:
+        self._publisher, self._sealer, self._wait_s = publisher, sealer, wait_s
+        self._store = store
+
+    async def _reserve(self, block_id: str, expires_at: float) -> Any:
+        """A place for the block's rows, waiting up to wait_s for one (then SlotPoolFull)."""
+        return await self._store.reserve(block_id, expires_at, self._wait_s)
+
+    async def _place(self, held: Any, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
+        raise NotImplementedError
+
+    def _give_back(self, held: Any, block_id: str) -> None:
+        raise NotImplementedError
+
+    async def _publish(self, header: pb.StateBlockHeader, placed: Placed) -> bool:
+        """Publish; True if the rows went through the object store."""
+        await self._publisher.publish_header(header)
+        return False
+
     async def deliver(
         self,
         layout: pb.Layout,
@@ -61,116 +98,76 @@ class DataPlane(Protocol):
         stage: Histogram,
     ) -> Delivered:
         """Sign and publish the block of `rows`; raises PublishError or SlotPoolFull."""
-        ...
-
-
-class BusPlane:
-    def __init__(self, publisher: BlockPublisher, sealer: Sealer) -> None:
-        self._publisher, self._sealer = publisher, sealer
-
-    async def deliver(
-        self,
-        layout: pb.Layout,
-        rows: Tensor,
-        *,
-        request_id: str,
-        sampling: Sequence[pb.SamplingParams],
-        stage: Histogram,
-    ) -> Delivered:
-        t0 = time.perf_counter()
-        s = self._sealer
-        block = envelope.seal_block(
-            layout, rows_view(rows), request_id=request_id, identity=s.identity,
-            sampling=sampling, signer=s.signer, ttl_s=s.ttl_s, digest_algorithm=s.algorithm,
-        )  # fmt: skip
-        t1 = time.perf_counter()
-        stage.labels("sign").observe(t1 - t0)
-        via_object = await self._publisher.publish(block)
-        stage.labels("publish").observe(time.perf_counter() - t1)
-        return Delivered(block.header.block_id, via_object)
-
-
-Placed = tuple[bytes, int, pb.RowsLocator]  # the rows' digest, its algorithm, their locator
-
-
-class _HeldPlane:
-    """A plane that keeps the rows where the capture put them: the signed header alone goes
-    out, its locator naming them. A failure before the publish gives their place back."""
-
-    def __init__(
-        self, publisher: BlockPublisher, sealer: Sealer, store: Any, *, wait_s: float
-    ) -> None:
-        self._publisher, self._sealer, self._wait_s = publisher, sealer, wait_s
-        self._store = store  # where rows are kept: a SlotPool, HostRegions
-
-    async def _reserve(self, block_id: str, expires_at: float) -> Any:
-        """A place for the block's rows, waiting up to wait_s for one (then SlotPoolFull)."""
-        return await self._store.reserve(block_id, expires_at, self._wait_s)
-
-    async def _place(self, held: Any, block_id: str, rows: Tensor) -> Placed:
-        """Put the rows in `held`; returns their digest, its algorithm and their locator."""
-        raise NotImplementedError
-
-    def _give_back(self, held: Any, block_id: str) -> None:
-        raise NotImplementedError
-
-    async def deliver(
-        self,
-        layout: pb.Layout,
-        rows: Tensor,
-        *,
-        request_id: str,
-        sampling: Sequence[pb.SamplingParams],
-        stage: Histogram,
-    ) -> Delivered:
         s = self._sealer
         block_id, now = uuid7(), time.time()
         held = await self._reserve(block_id, now + s.ttl_s)
         try:
             t0 = time.perf_counter()
-            digest, algorithm, where = await self._place(held, block_id, rows)
+            placed = await self._place(held, block_id, layout, rows)
             header = envelope.signed_header(
-                layout, digest, algorithm, request_id=request_id,
+                layout, placed.digest, placed.algorithm, request_id=request_id,
                 identity=s.identity, sampling=sampling, signer=s.signer, ttl_s=s.ttl_s,
-                block_id=block_id, now=now, locator=where,
+                block_id=block_id, now=now, locator=placed.locator,
             )  # fmt: skip
             t1 = time.perf_counter()
             stage.labels("sign").observe(t1 - t0)
-            await self._publisher.publish_header(header)
+            via_object = await self._publish(header, placed)
             stage.labels("publish").observe(time.perf_counter() - t1)
         except BaseException:
             self._give_back(held, block_id)  # no block goes out
             raise
-        return Delivered(block_id, False)
+        return Delivered(block_id, via_object)
 
 
-class LocalPlane(_HeldPlane):
+class BusPlane(DataPlane):
+    """The rows in the block: inline, or through the object store over max_payload."""
+
+    async def _reserve(self, block_id: str, expires_at: float) -> None:
+        return None
+
+    async def _place(self, held: None, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
+        data = memoryview(rows_view(rows)).cast("B")  # a GPU's rows copied to the host once
+        envelope.check_payload_size(data, layout)
+        algorithm = self._sealer.algorithm
+        return Placed(envelope.forward_state_digest(data, algorithm), algorithm, data=data)
+
+    def _give_back(self, held: None, block_id: str) -> None:
+        pass
+
+    async def _publish(self, header: pb.StateBlockHeader, placed: Placed) -> bool:
+        assert placed.data is not None
+        return await self._publisher.publish(envelope.SealedBlock(header, placed.data))
+
+
+class LocalPlane(DataPlane):
     """Rows in a slot of this process's pool (`store`: a SlotPool), on the capture's
     device."""
 
-    async def _place(self, held: int, block_id: str, rows: Tensor) -> Placed:
+    async def _place(self, held: int, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
         # where the rows are, off the event loop (a GPU synchronises for 32 bytes)
         algorithm = slot_algorithm(rows, self._sealer.algorithm)
         digest = await asyncio.to_thread(rows_digest, rows, algorithm)
         self._store.fill(held, block_id, rows)
-        return digest, algorithm, locator.slot_locator(locator.LOCAL, self._store.instance_id, held)
+        return Placed(
+            digest, algorithm, locator.slot_locator(locator.LOCAL, self._store.instance_id, held)
+        )
 
     def _give_back(self, held: int, block_id: str) -> None:
         self._store.free(held, block_id)
 
 
-class HostPlane(_HeldPlane):
+class HostPlane(DataPlane):
     """Rows in a shared-memory region of this host (`store`: stateblock.model.shm's
     HostRegions), for readout processes beside the capture's."""
 
-    async def _place(self, held: str, block_id: str, rows: Tensor) -> Placed:
+    async def _place(self, held: str, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
         # the rows' bytes in host memory (a GPU's copied once), hashed and written once
         algorithm = self._sealer.algorithm
         data = await asyncio.to_thread(rows_view, rows)
         digest = await asyncio.to_thread(envelope.forward_state_digest, data, algorithm)
         await asyncio.to_thread(self._store.write, held, data)
         where = locator.slot_locator(locator.HOST, self._store.placement, 0, held)
-        return digest, algorithm, where
+        return Placed(digest, algorithm, where)
 
     def _give_back(self, held: str, block_id: str) -> None:
         self._store.release(held)
