@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import blake3
 from cryptography.exceptions import InvalidSignature
@@ -266,30 +267,16 @@ def seal_block(
     rows: bytes | memoryview,  # (total_rows, hidden_size) elements packed in layout order
     *,
     request_id: str,
-    identity: ModelIdentity,
-    sampling: Sequence[pb.SamplingParams],
-    signer: Signer,
-    ttl_s: float,
-    block_id: str | None = None,
-    now: float | None = None,
     digest_algorithm: int = _DEFAULT_ALGORITHM,
+    **signing: Any,
 ) -> SealedBlock:
-    """Digest and sign the rows; they stay where they are (see `SealedBlock`)."""
+    """Digest and sign the rows; they stay where they are (see `SealedBlock`). `signing`:
+    the rest of `signed_header`'s keywords (identity, sampling, signer, ttl_s, ...)."""
     data = memoryview(rows).cast("B")  # bytes, whatever view of them was handed in
     check_layout(layout, request_id)
     check_payload_size(data, layout)
-    header = signed_header(
-        layout,
-        forward_state_digest(data, digest_algorithm),
-        digest_algorithm,
-        request_id=request_id,
-        identity=identity,
-        sampling=sampling,
-        signer=signer,
-        ttl_s=ttl_s,
-        block_id=block_id,
-        now=now,
-    )
+    digest = forward_state_digest(data, digest_algorithm)
+    header = signed_header(layout, digest, digest_algorithm, request_id=request_id, **signing)
     return SealedBlock(header, data)
 
 

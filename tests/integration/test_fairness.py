@@ -7,7 +7,9 @@ get the answers they get alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -108,22 +110,30 @@ async def until(check, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
+@contextlib.asynccontextmanager
+async def big_part_held(
+    pool,
+) -> AsyncIterator[tuple[ForwardBatcher, PlanTable, Gated, asyncio.Future]]:
+    """A batcher over `pool` whose forward holds the first part of a request over the token
+    bound (3 lanes x 16 > 32: parts of 2 lanes and 1) until `forward.release` is set."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = Gated()
+    batcher = ForwardBatcher(forward, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32))
+    async with batcher:
+        big = asyncio.ensure_future(
+            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
+        )
+        await asyncio.to_thread(forward.started.wait, 10)
+        yield batcher, plans, forward, big
+
+
 async def test_a_request_queued_behind_a_part_goes_in_the_next_forward():
     """One forward thread (a compiled capture): a request over the token bound (3 lanes x
     16 > 32) goes in parts of 2 lanes and 1; requests that fit, queued while its first part
     runs, alternate with its parts (each waits for one part at most, and the big one is
     not starved by them)."""
-    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    forward = Gated()
     with Counted(1) as pool:
-        batcher = ForwardBatcher(
-            forward, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32)
-        )
-        async with batcher:
-            big = asyncio.ensure_future(
-                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
-            )
-            await asyncio.to_thread(forward.started.wait, 10)
+        async with big_part_held(pool) as (batcher, plans, forward, big):
             small = [
                 asyncio.ensure_future(batcher.submit(register(plans, f"s{n}", (n,)), [[1] * n]))
                 for n in (10, 20, 30)  # widths 16, 24, 32: a cohort each
@@ -140,17 +150,8 @@ async def test_a_request_queued_behind_a_part_goes_in_the_next_forward():
 async def test_a_request_that_fits_runs_beside_a_part_with_two_forward_threads():
     """Two forward threads (the eager capture): while a part of the big request runs, a
     small request's forward runs and its caller is answered."""
-    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    forward = Gated()
     with ThreadPoolExecutor(2) as pool:
-        batcher = ForwardBatcher(
-            forward, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32)
-        )
-        async with batcher:
-            big = asyncio.ensure_future(
-                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
-            )
-            await asyncio.to_thread(forward.started.wait, 10)
+        async with big_part_held(pool) as (batcher, plans, forward, big):
             await asyncio.wait_for(batcher.submit(register(plans, "small", (5,)), [[1] * 5]), 10)
             assert not big.done()  # its first part is still held
             assert batcher.drop("big") is False  # its forward started: it goes on
