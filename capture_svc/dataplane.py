@@ -161,13 +161,18 @@ class HostPlane(DataPlane):
     HostRegions), for readout processes beside the capture's."""
 
     async def _place(self, held: str, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
-        # the rows' bytes in host memory (a GPU's copied once), hashed and written once
         algorithm = self._sealer.algorithm
-        data = await asyncio.to_thread(rows_view, rows)
-        digest = await asyncio.to_thread(envelope.forward_state_digest, data, algorithm)
-        await asyncio.to_thread(self._store.write, held, data)
+        digest = await asyncio.to_thread(self._write, held, rows, algorithm)
         where = locator.slot_locator(locator.HOST, self._store.placement, 0, held)
         return Placed(digest, algorithm, where)
+
+    def _write(self, held: str, rows: Tensor, algorithm: int) -> bytes:
+        """The rows' bytes in host memory (a GPU's copied once), hashed and written once, in
+        one trip off the event loop; returns their digest."""
+        data = rows_view(rows)
+        digest = envelope.forward_state_digest(data, algorithm)
+        self._store.write(held, data)
+        return digest
 
     def _give_back(self, held: str, block_id: str) -> None:
         self._store.release(held)
