@@ -285,6 +285,37 @@ def check_graph_vs_eager(served, rows: list[torch.Tensor], device: str = "cuda")
     return {"shapes": [str(s) for s in graphed.recorded_shapes]}
 
 
+def check_company_invariance(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+    """A block's answer read in company is its answer alone, bit for bit (tokens, EOS and
+    every margin): at each depth bucket, one greedy lane alone and then placed first, in the
+    middle and last among other blocks' lanes of that bucket, up to the most lanes a cohort
+    holds (readout_svc.cohorts combines blocks of one engine `cohort_key`)."""
+    from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import K_MAX
+
+    graphed, _ = shipped_engines(served, device)
+    shapes = {}
+    for depth in (200, 900, 1500, 3000, 8000):
+        lane = LaneRequest(rows=rows[0], depth=depth)
+        alone = graphed.readout([lane])[0]
+        for others in (1, 3, K_MAX - 1):
+            company = [
+                LaneRequest(rows=rows[1 + i % 3], depth=depth - 1 - i) for i in range(others)
+            ]
+            key = graphed.cohort_key([lane])
+            assert all(graphed.cohort_key([o]) == key for o in company)
+            for at in (0, others // 2, others):
+                lanes = [*company[:at], lane, *company[at:]]
+                got = graphed.readout(lanes)[at]
+                assert (got.token_ids, got.eos_pos, got.margins) == (
+                    alone.token_ids,
+                    alone.eos_pos,
+                    alone.margins,
+                ), f"depth {depth}: lane {at} of {len(lanes)} differs from alone"
+        shapes[depth] = str(graphed._shape([lane])[0])
+    return {"shapes": shapes}
+
+
 def check_logprob_precision(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
     """A cohort with a lane asking for log-probabilities runs on exact fp32 dots (its own
     graph) and meets the audit's 1e-3-nat gate; one without runs on the plain path's."""

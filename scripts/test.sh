@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -q "$@"  # unbuffered: a log cut short shows where

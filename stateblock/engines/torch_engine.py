@@ -11,7 +11,7 @@ device="cuda" without a GPU raises EngineUnavailable. The shape buckets and the 
 live in `torch_options`; the step every graph records, and the sampling, in `torch_step`.
 
 Graphs. Captured lazily on the first cohort of a shape, and for the common shapes
-(K=1, prompt bucket 512, every depth bucket) in warm_up(). Every graph reads one set of
+(each depth bucket's execution lanes, prompt bucket 512) in warm_up(). Every graph reads one set of
 static input buffers (views of one allocation sized for the largest bucket) and all share
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts.
@@ -55,6 +55,7 @@ from stateblock.engines.torch_options import (
     Shape,
     TorchEngineOptions,
     bucket,
+    execution_lanes,
     require_device,
 )
 from stateblock.engines.torch_step import (
@@ -224,7 +225,10 @@ class TorchEngine:
         self._warm = tuple(
             opts.warm_shapes
             if opts.warm_shapes is not None
-            else (Shape(1, bucket(WARM_PROMPT, self._prompt_b) or 1, d) for d in self._depth_b)
+            else (
+                Shape(execution_lanes(d, self._lane_b), bucket(WARM_PROMPT, self._prompt_b) or 1, d)
+                for d in self._depth_b
+            )
         )
 
     def _set_top2(self, top2_config: Top2Config | None) -> None:
@@ -288,17 +292,21 @@ class TorchEngine:
 
     # -- shapes and staging -------------------------------------------------------------
     def _shape(self, lanes: Sequence[LaneRequest]) -> tuple[Shape, bool]:
-        """The padded cohort shape, and whether every dimension fell into a bucket."""
-        k = len(lanes)
+        """The shape every execution of these lanes runs at, and whether it is bucketed (a
+        graph's): the depth bucket's execution lanes (torch_options.execution_lanes), the
+        prompt and depth buckets of the longest; beyond the buckets, exact sizes, eagerly."""
         p = max(lane.rows.shape[0] for lane in lanes)
         d = max(lane.depth for lane in lanes)
-        kb, pb, db = bucket(k, self._lane_b), bucket(p, self._prompt_b), bucket(d, self._depth_b)
-        return Shape(kb or k, pb or p, db or d), None not in (kb, pb, db)
+        pb, db = bucket(p, self._prompt_b), bucket(d, self._depth_b)
+        if self._lane_b and pb is not None and db is not None:
+            return Shape(execution_lanes(db, self._lane_b), pb, db), True
+        return Shape(min(len(lanes), self._k_max), pb or p, db or d), False
 
     def cohort_key(self, lanes: Sequence[LaneRequest]) -> tuple:
         """Blocks with equal keys read the same together as alone (readout_svc.cohorts): the
-        same precision path and depth bucket, and a prompt bucket (or, beyond them, the
-        exact prompt length, which runs eagerly at its size)."""
+        same precision path, depth bucket and prompt bucket (or, beyond them, the exact
+        prompt length, which runs eagerly at its size) give every execution one shape, its
+        lanes fixed by the depth bucket."""
         d = max(lane.depth for lane in lanes)
         p = max(lane.rows.shape[0] for lane in lanes)
         pb = bucket(p, self._prompt_b)
@@ -432,15 +440,19 @@ class TorchEngine:
 
     @torch.inference_mode()
     def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
-        results: list[LaneResult] = []
-        for lo in range(0, len(lanes), self._k_max):  # one enqueue per cohort of <= K_max
-            results += self._cohort(lanes[lo : lo + self._k_max])
-        return results
-
-    def _cohort(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
+        if not lanes:
+            return []
         if any(lane.depth < 1 for lane in lanes):
             raise ValueError("every lane must read at least one position")
         shape, bucketed = self._shape(lanes)
+        results: list[LaneResult] = []
+        for lo in range(0, len(lanes), shape.lanes):  # one enqueue each, all of one shape
+            results += self._cohort(lanes[lo : lo + shape.lanes], shape, bucketed)
+        return results
+
+    def _cohort(
+        self, lanes: Sequence[LaneRequest], shape: Shape, bucketed: bool
+    ) -> list[LaneResult]:
         k = len(lanes)
         wants_lp = any(lane.sampling.HasField("logprobs") for lane in lanes)
         precision = self._path(lanes)

@@ -8,9 +8,14 @@ depth are each padded up to a bucket, so a handful of fixed shapes cover all tra
   change the ones read; positions >= a lane's depth are masked out of the EOS scan.
 - prompt buckets (64 ... 4096): padded rows are zeros and masked out of the pooling by
   prompt_lens, as in the reference's own right padding.
-- lane buckets (1, 2, 4, 8), one graph per bucket rather than one max-K graph with masking:
-  a single request (K=1) then pays for one lane, not eight. Filler lanes read one zero row
-  at depth 0 and are dropped.
+- lanes: every execution at a depth bucket runs with the same number of lanes
+  (`execution_lanes`: the most of (1, 2, 4, 8) within LANE_POSITIONS answer positions,
+  8 lanes up to depth 1,024, one at 8,192), however many lanes came together; filler lanes
+  read one zero row at depth 0 and are dropped. A lane's kernels (GEMM tiles, attention
+  splits) are chosen by the shape, and on a GPU they differ between shapes in their float
+  sums: with the shape fixed by the depth alone, a lane's answer is the same bits alone as
+  in company. (A lane bucket chosen by the lanes' count would change a lane's shape with
+  its company, and on the H200 that changes greedy answers: docs/BENCHMARKS.md.)
 A shape beyond the largest bucket still runs, eagerly at its exact size (no graph).
 """
 
@@ -27,6 +32,7 @@ LANE_BUCKETS = (1, 2, 4, 8)
 PROMPT_BUCKETS = (64, 256, 512, 1024, 2048, 4096)
 DEPTH_BUCKETS = (256, 1024, 2048, 4096, 8192)
 WARM_PROMPT = 512  # the prompt_len profile's typical value
+LANE_POSITIONS = 8192  # answer positions (lanes x depth bucket) an execution reads at most
 
 
 class EngineUnavailable(RuntimeError):
@@ -43,6 +49,14 @@ class Shape:
 def bucket(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket >= n; None when n is beyond them all (or there are none)."""
     return next((b for b in buckets if b >= n), None)
+
+
+def execution_lanes(depth_bucket: int, lane_buckets: Sequence[int]) -> int:
+    """The lanes every execution at `depth_bucket` runs with: the largest lane bucket whose
+    lanes x depth stay within LANE_POSITIONS (the smallest when none does). It depends on
+    the depth alone, never on how many lanes came together."""
+    fits = [k for k in lane_buckets if k * depth_bucket <= LANE_POSITIONS]
+    return max(fits, default=min(lane_buckets))
 
 
 def require_device(device: str | torch.device) -> torch.device:

@@ -13,8 +13,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
+from nats.js import JetStreamContext
 
+from registry import DEFAULT_BUCKET
 from stateblock.app.nats_server import NatsProcess, restart_nats_server
+
+
+async def registry_keys(js: JetStreamContext, bucket: str = DEFAULT_BUCKET) -> list[str]:
+    """Every key the registry holds, from the subjects its stream counts on the server.
+    nats-py's `kv.keys()` lists through a watcher that can take its end-of-listing marker
+    before the entries it was sent, so on a busy machine it lists part of a bucket, or
+    none of it (NoKeysError)."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    return sorted(s.removeprefix(prefix) for s in (info.state.subjects or {}))
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import httpx
 import nats
 
-from registry import DEFAULT_BUCKET, Registry
+from registry import Registry
 from stateblock.protocol import outcomes
 from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import commit_pb2 as pb
+from tests.chaos.load import registry_keys
 
 SHORT = ["copy: abc", "reverse: hello", "sort: banana", "copy: stateblock", "add: 12+30"]
 LONG = "copy: " + "abcdefgh" * 150  # ~1,200 tokens: 1.2 MB of float32 rows, over 1 MiB
@@ -216,11 +217,10 @@ def registry_figures(nats_url: str, trust: TrustStore, shots: list[dict]) -> dic
         try:
             js = nc.jetstream()
             registry = await Registry.open(js, outcome_trust=trust)
-            kv = await js.key_value(DEFAULT_BUCKET)
             committed: dict[str, pb.RegistryEntry] = {}
             rejected: dict[str, int] = {}
             out = {"keys": 0, "commits_in_one_key": 0, "takeover_commits": 0}
-            for key in await kv.keys():
+            for key in await registry_keys(js):
                 out["keys"] += 1
                 genuine = []
                 for entry in await registry.history(key):

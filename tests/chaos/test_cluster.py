@@ -18,7 +18,7 @@ from stateblock.protocol.streams import StreamConflict
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import commit_pb2
 from tests.chaos.conftest import report, scale
-from tests.chaos.load import Load, kill, summary
+from tests.chaos.load import Load, kill, registry_keys, summary
 from tests.integration.test_request_path import in_process_answer
 
 pytestmark = pytest.mark.chaos
@@ -105,22 +105,14 @@ def _committed(urls: list[str], expect: int, timeout_s: float = 30.0) -> int:
     """Blocks the registry holds a commit for: one per answered request, or a request ran
     twice (or its answer came from nowhere). Read once the cluster answers again, and again
     while the count is short of `expect`: right after the last restart a listing can come
-    back partial (a CI run counted 10 of 40 once); a commit truly missing stays missing
+    back partial (a CI run counted 10 of 40 once, through nats-py's `kv.keys()`); a commit truly missing stays missing
     until the deadline, and one too many is returned at once."""
 
-    async def count_once(deadline: float) -> int:
+    async def count_once() -> int:
         nc = await nats.connect(urls)
         try:
             registry = await Registry.open(nc.jetstream())
-            kv = await nc.jetstream().key_value(DEFAULT_BUCKET)
-            while True:
-                try:
-                    keys = await kv.keys()
-                    break
-                except nats.js.errors.NoKeysError:  # an empty listing while electing
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.5)
+            keys = await registry_keys(nc.jetstream())
             entries = [await registry.get(key) for key in keys]
             return sum(
                 e is not None and e.state == commit_pb2.CLAIM_STATE_COMMITTED for e in entries
@@ -132,7 +124,7 @@ def _committed(urls: list[str], expect: int, timeout_s: float = 30.0) -> int:
         deadline = time.monotonic() + timeout_s
         while True:  # the node restarted last may still be joining: ask again
             try:
-                got = await count_once(deadline)
+                got = await count_once()
                 if got >= expect or time.monotonic() > deadline:
                     return got
             except (RegistryError, TimeoutError, nats.errors.Error):

@@ -20,7 +20,7 @@ from stateblock.protocol.keys import TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE
 from tests.chaos.conftest import FULL, report, scale
-from tests.chaos.load import Forger, Load, summary
+from tests.chaos.load import Forger, Load, registry_keys, summary
 from tests.chaos.test_cluster import PROMPTS, _expected
 
 pytestmark = pytest.mark.chaos
@@ -41,9 +41,10 @@ def _committed(nats_url: str, trust) -> dict[str, int]:
     async def count() -> dict[str, int]:
         nc = await nats.connect(nats_url)
         try:
-            kv = await nc.jetstream().key_value(DEFAULT_BUCKET)
+            js = nc.jetstream()
+            kv = await js.key_value(DEFAULT_BUCKET)
             out = {"signed_commits": 0, "other": 0}
-            for key in await kv.keys():
+            for key in await registry_keys(js):
                 entry = commit_pb2.RegistryEntry.FromString((await kv.get(key)).value)
                 try:
                     record = outcomes.outcome_of(entry, trust, key)

@@ -102,6 +102,13 @@ def test_gpu_graph_replay_equals_eager(served, captured):
 
 
 @needs_cuda
+def test_gpu_a_block_reads_the_same_bits_alone_and_in_company(served, captured):
+    from bench.gpu_checks import check_company_invariance
+
+    check_company_invariance(served, captured)
+
+
+@needs_cuda
 def test_gpu_logprob_lanes_run_exact_dots_within_the_gate(served, captured):
     from bench.gpu_checks import check_logprob_precision
 

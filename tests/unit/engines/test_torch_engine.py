@@ -17,6 +17,7 @@ from stateblock.engines.torch_engine import (
     TorchEngine,
     TorchEngineOptions,
     bucket,
+    execution_lanes,
     fused_head,
     matmul_precision,
 )
@@ -93,10 +94,34 @@ def test_depth_and_prompt_bucket_padding_is_exact(served, engine, captured):
     )
     lanes = lanes_of(captured, [3, 40, 300], temps=[0.0, 0.9, 0.0], seeds=[None, 5, None])
     shape, bucketed = padded._shape(lanes)
-    assert bucketed and shape.lanes == 4 and shape.depth == 512
+    assert bucketed and shape.lanes == 8 and shape.depth == 512  # 8 x 512 <= LANE_POSITIONS
     assert shape.prompt > max(lane.rows.shape[0] for lane in lanes)
     worst = assert_same(engine.readout(lanes), padded.readout(lanes))
     print(f"bucket padding: max margin diff {worst:.2e}")
+
+
+def test_a_lanes_shape_and_answer_do_not_depend_on_its_company(served, captured):
+    """The execution shape is fixed by the depth bucket (on a GPU, kernels and their float
+    sums follow the shape): a lane reads the same bits alone as among others' lanes."""
+    eng = TorchEngine.load(
+        served, lane_buckets=(1, 2, 4, 8), prompt_buckets=(256,), depth_buckets=(16, 64, 512)
+    )
+    assert [execution_lanes(d, (1, 2, 4, 8)) for d in (256, 1024, 2048, 4096, 8192)] == [
+        8, 8, 4, 2, 1,
+    ]  # fmt: skip
+    lane = LaneRequest(rows=captured[0], depth=40)
+    alone = eng.readout([lane])[0]
+    for others in (1, 3, 7):
+        company = [LaneRequest(rows=captured[1 + i % 3], depth=33 + i) for i in range(others)]
+        lanes = [*company[:1], lane, *company[1:]]
+        assert eng._shape(lanes) == eng._shape([lane]) == (Shape(8, 256, 64), True)
+        assert eng.cohort_key(lanes) == eng.cohort_key([lane])
+        got = eng.readout(lanes)[1]
+        assert (got.token_ids, got.eos_pos, got.margins) == (
+            alone.token_ids,
+            alone.eos_pos,
+            alone.margins,
+        )
 
 
 def test_mixer_is_prefix_causal(engine, captured):
