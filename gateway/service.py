@@ -43,10 +43,10 @@ from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 log = structlog.get_logger("gateway")
 MAX_STREAM_CHUNKS = 64  # bounds the prefix re-decoding a stream costs
 # Rejection reasons that are not the request's own: its rows' object lost from the store,
-# its block expired before any worker could claim it, its rows lost from their slot (the
-# local data plane: the slot freed, or reused and holding other rows, signed as a
-# forward_state_digest rejection only then). A fresh capture can be answered.
-RECAPTURED = frozenset({"object_missing", "expired", "rows_missing", "forward_state_digest"})
+# its block expired before any worker could claim it, its rows lost from their slot or
+# region (the local and host data planes: freed, reused, gone). A fresh capture can be
+# answered. Rows that do not match their signed digest are not among them.
+RECAPTURED = frozenset({"object_missing", "expired", "rows_missing"})
 MAX_RECAPTURES = 2
 # Reasons that describe the request itself, which its client can change: a 400.
 REQUEST_REASONS = frozenset({"limits"})

@@ -32,7 +32,7 @@ log = structlog.get_logger("readout_svc")
 # Reasons beyond the envelope's, for blocks whose signed header verified:
 MODEL_MISMATCH = "model_mismatch"  # valid, but for another model's pieces
 OBJECT_MISSING = "object_missing"  # its rows' object is gone from the store
-ROWS_MISSING = "rows_missing"  # its slot is free: the rows are gone (expired, released)
+ROWS_MISSING = str(RejectReason.ROWS_MISSING)  # its slot or region lost the rows
 LIMITS = "limits"  # asks for more than this worker reads (lanes, depth, rows)
 
 
@@ -121,7 +121,7 @@ class BlockRows:
             check_rows(held[1], header.layout)
         except LayoutError as e:
             detail = f"slot {where.slot} holds other rows: {e}"
-            raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, detail, authentic=True) from e
+            raise BlockRejected(RejectReason.ROWS_MISSING, detail, authentic=True) from e
         return SlotVerified(header, held[1])
 
     def _in_region(self, header: block_pb.StateBlockHeader) -> Tensor:
@@ -133,7 +133,7 @@ class BlockRows:
         try:
             rows = open_region(where.region, header.layout)
         except ValueError as e:  # written over with other rows, or cut short
-            raise BlockRejected(RejectReason.FORWARD_STATE_DIGEST, str(e), authentic=True) from e
+            raise BlockRejected(RejectReason.ROWS_MISSING, str(e), authentic=True) from e
         if rows is None:
             raise Rejected(ROWS_MISSING, f"region {where.region} is gone: the rows are gone")
         return rows

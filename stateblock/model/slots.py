@@ -188,15 +188,15 @@ class SlotVerified:
     rows: Tensor  # (total_rows, hidden_size), where the capture left them
 
     def confirm(self) -> SlotVerified:
-        """Raise BlockRejected unless the rows match the signed digest: the slot checksum
-        on the rows' device, or the header's hash over rows in host memory. Authentic: rows
-        in a slot never left this host, so other rows mean this block's were lost (its slot
-        reused or written over), not that a forger chose them."""
+        """Raise BlockRejected (`rows_missing`) unless the rows match the signed digest: the
+        slot checksum on the rows' device, or the header's hash over rows in host memory.
+        Authentic: rows in a slot never left this host, so other rows mean this block's were
+        lost (its slot reused or written over), not that a forger chose them."""
         if rows_digest(self.rows, self.header.forward_state_algorithm) != (
             self.header.forward_state_digest
         ):
             raise envelope.BlockRejected(
-                envelope.RejectReason.FORWARD_STATE_DIGEST,
+                envelope.RejectReason.ROWS_MISSING,
                 f"slot {self.header.locator.slot} holds other rows",
                 authentic=True,
             )

@@ -69,6 +69,9 @@ class RejectReason(StrEnum):
     LAYOUT_DIGEST = "layout_digest"
     FORWARD_STATE_DIGEST = "forward_state_digest"
     MALFORMED = "malformed"
+    # a located block's rows are gone or are other rows (its slot freed or reused, its
+    # region gone or cut short): lost on this host, not forged
+    ROWS_MISSING = "rows_missing"
 
 
 class BlockRejected(Exception):

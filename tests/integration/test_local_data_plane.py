@@ -154,8 +154,9 @@ async def test_a_bus_block_never_reaches_the_placement_s_workers(nc, engine, ser
 
 async def test_a_reused_slot_is_caught_by_the_signed_checksum(nc, engine, serving_model):
     """Block A's slot is reused by block B before A is read: A's delivery finds B's rows,
-    whose checksum is not the one A's header signed. A ends rejected (its request is told
-    and captured again), B's slot stays B's, and B is read as usual."""
+    whose checksum is not the one A's header signed. A ends rejected as `rows_missing` (its
+    rows are lost, not forged: its request is told and captured again), B's slot stays B's,
+    and B is read as usual."""
     pool = SlotPool(1)
     layout_a, rows_a = captured(serving_model, 2)
     stale = await place(pool, serving_model, layout_a, rows_a)
@@ -167,7 +168,7 @@ async def test_a_reused_slot_is_caught_by_the_signed_checksum(nc, engine, servin
         await publish(nc, stale)
         state, rejection = await outcome(nc, stale.block_id)
         assert state == commit_pb2.CLAIM_STATE_REJECTED
-        assert rejection.reason == "forward_state_digest"
+        assert rejection.reason == "rows_missing"
         assert pool.held() == 1 and pool.rows(fresh.locator.slot)[0] == fresh.block_id
         await publish(nc, fresh)
         state, _ = await outcome(nc, fresh.block_id)

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from gateway.params import GenerateParams, PromptSpec, check, make_sampling
+from gateway.service import RECAPTURED
 from registry import RegistryUnavailable
 from stateblock.protocol.sampling import NO_EOS, SEED_LIMIT
 from tests.unit.gateway.conftest import DEFAULT_MAX_TOKENS, MODEL
@@ -158,3 +159,10 @@ async def test_stream_pieces_wait_for_a_whole_character(service, fakes):
     pieces = list(service.pieces(g))
     assert "".join(p.text for p in pieces) == text
     assert not any("\ufffd" in p.text for p in pieces)
+
+
+def test_lost_rows_are_captured_again_and_rows_that_do_not_match_are_not():
+    """A block whose rows are lost (its object, its slot, its region, or its time) is no
+    fault of the request: it is captured again. Rows that do not match their signed digest
+    are never a reason to run the request again."""
+    assert {"object_missing", "expired", "rows_missing"} == RECAPTURED
