@@ -21,7 +21,7 @@ from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
 from stateblock.train.batching import budget_batches
 from stateblock.train.readout_ddp import answer_loss
-from stateblock.train.reference import fit_steps, lr_at
+from stateblock.train.reference import StepPlan, lr_at
 from stateblock.train.teacher import greedy_answers, load_cache, save_cache
 
 
@@ -192,14 +192,9 @@ def fit(
     t1 = time.perf_counter()
     loss = torch.tensor(float("nan"))
     bar = tqdm(desc="distill", initial=start, total=steps, mininterval=5)
-    step = start
+    step, plan = start, StepPlan(steps, 80, cfg.max_minutes, start)
     while step < steps:
-        if step == 10:
-            t10 = time.perf_counter()
-        if step == 80 and start == 0:
-            now = time.perf_counter()
-            steps = fit_steps(cfg.steps, step, now - t1, (now - t10) / 70, cfg.max_minutes)
-            bar.total = steps
+        steps = bar.total = plan.plan(step)
         batch = _batch(records, batches[step % len(batches)], device, tok.pad_token_id)
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
         loss = train_step(decoder, opt, base, lm_head, batch, lr, amp, cfg.eos_weight)

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--weight-decay", type=float, default=0.1, help="AdamW's, on matrices only")
     add("--evals-per-epoch", type=float, default=2.0, help="held-out scores a pass")
     add("--samples", type=int, default=16, help="held-out passages continued greedily")
-    add("--max-checkpoint-mb", type=float, default=40.0, help="larger bf16 weights are not saved")
+    add("--max-checkpoint-mb", type=float, default=60.0, help="larger bf16 weights are not saved")
     add("--seed", type=int, default=0, help="random seed (init and windows)")
     # recipe.PROSE_BASE gives the shape, batch, lr and warm-up; options typed after override it
     a = ap.parse_args([*shlex.split(recipe.PROSE_BASE), *(sys.argv[1:] if argv is None else argv)])

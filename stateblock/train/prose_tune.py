@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from stateblock.model.loading import load_base
 from stateblock.train import prose_data, prose_tasks
 from stateblock.train.batching import budget_batches
-from stateblock.train.reference import fit_steps, lr_at
+from stateblock.train.reference import StepPlan, lr_at
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,10 @@ def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: Tu
     batches = budget_batches(lengths, cfg.token_budget, max_batch=cfg.max_lanes, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
-    steps, losses, t0 = cfg.steps, [], time.perf_counter()
-    step = 0
+    plan, losses, t0 = StepPlan(cfg.steps, 30, cfg.max_minutes), [], time.perf_counter()
+    step, steps = 0, cfg.steps
     while step < steps:
-        if step == 5:
-            t5 = time.perf_counter()
-        if step == 30:
-            now = time.perf_counter()
-            steps = fit_steps(cfg.steps, step, now - t0, (now - t5) / 25, cfg.max_minutes)
+        steps = plan.plan(step)
         ids, lab = (t.to(device) for t in batch_of(pairs, batches[step % len(batches)],
                                                      tok.pad_token_id))  # fmt: skip
         for g in opt.param_groups:

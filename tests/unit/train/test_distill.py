@@ -102,3 +102,22 @@ def test_distill_resumes_from_its_checkpoint(tmp_path):
     a = read_manifest(tmp_path / "a")["decoder_digest"]
     b = read_manifest(tmp_path / "b")["decoder_digest"]
     assert a == b  # resumed training is bit-identical to the uninterrupted run
+
+
+def test_the_step_plan_fits_the_budget_again_once_early_steps_are_past():
+    """Start-up 10 s, then steps of 0.2 s up to the first plan and 0.05 s after: the first
+    plan (from the 0.2 s pace) is short of the budget, the second fills it."""
+    from stateblock.train.reference import StepPlan
+
+    now = [0.0]
+    plan = StepPlan(5000, 80, 1.0, clock=lambda: now[0])
+    steps, step = plan.planned, 0
+    while step < steps:
+        steps = plan.plan(step)
+        now[0] += 10.0 / 10 if step < 10 else (0.2 if step < 80 else 0.05)
+        if step == 80:
+            first = steps
+        step += 1
+    assert first == 80 + int((60 - 24) / 0.2)  # 260 from the slow pace
+    assert abs(now[0] - 60) < 1.0 and steps > first  # the second plan used the minute
+    assert StepPlan(5000, 80, 1.0, start=100).plan(80) == 5000  # a resumed run keeps its plan
