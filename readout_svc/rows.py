@@ -158,7 +158,9 @@ class BlockRows:
             # bounded: nats-py's get waits for the chunks with no deadline, and an object
             # whose chunks go while it is read (deleted, aged out) would hold this worker
             # and its pull loop forever
-            result = await asyncio.wait_for(self._objects.get(ref.name), self._object_timeout)
+            data = await asyncio.wait_for(
+                streams.read_payload(self._objects, ref.name), self._object_timeout
+            )
         except TimeoutError as e:
             if await streams.payload_gone(self._nc.jetstream(), self._objects, ref.name):
                 raise Rejected(OBJECT_MISSING, f"object {ref.name!r} gone while read") from e
@@ -169,7 +171,7 @@ class BlockRows:
             ) from e
         except js_errors.NotFoundError as e:
             raise Rejected(OBJECT_MISSING, f"object {ref.name!r} not found") from e
-        return bytes(result.data or b"")
+        return data
 
     async def cleanup(self, block: block_pb.StateBlock) -> None:
         """A committed block's payload object, deleted (the bucket's TTL would age it out)."""

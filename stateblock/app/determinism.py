@@ -185,9 +185,7 @@ class BlockTap:
         payload, error = None, ""
         if block.payload.WhichOneof("location") == "object_ref":
             try:  # fetched at once: the worker deletes the object once it commits
-                payload = bytes(
-                    (await self._objects.get(block.payload.object_ref.name)).data or b""
-                )
+                payload = await streams.read_payload(self._objects, block.payload.object_ref.name)
             except (js_errors.NotFoundError, TimeoutError, nats.errors.Error) as e:
                 error = f"payload object gone before the tap fetched it: {e!r}"
         self.blocks[block_id] = Tapped(block, payload, error)

@@ -10,6 +10,7 @@ misconfiguration.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 
 import nats.js.errors as js_errors
@@ -186,6 +187,16 @@ async def payload_store(
         info = await js.stream_info(f"OBJ_{PAYLOAD_BUCKET}")
         check_replicas(info.config.name, info.config.num_replicas, replicas)
     return store
+
+
+async def read_payload(objects: ObjectStore, name: str) -> bytes:
+    """The payload object's bytes. Read through `writeinto`: nats-py's plain get joins the
+    chunks with `bytes +=`, quadratic in the object's size (a 176 MB block, 8 lanes of a
+    4,096-token prompt at width 2,688, took 73.5 s to read on a 2-core machine; 22 MB
+    1.85 s), while `writeinto` writes each chunk once."""
+    out = io.BytesIO()
+    await objects.get(name, writeinto=out)
+    return out.getvalue()
 
 
 async def payload_gone(js: JetStreamContext, objects: ObjectStore, name: str) -> bool:

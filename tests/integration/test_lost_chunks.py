@@ -6,8 +6,10 @@ processes of a run this way; the worker bounds the read and signs object_missing
 from __future__ import annotations
 
 import asyncio
+import os
 
 import nats
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 from prometheus_client import CollectorRegistry
 
 from capture_svc.publisher import BlockPublisher
@@ -105,3 +107,19 @@ async def test_a_renewal_that_swallows_its_cancel_still_lets_the_readout_commit(
         block = make_block(serving_model, seed=11)
         await publish(nc, block)
         assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
+
+
+async def test_a_payload_of_many_chunks_reads_back_whole(start_nats_server):
+    """streams.read_payload (each chunk written once, not joined with `bytes +=`): every
+    byte back in order, across a chunk boundary and an object of a few chunks' tail."""
+    server = start_nats_server()
+    nc = await nats.connect(server.url)
+    try:
+        objects = await streams.payload_store(nc.jetstream())
+        for name, size in (("exact", 4 * 4096), ("tail", 37 * 4096 + 123), ("one", 7)):
+            data = os.urandom(size)
+            meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=4096))
+            await objects.put(name, data, meta=meta)
+            assert await streams.read_payload(objects, name) == data
+    finally:
+        await nc.close()
