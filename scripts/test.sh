@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .
-PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -q "$@"  # unbuffered: a log cut short shows where
+# unbuffered: a log cut short shows where it stopped; the slowest tests listed at the end
+PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -q --durations=15 "$@"

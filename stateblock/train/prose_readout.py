@@ -245,9 +245,20 @@ def timed(name: str, stage, *args):
     return out
 
 
+def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
+    """The scale with the sizes given on the command line (an ablation's arm)."""
+    if a.train_prompts:
+        scale = replace(scale, train_prompts=a.train_prompts)
+    if a.tune_minutes:
+        scale = replace(scale, tune=replace(scale.tune, max_minutes=a.tune_minutes))
+    if a.distill_minutes:
+        scale = replace(scale, distill=replace(scale.distill, max_minutes=a.distill_minutes))
+    return scale
+
+
 def build(a: argparse.Namespace) -> dict:
     """Every stage in order; then the pair into a.out (when given)."""
-    scale = SCALES[a.scale]
+    scale = with_overrides(SCALES[a.scale], a)
     if a.base and (a.tokenizer or a.base_weights):
         raise ValueError("--base carries its own tokenizer and weights: give it alone")
     work = Path(a.work)
@@ -289,6 +300,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="a prose_stage checkpoint prefix (DIR/base): the base, in the scale's shape")  # fmt: skip
     add("--device", default="cpu", help="cpu or cuda")
     add("--seed", type=int, default=0, help="tasks, tuning and the readout's seed")
+    add("--train-prompts", type=int, default=0, help="train prompts (0: the scale's)")
+    add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
+    add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
     add("--until", choices=("tasks", "all"), default="all",
         help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -102,3 +103,23 @@ def test_the_prose_recipe_needs_its_corpus_and_an_out_of_its_own(capsys):
     assert cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["work"] == "runs/prose" and plan["scale"] == "tiny" and plan["out"] == "o"
+
+
+def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
+    from stateblock.train import prose_readout
+
+    ap = prose_readout.parser()
+    bench = prose_readout.SCALES["bench"]
+    same = prose_readout.with_overrides(bench, ap.parse_args([]))
+    assert same == bench
+    arm = prose_readout.with_overrides(
+        bench,
+        ap.parse_args(
+            ["--train-prompts", "50000", "--tune-minutes", "2", "--distill-minutes", "4"]
+        ),
+    )
+    assert (arm.train_prompts, arm.tune.max_minutes, arm.distill.max_minutes) == (50000, 2.0, 4.0)
+    assert (
+        replace(arm, train_prompts=bench.train_prompts, tune=bench.tune, distill=bench.distill)
+        == bench
+    )
