@@ -12,8 +12,10 @@ JetStream does not keep committed blocks: the blocks stream is a work queue (a b
 deleted once acked) and an object-store payload is deleted on commit. So the audit keeps
 its own copies: `BlockTap` subscribes to the blocks subjects (a core subscription sees
 every publish beside the stream) and fetches object payloads the moment a block arrives,
-well before the worker's commit deletes them. Only blocks published while the tap listens
-can be audited.
+well before the worker's commit deletes them; a block on the `host` data plane has its
+rows copied from its shared-memory region as it arrives (the tap on the same host), while
+one on the `local` plane keeps them in the capture's process, out of an audit's reach.
+Only blocks published while the tap listens can be audited.
 
 Two checks per block: `reread` re-runs the stored block through a freshly loaded engine
 (the rows are byte-identical, so only the readout can change the answer); with
@@ -39,7 +41,9 @@ from nats.js.object_store import ObjectStore
 from readout_svc.records import commit_record
 from registry import CommitTimeout, Registry, RegistryError
 from stateblock.engines import ReadoutEngine, lane_requests
-from stateblock.protocol import envelope, streams
+from stateblock.model.rows import rows_view
+from stateblock.model.shm import host_placement, open_region
+from stateblock.protocol import envelope, locator, streams
 from stateblock.protocol.keys import TrustStore
 from stateblock.v1 import block_pb2 as block_pb
 from stateblock.v1 import commit_pb2 as pb
@@ -183,7 +187,9 @@ class BlockTap:
             self.dropped += block_id not in self.blocks
             return
         payload, error = None, ""
-        if block.payload.WhichOneof("location") == "object_ref":
+        if block.HasField("header") and locator.on_host(block.header):
+            payload, error = region_rows(block.header)
+        elif block.payload.WhichOneof("location") == "object_ref":
             try:  # fetched at once: the worker deletes the object once it commits
                 payload = await streams.read_payload(self._objects, block.payload.object_ref.name)
             except (js_errors.NotFoundError, TimeoutError, nats.errors.Error) as e:
@@ -205,7 +211,34 @@ class BlockTap:
         if tapped.error:
             raise LookupError(tapped.error)
         created = tapped.block.header.created_at.ToNanoseconds() / 1e9
+        if locator.on_host(tapped.block.header):  # the rows the tap copied from the region
+            header = envelope.trusted_header(tapped.block, trust, now=created, rows_apart=True)
+            return envelope.HeaderVerified(header, tapped.payload or b"").confirm()
         return envelope.verify(tapped.block, trust, now=created, payload=tapped.payload)
+
+
+def region_rows(header: block_pb.StateBlockHeader) -> tuple[bytes | None, str]:
+    """A located block's rows, copied from its region at once (its worker unlinks the region
+    on the block's outcome), or why they cannot be."""
+    where = header.locator
+    if where.transport != block_pb.TRANSPORT_HOST:
+        return (
+            None,
+            "rows in the capture's slot pool (`local` data plane): no other process reads them",
+        )
+    try:
+        here = host_placement()
+    except FileNotFoundError as e:
+        return None, str(e)
+    if where.placement != here:
+        return None, f"rows in another host's shared memory (placement {where.placement})"
+    try:
+        rows = open_region(where.region, header.layout)
+    except ValueError as e:
+        return None, f"region not the layout's: {e}"
+    if rows is None:
+        return None, f"region {where.region} gone before the tap read it"
+    return bytes(rows_view(rows)), ""
 
 
 async def committed(registry: Registry, block_id: str, timeout_s: float) -> pb.Commit | str:

@@ -142,3 +142,39 @@ async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_
             prompts=[],
             depth=DEPTH,
         )
+
+
+@pytest.mark.parametrize("plane", ["host", "local"])
+async def test_an_audit_reads_host_blocks_and_says_why_not_local_ones(plane, decoder_dir, tmp_path):
+    """`host`: the tap copies the rows from the block's shared-memory region as it arrives
+    (the worker unlinks it on commit) and the re-read passes. `local`: the rows stay in the
+    capture's slot pool, which no other process reads: each block is unavailable, and says
+    why, and a gate with nothing re-read fails."""
+    from stateblock.app.stack import StackThread, UpConfig
+
+    config = UpConfig(
+        data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1,
+        decoder_dir=decoder_dir, request_timeout_s=30.0, data_plane=plane,
+    )  # fmt: skip
+    runner = StackThread(config)
+    runner.start()
+    try:
+        report = await det.external_determinism(
+            runner.urls.nats_admin,
+            base_dir=runner.config.base_dir,
+            decoder_dir=decoder_dir,
+            engine_name="reference",
+            trusted_keys=runner.config.data_dir / "keys",
+            grpc_target=runner.urls.grpc,
+            prompts=PROMPTS[:1],
+            depth=DEPTH,
+            resubmit=False,
+            listen_s=0.2,
+        )
+    finally:
+        runner.stop()
+    if plane == "host":
+        assert report["gate"] == "PASS" and report["counts"] == {"same_output": 1}, report
+    else:
+        assert report["gate"] == "FAIL" and report["counts"] == {"unavailable": 1}
+        assert "slot pool" in report["checks"][0]["detail"]
