@@ -50,7 +50,10 @@ def test_e2e_bench_tiny_dry_run(tmp_path):
     for stage in stages:
         assert e2e["breakdown"][f"capture.{stage}"]["p50_ms"] > 0, stage
     capture = sum(e2e["breakdown"][f"capture.{stage}"]["mean_ms"] for stage in stages)
-    assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
+    # the four stages are the capture's span but for the untimed glue between them (a
+    # tenth of a millisecond or so, which is over 2 % of a 5 ms tiny capture)
+    total = e2e["breakdown"]["capture"]["mean_ms"]
+    assert math.isclose(capture, total, rel_tol=0.02, abs_tol=0.5), (capture, total)
     for stage in ("verify", "claim", "readout", "digest", "commit", "ack"):
         assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
 
@@ -85,7 +88,10 @@ def test_e2e_bench_process_stack_tiny(tmp_path):
     assert e2e["all_full_depth"]
     stages = ("tokenize", "forward", "sign", "publish")
     capture = sum(e2e["breakdown"][f"capture.{s}"]["mean_ms"] for s in stages)
-    assert math.isclose(capture, e2e["breakdown"]["capture"]["mean_ms"], rel_tol=0.02)
+    # the four stages are the capture's span but for the untimed glue between them (a
+    # tenth of a millisecond or so, which is over 2 % of a 5 ms tiny capture)
+    total = e2e["breakdown"]["capture"]["mean_ms"]
+    assert math.isclose(capture, total, rel_tol=0.02, abs_tol=0.5), (capture, total)
     for stage in ("verify", "claim", "readout", "digest", "commit", "ack"):
         assert e2e["breakdown"][f"worker.{stage}"]["p50_ms"] > 0, stage
     assert 0 < e2e["breakdown"]["outside"]["p50_ms"] < e2e["latency"]["p50_ms"]
