@@ -117,8 +117,9 @@ def test_cli_embedded_determinism_gate(decoder_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["gate"] == "PASS"
 
 
-async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_path):
-    report = await det.external_determinism(
+async def audit_one_prompt(stack, decoder_dir) -> dict:
+    """The audit of a running `stateblock up`: one prompt driven through its gateway."""
+    return await det.external_determinism(
         stack.urls.nats_admin,
         base_dir=stack.config.base_dir,
         decoder_dir=decoder_dir,
@@ -130,6 +131,10 @@ async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_
         resubmit=False,
         listen_s=0.2,
     )
+
+
+async def test_external_deployment_is_tapped_and_driven(stack, decoder_dir, tmp_path):
+    report = await audit_one_prompt(stack, decoder_dir)
     assert report["gate"] == "PASS" and report["counts"] == {"same_output": 1}
     with pytest.raises(ValueError, match="no trusted public keys"):
         await det.external_determinism(
@@ -159,18 +164,7 @@ async def test_an_audit_reads_host_blocks_and_says_why_not_local_ones(plane, dec
     runner = StackThread(config)
     runner.start()
     try:
-        report = await det.external_determinism(
-            runner.urls.nats_admin,
-            base_dir=runner.config.base_dir,
-            decoder_dir=decoder_dir,
-            engine_name="reference",
-            trusted_keys=runner.config.data_dir / "keys",
-            grpc_target=runner.urls.grpc,
-            prompts=PROMPTS[:1],
-            depth=DEPTH,
-            resubmit=False,
-            listen_s=0.2,
-        )
+        report = await audit_one_prompt(runner, decoder_dir)
     finally:
         runner.stop()
     if plane == "host":
