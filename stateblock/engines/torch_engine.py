@@ -10,8 +10,8 @@ shapes, as the reference), so CI imports and tests it against the reference engi
 device="cuda" without a GPU raises EngineUnavailable. The shape buckets and the options
 live in `torch_options`; the step every graph records, and the sampling, in `torch_step`.
 
-Graphs. Captured lazily on the first cohort of a shape, and for the common shapes
-(each depth bucket's execution lanes, prompt bucket 512) in warm_up(). Every graph reads one set of
+Graphs. Captured lazily on the first cohort of a shape, and for the common shapes (each
+depth bucket's execution lanes, prompt bucket 512) in warm_up(). Every graph reads one set of
 static input buffers (views of one allocation sized for the largest bucket) and all share
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts.
