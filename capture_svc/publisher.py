@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import nats.errors
@@ -33,8 +34,10 @@ class BlockPublisher:
         model: str,
         max_payload: int,
         timeout_s: float,
+        placement_grace_s: float = streams.PLACEMENT_TTL_GRACE_S,
     ) -> None:
         self._js = js
+        self._grace = placement_grace_s
         self._objects = objects
         self._model = model
         self._subject = streams.blocks_subject(model)
@@ -43,10 +46,20 @@ class BlockPublisher:
         self._chunk = max(1024, min(streams.MAX_CHUNK, max_payload - streams.CHUNK_HEADROOM))
 
     @classmethod
-    async def open(cls, nc: NATS, *, model: str, timeout_s: float) -> BlockPublisher:
+    async def open(
+        cls,
+        nc: NATS,
+        *,
+        model: str,
+        timeout_s: float,
+        placement_grace_s: float = streams.PLACEMENT_TTL_GRACE_S,
+    ) -> BlockPublisher:
         js = nc.jetstream()
         objects = await streams.payload_store(js)
-        return cls(js, objects, model=model, max_payload=nc.max_payload, timeout_s=timeout_s)
+        return cls(
+            js, objects, model=model, max_payload=nc.max_payload, timeout_s=timeout_s,
+            placement_grace_s=placement_grace_s,
+        )  # fmt: skip
 
     async def publish(self, block: envelope.SealedBlock) -> bool:
         """Publish with Nats-Msg-Id = block_id; True if the rows went via the object store."""
@@ -69,22 +82,28 @@ class BlockPublisher:
 
     async def publish_header(self, header: pb.StateBlockHeader) -> None:
         """A block whose rows stay on this host (its locator says where): the header alone,
-        on its placement's subject, which only that placement's workers consume."""
+        on its placement's subject, which only that placement's workers consume. It carries
+        a message TTL: should the placement die, its header leaves the stream once expired."""
         subject = streams.placement_subject(self._model, header.locator.placement)
         data = envelope.serialize_block(pb.StateBlock(header=header))
+        expires_at = header.expires_at.ToNanoseconds() / 1e9
 
         async def once() -> None:
-            await self._send(subject, data, header.block_id)
+            ttl = streams.placement_ttl_s(expires_at=expires_at, now=time.time(), grace_s=self._grace)
+            await self._send(subject, data, header.block_id, msg_ttl=ttl)
 
         await self._retried(once, header.block_id)
 
-    async def _send(self, subject: str, data: bytes, block_id: str) -> None:
+    async def _send(
+        self, subject: str, data: bytes, block_id: str, msg_ttl: int | None = None
+    ) -> None:
         await self._js.publish(
             subject,
             data,
             timeout=min(self._timeout, ATTEMPT_TIMEOUT_S),
             stream=streams.BLOCKS_STREAM,
             headers={"Nats-Msg-Id": block_id},
+            msg_ttl=msg_ttl,
         )
 
     async def _retried(self, once: Callable[[], Awaitable[None]], block_id: str) -> None:

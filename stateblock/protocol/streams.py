@@ -4,13 +4,15 @@ Every service calls `ensure_streams` at start-up; creating with an identical con
 idempotent, so services racing to start agree on one stream. An existing stream is kept
 as it is, except that a storage type other than the configured one is an error: JetStream
 cannot change it in place, and silently serving from the other storage would hide the
-misconfiguration.
+misconfiguration; and a blocks stream made without per-message TTL gains it in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
+import math
 import re
 
 import nats.js.errors as js_errors
@@ -45,6 +47,11 @@ BLOCKS_STORAGE = {"file": StorageType.FILE, "memory": StorageType.MEMORY}
 
 # A placement's consumer is deleted by the server after this long without a pull.
 PLACEMENT_IDLE_S = 3600.0
+# A placement's header leaves the stream (its message TTL) this long after its block
+# expires: its rows live in one process or host, so once nobody can read it, nothing else
+# would ever remove it from the work queue. The grace lets a live placement's worker still
+# see the block and end it `expired`, which its request is told.
+PLACEMENT_TTL_GRACE_S = 60.0
 
 
 class StreamConflict(RuntimeError):
@@ -78,6 +85,12 @@ def placement_subject(model: str, placement: str) -> str:
     return f"{blocks_subject(model)}.{placement}"
 
 
+def placement_ttl_s(*, expires_at: float, now: float, grace_s: float) -> int:
+    """The message TTL (whole seconds, at least 1: JetStream's least) of a placement's
+    header whose block expires at unix time `expires_at`."""
+    return max(1, math.ceil(expires_at - now + grace_s))
+
+
 def placement_durable(model: str, placement: str) -> str:
     """The pull consumer of one placement's blocks."""
     return f"{readout_durable(model)}-{placement}"
@@ -109,6 +122,20 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             f"JetStream cannot change a stream's storage: delete the stream or ask for {have!r}"
         )
     check_replicas(config.name, info.config.num_replicas, config.num_replicas)
+    if config.allow_msg_ttl and not info.config.allow_msg_ttl:
+        await _allow_msg_ttl(js, info.config)
+
+
+async def _allow_msg_ttl(js: JetStreamContext, have: StreamConfig) -> None:
+    """Turn on per-message TTL on a stream made before its config asked for it (the server
+    turns it on in place and keeps the stream's messages; it never turns it off again)."""
+    try:
+        await js.update_stream(dataclasses.replace(have, allow_msg_ttl=True))
+    except js_errors.Error as e:
+        raise StreamConflict(
+            f"stream {have.name} does not allow per-message TTL and could not be changed "
+            f"({e}): run `nats stream edit {have.name} --allow-msg-ttl` as a user that may"
+        ) from e
 
 
 def check_replicas(stream: str, have: int | None, want: int | None) -> None:
@@ -151,6 +178,7 @@ async def ensure_streams(
             storage=BLOCKS_STORAGE[blocks_storage],
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
+            allow_msg_ttl=True,  # placement headers expire (PLACEMENT_TTL_GRACE_S)
         ),
     )
     if dead_letters:
