@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import structlog
@@ -132,6 +134,7 @@ class CohortForward:
         pad_id: int,
         capture_mode: int,
         lane_buckets: Sequence[int] | None = None,
+        thread_streams: bool = False,
     ) -> None:
         self._model = model
         self._plans = plans
@@ -139,6 +142,10 @@ class CohortForward:
         self._mode = capture_mode
         self._lane_buckets = lane_buckets  # None: a cohort runs at its own lane count
         self._device = next(model.parameters()).device
+        # Each forward thread on a CUDA stream of its own (the eager forward's two threads):
+        # on one stream a part's kernels, launched first, queue every cohort's behind them.
+        on_cuda = thread_streams and self._device.type == "cuda"
+        self._streams = threading.local() if on_cuda else None
 
     def warm_up(self, shapes: Sequence[tuple[int, int]] = ((1, MIN_BUCKET),)) -> float:
         """Run each (lanes, width) shape before the first request (by default one throwaway
@@ -172,11 +179,32 @@ class CohortForward:
         # module docstring): causality alone keeps pad columns out of the valid rows.
         lengths = [len(lane) for lane in lanes]
         stamp = CohortStamp(tuple(slots), self._mode)
-        capture(
-            self._model,
-            ids.to(self._device),
-            on_rows=lambda rows: self._plans.record(stamp, rows[:real], lengths),
-        )
+        with self._thread_stream():
+            capture(
+                self._model,
+                ids.to(self._device),
+                on_rows=lambda rows: self._plans.record(stamp, rows[:real], lengths),
+            )
+
+    @contextmanager
+    def _thread_stream(self) -> Iterator[None]:
+        """This thread's own CUDA stream around a forward (without `thread_streams`, or off
+        CUDA, the current stream). The forward's rows are consumed on other threads'
+        streams, so the forward is synchronised before it returns: whatever reads its rows
+        next finds them written, and nothing still in flight reads a freed block's memory
+        when the allocator hands it to this stream again."""
+        if self._streams is None:
+            yield
+            return
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            stream.synchronize()
 
 
 class ForwardBatcher:

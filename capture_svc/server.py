@@ -170,6 +170,7 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
         pad_id=model.tokenizer.pad_token_id or 0,
         capture_mode=CAPTURE_MODE,
         lane_buckets=config.cohort_lane_buckets,
+        thread_streams=config.compile == "off",  # the eager forward's two threads
     )
 
 
