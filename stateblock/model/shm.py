@@ -102,6 +102,8 @@ class HostRegions:
         self.placement = host_placement(shm_dir)
         self._limit, self._dir, self._clock = limit, shm_dir, clock
         self._out: dict[str, float] = {}  # region -> its block's expiry
+        self._written: set[str] = set()  # the regions of _out on disk
+        self._looked_at = float("-inf")  # the event loop's time of the last listing
         self.sweep(ttl_s)
 
     def sweep(self, ttl_s: float) -> int:
@@ -119,20 +121,23 @@ class HostRegions:
 
     def held(self) -> int:
         """Regions not yet freed by their reader (expired ones unlinked first)."""
-        now = self._clock()
-        for name, expires_at in list(self._out.items()):
-            if expires_at <= now:
-                unlink_region(name, self._dir)
-            if expires_at <= now or not (self._dir / name).exists():
-                del self._out[name]
+        self._expire()
+        self._look()
         return len(self._out)
 
     async def reserve(self, block_id: str, expires_at: float, timeout_s: float) -> str:
         """The region name of `block_id`, once fewer than `limit` are unread (waiting up to
-        `timeout_s`, then SlotPoolFull)."""
+        `timeout_s`, then SlotPoolFull). Under the limit nothing on disk is looked at; at
+        it, the directory is listed at most once every POLL_S, however many wait."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.held() >= self._limit:
+        while True:
+            self._expire()
+            if len(self._out) >= self._limit and loop.time() - self._looked_at >= POLL_S:
+                self._looked_at = loop.time()
+                self._look()
+            if len(self._out) < self._limit:
+                break
             if loop.time() >= deadline:
                 raise SlotPoolFull(
                     f"all {self._limit} shared-memory regions hold blocks not yet read "
@@ -143,12 +148,34 @@ class HostRegions:
         self._out[name] = expires_at
         return name
 
+    def _expire(self) -> None:
+        now = self._clock()
+        for name, expires_at in list(self._out.items()):
+            if expires_at <= now:
+                unlink_region(name, self._dir)
+                self._forget(name)
+
+    def _look(self) -> None:
+        """Drop the written regions their reader has unlinked, from one listing of the
+        directory (a region reserved but not yet written is out all the same)."""
+        if not self._written:
+            return
+        present = {e.name for e in os.scandir(self._dir) if e.name.startswith(PREFIX)}
+        for name in self._written - present:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self._out.pop(name, None)
+        self._written.discard(name)
+
     def write(self, name: str, data: bytes | memoryview) -> None:
         """The rows' bytes (stateblock.model.rows.rows_view) into their new region, once."""
         with open(region_path(name, self._dir), "xb") as f:
             f.write(data)
+        if name in self._out:  # not expired meanwhile
+            self._written.add(name)
 
     def release(self, name: str) -> None:
         """The region of a block that never went out."""
-        self._out.pop(name, None)
+        self._forget(name)
         unlink_region(name, self._dir)

@@ -312,3 +312,11 @@ def test_capture_invariance_bench_on_the_cpu(tmp_path):
     for lanes in ("1", "2", "4"):
         assert modes["off"]["vs_own_lanes_1"][lanes]["identical"]
         assert "identical" in modes["aot_eager"]["vs_eager_alone"][lanes]
+
+
+async def test_regions_bench_frees_every_region_it_wrote(tmp_path):
+    from bench.regions_cpu import run
+
+    result = await run(writers=12, limit=4, per_writer=3, read_rate=2000.0, size=64)
+    assert result["regions"] == 36 and result["regions_per_s"] > 0
+    assert result["left_on_disk"] == 0 and result["held_after"] == 0

@@ -103,3 +103,30 @@ def test_the_placement_is_the_boot_and_the_mount(tmp_path):
     here = host_placement(tmp_path / "a")
     assert here == host_placement(tmp_path / "a") and len(here) == 16
     assert here != host_placement(tmp_path / "b")
+
+
+async def test_a_region_reserved_but_not_yet_written_still_counts(tmp_path):
+    """Between its reservation and its write (the digest runs in between) a region is not
+    on disk yet: it is out all the same, not a region its reader has freed."""
+    regions = HostRegions(1, 60.0, shm_dir=tmp_path)
+    first = await regions.reserve("b1", time.time() + 60, 1.0)
+    with pytest.raises(SlotPoolFull):
+        await regions.reserve("b2", time.time() + 60, 0.05)
+    assert regions.held() == 1
+    regions.write(first, rows_view(torch.zeros(2, 4)))
+    unlink_region(first, tmp_path)
+    assert await regions.reserve("b2", time.time() + 60, 1.0) == region_name("b2")
+    regions.release(region_name("b2"))  # never went out
+    assert regions.held() == 0
+
+
+async def test_other_files_and_other_captures_regions_do_not_count(tmp_path):
+    regions = HostRegions(2, 60.0, shm_dir=tmp_path)
+    (tmp_path / region_name("someone-else")).write_bytes(b"x")
+    (tmp_path / "not-a-region").write_bytes(b"x")
+    name = await regions.reserve("b1", time.time() + 60, 1.0)
+    regions.write(name, rows_view(torch.zeros(2, 4)))
+    assert regions.held() == 1
+    await regions.reserve("b2", time.time() + 60, 1.0)
+    with pytest.raises(SlotPoolFull):
+        await regions.reserve("b3", time.time() + 60, 0.05)
