@@ -26,7 +26,9 @@
 #       # tasks): tuned base, teacher, readout, evaluation, about 3 minutes; summary in $OUT;
 #       # carry a .whl holding the blake3 wheel alone (the model loader's digests), and run it
 #       # with models/ moved out of the working tree: the base's 53.5 MB and the tracked
-#       # tree do not fit one call's 64 MiB together
+#       # tree do not fit one call's 64 MiB together. DATA/base.part*.safetensors.xz and
+#       # DATA/corpus/*.txt.gz are unpacked first (`bench.unpack`); with a corpus, the train
+#       # prompts are made on the machine (--tune-prompts: more than a call could carry)
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
 # compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
@@ -88,9 +90,16 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
 elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md (decoder/ if small) in $OUT
   DATA=${2:-.gpu_prose}  # a stage found in DATA/readout (a rerun on this machine) is skipped
+  # carried compressed to fit a call: base parts as .xz (bf16 weights shrink about a
+  # quarter), the corpus as .gz; with DATA/corpus the train prompts are made here
+  python3 -m bench.unpack "$DATA" || exit 1
+  corpus=()
+  if [ -f "$DATA/corpus/train.txt" ]; then
+    corpus=(--corpus "$DATA/corpus" --task-workers "$(nproc)")
+  fi
   timeout 565 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
-    --base-weights "$DATA/base" --work "$DATA/readout" --scale bench --device cuda "${@:3}" \
-    > "$OUT/prose-readout.log" 2>&1
+    --base-weights "$DATA/base" --work "$DATA/readout" --scale bench --device cuda \
+    ${corpus[@]+"${corpus[@]}"} "${@:3}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$?"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
   if [ -f "$DATA/readout/decoder/manifest.json" ] &&

@@ -63,9 +63,7 @@ def main() -> None:
     ap.add_argument("--read-rate", type=float, default=1000.0, help="regions freed a second")
     ap.add_argument("--size", type=int, default=4096, help="bytes a region")
     args = ap.parse_args()
-    result = asyncio.run(
-        run(args.writers, args.limit, args.per_writer, args.read_rate, args.size)
-    )
+    result = asyncio.run(run(args.writers, args.limit, args.per_writer, args.read_rate, args.size))
     print(json.dumps(result))
 
 

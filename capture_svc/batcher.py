@@ -31,8 +31,8 @@ it is ready.
 from __future__ import annotations
 
 import asyncio
-import time
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor

@@ -89,7 +89,9 @@ class BlockPublisher:
         expires_at = header.expires_at.ToNanoseconds() / 1e9
 
         async def once() -> None:
-            ttl = streams.placement_ttl_s(expires_at=expires_at, now=time.time(), grace_s=self._grace)
+            ttl = streams.placement_ttl_s(
+                expires_at=expires_at, now=time.time(), grace_s=self._grace
+            )
             await self._send(subject, data, header.block_id, msg_ttl=ttl)
 
         await self._retried(once, header.block_id)

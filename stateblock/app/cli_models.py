@@ -57,7 +57,8 @@ def _build_prose(a: argparse.Namespace) -> int:
         corpus=a.corpus, work=a.work_dir or "runs/prose", out=a.out,
         scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
         device=device_of(a.device), seed=a.seed, until="all",
-        train_prompts=0, tune_minutes=0.0, distill_minutes=0.0,  # the scale's
+        train_prompts=0, tune_prompts=0, tune_minutes=0.0, distill_minutes=0.0,  # the scale's
+        task_workers=1,
     )  # fmt: skip
     if a.dry_run:
         print(json.dumps(vars(args)))

@@ -11,7 +11,8 @@ last, whole), so a build that stopped resumes where it stopped.
     prose-base-run/    the document-trained base (`base_ddp --corpus`), unless --base or
                        --base-weights (a `prose_stage` checkpoint prefix) gives one
     tasks/             train.jsonl.gz, heldout.jsonl.gz (`prose_tasks`): the train prompts
-                       tune the base and train the readout
+                       tune the base (all of them) and train the readout (the first
+                       train_prompts); a split file found is kept
     tuned/             the base tuned on the tasks (`prose_tune`): the served base
     teacher/           train.jsonl, heldout.jsonl: the tuned base's greedy answers
     decoder/           the readout distilled on the train teacher (`distill.fit`)
@@ -45,13 +46,23 @@ class Scale:
     base_minutes: float
     base_max_steps: int  # 0: as many as the minutes hold
     vocab_size: int  # the BPE built when no tokenizer is given
-    train_prompts: int  # tune and distil on these (train documents)
+    train_prompts: int  # the teacher answers these, the readout trains on them
     heldout_prompts: int
     max_answer: int  # the teacher's cap and the decoder's served depth
     tune: TuneConfig
     distill: DistillConfig
     teacher_budget: int = 65536  # tokens a verifying forward
     weights: dict = field(default_factory=dict)  # prose_tasks family weights
+    # the base is tuned on these many train prompts, the first train_prompts of them the
+    # teacher's (0: train_prompts). More than tuning's budget reads once, none is seen
+    # twice: a tuning that passed over 20,000 prompts five times learned them, not the
+    # tasks (docs/QUALITY.md)
+    tune_prompts: int = 0
+
+    @property
+    def train_examples(self) -> int:
+        """The train prompts the tasks stage writes: the tuning's and the teacher's."""
+        return max(self.train_prompts, self.tune_prompts)
 
 
 # the readout's shape: recipe.DECODER_CONFIG (the shipped synthetic decoder's)
@@ -140,26 +151,39 @@ def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> 
 
 
 def stage_tasks(a, work: Path, scale: Scale) -> Path:
+    """Each split's prompts, unless its file is there already (a GPU call carries the
+    held-out prompts of earlier arms and makes the train prompts from the corpus)."""
     out = work / "tasks"
-    if (out / "heldout.jsonl.gz").is_file():
-        return out
-    need_corpus(a, "the tasks")
-    tmp = out.with_name("tasks.tmp")
-    for split, n, seed in (("train", scale.train_prompts, a.seed),
+    for split, n, seed in (("train", scale.train_examples, a.seed),
                            ("heldout", scale.heldout_prompts, a.seed + 1)):  # fmt: skip
-        exs = prose_tasks.from_corpus(a.corpus, split, n, seed, scale.weights)
-        prose_tasks.write(exs, tmp / f"{split}.jsonl.gz")
-        log(f"tasks: {len(exs)} {split} prompts")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+        path = out / f"{split}.jsonl.gz"
+        if path.is_file():
+            continue
+        need_corpus(a, f"the {split} tasks")
+        t0 = time.perf_counter()
+        exs = prose_tasks.from_corpus(a.corpus, split, n, seed, scale.weights, a.task_workers)
+        tmp = path.with_name(f"{split}.tmp.jsonl.gz")
+        prose_tasks.write(exs, tmp)
+        tmp.rename(path)
+        log(f"tasks: {len(exs)} {split} prompts in {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def train_tasks(tasks: Path, n: int) -> list[prose_tasks.Example]:
+    """The first n train prompts; SystemExit when the file holds fewer (an arm asking for
+    more than the tasks an earlier one wrote: remove the file to make them)."""
+    examples = prose_tasks.read(tasks / "train.jsonl.gz")
+    if len(examples) < n:
+        raise SystemExit(f"{tasks / 'train.jsonl.gz'} holds {len(examples)} prompts, the "
+                         f"scale asks for {n}: remove it to make them (needs --corpus)")  # fmt: skip
+    return examples[:n]
 
 
 def stage_tune(a, work: Path, scale: Scale, base: Path, tasks: Path) -> Path:
     out = work / "tuned"
     if not (out / "model.safetensors").is_file():
-        stats = prose_tune.tune(base, prose_tasks.read(tasks / "train.jsonl.gz"), out,
-                                replace(scale.tune, seed=a.seed), a.device)  # fmt: skip
+        examples = train_tasks(tasks, scale.train_examples)
+        stats = prose_tune.tune(base, examples, out, replace(scale.tune, seed=a.seed), a.device)
         log("tune:", json.dumps({k: v for k, v in stats.items() if k != "config"}))
     return out
 
@@ -175,8 +199,10 @@ def stage_teacher(a, work: Path, scale: Scale, tuned: Path, tasks: Path) -> Path
     tmp.mkdir(parents=True, exist_ok=True)
     for split in ("train", "heldout"):
         t0 = time.perf_counter()
-        recs = prose_fidelity.teacher_records(model, tok, prose_tasks.read(tasks / f"{split}.jsonl.gz"),
-                                              scale.max_answer, a.device, scale.teacher_budget)  # fmt: skip
+        exs = (train_tasks(tasks, scale.train_prompts) if split == "train"
+               else prose_tasks.read(tasks / "heldout.jsonl.gz"))  # fmt: skip
+        recs = prose_fidelity.teacher_records(model, tok, exs, scale.max_answer, a.device,
+                                              scale.teacher_budget)  # fmt: skip
         (tmp / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         log(f"teacher: {len(recs)} {split} answers in {time.perf_counter() - t0:.1f} s")
     shutil.rmtree(out, ignore_errors=True)
@@ -249,6 +275,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
     """The scale with the sizes given on the command line (an ablation's arm)."""
     if a.train_prompts:
         scale = replace(scale, train_prompts=a.train_prompts)
+    if a.tune_prompts:
+        scale = replace(scale, tune_prompts=a.tune_prompts)
     if a.tune_minutes:
         scale = replace(scale, tune=replace(scale.tune, max_minutes=a.tune_minutes))
     if a.distill_minutes:
@@ -300,7 +328,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="a prose_stage checkpoint prefix (DIR/base): the base, in the scale's shape")  # fmt: skip
     add("--device", default="cpu", help="cpu or cuda")
     add("--seed", type=int, default=0, help="tasks, tuning and the readout's seed")
-    add("--train-prompts", type=int, default=0, help="train prompts (0: the scale's)")
+    add("--train-prompts", type=int, default=0,
+        help="the teacher's and the readout's train prompts (0: the scale's)")  # fmt: skip
+    add("--tune-prompts", type=int, default=0,
+        help="the tuning's train prompts, a superset of those (0: the scale's)")  # fmt: skip
+    add("--task-workers", type=int, default=1,
+        help="processes making the tasks (more than one: generate_sharded's prompts)")  # fmt: skip
     add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
     add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
     add("--until", choices=("tasks", "all"), default="all",

@@ -320,3 +320,20 @@ async def test_regions_bench_frees_every_region_it_wrote(tmp_path):
     result = await run(writers=12, limit=4, per_writer=3, read_rate=2000.0, size=64)
     assert result["regions"] == 36 and result["regions_per_s"] > 0
     assert result["left_on_disk"] == 0 and result["held_after"] == 0
+
+
+def test_unpack_writes_each_packed_file_once_beside_itself(tmp_path):
+    import gzip
+    import lzma
+
+    from bench.unpack import unpack
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "base.part0.safetensors.xz").write_bytes(lzma.compress(b"weights"))
+    (tmp_path / "corpus" / "train.txt.gz").write_bytes(gzip.compress(b"One. Two."))
+    (tmp_path / "meta.json").write_text("{}")
+    written = unpack(tmp_path)
+    assert sorted(p.name for p in written) == ["base.part0.safetensors", "train.txt"]
+    assert (tmp_path / "base.part0.safetensors").read_bytes() == b"weights"
+    assert (tmp_path / "corpus" / "train.txt").read_bytes() == b"One. Two."
+    assert unpack(tmp_path) == []  # a second call finds nothing to do

@@ -119,3 +119,45 @@ def test_a_stage_checkpoint_becomes_a_base_and_tasks_stop_alone(tmp_path, split)
     assert len(ltok) == len(tok) and loaded.config.vocab_size == scale.vocab_size
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, sd[k].float()), k
+
+
+def test_sharded_prompts_are_distinct_reproducible_and_drawn_from_every_shard(split):
+    train = split[0]
+    exs = prose_tasks.generate_sharded(train, 200, seed=5, workers=2)
+    assert len(exs) == 200 and len({e.prompt for e in exs}) == 200
+    assert exs == prose_tasks.generate_sharded(train, 200, seed=5, workers=2)
+    shard_of = {prose_tasks.doc_id(d): k % 2 for k, d in enumerate(train)}
+    assert {shard_of[e.doc] for e in exs[:2]} == {0, 1}  # the shards in turn
+    assert prose_tasks.generate_sharded(train, 50, seed=5, workers=1) == (
+        prose_tasks.generate(train, 50, seed=5)
+    )
+    for e in exs:
+        if e.determined:
+            assert _solve(e) == e.answer, e
+
+
+def test_the_tuning_reads_more_prompts_than_the_teacher_and_a_short_file_is_an_error(
+    tmp_path, split
+):
+    """`--tune-prompts`: the tasks stage writes the tuning's prompts, the teacher takes the
+    first train_prompts of them; a split file already there is kept, and one with fewer
+    prompts than an arm asks for stops it with what to do."""
+    from stateblock.train import prose_readout
+
+    (tmp_path / "corpus").mkdir()
+    for name, docs in zip(("train", "heldout"), split, strict=True):
+        (tmp_path / "corpus" / f"{name}.txt").write_text("\n\n".join(docs) + "\n")
+    work = tmp_path / "w"
+    base = ["--corpus", str(tmp_path / "corpus"), "--work", str(work), "--scale", "tiny",
+            "--until", "tasks"]  # fmt: skip
+    assert prose_readout.main([*base, "--train-prompts", "40", "--tune-prompts", "90",
+                               "--task-workers", "2"]) == 0  # fmt: skip
+    tasks = work / "tasks"
+    assert len(prose_readout.train_tasks(tasks, 90)) == 90
+    assert prose_readout.train_tasks(tasks, 40) == prose_readout.train_tasks(tasks, 90)[:40]
+    held = (tasks / "heldout.jsonl.gz").read_bytes()
+    (tasks / "train.jsonl.gz").unlink()
+    assert prose_readout.main([*base, "--train-prompts", "30"]) == 0  # train made again
+    assert (tasks / "heldout.jsonl.gz").read_bytes() == held  # held-out kept
+    with pytest.raises(SystemExit, match="holds 30 prompts, the scale asks for 90"):
+        prose_readout.train_tasks(tasks, 90)
