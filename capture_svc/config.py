@@ -59,6 +59,7 @@ class CaptureConfig(BlocksServiceConfig):
     # `local` / `host` data planes: the slots (regions) held at most; a full pool waits
     # publish_timeout_s
     data_plane_slots: int = declared(settings.DATA_PLANE_SLOTS)
+    data_plane_arena_mb: int = declared(settings.DATA_PLANE_ARENA_MB)  # `ipc`: its arena
     # a publish is retried within this (a leader election takes seconds); well inside the
     # request deadline
     publish_timeout_s: float = declared(settings.PUBLISH_TIMEOUT_S)

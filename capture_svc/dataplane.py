@@ -6,7 +6,9 @@ the forward left them, in a slot of the process's slot pool (stateblock.model.sl
 reserves a slot (waiting while every slot is held), digests the rows where they are (the
 slot checksum on an accelerator, the configured hash in host memory), signs a header whose locator names the pool and the slot, and publishes the header alone
 on the pool's placement subject. `HostPlane` does the same with a shared-memory region of
-this host (stateblock.model.shm) for readout processes beside the capture's. A capture
+this host (stateblock.model.shm) for readout processes beside the capture's, and `IpcPlane`
+with a span of the capture's device arena, shared through CUDA IPC (stateblock.model.arena):
+the rows never leave the GPU. A capture
 that fails after its reservation gives the slot back: nothing of it stays behind.
 """
 
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from capture_svc.config import CaptureConfig
 from capture_svc.publisher import BlockPublisher
+from stateblock.model.arena import DeviceArena, ipc_placement, rows_nbytes, share
 from stateblock.model.rows import rows_view
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool, rows_digest, slot_algorithm
@@ -73,7 +76,7 @@ class DataPlane:
         self._publisher, self._sealer, self._wait_s = publisher, sealer, wait_s
         self._store = store
 
-    async def _reserve(self, block_id: str, expires_at: float) -> Any:
+    async def _reserve(self, block_id: str, expires_at: float, layout: pb.Layout) -> Any:
         """A place for the block's rows, waiting up to wait_s for one (then SlotPoolFull)."""
         return await self._store.reserve(block_id, expires_at, self._wait_s)
 
@@ -100,7 +103,7 @@ class DataPlane:
         """Sign and publish the block of `rows`; raises PublishError or SlotPoolFull."""
         s = self._sealer
         block_id, now = uuid7(), time.time()
-        held = await self._reserve(block_id, now + s.ttl_s)
+        held = await self._reserve(block_id, now + s.ttl_s, layout)
         try:
             t0 = time.perf_counter()
             placed = await self._place(held, block_id, layout, rows)
@@ -122,7 +125,7 @@ class DataPlane:
 class BusPlane(DataPlane):
     """The rows in the block: inline, or through the object store over max_payload."""
 
-    async def _reserve(self, block_id: str, expires_at: float) -> None:
+    async def _reserve(self, block_id: str, expires_at: float, layout: pb.Layout) -> None:
         return None
 
     async def _place(self, held: None, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
@@ -178,14 +181,44 @@ class HostPlane(DataPlane):
         self._store.release(held)
 
 
+class IpcPlane(DataPlane):
+    """Rows in a span of the capture's device arena (`store`: stateblock.model.arena's
+    DeviceArena), shared through CUDA IPC with the readout processes of this host."""
+
+    def __init__(
+        self, publisher: BlockPublisher, sealer: Sealer, store: DeviceArena, *, wait_s: float
+    ) -> None:
+        super().__init__(publisher, sealer, store, wait_s=wait_s)
+        self._shared = share(store)  # once: every block's locator names the same arena
+        self._placement = ipc_placement()
+
+    async def _reserve(self, block_id: str, expires_at: float, layout: pb.Layout) -> int:
+        nbytes = rows_nbytes(layout)
+        return await self._store.reserve(block_id, nbytes, expires_at, self._wait_s)
+
+    async def _place(self, held: int, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
+        # the copy into the span, and its checksum there, off the event loop (the device
+        # synchronises before the header can go out)
+        algorithm = slot_algorithm(self._store.buffer, self._sealer.algorithm)
+        digest = await asyncio.to_thread(self._fill, held, block_id, rows, algorithm)
+        return Placed(digest, algorithm, locator.ipc_locator(self._placement, self._shared, held))
+
+    def _fill(self, held: int, block_id: str, rows: Tensor, algorithm: int) -> bytes:
+        self._store.fill(held, block_id, rows)
+        return rows_digest(rows, algorithm)
+
+    def _give_back(self, held: int, block_id: str) -> None:
+        self._store.free(held, block_id)
+
+
 def data_plane(
     config: CaptureConfig,
     publisher: BlockPublisher,
     sealer: Sealer,
-    slots: SlotPool | HostRegions | None,
+    slots: SlotPool | HostRegions | DeviceArena | None,
 ) -> DataPlane:
     """The plane the config names, with the slots it keeps rows in (`local`: the process's
-    slot pool; `host`: its shared-memory regions)."""
+    slot pool; `host`: its shared-memory regions; `ipc`: its device arena)."""
     if config.data_plane == locator.BUS:
         return BusPlane(publisher, sealer)
     wait_s = config.publish_timeout_s
@@ -193,4 +226,6 @@ def data_plane(
         return LocalPlane(publisher, sealer, slots, wait_s=wait_s)
     if isinstance(slots, HostRegions) and config.data_plane == locator.HOST:
         return HostPlane(publisher, sealer, slots, wait_s=wait_s)
+    if isinstance(slots, DeviceArena) and config.data_plane == locator.CUDA_IPC:
+        return IpcPlane(publisher, sealer, slots, wait_s=wait_s)
     raise ValueError(f"data plane {config.data_plane!r} without its slots")

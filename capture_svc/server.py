@@ -21,6 +21,7 @@ from capture_svc.config import CaptureConfig
 from capture_svc.dataplane import Sealer, data_plane
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
+from capture_svc.releases import serve_releases
 from capture_svc.service import (
     CAPTURE_MODE,
     CaptureDropped,
@@ -33,6 +34,7 @@ from capture_svc.service import (
     InvalidCapture,
 )
 from stateblock import runtime
+from stateblock.model.arena import DeviceArena
 from stateblock.model.capture import compile_backbone
 from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
@@ -137,11 +139,19 @@ async def _warm_up(
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
 
 
-def _slots(config: CaptureConfig) -> SlotPool | HostRegions | None:
+def _slots(
+    config: CaptureConfig, model: ServingModel
+) -> SlotPool | HostRegions | DeviceArena | None:
     """Where the rows wait for their readout: the process's slot pool (`local`), this
-    host's shared-memory regions (`host`), or none (the bus carries them)."""
+    host's shared-memory regions (`host`), an arena on the capture's device (`ipc`), or
+    none (the bus carries them)."""
     if config.data_plane == locator.LOCAL:
         return SlotPool(config.data_plane_slots)
+    if config.data_plane == locator.CUDA_IPC:
+        return DeviceArena(
+            config.data_plane_arena_mb << 20, device=model.lm_head.device,
+            slots=config.data_plane_slots,
+        )  # fmt: skip
     if config.data_plane == locator.HOST:
         try:
             return HostRegions(config.data_plane_slots, config.block_ttl_s)
@@ -216,11 +226,15 @@ async def running_capture(
         publisher = await BlockPublisher.open(
             nc, model=model.name, timeout_s=config.publish_timeout_s
         )
-        local = config.data_plane == locator.LOCAL
+        on_device = config.data_plane in (locator.LOCAL, locator.CUDA_IPC)  # rows stay there
         plans = PlanTable(
-            PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not local
+            PlanTableMetrics(metrics), plan_ttl_s=config.block_ttl_s, host_rows=not on_device
         )
-        held = _slots(config)
+        held = _slots(config, model)
+        if isinstance(held, DeviceArena):
+            stack.callback(held.close)
+            releases = await serve_releases(nc, held)
+            stack.push_async_callback(releases.unsubscribe)
         algorithm = envelope.forward_state_algorithm(config.forward_state_digest)
         sealer = Sealer(signer, model.identity, config.block_ttl_s, algorithm)
         capture_metrics = CaptureMetrics(metrics)
@@ -279,6 +293,11 @@ async def main() -> None:
         )
     shutdown, metrics = runtime.service_started(config.log_level)
     model = await load_service_model(config, dtype=parse_dtype(config.dtype))
+    if config.data_plane == locator.CUDA_IPC and model.lm_head.device.type != "cuda":
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE=ipc shares a CUDA device's rows with other processes; "
+            f"this capture's are on {model.lm_head.device.type}: serve `host` there"
+        )
     signer = load_or_generate_signer(config.key_dir)
     log.info("signing key", key_id=signer.key_id, key_dir=str(config.key_dir))
     async with AsyncExitStack() as stack:

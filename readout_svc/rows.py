@@ -19,6 +19,7 @@ from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from stateblock.engines import ReadoutEngine
+from stateblock.model.arena import ARENAS, ArenaUnreachable, copy_rows
 from stateblock.model.rows import check_rows
 from stateblock.model.shm import open_region, region_name, unlink_region
 from stateblock.model.slots import SlotPool, SlotVerified
@@ -47,14 +48,32 @@ class Rejected(Exception):
         super().__init__(f"{reason}: {detail}")
 
 
-def free_slot(slots: SlotPool | None, header: block_pb.StateBlockHeader) -> None:
+# releases in flight (a task the loop holds only weakly would be collected unsent)
+_RELEASING: set[asyncio.Task] = set()
+
+
+def free_slot(
+    slots: SlotPool | None, header: block_pb.StateBlockHeader, nc: nats.NATS | None = None
+) -> None:
     """Give back the slot of a block that has its outcome, if the block still holds it
-    (a host region is the block's alone: unlinked)."""
+    (a host region is the block's alone: unlinked; a span of an arena: freed in the
+    capture's process, released to it from another, through `nc`)."""
     kind = locator.transport(header)
     if kind == block_pb.TRANSPORT_LOCAL and slots is not None:
         slots.free(header.locator.slot, header.block_id)
     elif kind == block_pb.TRANSPORT_HOST and header.locator.region == region_name(header.block_id):
         unlink_region(header.locator.region)
+    elif kind == block_pb.TRANSPORT_CUDA_IPC:
+        ipc = header.locator.cuda_ipc
+        arena = ARENAS.get(ipc.pool)
+        if arena is not None:
+            arena.free(ipc.rows_offset_bytes, header.block_id)
+        elif nc is not None and not nc.is_closed:
+            subject = streams.release_subject(ipc.pool)
+            data = streams.release_message(header.block_id, ipc.rows_offset_bytes)
+            task = asyncio.get_running_loop().create_task(nc.publish(subject, data))
+            _RELEASING.add(task)
+            task.add_done_callback(_RELEASING.discard)
 
 
 class BlockRows:
@@ -71,7 +90,7 @@ class BlockRows:
         objects: ObjectStore,
         object_timeout_s: float,
         slots: SlotPool | None = None,
-        host: str | None = None,  # this host's placement, on the host data plane
+        host: str | None = None,  # the placement of this host's rows (`host`, `ipc` planes)
     ) -> None:
         self._engine, self._trust, self._limits = engine, trust, limits
         self._host = host
@@ -105,13 +124,15 @@ class BlockRows:
 
     def free(self, header: block_pb.StateBlockHeader) -> None:
         """The block has its outcome: its slot, if it still holds one, goes back."""
-        free_slot(self._slots, header)
+        free_slot(self._slots, header, self._nc)
 
     def _in_slot(self, block: block_pb.StateBlock) -> SlotVerified:
         header = envelope.trusted_header(block, self._trust, rows_apart=True)
         where = header.locator
         if where.transport == block_pb.TRANSPORT_HOST:
             return SlotVerified(header, self._in_region(header))
+        if where.transport == block_pb.TRANSPORT_CUDA_IPC:
+            return SlotVerified(header, self._in_arena(header))
         if self._slots is None or where.placement != self._slots.instance_id:
             raise Rejected(ROWS_MISSING, f"pool {where.placement!r} is not this process's")
         held = self._slots.rows(where.slot)
@@ -137,6 +158,19 @@ class BlockRows:
         if rows is None:
             raise Rejected(ROWS_MISSING, f"region {where.region} is gone: the rows are gone")
         return rows
+
+    def _in_arena(self, header: block_pb.StateBlockHeader) -> Tensor:
+        """The rows copied out of the capture's arena: the checksum is then checked over
+        the copy, which no later use of the span can change."""
+        where = header.locator
+        if where.placement != self._host:
+            raise Rejected(ROWS_MISSING, f"placement {where.placement!r} is not this host's")
+        try:
+            return copy_rows(where.cuda_ipc, header.layout)
+        except ArenaUnreachable as e:
+            raise Rejected(ROWS_MISSING, str(e)) from e
+        except ValueError as e:  # a span the arena does not hold
+            raise BlockRejected(RejectReason.ROWS_MISSING, str(e), authentic=True) from e
 
     def _check_limits(self, header: block_pb.StateBlockHeader) -> None:
         """Signed sizes are still requests: refuse what this worker would not serve before

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nats
 import structlog
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,7 @@ from readout_svc.worker import EngineHealth, ReadoutWorker, WorkerMetrics
 from registry import Registry
 from stateblock import runtime
 from stateblock.engines import ReadoutEngine, create_engine, require_engine
+from stateblock.model.arena import ipc_placement
 from stateblock.model.loading import load_service_model
 from stateblock.model.shm import host_placement
 from stateblock.model.slots import SlotPool
@@ -79,6 +81,8 @@ async def running_readout(
             placement = host_placement()
         except OSError as e:
             raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
+    elif config.data_plane == locator.CUDA_IPC:
+        placement = ipc_placement()
     durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
@@ -89,7 +93,8 @@ async def running_readout(
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
-            streams.BLOCKS_STREAM, durable, on_rejected=functools.partial(free_slot, slots),
+            streams.BLOCKS_STREAM, durable,
+            on_rejected=functools.partial(free_slot, slots, nc=nc),
         )  # fmt: skip
         advisories = await exhausted.subscribe()
         stack.push_async_callback(advisories.unsubscribe)
@@ -113,7 +118,7 @@ async def running_readout(
                 engine_health=engine_health,
                 readouts=readouts,
                 slots=slots,
-                host=placement if config.data_plane == locator.HOST else None,
+                host=placement if config.data_plane in (locator.HOST, locator.CUDA_IPC) else None,
             )
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
@@ -237,6 +242,11 @@ async def main() -> None:
             "`host`; `stateblock up` runs the local data plane"
         )
     require_engine(config.engine)  # fail closed before anything is loaded
+    if config.data_plane == locator.CUDA_IPC and not torch.cuda.is_available():
+        raise runtime.ConfigError(
+            "STATEBLOCK_DATA_PLANE=ipc: the rows are in a capture's GPU memory, and this "
+            "readout process has no CUDA device to open them on"
+        )
     shutdown, metrics = runtime.service_started(config.log_level)
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)

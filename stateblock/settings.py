@@ -248,9 +248,11 @@ DATA_PLANE = _setting(
     "how a block's rows travel, chosen at start-up (the signed header always goes over "
     "JetStream): `bus` (the block's payload, any host), `local` (the capture and the readout "
     "in one process: the rows stay on the capture's device in a slot pool, and only this "
-    "process's workers receive its blocks) or `host` (capture and readout processes on one "
+    "process's workers receive its blocks), `host` (capture and readout processes on one "
     "host: the rows in POSIX shared memory, /dev/shm, read by that host's workers alone; a "
-    "GPU's rows pass through the host, CUDA IPC is not built); capture and readout must agree",
+    "GPU's rows pass through the host) or `ipc` (capture and readout processes on one host "
+    "with CUDA: the rows stay in the capture's GPU arena, shared through CUDA IPC, read by "
+    "that host's workers on that GPU or a peer); capture and readout must agree",
     (CAPTURE, READOUT, UP), defaults={UP: "local"}, chart=COMPUTED,
 )  # fmt: skip
 API_KEY = _setting(
@@ -387,6 +389,12 @@ DATA_PLANE_SLOTS = _setting(
     "shared-memory regions), until their commit, rejection or expiry; a capture with every "
     "slot held waits up to "
     "`STATEBLOCK_PUBLISH_TIMEOUT_S` for one, then fails UNAVAILABLE", (CAPTURE,), minimum=1,
+)  # fmt: skip
+DATA_PLANE_ARENA_MB = _setting(
+    "DATA_PLANE_ARENA_MB", int, 2048,
+    "`ipc` data plane: the capture's device arena that holds the rows of blocks not yet read "
+    "(MiB, allocated at start-up; the largest block, 8 lanes of a 4,096-token prompt at "
+    "width 2,688 in bf16, is 168 MiB)", (CAPTURE,), minimum=1,
 )  # fmt: skip
 PUBLISH_TIMEOUT_S = _setting(
     "PUBLISH_TIMEOUT_S", float, 20.0,

@@ -63,13 +63,16 @@ def _permissions(user: str, publish: list[str], subscribe: list[str] = ()) -> Pe
 
 
 PERMISSIONS: dict[str, Permissions] = {
-    # publishes blocks, and the rows of a block over max_payload as a payload object
+    # publishes blocks, and the rows of a block over max_payload as a payload object; hears
+    # the readers' releases of its arena's spans
     CAPTURE: _permissions(CAPTURE, [
         *_api("STREAM.INFO", BLOCKS, PAYLOADS),
         *_api("STREAM.CREATE", BLOCKS, PAYLOADS),
         streams.blocks_subject(">"),
         f"$O.{streams.PAYLOAD_BUCKET}.>",
         f"$JS.API.STREAM.MSG.GET.{PAYLOADS}",  # a put looks for the object's meta first
+    ], [
+        streams.release_subject(">"),  # `ipc`: the spans its readers are done with
     ]),
     # consumes and acks blocks, reads and deletes their payload objects, claims and commits in
     # the registry, dead-letters what it cannot vouch for, ends blocks out of deliveries
@@ -90,6 +93,7 @@ PERMISSIONS: dict[str, Permissions] = {
         f"$KV.{REGISTRY_BUCKET}.>",
         f"$JS.API.STREAM.MSG.GET.{REGISTRY}",
         streams.rejected_subject(">"),
+        streams.release_subject(">"),  # `ipc`: a read block's span freed in the capture
     ], [
         f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{BLOCKS}.>",
     ]),

@@ -11,7 +11,8 @@ writes them), checks the signed digest over it (the header's hash of the bytes w
 its outcome. The capture bounds the regions it has out (`HostRegions`): a reservation
 waits while that many are unread, and it unlinks those past their block's expiry.
 
-Rows on a GPU pass through the host on this plane (CUDA IPC is not built).
+Rows on a GPU pass through the host on this plane; the `ipc` plane keeps them on the GPU
+(stateblock.model.arena).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import math
 import re
 
@@ -83,6 +84,29 @@ def placement_subject(model: str, placement: str) -> str:
     if not _TOKEN.match(placement) or len(placement) > 64:
         raise ValueError(f"placement {placement!r} is not a subject token")
     return f"{blocks_subject(model)}.{placement}"
+
+
+def release_subject(pool: str) -> str:
+    """Core NATS: the ids of blocks whose rows in the arena `pool` (the `ipc` data plane) a
+    reader is done with; the capture holding the arena frees their spans (">": every
+    arena's)."""
+    if pool != ">" and (not _TOKEN.match(pool) or len(pool) > 64):
+        raise ValueError(f"pool {pool!r} is not a subject token")
+    return f"stateblock.release.{pool}"
+
+
+def release_message(block_id: str, offset: int) -> bytes:
+    """What a reader publishes on the release subject: the block and its span's offset."""
+    return json.dumps({"block_id": block_id, "offset": offset}).encode()
+
+
+def parse_release(data: bytes) -> tuple[str, int]:
+    """(block id, offset) of a release message; ValueError for anything else."""
+    try:
+        release = json.loads(data)
+        return str(release["block_id"]), int(release["offset"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"not a release message: {e!r}") from e
 
 
 def placement_ttl_s(*, expires_at: float, now: float, grace_s: float) -> int:

@@ -35,6 +35,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_BUS: _ClassVar[Transport]
     TRANSPORT_LOCAL: _ClassVar[Transport]
     TRANSPORT_HOST: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
@@ -49,18 +50,45 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_BUS: Transport
 TRANSPORT_LOCAL: Transport
 TRANSPORT_HOST: Transport
+TRANSPORT_CUDA_IPC: Transport
+
+class CudaIpcRows(_message.Message):
+    __slots__ = ("device_uuid", "mem_handle", "storage_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "pool", "rows_offset_bytes")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    mem_handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    pool: str
+    rows_offset_bytes: int
+    def __init__(self, device_uuid: _Optional[str] = ..., mem_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., pool: _Optional[str] = ..., rows_offset_bytes: _Optional[int] = ...) -> None: ...
 
 class RowsLocator(_message.Message):
-    __slots__ = ("transport", "placement", "slot", "region")
+    __slots__ = ("transport", "placement", "slot", "region", "cuda_ipc")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     placement: str
     slot: int
     region: str
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., slot: _Optional[int] = ..., region: _Optional[str] = ...) -> None: ...
+    cuda_ipc: CudaIpcRows
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., slot: _Optional[int] = ..., region: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcRows, _Mapping]] = ...) -> None: ...
 
 class Lane(_message.Message):
     __slots__ = ("request_id", "lane_index", "row_offset", "row_count", "answer_depth")
