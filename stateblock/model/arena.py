@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,11 @@ from stateblock.v1 import block_pb2 as pb
 ALIGN = 512  # bytes: every span starts on it (any dtype's alignment, and then some)
 # this process's arenas by pool id: what a reader in the capture's own process reads
 ARENAS: dict[str, DeviceArena] = {}
-# arenas of other processes this process has opened, by (pool id, handle): opened once
-_OPENED: dict[tuple[str, bytes], Tensor] = {}
+# arenas of other processes this process has opened, by (pool id, handle), the most recently
+# used last: each opened once, and the least recently used let go past OPEN_MAX (a capture
+# that restarted has a new arena; its old one's memory lives while a process maps it)
+_OPENED: OrderedDict[tuple[str, bytes], Tensor] = OrderedDict()
+OPEN_MAX = 16
 
 
 def ipc_placement() -> str:
@@ -218,6 +222,7 @@ def open_arena(ipc: pb.CudaIpcRows) -> Tensor:
         raise ArenaUnreachable(f"arena {ipc.pool} is another process's and not shared")
     key = (ipc.pool, ipc.mem_handle)
     if key in _OPENED:
+        _OPENED.move_to_end(key)
         return _OPENED[key]
     index = _device_of(ipc.device_uuid)
     storage = torch.UntypedStorage._new_shared_cuda(
@@ -228,6 +233,8 @@ def open_arena(ipc: pb.CudaIpcRows) -> Tensor:
     buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     buffer.set_(storage, 0, (ipc.storage_bytes,))
     _OPENED[key] = buffer
+    while len(_OPENED) > OPEN_MAX:
+        _OPENED.popitem(last=False)  # unmapped once no copy in flight holds it
     return buffer
 
 
