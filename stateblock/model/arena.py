@@ -233,8 +233,9 @@ def open_arena(ipc: pb.CudaIpcRows) -> Tensor:
     buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     buffer.set_(storage, 0, (ipc.storage_bytes,))
     _OPENED[key] = buffer
-    while len(_OPENED) > OPEN_MAX:
-        _OPENED.popitem(last=False)  # unmapped once no copy in flight holds it
+    if len(_OPENED) > OPEN_MAX:
+        torch.cuda.synchronize()  # no copy out of the one let go is still in flight
+        _OPENED.popitem(last=False)
     return buffer
 
 
