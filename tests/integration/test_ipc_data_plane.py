@@ -28,7 +28,13 @@ from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import commit_pb2
 from tests.integration.conftest import READOUT_SIGNER
-from tests.integration.test_local_data_plane import answers, captured, outcome, until
+from tests.integration.test_local_data_plane import (
+    StuckEngine,
+    answers,
+    captured,
+    outcome,
+    until,
+)
 
 SIGNER = Signer.generate()
 ALGORITHM = pb.DIGEST_ALGORITHM_BLAKE3  # rows in host memory carry the configured hash
@@ -57,10 +63,11 @@ async def publish(nc, header: pb.StateBlockHeader) -> None:
 
 
 @asynccontextmanager
-async def readout(nc, engine):
+async def readout(nc, engine, **kw):
     config = ReadoutServiceConfig(
-        nats_url="unused", workers=2, fetch_timeout_s=0.2, retry_delay_s=0.2, data_plane="ipc"
-    )
+        nats_url="unused", workers=2, fetch_timeout_s=0.2, retry_delay_s=0.2, data_plane="ipc",
+        **kw,
+    )  # fmt: skip
     async with running_readout(
         config, nc=nc, engine=engine, trust=TrustStore([SIGNER.public_key]),
         signer=READOUT_SIGNER, metrics=CollectorRegistry(),
@@ -154,3 +161,21 @@ def test_ipc_answers_are_the_bus_answers(stack, decoder_dir, tmp_path):
     finally:
         runner.stop()
     assert not arenas.ARENAS  # closed with its capture
+
+
+async def test_a_worker_that_dies_holding_a_span_leaks_nothing(nc, engine, serving_model, arena):
+    """Its workers cancelled mid-readout (claim and delivery left behind): the block comes
+    back after ack_wait, another process's worker takes the lapsed claim over, commits,
+    and the span goes back."""
+    stuck = StuckEngine(engine)
+    timing = {"lease_s": 0.6, "ack_wait_s": 1.0, "grace_s": 0.05}
+    header, _ = await place(arena, serving_model, 4)
+    async with readout(nc, stuck, **timing):
+        await publish(nc, header)
+        assert await asyncio.to_thread(stuck.started.wait, 20)
+        asyncio.get_running_loop().call_later(0.5, stuck.release.set)
+    assert arena.held() == 1
+    async with readout(nc, engine, **timing):
+        state, _ = await outcome(nc, header.block_id)
+        assert state == commit_pb2.CLAIM_STATE_COMMITTED
+        await until(lambda: arena.held() == 0)
