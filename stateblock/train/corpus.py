@@ -97,6 +97,12 @@ SOURCES: tuple[Source, ...] = (
     Source("fortunes", "BSD-3-clause (fortune-mod)", "/usr/share/games/fortunes", ("*",),
            ("*.*", "fortunes", "literature", "riddles", "ascii-art", "translate-me"), "fortune"),
 )  # fmt: skip
+# Texts outside the corpus, never trained on: the passages of the served check
+# (bench.prose_api), built apart with `build --foreign` (all of it held out).
+FOREIGN: tuple[Source, ...] = (
+    Source("debian-history", "GPL-2+", "/usr/share/doc/debian-history/docs", ("*.en.html",)),
+    Source("bash-doc", "GFDL-NIV-1.3", "/usr/share/doc/bash", ("bashref.html",)),
+)  # fmt: skip
 CHUNK = 40  # a fortune or text file is cut into documents of this many entries
 
 
@@ -289,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="data/prose", help="the corpus directory (outside git)")
     b.add_argument("--heldout-share", type=float, default=HELDOUT_SHARE, help="held-out share")
     b.add_argument("--packages", default="", help="comma-separated subset of the sources")
+    b.add_argument("--foreign", action="store_true",
+                   help="the texts outside the corpus (FOREIGN), all held out")  # fmt: skip
     s = sub.add_parser("sample", help="write the small CI sample (docs.jsonl + LICENSE)")
     s.add_argument("--out", default="tests/data/prose_sample")
     s.add_argument("--bytes", type=int, default=150_000, help="the sample's size at most")
@@ -299,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "sample":
         print(json.dumps(sample(Path(a.out), a.bytes)))
         return 0
-    chosen = tuple(s for s in SOURCES if not a.packages or s.package in a.packages.split(","))
-    summary = build(Path(a.out), chosen, a.heldout_share)
+    pool = FOREIGN if a.foreign else SOURCES
+    chosen = tuple(s for s in pool if not a.packages or s.package in a.packages.split(","))
+    summary = build(Path(a.out), chosen, 1.0 if a.foreign else a.heldout_share)
     print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=2))
     return 0
 

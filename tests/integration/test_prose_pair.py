@@ -18,6 +18,7 @@ import torch
 from stateblock.app import cli
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.model.capture import lm_head_weight
+from stateblock.model.checkpoint import load_decoder
 from stateblock.model.loading import load_base
 from stateblock.train import corpus, distill, prose_fidelity, prose_readout
 from stateblock.train.prose_readout import read_records
@@ -111,3 +112,29 @@ def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
             assert any(c.isalpha() for c in text)  # words, from a 1,024-token BPE
     finally:
         runner.stop()
+
+
+def test_the_served_check_reports_the_served_answers_against_the_teacher(built):
+    """bench.prose_api on the tiny pair, over the held-out documents as its texts: every
+    prompt answered through the API, the answers those of the readout in this process, and
+    the figures of exactly those answers."""
+    from bench import prose_api
+
+    pair = built / "pair"
+    result = prose_api.run(pair, built / "corpus" / "heldout.txt", n=6, seed=3,
+                           cap=TINY.max_answer)  # fmt: skip
+    assert result["prompts"] == 6 and result["served"]["family"]["all"]["n"] == 6
+    base, tok = load_base(pair / "base")
+    dec, _ = load_decoder(pair / "decoder", base_dir=pair / "base", lm_head=lm_head_weight(base))
+    records = [{"prompt_ids": tok(a["prompt"])["input_ids"]} for a in result["answers"]]
+    mine = prose_fidelity.readout_answers(base, dec.eval(), records, TINY.max_answer,
+                                          tok.pad_token_id, "cpu")  # fmt: skip
+    eos = tok.eos_token_id
+    for answer, tokens in zip(result["answers"], mine, strict=True):
+        want = prose_fidelity.cut(tokens, eos)
+        assert answer["text"] == tok.decode([t for t in want if t != eos],
+                                            skip_special_tokens=True)  # fmt: skip
+        assert answer["finish_reason"] == ("stop" if eos in want else "length")
+    same = [a["text"] == a["teacher"] and (a["finish_reason"] == "stop") == a["teacher_stopped"]
+            for a in result["answers"]]  # fmt: skip
+    assert result["served"]["family"]["all"]["exact"] == round(sum(same) / 6, 4)
