@@ -88,7 +88,7 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
-elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md (decoder/ if small) in $OUT
+elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md, the pair's parts in $OUT
   DATA=${2:-.gpu_prose}  # a stage found in DATA/readout (a rerun on this machine) is skipped
   # carried compressed to fit a call: base parts as .xz (bf16 weights shrink about a
   # quarter), the corpus as .gz; with DATA/corpus the train prompts are made here
@@ -97,14 +97,16 @@ elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md (decoder/ if
   if [ -f "$DATA/corpus/train.txt" ]; then
     corpus=(--corpus "$DATA/corpus" --task-workers "$(nproc)")
   fi
-  timeout 565 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
+  timeout 545 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
     --base-weights "$DATA/base" --work "$DATA/readout" --scale bench --device cuda \
     ${corpus[@]+"${corpus[@]}"} "${@:3}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$?"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
-  if [ -f "$DATA/readout/decoder/manifest.json" ] &&
-    [ "$(du -sm "$DATA/readout/decoder" | cut -f1)" -le 15 ]; then  # two files, 16 MiB each
-    cp -r "$DATA/readout/decoder" "$OUT/decoder"
+  # the pair (tuned base and decoder, about 52 MB packed) in parts a call returns (16 MiB a
+  # file, 8 files): here `cat pair.tar.xz.* | xz -d | tar x` gives tuned/ and decoder/, for
+  # bench.prose_api's served check on this machine
+  if [ -f "$DATA/readout/decoder/manifest.json" ] && [ -f "$DATA/readout/tuned/config.json" ]; then
+    tar -C "$DATA/readout" -cf - tuned decoder | xz -T0 -6 | split -b 15M -d - "$OUT/pair.tar.xz."
   fi
   grep '^\[prose\]' "$OUT/prose-readout.log"; tail -c 2000 "$OUT/prose-readout.log"
   cat "$OUT/summary.md" 2>/dev/null
