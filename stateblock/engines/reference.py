@@ -1,4 +1,12 @@
-"""The reference engine: eager PyTorch, the definition of a correct answer."""
+"""The reference engine: eager PyTorch, the definition of a correct answer.
+
+It has no `cohort_key`: the readout reads each block in an execution of its own. Its
+executions take the lanes' own shapes, and the matrix products (BLAS on a CPU, cuBLAS on a
+GPU) sum a product of 40 rows otherwise than one of 10 (on a CPU with more than one thread,
+the very first projection's last bits already differ), so a block read beside others would
+not read bit for bit as alone. The torch engine fixes its shapes per depth instead and is
+combined (stateblock/engines/torch_options.py: execution_lanes).
+"""
 
 from __future__ import annotations
 
@@ -56,14 +64,6 @@ class ReferenceEngine:
         """One throwaway readout at start-up, not on the first request."""
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
         self.readout([LaneRequest(rows=rows, depth=16)])
-
-    def cohort_key(self, lanes: Sequence[LaneRequest]) -> tuple[int, int]:
-        """Blocks with equal keys read the same together as alone, bit for bit
-        (readout_svc.cohorts): the decoder pads every lane to the cohort's longest prompt
-        (which moves the pooling's float sums) and reads it to the cohort's deepest answer
-        (a sampled lane's noise is drawn for that many positions), so only blocks of one
-        longest prompt and one deepest lane go together."""
-        return max(lane.rows.shape[0] for lane in lanes), max(lane.depth for lane in lanes)
 
     @torch.inference_mode()
     def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
