@@ -155,9 +155,11 @@ async def _engine_threads(
     )
     await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
     # combining needs blocks in hand: two executions at a time (a long one never holds up
-    # every other), the rest queue and go together; a block of more answer positions than
+    # every other), the rest queue and go together (an engine without a cohort key reads
+    # every block alone: as many at a time as workers); a block of more answer positions than
     # one maximal lane is read in parts, one execution at a time, beside the cohorts
-    concurrency = min(2, config.workers) if config.cohort_lanes > 1 else config.workers
+    combines = config.cohort_lanes > 1 and hasattr(engine, "cohort_key")
+    concurrency = min(2, config.workers) if combines else config.workers
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
             engine,
