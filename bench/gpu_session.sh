@@ -14,6 +14,9 @@
 #                                         # to bench.e2e_gpu (e.g. --capture-compile ...)
 #   bash bench/gpu_session.sh load [ARGS] # bench.load_gpu: 1-128 clients, 256 and 1,014
 #                                         # tokens, batched AR (about 6-8 minutes)
+#   bash bench/gpu_session.sh planes [ARGS]  # the GPU tests of the data planes (company,
+#                                         # ipc, two forward threads), then bench.load_gpu on
+#                                         # the ipc and host planes at 8, 64, 128 clients
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
 #                                         # rows at 1-32 lanes, eager and compiled (minutes)
 #   bash bench/gpu_session.sh prose [DATA [ARGS]]  # the prose base (issue 41): arms of
@@ -36,7 +39,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout) if [ -d .whl ]; then source bench/gpu_env.sh || exit 1; fi ;;
@@ -78,6 +81,17 @@ elif [ "$STAGE" = load ]; then  # the throughput-latency curve; JSON, markdown, 
     > "$OUT/load.log" 2>&1
   echo "load rc=$?"
   tail -c 6000 "$OUT/load.log"
+elif [ "$STAGE" = planes ]; then  # issue 38's data planes: GPU tests, then host vs ipc at load
+  timeout 150 python3 -m pytest -q -rs tests/gpu -k "company or ipc or two_forward_threads" \
+    > "$OUT/pytest-planes.log" 2>&1
+  echo "pytest rc=$?"; tail -5 "$OUT/pytest-planes.log"
+  for plane in ipc host; do
+    mkdir -p "$OUT/$plane"
+    timeout 215 python3 -m bench.load_gpu --out "$OUT/$plane" --depths 256 --levels 8,64,128 \
+      --ar-batches '' --ar-reserve-s 0 --budget-s 200 --env STATEBLOCK_DATA_PLANE=$plane \
+      "${@:2}" > "$OUT/load-$plane.log" 2>&1
+    echo "load $plane rc=$?"; tail -c 2500 "$OUT/load-$plane.log"
+  done
 elif [ "$STAGE" = invariance ]; then  # is the compiled capture batch-invariant? JSON in $OUT
   timeout 500 python3 -m bench.capture_invariance --out "$OUT/invariance.json" "${@:2}" \
     > "$OUT/invariance.log" 2>&1
