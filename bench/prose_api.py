@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from openai import OpenAI
@@ -28,7 +27,6 @@ from bench.latency_cpu import embedded_stack
 from stateblock.model.loading import load_base
 from stateblock.train import prose_fidelity, prose_tasks
 from stateblock.train.corpus import read_documents
-from stateblock.train.tasks import bucket_of
 
 
 def as_tokens(tok, text: str, stopped: bool) -> list[int]:
@@ -53,33 +51,6 @@ def ask(client: OpenAI, model: str, records: list[dict], cap: int) -> list[tuple
     return out
 
 
-def report(base, tok, records: list[dict], served: list[list[int]], device) -> dict:
-    """prose_fidelity's figures, by family and by bucket, of the served answers against the
-    teacher's (`records`' answer_ids: both tokenized again from their text)."""
-    eos, pad = tok.eos_token_id, tok.pad_token_id
-    pairs = zip(records, served, strict=True)
-    rows = [prose_fidelity.compare(r["answer_ids"], s, eos) for r, s in pairs]
-    differ = [i for i, x in enumerate(rows) if not x["exact"]]
-    prompts = [records[i]["prompt_ids"] for i in differ]
-    cut = [prose_fidelity.cut(served[i], eos) for i in differ]
-    mine = prose_fidelity.answer_nll(base, prompts, cut, pad, device)
-    theirs = prose_fidelity.answer_nll(
-        base, prompts, [records[i]["answer_ids"] for i in differ], pad, device
-    )
-    for i, m, t in zip(differ, mine, theirs, strict=True):
-        rows[i]["nll_gap"] = (m - t) / max(1, len(records[i]["answer_ids"]))
-    groups: dict[str, dict[str, list[dict]]] = {"family": defaultdict(list),
-                                                "bucket": defaultdict(list)}  # fmt: skip
-    for r, x in zip(records, rows, strict=True):
-        groups["family"][r["family"]].append(x)
-        groups["family"]["all"].append(x)
-        groups["bucket"][bucket_of(len(r["answer_ids"]))].append(x)
-    return {
-        by: {k: prose_fidelity._figures(v) for k, v in sorted(g.items())}
-        for by, g in groups.items()
-    }
-
-
 def run(pair: Path, texts: Path, n: int, seed: int, cap: int, device: str = "cpu") -> dict:
     """Draw, teach, serve and compare; the report (with the base against the truth)."""
     t0 = time.perf_counter()
@@ -100,7 +71,9 @@ def run(pair: Path, texts: Path, n: int, seed: int, cap: int, device: str = "cpu
         "seed": seed,
         "max_tokens": cap,
         "base": prose_fidelity.base_report(records, tok.eos_token_id),
-        "served": report(base, tok, records, served, device),
+        "served": prose_fidelity.figures(
+            base, records, served, tok.eos_token_id, tok.pad_token_id, device
+        ),
         "answers": [
             {
                 "family": r["family"],

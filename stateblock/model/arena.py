@@ -19,7 +19,6 @@ is never shared and serves the tests of everything but the handle.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 import uuid
@@ -32,7 +31,7 @@ import torch
 from torch import Tensor
 
 from stateblock.model.rows import torch_dtype
-from stateblock.model.slots import SlotPoolFull
+from stateblock.model.slots import Waiting
 from stateblock.v1 import block_pb2 as pb
 
 ALIGN = 512  # bytes: every span starts on it (any dtype's alignment, and then some)
@@ -83,7 +82,7 @@ class DeviceArena:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)  # (nbytes,)
         self._slots, self._clock = slots, clock
         self._spans: dict[int, _Span] = {}  # offset -> span
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiting = Waiting()
         ARENAS[self.instance_id] = self
 
     @property
@@ -106,29 +105,22 @@ class DeviceArena:
                 f"{nbytes} bytes of rows do not fit the {self.nbytes}-byte arena "
                 "(STATEBLOCK_DATA_PLANE_ARENA_MB)"
             )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
+
+        def take() -> int | None:
             self.reap()
             offset = self._fit(nbytes)
-            if offset is not None and len(self._spans) < self._slots:
-                self._spans[offset] = _Span(block_id, nbytes, expires_at)
-                return offset
-            left = deadline - loop.time()
-            if left <= 0:
-                raise SlotPoolFull(
-                    f"the {self.nbytes}-byte arena has no room for {nbytes} bytes "
-                    f"({len(self._spans)} blocks not yet read) after {timeout_s:g} s"
-                )
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:  # woken by a free, or at the next expiry, or at the deadline
-                await asyncio.wait_for(waiter, min(left, self._next_expiry()))
-            except TimeoutError:
-                pass
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+            if offset is None or len(self._spans) >= self._slots:
+                return None
+            self._spans[offset] = _Span(block_id, nbytes, expires_at)
+            return offset
+
+        def full() -> str:
+            return (
+                f"the {self.nbytes}-byte arena has no room for {nbytes} bytes "
+                f"({len(self._spans)} blocks not yet read) after {timeout_s:g} s"
+            )
+
+        return await self._waiting.until(take, self._next_expiry, timeout_s, full)
 
     def _fit(self, nbytes: int) -> int | None:
         """The first aligned gap of `nbytes` between the spans held (first fit)."""
@@ -177,10 +169,7 @@ class DeviceArena:
         return max(0.0, min(pending) - self._clock()) + 0.001 if pending else float("inf")
 
     def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._waiting.wake()
 
 
 def _aligned(n: int) -> int:

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -68,8 +69,53 @@ def rows_digest(rows: Tensor, algorithm: int) -> bytes:
     return envelope.forward_state_digest(rows_view(rows), algorithm)
 
 
+T = TypeVar("T")
+
+
 class SlotPoolFull(Exception):
     """No slot came free within the wait: every slot holds a block not yet read."""
+
+
+class Waiting:
+    """A pool's reservations waiting for room, on one event loop: each retried when the pool
+    frees something (`wake`), at its next expiry, and given up at its deadline."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    async def until(
+        self,
+        take: Callable[[], T | None],
+        next_expiry: Callable[[], float],
+        timeout_s: float,
+        full: Callable[[], str],
+    ) -> T:
+        """What `take` returns once it is not None (SlotPoolFull, saying `full()`, after
+        `timeout_s`); `next_expiry()`: seconds until the pool's next block expires."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            got = take()
+            if got is not None:
+                return got
+            left = deadline - loop.time()
+            if left <= 0:
+                raise SlotPoolFull(full())
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, min(left, next_expiry()))
+            except TimeoutError:
+                pass
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    def wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 @dataclass
@@ -95,7 +141,7 @@ class SlotPool:
         self.instance_id = instance_id or uuid.uuid4().hex
         self._held: list[_Held | None] = [None] * slots
         self._clock = clock
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiting = Waiting()
 
     @property
     def size(self) -> int:
@@ -109,28 +155,19 @@ class SlotPool:
     async def reserve(self, block_id: str, expires_at: float, timeout_s: float) -> int:
         """A free slot for `block_id`, waiting up to `timeout_s` for one to come free;
         raises SlotPoolFull after that."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
+
+        def take() -> int | None:
             self.reap()
             for index, entry in enumerate(self._held):
                 if entry is None:
                     self._held[index] = _Held(block_id, expires_at)
                     return index
-            left = deadline - loop.time()
-            if left <= 0:
-                raise SlotPoolFull(
-                    f"all {self.size} slots hold blocks not yet read after {timeout_s:g} s"
-                )
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:  # woken by a free, or at the next expiry, or at the deadline
-                await asyncio.wait_for(waiter, min(left, self._next_expiry()))
-            except TimeoutError:
-                pass
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+            return None
+
+        def full() -> str:
+            return f"all {self.size} slots hold blocks not yet read after {timeout_s:g} s"
+
+        return await self._waiting.until(take, self._next_expiry, timeout_s, full)
 
     def fill(self, slot: int, block_id: str, rows: Tensor) -> None:
         """The rows of the block that reserved `slot`."""
@@ -172,10 +209,7 @@ class SlotPool:
         return max(0.0, min(pending) - self._clock()) + 0.001 if pending else float("inf")
 
     def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._waiting.wake()
 
 
 @dataclass(frozen=True)

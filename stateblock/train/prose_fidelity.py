@@ -138,6 +138,15 @@ def compare(teacher: list[int], tokens: list[int], eos: int) -> dict:
 def fidelity(base, decoder, records: list[dict], cap: int, eos: int, pad: int, device) -> dict:
     """Readout vs teacher on `records` by family and by teacher length bucket."""
     tokens = readout_answers(base, decoder, records, cap, pad, device)
+    return figures(base, records, tokens, eos, pad, device) | {
+        "readouts": [cut(t, eos) for t in tokens]
+    }
+
+
+def figures(base, records: list[dict], tokens: list[list[int]], eos: int, pad: int,
+            device) -> dict:  # fmt: skip
+    """`tokens` (each prompt's answer, read or served) against the teacher's answer_ids, by
+    family and by teacher length bucket, with the base's NLL gap where they differ."""
     rows = [compare(r["answer_ids"], t, eos) for r, t in zip(records, tokens, strict=True)]
     differ = [i for i, x in enumerate(rows) if not x["exact"]]
     prompts = [records[i]["prompt_ids"] for i in differ]
@@ -151,9 +160,7 @@ def fidelity(base, decoder, records: list[dict], cap: int, eos: int, pad: int, d
         groups["family"][r["family"]].append(x)
         groups["bucket"][bucket_of(len(r["answer_ids"]))].append(x)
         groups["family"]["all"].append(x)
-    return {by: {k: _figures(v) for k, v in sorted(g.items())} for by, g in groups.items()} | {
-        "readouts": [cut(t, eos) for t in tokens]
-    }
+    return {by: {k: _figures(v) for k, v in sorted(g.items())} for by, g in groups.items()}
 
 
 def _figures(rows: list[dict]) -> dict:
