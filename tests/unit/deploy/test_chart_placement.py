@@ -201,3 +201,24 @@ def test_pod_refuses_values_one_pod_cannot_hold(values, message):
 def test_placement_and_shm_size_are_schema_checked():
     assert "/placement" in render_error({"placement": "node"})
     assert "/shmSizeLimit" in render_error({**POD, "shmSizeLimit": "lots"})
+
+
+def test_pod_with_the_ipc_plane_keeps_the_rows_on_the_capture_s_gpu():
+    docs = render_valid({**POD, "podDataPlane": "ipc", "readout": {"gpu": {"count": 1}}})
+    capture = CaptureConfig.from_env(env_of(docs, "capture"))
+    readout = ReadoutServiceConfig.from_env(env_of(docs, "readout"))
+    assert capture.data_plane == readout.data_plane == locator.CUDA_IPC
+    assert gpus(docs, "readout") == 1
+
+
+@pytest.mark.parametrize(
+    "values,reason",
+    [
+        ({"podDataPlane": "ipc"}, "needs placement pod"),
+        ({**POD, "podDataPlane": "ipc"}, "readout.gpu.count 1"),
+        ({**POD, "podDataPlane": "bus"}, "podDataPlane"),
+    ],
+    ids=["apart", "no_readout_gpu", "unknown"],
+)
+def test_an_ipc_plane_the_pod_cannot_serve_is_refused_with_the_value_to_fix(values, reason):
+    assert reason in render_error(values)

@@ -9,9 +9,10 @@ the readout's port names and its NATS user's volume name carry a "readout-" pref
 {{- if eq .Values.placement "pod" }}true{{ end }}
 {{- end }}
 
-{{/* STATEBLOCK_DATA_PLANE of capture and readout: host in a shared pod (/dev/shm), else bus. */}}
+{{/* STATEBLOCK_DATA_PLANE of capture and readout: in a shared pod podDataPlane (host: the
+/dev/shm; ipc: the capture's GPU memory), else bus. */}}
 {{- define "stateblock.dataPlane" -}}
-{{- if include "stateblock.sharedPod" . }}host{{ else }}bus{{ end }}
+{{- if include "stateblock.sharedPod" . }}{{ .Values.podDataPlane | default "host" }}{{ else }}bus{{ end }}
 {{- end }}
 
 {{- define "stateblock.readoutPortPrefix" -}}
@@ -132,6 +133,14 @@ the readout's port names and its NATS user's volume name carry a "readout-" pref
 {{/* placement pod: what one pod of both containers needs; each check names the value to fix. */}}
 {{- define "stateblock.validatePlacement" -}}
 {{- $v := .Values }}
+{{- if and (eq ($v.podDataPlane | default "host") "ipc") (not (include "stateblock.sharedPod" .)) }}
+{{- fail "podDataPlane ipc keeps the rows in the capture pod's GPU memory: it needs placement pod" }}
+{{- end }}
+{{- if and (eq ($v.podDataPlane | default "host") "ipc") (include "stateblock.sharedPod" .) }}
+{{- if or (ne $v.capture.device "cuda") (lt (include "stateblock.readoutGpus" . | int) 1) }}
+{{- fail "podDataPlane ipc reads the rows on the capture's GPU: set capture.device cuda and readout.gpu.count 1 (a time-sliced share of that GPU)" }}
+{{- end }}
+{{- end }}
 {{- if include "stateblock.sharedPod" . }}
 {{- $scaling := $v.readout.autoscaling }}
 {{- if or $scaling.enabled $scaling.keda.enabled }}
