@@ -1,9 +1,10 @@
 """Unpack what a GPU call carries compressed (`python -m bench.unpack DIR`).
 
 A call carries at most 64 MiB: the prose base's bf16 parts travel as `.xz` (about a quarter
-smaller) and the corpus as `.gz`. Every `*.xz` and `*.gz` directly in DIR or DIR/corpus is
-written beside itself without the suffix, unless that file is there already; the packed
-file is kept, so a second call finds nothing to do.
+smaller), the corpus and the teacher's answers as `.gz`. Every `*.xz` and `*.gz` under DIR
+but the prompt files (in `tasks/`, read packed) is written beside itself without the
+suffix, unless that file is there already; the packed file is kept, so a second call finds
+nothing to do.
 """
 
 from __future__ import annotations
@@ -20,17 +21,15 @@ OPENERS = {".xz": lzma.open, ".gz": gzip.open}
 def unpack(data: Path) -> list[Path]:
     """The files written (none when each was there already)."""
     written = []
-    for folder in (data, data / "corpus"):
-        for packed in sorted(folder.glob("*")) if folder.is_dir() else []:
-            opener = OPENERS.get(packed.suffix)
-            out = packed.with_suffix("")
-            if opener is None or out.exists():
-                continue
-            tmp = out.with_name(out.name + ".tmp")
-            with opener(packed, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            tmp.rename(out)
-            written.append(out)
+    for packed in sorted(data.rglob("*")):
+        opener, out = OPENERS.get(packed.suffix), packed.with_suffix("")
+        if opener is None or out.exists() or packed.parent.name == "tasks":
+            continue
+        tmp = out.with_name(out.name + ".tmp")
+        with opener(packed, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        tmp.rename(out)
+        written.append(out)
     return written
 
 

@@ -58,7 +58,7 @@ def _build_prose(a: argparse.Namespace) -> int:
         scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
         device=device_of(a.device), seed=a.seed, until="all",
         train_prompts=0, tune_prompts=0, tune_minutes=0.0, distill_minutes=0.0,  # the scale's
-        task_workers=1,
+        task_workers=1, distill_init="",
     )  # fmt: skip
     if a.dry_run:
         print(json.dumps(vars(args)))

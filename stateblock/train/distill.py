@@ -41,6 +41,9 @@ class DistillConfig:
     stop_after: int | None = None  # leave a checkpoint after this step (time-sliced runs)
     eos_weight: float = 1.0  # loss weight of the EOS targets (readout_ddp's --eos-weight)
     decoder: dict = field(default_factory=dict)  # ReadoutConfig overrides
+    # a finished decoder of the same shape and base whose weights start the run (another
+    # call's: a call carries its bf16 weights, not the optimizer's state); a fresh optimizer
+    init: str | None = None
 
 
 def read_prompts(path: str | Path) -> list[dict]:
@@ -115,6 +118,20 @@ def resume_state(resume: Path, decoder: ReadoutDecoder, opt, steps: int, device)
     return state["step"], state["steps"]
 
 
+def start_from(decoder: ReadoutDecoder, init: Path, identity: dict, device) -> None:
+    """Load the weights of the finished decoder at `init` into `decoder`; ValueError unless
+    it was made for the same base (identity's digests) and has this decoder's shape."""
+    manifest = ckpt.read_manifest(init)
+    for key in ("base_model_digest", "tokenizer_digest", "lm_head_digest"):
+        if manifest.get(key) != identity.get(key):
+            raise ValueError(f"{init}: made for another base ({key} differs)")
+    prev = ckpt.build_decoder(init, manifest, device=device, dtype=torch.float32)
+    try:
+        decoder.load_state_dict(prev.state_dict())
+    except RuntimeError as e:
+        raise ValueError(f"{init}: not this config's decoder shape ({e})") from e
+
+
 def train_step(
     decoder, opt, base, lm_head, batch: tuple, lr: float, amp, eos_weight: float = 1.0
 ) -> torch.Tensor:
@@ -184,6 +201,8 @@ def fit(
     decoder = new_decoder(base, tok, lm_head, cfg, device)
     opt = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     resume = out / "ckpt.pt"
+    if cfg.init and not resume.exists():
+        start_from(decoder, Path(cfg.init), identity, device)
     start, steps = resume_state(resume, decoder, opt, cfg.steps, device)
     lengths = [len(r["answer_ids"]) for r in records]
     batches = budget_batches(lengths, cfg.token_budget, max_batch=cfg.max_lanes, seed=cfg.seed)

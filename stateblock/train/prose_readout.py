@@ -154,6 +154,10 @@ def stage_tasks(a, work: Path, scale: Scale) -> Path:
     """Each split's prompts, unless its file is there already (a GPU call carries the
     held-out prompts of earlier arms and makes the train prompts from the corpus)."""
     out = work / "tasks"
+    if (work / "tuned" / "model.safetensors").is_file() and (
+        work / "teacher" / "heldout.jsonl"
+    ).is_file():
+        return out  # what reads the prompts is done (a call that distils alone)
     for split, n, seed in (("train", scale.train_examples, a.seed),
                            ("heldout", scale.heldout_prompts, a.seed + 1)):  # fmt: skip
         path = out / f"{split}.jsonl.gz"
@@ -281,6 +285,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
         scale = replace(scale, tune=replace(scale.tune, max_minutes=a.tune_minutes))
     if a.distill_minutes:
         scale = replace(scale, distill=replace(scale.distill, max_minutes=a.distill_minutes))
+    if a.distill_init:
+        scale = replace(scale, distill=replace(scale.distill, init=a.distill_init))
     return scale
 
 
@@ -336,6 +342,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="processes making the tasks (more than one: generate_sharded's prompts)")  # fmt: skip
     add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
     add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
+    add("--distill-init", default="",
+        help="a finished decoder of this pair to go on training (another call's)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",
         help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip
 

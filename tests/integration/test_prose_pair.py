@@ -138,3 +138,30 @@ def test_the_served_check_reports_the_served_answers_against_the_teacher(built):
     same = [a["text"] == a["teacher"] and (a["finish_reason"] == "stop") == a["teacher_stopped"]
             for a in result["answers"]]  # fmt: skip
     assert result["served"]["family"]["all"]["exact"] == round(sum(same) / 6, 4)
+
+
+def test_a_call_that_distils_alone_goes_on_from_another_call_s_decoder(built, tmp_path):
+    """What a distillation call carries: the tuned base and the teacher, no prompts and no
+    corpus, and the decoder an earlier call returned, whose weights start the run."""
+    import shutil
+
+    work = built / "work"
+    again = tmp_path / "work"
+    for stage in ("tuned", "teacher"):
+        shutil.copytree(work / stage, again / stage)
+    base, tok = load_base(work / "tuned")
+    identity = distill.base_identity(work / "tuned", lm_head_weight(base))
+    fresh = distill.new_decoder(base, tok, lm_head_weight(base), TINY.distill, "cpu")
+    distill.start_from(fresh, work / "decoder", identity, "cpu")
+    prev, _ = load_decoder(work / "decoder", base_dir=work / "tuned", lm_head=lm_head_weight(base))
+    for k, v in prev.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v.float()), k
+    with pytest.raises(ValueError, match="another base"):
+        distill.start_from(fresh, work / "decoder", {**identity, "lm_head_digest": "x"}, "cpu")
+    assert prose_readout.main(["--work", str(again), "--scale", "tiny",
+                               "--base", str(work / "tuned"),
+                               "--distill-init", str(work / "decoder"),
+                               "--distill-minutes", "0.1"]) == 0  # fmt: skip
+    summary = json.loads((again / "summary.json").read_text())
+    assert summary["decoder"]["config"]["init"] == str(work / "decoder")
+    assert not (again / "tasks" / "train.jsonl.gz").exists()  # no prompts were made

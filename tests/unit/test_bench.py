@@ -332,8 +332,13 @@ def test_unpack_writes_each_packed_file_once_beside_itself(tmp_path):
     (tmp_path / "base.part0.safetensors.xz").write_bytes(lzma.compress(b"weights"))
     (tmp_path / "corpus" / "train.txt.gz").write_bytes(gzip.compress(b"One. Two."))
     (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / "readout" / "tasks").mkdir(parents=True)
+    (tmp_path / "readout" / "tasks" / "heldout.jsonl.gz").write_bytes(gzip.compress(b"{}"))
+    (tmp_path / "readout" / "teacher").mkdir()
+    (tmp_path / "readout" / "teacher" / "train.jsonl.gz").write_bytes(gzip.compress(b"{}\n"))
     written = unpack(tmp_path)
-    assert sorted(p.name for p in written) == ["base.part0.safetensors", "train.txt"]
+    assert sorted(p.name for p in written) == ["base.part0.safetensors", "train.jsonl", "train.txt"]
+    assert not (tmp_path / "readout" / "tasks" / "heldout.jsonl").exists()  # read packed
     assert (tmp_path / "base.part0.safetensors").read_bytes() == b"weights"
     assert (tmp_path / "corpus" / "train.txt").read_bytes() == b"One. Two."
     assert unpack(tmp_path) == []  # a second call finds nothing to do
