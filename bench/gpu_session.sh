@@ -116,11 +116,17 @@ elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md, the pair's 
     ${corpus[@]+"${corpus[@]}"} "${@:3}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$?"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
-  # the pair (tuned base and decoder, about 52 MB packed) in parts a call returns (16 MiB a
-  # file, 8 files): here `cat pair.tar.xz.* | xz -d | tar x` gives tuned/ and decoder/, for
-  # bench.prose_api's served check on this machine
+  # the pair (tuned base and decoder, about 52 MB packed) and the teacher's answers in
+  # parts a call returns (15 MiB a file; 8 files, 64 MiB in all): here `cat pair.tar.xz.* |
+  # xz -d | tar x` gives tuned/, decoder/ and teacher/, for bench.prose_api's served check
+  # and for a call that goes on distilling (--distill-init); the teacher is left out when
+  # the whole would not come back
   if [ -f "$DATA/readout/decoder/manifest.json" ] && [ -f "$DATA/readout/tuned/config.json" ]; then
-    tar -C "$DATA/readout" -cf - tuned decoder | xz -T0 -6 | split -b 15M -d - "$OUT/pair.tar.xz."
+    tar -C "$DATA/readout" -cf - tuned decoder teacher | xz -T0 -6 > "$OUT/pair.tar.xz"
+    if [ "$(stat -c %s "$OUT/pair.tar.xz")" -gt 66000000 ]; then
+      tar -C "$DATA/readout" -cf - tuned decoder | xz -T0 -6 > "$OUT/pair.tar.xz"
+    fi
+    split -b 15M -d "$OUT/pair.tar.xz" "$OUT/pair.tar.xz." && rm "$OUT/pair.tar.xz"
   fi
   grep '^\[prose\]' "$OUT/prose-readout.log"; tail -c 2000 "$OUT/prose-readout.log"
   cat "$OUT/summary.md" 2>/dev/null
