@@ -183,7 +183,7 @@ def train_tasks(tasks: Path, n: int) -> list[prose_tasks.Example]:
     return examples[:n]
 
 
-def stage_tune(a, work: Path, scale: Scale, base: Path, tasks: Path) -> Path:
+def stage_tune(a, work: Path, scale: Scale, base: Path | None, tasks: Path) -> Path:
     out = work / "tuned"
     if not (out / "model.safetensors").is_file():
         examples = train_tasks(tasks, scale.train_examples)
@@ -301,7 +301,8 @@ def build(a: argparse.Namespace) -> dict:
     tasks = timed("tasks", stage_tasks, a, work, scale)
     if a.until == "tasks":
         return {}
-    base = timed("base", stage_base, a, work, scale)
+    tuned_done = (work / "tuned" / "model.safetensors").is_file()
+    base = None if tuned_done else timed("base", stage_base, a, work, scale)  # what tunes
     tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
     teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
     decoder = timed("distil", stage_distil, a, work, scale, tuned, teacher)

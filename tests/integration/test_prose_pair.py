@@ -141,8 +141,9 @@ def test_the_served_check_reports_the_served_answers_against_the_teacher(built):
 
 
 def test_a_call_that_distils_alone_goes_on_from_another_call_s_decoder(built, tmp_path):
-    """What a distillation call carries: the tuned base and the teacher, no prompts and no
-    corpus, and the decoder an earlier call returned, whose weights start the run."""
+    """What a distillation call carries: the tuned base and the teacher, no document-trained
+    base, no prompts and no corpus, and the decoder an earlier call returned, whose weights
+    start the run."""
     import shutil
 
     work = built / "work"
@@ -159,7 +160,7 @@ def test_a_call_that_distils_alone_goes_on_from_another_call_s_decoder(built, tm
     with pytest.raises(ValueError, match="another base"):
         distill.start_from(fresh, work / "decoder", {**identity, "lm_head_digest": "x"}, "cpu")
     assert prose_readout.main(["--work", str(again), "--scale", "tiny",
-                               "--base", str(work / "tuned"),
+                               "--base-weights", str(tmp_path / "no-such-base"),
                                "--distill-init", str(work / "decoder"),
                                "--distill-minutes", "0.1"]) == 0  # fmt: skip
     summary = json.loads((again / "summary.json").read_text())
