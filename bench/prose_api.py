@@ -51,16 +51,19 @@ def ask(client: OpenAI, model: str, records: list[dict], cap: int) -> list[tuple
     return out
 
 
-def run(pair: Path, texts: Path, n: int, seed: int, cap: int, device: str = "cpu") -> dict:
-    """Draw, teach, serve and compare; the report (with the base against the truth)."""
+def run(pair: Path, texts: Path, n: int, seed: int, cap: int, device: str = "cpu",
+        base_dir: Path | None = None, decoder_dir: Path | None = None) -> dict:  # fmt: skip
+    """Draw, teach, serve and compare; the report (with the base against the truth). The
+    pair is pair/base and pair/decoder, or base_dir and decoder_dir."""
     t0 = time.perf_counter()
-    base, tok = load_base(pair / "base", device)
+    base_dir, decoder_dir = base_dir or pair / "base", decoder_dir or pair / "decoder"
+    base, tok = load_base(base_dir, device)
     examples = prose_tasks.generate(read_documents(texts), n, seed=seed)
     records = prose_fidelity.teacher_records(base, tok, examples, cap, device)
     teacher = [teacher_text(tok, r["answer_ids"]) for r in records]
     for r, (text, stopped) in zip(records, teacher, strict=True):  # as the API would serve it
         r["answer_ids"] = as_tokens(tok, text, stopped)
-    with embedded_stack(2, pair / "base", pair / "decoder") as urls:
+    with embedded_stack(2, base_dir, decoder_dir) as urls:
         client = OpenAI(base_url=f"{urls.http}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         answers = ask(client, model, records, cap)
@@ -91,7 +94,9 @@ def run(pair: Path, texts: Path, n: int, seed: int, cap: int, device: str = "cpu
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", type=Path, required=True, help="DIR/base and DIR/decoder")
+    ap.add_argument("--pair", type=Path, default=Path("."), help="DIR/base and DIR/decoder")
+    ap.add_argument("--base", type=Path, help="the base (e.g. a build's tuned/), not DIR/base")
+    ap.add_argument("--decoder", type=Path, help="the decoder, not DIR/decoder")
     ap.add_argument("--texts", type=Path, default=Path("data/prose-foreign/heldout.txt"),
                     help="documents outside the corpus (corpus build --foreign)")  # fmt: skip
     ap.add_argument("--n", type=int, default=200, help="prompts")
@@ -100,7 +105,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the teacher runs")
     ap.add_argument("--json", type=Path, help="write the report here")
     a = ap.parse_args()
-    result = run(a.pair, a.texts, a.n, a.seed, a.max_tokens, a.device)
+    result = run(a.pair, a.texts, a.n, a.seed, a.max_tokens, a.device, a.base, a.decoder)
     text = json.dumps(result, indent=1)
     print(text)
     if a.json:
