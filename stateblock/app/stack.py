@@ -29,6 +29,7 @@ from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
 from stateblock.app.plan import IN_PROCESS, Ports, StackPlan, Wiring
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
+from stateblock.protocol import streams
 from stateblock.settings import CAPTURE, GATEWAY, READOUT
 
 if TYPE_CHECKING:
@@ -195,7 +196,15 @@ async def _nats(
             authorization=nats_auth.server_authorization(creds.nats_passwords),
         )
     )
-    return supervisor.server.url, supervisor.lost
+    url = supervisor.server.url
+    # a store from an earlier version: what only the admin may change, before the services
+    admin = await nats.connect(nats_auth.login_url(url, creds.nats_passwords[nats_auth.ADMIN]))
+    try:
+        if await streams.upgrade_blocks_stream(admin.jetstream()):
+            log.info("blocks stream upgraded", change="per-message TTL on")
+    finally:
+        await admin.close()
+    return url, supervisor.lost
 
 
 class _Connections:

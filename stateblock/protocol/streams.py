@@ -16,6 +16,7 @@ import json
 import math
 import re
 
+import nats.errors
 import nats.js.errors as js_errors
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -150,12 +151,26 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await _allow_msg_ttl(js, info.config)
 
 
+async def upgrade_blocks_stream(js: JetStreamContext) -> bool:
+    """Turn on per-message TTL on a blocks stream made before placement headers carried one;
+    True if it changed. An admin's call, made before the services start: their NATS users
+    may create streams, never change them (StreamConflict says so then)."""
+    try:
+        info = await js.stream_info(BLOCKS_STREAM)
+    except js_errors.NotFoundError:
+        return False
+    if info.config.allow_msg_ttl:
+        return False
+    await _allow_msg_ttl(js, info.config)
+    return True
+
+
 async def _allow_msg_ttl(js: JetStreamContext, have: StreamConfig) -> None:
     """Turn on per-message TTL on a stream made before its config asked for it (the server
     turns it on in place and keeps the stream's messages; it never turns it off again)."""
     try:
         await js.update_stream(dataclasses.replace(have, allow_msg_ttl=True))
-    except js_errors.Error as e:
+    except (js_errors.Error, nats.errors.Error, TimeoutError) as e:  # refused: a timeout
         raise StreamConflict(
             f"stream {have.name} does not allow per-message TTL and could not be changed "
             f"({e}): run `nats stream edit {have.name} --allow-msg-ttl` as a user that may"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -279,3 +280,58 @@ async def test_the_charts_users_connect_with_their_own_secrets_only(tmp_path):
             await client.nc.close()
     finally:
         stop_nats_server(process, timeout_s=5)
+
+
+async def test_a_blocks_stream_from_before_message_ttl_is_upgraded_by_the_admin_alone(
+    server, passwords
+):
+    """A store from an earlier version: the capture, which may not change a stream, stops
+    at start-up saying what to run; the admin's upgrade (what `stateblock up` does before
+    its services start) turns the TTL on, blocks kept, and the capture starts."""
+    admin = await login(server.url, nats_auth.ADMIN, passwords[nats_auth.ADMIN])
+    capture = await login(server.url, nats_auth.CAPTURE, passwords[nats_auth.CAPTURE])
+    try:
+        old = (await admin.js.stream_info(streams.BLOCKS_STREAM)).config
+        await admin.js.delete_stream(streams.BLOCKS_STREAM)
+        await admin.js.add_stream(dataclasses.replace(old, allow_msg_ttl=None))
+        await admin.js.publish(streams.blocks_subject("m"), b"queued before")
+        with pytest.raises(streams.StreamConflict, match="--allow-msg-ttl"):
+            await streams.ensure_streams(capture.js, dead_letters=False)
+        assert await streams.upgrade_blocks_stream(admin.js)
+        assert not await streams.upgrade_blocks_stream(admin.js)  # once
+        await streams.ensure_streams(capture.js, dead_letters=False)
+        info = await admin.js.stream_info(streams.BLOCKS_STREAM)
+        assert info.config.allow_msg_ttl and info.state.messages == 1
+    finally:
+        await admin.nc.close()
+        await capture.nc.close()
+
+
+def test_up_on_a_store_from_before_message_ttl_upgrades_it_and_starts(decoder_dir, tmp_path):
+    config = UpConfig(data_dir=tmp_path / "up", http_port=0, grpc_port=0, workers=1,
+                      decoder_dir=decoder_dir, request_timeout_s=30.0)  # fmt: skip
+
+    async def make_it_old(admin_url: str) -> None:
+        nc = await nats.connect(admin_url)
+        js = nc.jetstream()
+        old = (await js.stream_info(streams.BLOCKS_STREAM)).config
+        await js.delete_stream(streams.BLOCKS_STREAM)
+        await js.add_stream(dataclasses.replace(old, allow_msg_ttl=None))
+        await nc.close()
+
+    async def allows_ttl(admin_url: str) -> bool:
+        nc = await nats.connect(admin_url)
+        info = await nc.jetstream().stream_info(streams.BLOCKS_STREAM)
+        await nc.close()
+        return bool(info.config.allow_msg_ttl)
+
+    first = StackThread(config)
+    urls = first.start(timeout=120)
+    asyncio.run(make_it_old(urls.nats_admin))
+    first.stop()
+    again = StackThread(config)
+    urls = again.start(timeout=120)  # the capture's own user could not have changed it
+    try:
+        assert asyncio.run(allows_ttl(urls.nats_admin))
+    finally:
+        again.stop()
