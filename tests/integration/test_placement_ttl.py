@@ -51,7 +51,7 @@ async def test_a_dead_placement_s_headers_leave_the_stream(nc):
     await publisher.publish_header(header("dead-pool", ttl_s=1.0))
     await publisher.publish_header(header("live-pool", ttl_s=60.0))
     assert await stored(js, "dead-pool") == 1
-    for _ in range(100):  # 1 s of block, 1 s of grace, the server's expiry sweep
+    for _ in range(300):  # 1 s of block, 1 s of grace, the server's expiry sweep
         if await stored(js, "dead-pool") == 0:
             break
         await asyncio.sleep(0.1)
