@@ -214,11 +214,14 @@ def open_arena(ipc: pb.CudaIpcRows) -> Tensor:
         _OPENED.move_to_end(key)
         return _OPENED[key]
     index = _device_of(ipc.device_uuid)
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index, ipc.mem_handle, ipc.storage_bytes, ipc.storage_offset_bytes,
-        ipc.ref_counter_handle, ipc.ref_counter_offset,
-        ipc.event_handle, ipc.event_sync_required,
-    )  # fmt: skip
+    try:  # a capture that exited (its allocation gone), or peers without access
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, ipc.mem_handle, ipc.storage_bytes, ipc.storage_offset_bytes,
+            ipc.ref_counter_handle, ipc.ref_counter_offset,
+            ipc.event_handle, ipc.event_sync_required,
+        )  # fmt: skip
+    except RuntimeError as e:
+        raise ArenaUnreachable(f"arena {ipc.pool} on GPU {ipc.device_uuid}: {e}") from e
     buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     buffer.set_(storage, 0, (ipc.storage_bytes,))
     _OPENED[key] = buffer
