@@ -82,13 +82,13 @@ elif [ "$STAGE" = load ]; then  # the throughput-latency curve; JSON, markdown, 
   echo "load rc=$?"
   tail -c 6000 "$OUT/load.log"
 elif [ "$STAGE" = planes ]; then  # issue 38's data planes: GPU tests, then host vs ipc at load
-  timeout 150 python3 -m pytest -q -rs tests/gpu -k "company or ipc or two_forward_threads" \
+  timeout 120 python3 -m pytest -q -rs tests/gpu -k "company or ipc or two_forward_threads" \
     > "$OUT/pytest-planes.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/pytest-planes.log"
   for plane in ipc host; do
     mkdir -p "$OUT/$plane"
-    timeout 215 python3 -m bench.load_gpu --out "$OUT/$plane" --depths 256 --levels 8,64,128 \
-      --ar-batches '' --ar-reserve-s 0 --budget-s 200 --env STATEBLOCK_DATA_PLANE=$plane \
+    timeout 190 python3 -m bench.load_gpu --out "$OUT/$plane" --depths 256 --levels 8,64,128 \
+      --ar-batches '' --ar-reserve-s 0 --budget-s 170 --env STATEBLOCK_DATA_PLANE=$plane \
       "${@:2}" > "$OUT/load-$plane.log" 2>&1
     echo "load $plane rc=$?"; tail -c 2500 "$OUT/load-$plane.log"
   done
