@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from stateblock.model.rows import torch_dtype
-from stateblock.model.slots import Waiting
+from stateblock.model.slots import Waiting, seconds_to_next
 from stateblock.v1 import block_pb2 as pb
 
 ALIGN = 512  # bytes: every span starts on it (any dtype's alignment, and then some)
@@ -151,7 +151,7 @@ class DeviceArena:
         if span is None or span.block_id != block_id:
             return False
         del self._spans[offset]
-        self._wake()
+        self._waiting.wake()
         return True
 
     def reap(self) -> int:
@@ -161,15 +161,11 @@ class DeviceArena:
         for offset in expired:
             del self._spans[offset]
         if expired:
-            self._wake()
+            self._waiting.wake()
         return len(expired)
 
     def _next_expiry(self) -> float:
-        pending = [s.expires_at for s in self._spans.values()]
-        return max(0.0, min(pending) - self._clock()) + 0.001 if pending else float("inf")
-
-    def _wake(self) -> None:
-        self._waiting.wake()
+        return seconds_to_next((s.expires_at for s in self._spans.values()), self._clock())
 
 
 def _aligned(n: int) -> int:

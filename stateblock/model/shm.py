@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from stateblock.model.rows import torch_dtype
-from stateblock.model.slots import SlotPoolFull
+from stateblock.model.slots import Waiting
 from stateblock.v1 import block_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
@@ -105,6 +105,7 @@ class HostRegions:
         self._out: dict[str, float] = {}  # region -> its block's expiry
         self._written: set[str] = set()  # the regions of _out on disk
         self._looked_at = float("-inf")  # the event loop's time of the last listing
+        self._waiting = Waiting()
         self.sweep(ttl_s)
 
     def sweep(self, ttl_s: float) -> int:
@@ -131,23 +132,27 @@ class HostRegions:
         `timeout_s`, then SlotPoolFull). Under the limit nothing on disk is looked at; at
         it, the directory is listed at most once every POLL_S, however many wait."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
+
+        def take() -> str | None:
             self._expire()
             if len(self._out) >= self._limit and loop.time() - self._looked_at >= POLL_S:
                 self._looked_at = loop.time()
                 self._look()
-            if len(self._out) < self._limit:
-                break
-            if loop.time() >= deadline:
-                raise SlotPoolFull(
-                    f"all {self._limit} shared-memory regions hold blocks not yet read "
-                    f"after {timeout_s:g} s"
-                )
-            await asyncio.sleep(POLL_S)
-        name = region_name(block_id)
-        self._out[name] = expires_at
-        return name
+            if len(self._out) >= self._limit:
+                return None
+            name = region_name(block_id)
+            self._out[name] = expires_at
+            return name
+
+        def full() -> str:
+            return (
+                f"all {self._limit} shared-memory regions hold blocks not yet read "
+                f"after {timeout_s:g} s"
+            )
+
+        # a region is freed by its reader's process, which wakes nothing here: look again
+        # every POLL_S
+        return await self._waiting.until(take, lambda: POLL_S, timeout_s, full)
 
     def _expire(self) -> None:
         now = self._clock()

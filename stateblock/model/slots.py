@@ -76,6 +76,12 @@ class SlotPoolFull(Exception):
     """No slot came free within the wait: every slot holds a block not yet read."""
 
 
+def seconds_to_next(expiries, now: float) -> float:
+    """Seconds until the first of `expiries` (unix seconds) has passed (inf: none)."""
+    pending = list(expiries)
+    return max(0.0, min(pending) - now) + 0.001 if pending else float("inf")
+
+
 class Waiting:
     """A pool's reservations waiting for room, on one event loop: each retried when the pool
     frees something (`wake`), at its next expiry, and given up at its deadline."""
@@ -190,7 +196,7 @@ class SlotPool:
         if entry is None or entry.block_id != block_id:
             return False
         self._held[slot] = None
-        self._wake()
+        self._waiting.wake()
         return True
 
     def reap(self) -> int:
@@ -201,15 +207,11 @@ class SlotPool:
                 self._held[index] = None
                 freed += 1
         if freed:
-            self._wake()
+            self._waiting.wake()
         return freed
 
     def _next_expiry(self) -> float:
-        pending = [e.expires_at for e in self._held if e is not None]
-        return max(0.0, min(pending) - self._clock()) + 0.001 if pending else float("inf")
-
-    def _wake(self) -> None:
-        self._waiting.wake()
+        return seconds_to_next((e.expires_at for e in self._held if e is not None), self._clock())
 
 
 @dataclass(frozen=True)
