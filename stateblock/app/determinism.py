@@ -14,7 +14,8 @@ its own copies: `BlockTap` subscribes to the blocks subjects (a core subscriptio
 every publish beside the stream) and fetches object payloads the moment a block arrives,
 well before the worker's commit deletes them; a block on the `host` data plane has its
 rows copied from its shared-memory region as it arrives (the tap on the same host), while
-one on the `local` plane keeps them in the capture's process, out of an audit's reach.
+one on the `local` plane keeps them in the capture's process and one on the `ipc` plane in
+its GPU memory, both out of an audit's reach.
 Only blocks published while the tap listens can be audited.
 
 Two checks per block: `reread` re-runs the stored block through a freshly loaded engine
@@ -221,10 +222,15 @@ def region_rows(header: block_pb.StateBlockHeader) -> tuple[bytes | None, str]:
     """A located block's rows, copied from its region at once (its worker unlinks the region
     on the block's outcome), or why they cannot be."""
     where = header.locator
-    if where.transport != block_pb.TRANSPORT_HOST:
+    if where.transport == block_pb.TRANSPORT_LOCAL:
         return (
             None,
             "rows in the capture's slot pool (`local` data plane): no other process reads them",
+        )
+    if where.transport != block_pb.TRANSPORT_HOST:
+        return (
+            None,
+            "rows in a capture's GPU arena (`ipc` data plane): the tap copies no GPU memory",
         )
     try:
         here = host_placement()

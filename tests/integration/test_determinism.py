@@ -17,11 +17,12 @@ from stateblock.engines import create_engine
 from stateblock.model.capture import capture
 from stateblock.model.loading import load_base
 from stateblock.model.rows import block_rows, rows_to_bytes
-from stateblock.protocol import envelope
+from stateblock.protocol import envelope, locator
 from stateblock.protocol.keys import TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE
 from stateblock.train import tasks
+from stateblock.v1 import block_pb2 as block_pb
 from tests.unit.tools.test_audit import perturbed_engine
 
 PROMPTS = [e.prompt for e in tasks.generate(3, split="heldout", seed=5)]
@@ -172,3 +173,16 @@ async def test_an_audit_reads_host_blocks_and_says_why_not_local_ones(plane, dec
     else:
         assert report["gate"] == "FAIL" and report["counts"] == {"unavailable": 1}
         assert "slot pool" in report["checks"][0]["detail"]
+
+
+@pytest.mark.parametrize(
+    "where,says",
+    [
+        (locator.slot_locator(locator.LOCAL, "a-pool", 0), "slot pool"),
+        (locator.ipc_locator("ipc-host", block_pb.CudaIpcRows(pool="a-pool"), 0), "GPU arena"),
+    ],
+    ids=["local", "ipc"],
+)
+def test_the_tap_says_why_rows_kept_in_a_capture_are_out_of_its_reach(where, says):
+    rows, reason = det.region_rows(block_pb.StateBlockHeader(locator=where))
+    assert rows is None and says in reason
