@@ -150,13 +150,19 @@ def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> 
     tmp.rename(out)
 
 
+def tuned_done(work: Path) -> bool:
+    return (work / "tuned" / "model.safetensors").is_file()
+
+
+def teacher_done(work: Path) -> bool:
+    return (work / "teacher" / "heldout.jsonl").is_file()
+
+
 def stage_tasks(a, work: Path, scale: Scale) -> Path:
     """Each split's prompts, unless its file is there already (a GPU call carries the
     held-out prompts of earlier arms and makes the train prompts from the corpus)."""
     out = work / "tasks"
-    if (work / "tuned" / "model.safetensors").is_file() and (
-        work / "teacher" / "heldout.jsonl"
-    ).is_file():
+    if tuned_done(work) and teacher_done(work):
         return out  # what reads the prompts is done (a call that distils alone)
     for split, n, seed in (("train", scale.train_examples, a.seed),
                            ("heldout", scale.heldout_prompts, a.seed + 1)):  # fmt: skip
@@ -185,7 +191,7 @@ def train_tasks(tasks: Path, n: int) -> list[prose_tasks.Example]:
 
 def stage_tune(a, work: Path, scale: Scale, base: Path | None, tasks: Path) -> Path:
     out = work / "tuned"
-    if not (out / "model.safetensors").is_file():
+    if not tuned_done(work):
         examples = train_tasks(tasks, scale.train_examples)
         stats = prose_tune.tune(base, examples, out, replace(scale.tune, seed=a.seed), a.device)
         log("tune:", json.dumps({k: v for k, v in stats.items() if k != "config"}))
@@ -196,7 +202,7 @@ def stage_teacher(a, work: Path, scale: Scale, tuned: Path, tasks: Path) -> Path
     from stateblock.model.loading import load_base
 
     out = work / "teacher"
-    if (out / "heldout.jsonl").is_file():
+    if teacher_done(work):
         return out
     model, tok = load_base(tuned, a.device)
     tmp = out.with_name("teacher.tmp")
@@ -301,8 +307,7 @@ def build(a: argparse.Namespace) -> dict:
     tasks = timed("tasks", stage_tasks, a, work, scale)
     if a.until == "tasks":
         return {}
-    tuned_done = (work / "tuned" / "model.safetensors").is_file()
-    base = None if tuned_done else timed("base", stage_base, a, work, scale)  # what tunes
+    base = None if tuned_done(work) else timed("base", stage_base, a, work, scale)  # what tunes
     tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
     teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
     decoder = timed("distil", stage_distil, a, work, scale, tuned, teacher)
