@@ -55,7 +55,7 @@ class Scale:
     weights: dict = field(default_factory=dict)  # prose_tasks family weights
     # the base is tuned on these many train prompts, the first train_prompts of them the
     # teacher's (0: train_prompts). More than tuning's budget reads once, none is seen
-    # twice: a tuning that passed over 20,000 prompts five times learned them, not the
+    # twice: a tuning that reads its prompts several times learns them rather than the
     # tasks (docs/QUALITY.md)
     tune_prompts: int = 0
 
