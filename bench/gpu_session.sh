@@ -17,6 +17,8 @@
 #   bash bench/gpu_session.sh planes [ARGS]  # the GPU tests of the data planes (company,
 #                                         # ipc, two forward threads), then bench.load_gpu on
 #                                         # the ipc and host planes at 8, 64, 128 clients
+#   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
+#                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
 #                                         # rows at 1-32 lanes, eager and compiled (minutes)
 #   bash bench/gpu_session.sh prose [DATA [ARGS]]  # the prose base (issue 41): arms of
@@ -39,7 +41,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, startup, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout) if [ -d .whl ]; then source bench/gpu_env.sh || exit 1; fi ;;
@@ -92,6 +94,11 @@ elif [ "$STAGE" = planes ]; then  # issue 38's data planes: GPU tests, then host
       "${@:2}" > "$OUT/load-$plane.log" 2>&1
     echo "load $plane rc=$?"; tail -c 2500 "$OUT/load-$plane.log"
   done
+elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
+  timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
+    > "$OUT/startup.log" 2>&1
+  echo "startup rc=$?"
+  tail -c 3000 "$OUT/startup.log"
 elif [ "$STAGE" = invariance ]; then  # is the compiled capture batch-invariant? JSON in $OUT
   timeout 500 python3 -m bench.capture_invariance --out "$OUT/invariance.json" "${@:2}" \
     > "$OUT/invariance.log" 2>&1

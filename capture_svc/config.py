@@ -46,6 +46,8 @@ class CaptureConfig(BlocksServiceConfig):
     # differently per shape, so batched rows are not guaranteed bit-identical to the same
     # request alone.
     compile: str = declared(settings.CAPTURE_COMPILE)
+    # compiled only: inductor's and Triton's caches, kept where a restart finds them
+    compile_cache: Path | None = declared(settings.CAPTURE_COMPILE_CACHE)
     # one forward's lanes and padded tokens (lanes x bucket width), from as many requests as
     # fit: continuous batching sized by tokens, not only lanes
     cohort_lanes: int = declared(settings.CAPTURE_COHORT_LANES)

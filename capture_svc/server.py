@@ -35,7 +35,7 @@ from capture_svc.service import (
 )
 from stateblock import runtime
 from stateblock.model.arena import DeviceArena
-from stateblock.model.capture import compile_backbone
+from stateblock.model.capture import compile_backbone, compile_cache_counts, use_compile_cache
 from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool
@@ -137,6 +137,12 @@ async def _warm_up(
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
+    if buckets is not None:
+        counts = compile_cache_counts()
+        for key, n in counts.items():
+            cache, outcome = key.split("_")
+            metrics.warmup_cache.labels(cache, outcome).set(n)
+        log.info("warmed up", cache=str(config.compile_cache or "torch's own"), **counts)
 
 
 def _slots(
@@ -173,6 +179,8 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
     thread hung an in-process stack's stop on the H200 (the loop idle, waiting on that
     call), and a stack that never releases them stops cleanly."""
     if config.compile != "off":
+        if config.compile_cache is not None:
+            use_compile_cache(config.compile_cache)
         compile_backbone(model.model, config.compile)
     return CohortForward(
         model.model,

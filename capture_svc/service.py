@@ -102,6 +102,13 @@ class CaptureMetrics:
             "Start-up warm-up: every compiled (lanes, width) shape run before SERVING.",
             registry=metrics,
         )
+        self.warmup_cache = Gauge(
+            "stateblock_capture_warmup_cache_lookups",
+            "Compiled only: the warm-up's compiled-graph cache lookups (inductor's FX graphs, "
+            "AOTAutograd's), hits and misses; hits are graphs not compiled again.",
+            ["cache", "outcome"],
+            registry=metrics,
+        )
 
 
 class CaptureService:

@@ -353,6 +353,13 @@ CAPTURE_COMPILE = _setting(
     "per shape, so batched rows may differ in their last bits from a request alone",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
+CAPTURE_COMPILE_CACHE = _setting(
+    "CAPTURE_COMPILE_CACHE", Path, None,
+    "compiled only: a directory for inductor's and Triton's caches (compiled graphs, kernels, "
+    "autotuning results), kept across restarts so a capture that starts again on the same "
+    "model and machine warms up from it", (CAPTURE,), chart=OPTIONAL,
+    unset="torch's own, under the temp directory",
+)  # fmt: skip
 CAPTURE_COHORT_LANES = _setting(
     "CAPTURE_COHORT_LANES", int, 32,
     "lanes one base forward carries at most, from as many requests as fit (never fewer than "

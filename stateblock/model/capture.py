@@ -9,9 +9,11 @@ original stash raced under concurrent traffic.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -74,6 +76,29 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
         bb.forward = torch.compile(eager, backend=backend, dynamic=True)
     bb._stateblock_eager_forward = eager
     bb._stateblock_compiled = backend
+
+
+def use_compile_cache(directory: Path) -> None:
+    """Keep inductor's caches (compiled graphs, Triton kernels, autotuning results) in
+    `directory`, made if missing, so a process that compiles the same model on the same
+    machine again loads them instead of compiling. Process-wide, as inductor reads it:
+    call before the first compile."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory.resolve())
+    os.environ.pop("TRITON_CACHE_DIR", None)  # Triton's then lives under inductor's
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's compiled-graph cache lookups so far: inductor's FX graphs and
+    AOTAutograd's, hits and misses."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "aotautograd_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "aotautograd_miss": counters["aot_autograd"]["autograd_cache_miss"],
+    }
 
 
 # a shape's first call runs eagerly in the CUDA graph pool (cudagraph trees' warm-up), its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -343,10 +344,12 @@ async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
 
 
 async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
-    nats_url, decoder_dir, serving_model
+    nats_url, decoder_dir, serving_model, tmp_path, monkeypatch
 ):
     """STATEBLOCK_CAPTURE_COMPILE: the service compiles the base forward (its own model
-    copy here; compiling is in place) and the published rows equal the eager capture."""
+    copy here; compiling is in place) and the published rows equal the eager capture.
+    STATEBLOCK_CAPTURE_COMPILE_CACHE is where inductor's caches go, and the warm-up's cache
+    lookups are in the metrics."""
     from stateblock.model.loading import load_serving_model
     from tests.helpers import REFERENCE_BASE
 
@@ -357,21 +360,29 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
             "STATEBLOCK_MAX_LANES": "1",
             "STATEBLOCK_CAPTURE_COHORT_LANES": "1",  # one shape to warm up: 1 lane x width 16
             "STATEBLOCK_PROMPT_LEN_MAX": "16",
+            "STATEBLOCK_CAPTURE_COMPILE_CACHE": str(tmp_path / "compile-cache"),
         }
     )
     assert config.compile == "aot_eager"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-at-teardown")
+    metrics = CollectorRegistry()
     model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)
     nc = await nats.connect(nats_url)
     try:
         async with running_capture(
             config, nc=nc, model=model, signer=(signer := Signer.generate()),
-            metrics=CollectorRegistry(),
+            metrics=metrics,
         ) as running:  # fmt: skip
             sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
             await running.service.capture("r", MODEL, [lane(prompt="copy: abc", max_tokens=4)])
             (msg,) = await sub.fetch(1, timeout=5)
     finally:
         await nc.close()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "compile-cache").resolve())
+    assert (tmp_path / "compile-cache").is_dir()
+    for outcome in ("hit", "miss"):  # aot_eager generates no code: lookups, if any, are kept
+        labels = {"cache": "fxgraph", "outcome": outcome}
+        assert metrics.get_sample_value("stateblock_capture_warmup_cache_lookups", labels) >= 0
     assert getattr(model.model.base_model, "_stateblock_compiled", None) == "aot_eager"
     (rows,) = block_lanes(
         envelope.verify(envelope.parse_block(msg.data), TrustStore([signer.public_key]))

@@ -163,7 +163,7 @@ def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
 # for Kubernetes, so the chart's own tests check them.
 PLACED = {
     "gateway": {"capture_target", "capture_token_file", "readout_trusted_keys_dir"},
-    "capture": {"host", "key_dir", "token_file", "device"},
+    "capture": {"host", "key_dir", "token_file", "device", "compile_cache"},
     "readout": {"trusted_keys_dir", "signing_key_dir", "readout_trusted_keys_dir", "device",
                 "worker_id"},
 }  # fmt: skip

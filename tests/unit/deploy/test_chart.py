@@ -155,12 +155,31 @@ def test_env_is_exactly_what_the_declarations_say_the_service_reads(default_docs
     assert str(config.decoder_dir) == "/models/decoder"
 
 
+def test_a_compiled_capture_keeps_its_compile_cache_on_a_volume(default_docs):
+    """Compiled: STATEBLOCK_CAPTURE_COMPILE_CACHE names a mounted directory, a claim's when
+    one is given (a new pod warms up from it), else an emptyDir; eager: neither."""
+    assert "STATEBLOCK_CAPTURE_COMPILE_CACHE" not in env_of(default_docs, "capture")
+    assert "/var/cache/stateblock-compile" not in volumes_by_mount(default_docs, "capture")
+    for cache, volume in (
+        ({}, {"emptyDir": {"sizeLimit": "8Gi"}}),
+        ({"claimName": "compile-cache"}, {"persistentVolumeClaim": {"claimName": "compile-cache"}}),
+    ):
+        docs = render_valid({"capture": {"compile": "reduce-overhead", "compileCache": cache}})
+        env = env_of(docs, "capture")
+        config = CONFIGS["capture"].from_env(env)
+        assert str(config.compile_cache) == "/var/cache/stateblock-compile"
+        mount = volumes_by_mount(docs, "capture")["/var/cache/stateblock-compile"]
+        assert {k: v for k, v in mount.items() if k in volume} == volume
+        assert not mount.get("readOnly")
+
+
 def test_optional_settings_reach_exactly_their_readers():
     from tests.unit.deploy.chart import env_from_secrets
 
     docs = render_valid({
         "natsClient": {"credsSecret": "nats-user", "tlsSecret": "nats-ca", "tlsClientCert": True},
         "auth": {"apiKeySecret": {"name": "sb-api", "key": "token"}},
+        "capture": {"compile": "inductor"},
     })  # fmt: skip
     for component in CONFIGS:
         names = set(env_of(docs, component)) | set(env_from_secrets(docs, component))

@@ -7,11 +7,13 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from stateblock.model.capture import (
     capture,
     compile_backbone,
+    compile_cache_counts,
     lm_head_weight,
     pack_lanes,
     pad_lanes,
     uncompile_backbone,
     unpack_lanes,
+    use_compile_cache,
     warm_up,
 )
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
@@ -118,6 +120,30 @@ def test_compiled_backbone_still_captures_through_the_hook():
     assert not hasattr(model.base_model.forward, "_torchdynamo_orig_callable")
     assert torch.equal(capture(model, enc["input_ids"], enc["attention_mask"]), eager)
     uncompile_backbone(model)  # a no-op on an eager backbone
+
+
+def test_a_compile_after_a_restart_loads_the_graph_from_the_compile_cache(tmp_path, monkeypatch):
+    """use_compile_cache: inductor keeps what it compiled in the directory, and the same
+    graph compiled again once dynamo has forgotten it (as in a new process) is loaded from
+    there: a cache hit, no second miss (inductor itself: C++ on the CPU)."""
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-at-teardown")
+    cache = tmp_path / "compile-cache"
+    use_compile_cache(cache)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    before = compile_cache_counts()
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        runs.append(torch.compile(net)(x))
+        torch._dynamo.reset()
+    after = compile_cache_counts()
+    assert after["fxgraph_miss"] - before["fxgraph_miss"] == 1  # the first compile
+    assert after["fxgraph_hit"] - before["fxgraph_hit"] == 1  # the second, from the cache
+    assert (cache / "fxgraph").is_dir()
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
 def test_warm_up_runs_each_shape_as_a_request_runs_it():

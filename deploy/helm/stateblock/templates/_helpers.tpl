@@ -460,3 +460,35 @@ template it in its own context.
 {{- define "stateblock.natsList" -}}
 [{{ range $i, $s := . }}{{ if $i }}, {{ end }}{{ quote $s }}{{ end }}]
 {{- end }}
+
+{{/* A compiled capture's inductor and Triton caches (STATEBLOCK_CAPTURE_COMPILE_CACHE): on
+the claim capture.compileCache.claimName names, which a capture started again (a new pod, a
+rollout) warms up from; else an emptyDir, kept across the pod's container restarts. None for
+an eager capture. */}}
+{{- define "stateblock.compileCacheVars" -}}
+{{- $v := .Values.capture }}
+{{- if ne $v.compile "off" }}
+{{- dict "STATEBLOCK_CAPTURE_COMPILE_CACHE" $v.compileCache.mountPath | toYaml }}
+{{- else }}{}{{ end }}
+{{- end }}
+
+{{- define "stateblock.compileCacheMount" -}}
+{{- if ne .Values.capture.compile "off" }}
+- name: compile-cache
+  mountPath: {{ .Values.capture.compileCache.mountPath }}
+{{- end }}
+{{- end }}
+
+{{- define "stateblock.compileCacheVolume" -}}
+{{- $c := .Values.capture.compileCache }}
+{{- if ne .Values.capture.compile "off" }}
+- name: compile-cache
+{{- if $c.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $c.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $c.sizeLimit }}
+{{- end }}
+{{- end }}
+{{- end }}
