@@ -15,11 +15,12 @@ import asyncio
 import nats
 import nats.js.errors as js_errors
 import structlog
+import torch
 from nats.js.object_store import ObjectStore
 from torch import Tensor
 
 from stateblock.engines import ReadoutEngine
-from stateblock.model.arena import ARENAS, ArenaUnreachable, copy_rows
+from stateblock.model.arena import ARENAS, ArenaUnreachable, copy_out
 from stateblock.model.rows import check_rows
 from stateblock.model.shm import open_region, region_name, unlink_region
 from stateblock.model.slots import SlotPool, SlotVerified
@@ -132,7 +133,7 @@ class BlockRows:
         if where.transport == block_pb.TRANSPORT_HOST:
             return SlotVerified(header, self._in_region(header))
         if where.transport == block_pb.TRANSPORT_CUDA_IPC:
-            return SlotVerified(header, self._in_arena(header))
+            return SlotVerified(header, *self._in_arena(header))
         if self._slots is None or where.placement != self._slots.instance_id:
             raise Rejected(ROWS_MISSING, f"pool {where.placement!r} is not this process's")
         held = self._slots.rows(where.slot)
@@ -159,14 +160,17 @@ class BlockRows:
             raise Rejected(ROWS_MISSING, f"region {where.region} is gone: the rows are gone")
         return rows
 
-    def _in_arena(self, header: block_pb.StateBlockHeader) -> Tensor:
-        """The rows copied out of the capture's arena: the checksum is then checked over
-        the copy, which no later use of the span can change."""
+    def _in_arena(
+        self, header: block_pb.StateBlockHeader
+    ) -> tuple[Tensor, torch.cuda.Event | None]:
+        """The rows copied out of the capture's arena, and the event of that copy (on a
+        GPU): the checksum is then checked over the copy, which no later use of the span can
+        change, as soon as the copy is in."""
         where = header.locator
         if where.placement != self._host:
             raise Rejected(ROWS_MISSING, f"placement {where.placement!r} is not this host's")
         try:
-            return copy_rows(where.cuda_ipc, header.layout)
+            return copy_out(where.cuda_ipc, header.layout)
         except ArenaUnreachable as e:
             raise Rejected(ROWS_MISSING, str(e)) from e
         except ValueError as e:  # a span the arena does not hold

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from stateblock.model.rows import torch_dtype
-from stateblock.model.slots import Waiting, seconds_to_next
+from stateblock.model.slots import Waiting, rows_stream, seconds_to_next
 from stateblock.v1 import block_pb2 as pb
 
 ALIGN = 512  # bytes: every span starts on it (any dtype's alignment, and then some)
@@ -140,9 +140,14 @@ class DeviceArena:
         data = rows.detach().contiguous().view(-1).view(torch.uint8)
         if data.numel() != span.nbytes:
             raise ValueError(f"{data.numel()} bytes of rows for a span of {span.nbytes}")
-        self.buffer[offset : offset + span.nbytes].copy_(data)
-        if self.buffer.device.type == "cuda":
-            torch.cuda.current_stream(self.buffer.device).synchronize()
+        if self.buffer.device.type != "cuda":
+            self.buffer[offset : offset + span.nbytes].copy_(data)
+            return
+        side = rows_stream(self.buffer.device)  # ahead of queued forwards, not behind them
+        side.wait_stream(torch.cuda.current_stream(self.buffer.device))  # the rows' writer
+        with torch.cuda.stream(side):
+            self.buffer[offset : offset + span.nbytes].copy_(data)
+        side.synchronize()
 
     def free(self, offset: int, block_id: str) -> bool:
         """Give the span back if `block_id` holds it; False otherwise (freed already,
@@ -243,10 +248,31 @@ def copy_rows(
     None: the arena's own):
     the copy is what the checksum is checked over and the readout reads, whatever becomes
     of the span. Raises ArenaUnreachable, or ValueError for a span outside the arena."""
+    return copy_out(ipc, layout, device)[0]
+
+
+def copy_out(
+    ipc: pb.CudaIpcRows, layout: pb.Layout, device: torch.device | str | None = None
+) -> tuple[Tensor, torch.cuda.Event | None]:
+    """copy_rows, and on a GPU the event its copy recorded: the copy runs on the rows stream
+    (the capture wrote the span before its header went out, so it waits for nothing here),
+    the caller's stream waits for it on the device, and a checksum after the event waits for
+    nothing else the caller has queued."""
     buffer = open_arena(ipc)
     start, nbytes = ipc.rows_offset_bytes, rows_nbytes(layout)
     if start % ALIGN or start + nbytes > buffer.numel():
         raise ValueError(f"span {start}+{nbytes} is outside the {buffer.numel()}-byte arena")
-    span = buffer[start : start + nbytes]
-    span = span.clone() if device is None else span.to(device, copy=True)  # (nbytes,)
-    return span.view(torch_dtype(layout.dtype)).view(layout.total_rows, layout.hidden_size)
+    span, ready = buffer[start : start + nbytes], None
+    target = buffer.device if device is None else torch.device(device)
+    if target.type == "cuda" and buffer.device.type == "cuda":
+        side, caller = rows_stream(target), torch.cuda.current_stream(target)
+        with torch.cuda.stream(side):
+            span = span.to(target, copy=True)  # (nbytes,)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        caller.wait_event(ready)
+        span.record_stream(caller)  # made on the rows stream, read on the caller's
+    else:
+        span = span.clone() if device is None else span.to(device, copy=True)
+    rows = span.view(torch_dtype(layout.dtype)).view(layout.total_rows, layout.hidden_size)
+    return rows, ready

@@ -25,6 +25,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from stateblock.model.kernels import checksum
 from stateblock.model.rows import rows_view
 from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
@@ -42,17 +43,52 @@ _LANES = (
 MAX_WORDS = 1 << 28
 
 
-def rows_checksum(rows: Tensor) -> bytes:
+def rows_checksum(rows: Tensor, ready: torch.cuda.Event | None = None) -> bytes:
     """DIGEST_ALGORITHM_SLOT_CHECKSUM of the rows, computed on their device: 32 bytes, four
     64-bit sums; only those come back to the host. Not cryptographic (block.proto says
-    where it is accepted and why)."""
-    words = rows.detach().contiguous().view(-1).view(torch.int16).to(torch.int64)
+    where it is accepted and why).
+
+    On a GPU it runs on the rows stream (`rows_stream`) in one kernel where Triton is
+    installed, after `ready` (the event that the rows' copy recorded) or, without one, after
+    the work already queued on the caller's stream."""
+    words = rows.detach().contiguous().view(-1).view(torch.int16)
     if words.numel() > MAX_WORDS:
         raise ValueError(f"{words.numel()} words: over the checksum's {MAX_WORDS}")
-    words = (words & 0xFFFF) + 1
+    if words.device.type != "cuda":
+        return _checksum_sums(words).numpy().astype("<i8").tobytes()
+    side = rows_stream(words.device)
+    if ready is None:
+        side.wait_stream(torch.cuda.current_stream(words.device))
+    else:
+        side.wait_event(ready)
+    with torch.cuda.stream(side):
+        if checksum.available(words.device):
+            sums = checksum.checksum_sums(words, _LANES)
+        else:
+            sums = _checksum_sums(words)
+        return sums.cpu().numpy().astype("<i8").tobytes()  # waits for the rows stream alone
+
+
+def _checksum_sums(words: Tensor) -> Tensor:
+    """The four sums in PyTorch: the reference the kernel is tested against."""
+    words = (words.to(torch.int64) & 0xFFFF) + 1
     index = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
-    sums = [(words * ((index * a + b) % p)).sum() for a, b, p in _LANES]
-    return torch.stack(sums).cpu().numpy().astype("<i8").tobytes()
+    return torch.stack([(words * ((index * a + b) % p)).sum() for a, b, p in _LANES])
+
+
+_ROWS_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def rows_stream(device: torch.device) -> torch.cuda.Stream:
+    """This process's stream for the rows' copies into and out of an arena and their
+    checksums, one per GPU, at the highest priority: their few small kernels go ahead of
+    the forwards and readouts queued on the other streams instead of behind them."""
+    device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
+    stream = _ROWS_STREAMS.get(device)
+    if stream is None:
+        top, _ = torch.cuda.Stream.priority_range()
+        stream = _ROWS_STREAMS.setdefault(device, torch.cuda.Stream(device, priority=top))
+    return stream
 
 
 def slot_algorithm(rows: Tensor, host_algorithm: int) -> int:
@@ -62,10 +98,11 @@ def slot_algorithm(rows: Tensor, host_algorithm: int) -> int:
     return pb.DIGEST_ALGORITHM_SLOT_CHECKSUM if rows.device.type != "cpu" else host_algorithm
 
 
-def rows_digest(rows: Tensor, algorithm: int) -> bytes:
-    """The forward-state digest of rows kept where they are, under `algorithm`."""
+def rows_digest(rows: Tensor, algorithm: int, ready: torch.cuda.Event | None = None) -> bytes:
+    """The forward-state digest of rows kept where they are, under `algorithm` (`ready`:
+    rows_checksum's)."""
     if algorithm == pb.DIGEST_ALGORITHM_SLOT_CHECKSUM:
-        return rows_checksum(rows)
+        return rows_checksum(rows, ready)
     return envelope.forward_state_digest(rows_view(rows), algorithm)
 
 
@@ -222,13 +259,14 @@ class SlotVerified:
 
     header: pb.StateBlockHeader
     rows: Tensor  # (total_rows, hidden_size), where the capture left them
+    ready: torch.cuda.Event | None = None  # rows copied on the rows stream: when they are in
 
     def confirm(self) -> SlotVerified:
         """Raise BlockRejected (`rows_missing`) unless the rows match the signed digest: the
         slot checksum on the rows' device, or the header's hash over rows in host memory.
         Authentic: rows in a slot never left this host, so other rows mean this block's were
         lost (its slot reused or written over), not that a forger chose them."""
-        if rows_digest(self.rows, self.header.forward_state_algorithm) != (
+        if rows_digest(self.rows, self.header.forward_state_algorithm, self.ready) != (
             self.header.forward_state_digest
         ):
             raise envelope.BlockRejected(

@@ -30,3 +30,37 @@ def test_rows_on_the_device_carry_the_checksum_and_host_rows_the_hash():
     )
     assert slot_algorithm(rows, pb.DIGEST_ALGORITHM_BLAKE3) == pb.DIGEST_ALGORITHM_BLAKE3
     assert rows_digest(rows.cuda(), pb.DIGEST_ALGORITHM_SLOT_CHECKSUM) == rows_checksum(rows)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 37 * 2688, 512 * 2688 + 3])
+def test_the_one_kernel_checksum_is_the_reference_sums(n):
+    """The Triton kernel's four sums against the PyTorch reference's, over block edges and
+    a partial last block, the top bit of the words set in some (the 0xFFFF mask)."""
+    from stateblock.model.kernels import checksum
+    from stateblock.model.slots import _LANES, _checksum_sums
+
+    if not checksum.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    gen = torch.Generator().manual_seed(n)
+    words = torch.randint(-(1 << 15), 1 << 15, (n,), generator=gen, dtype=torch.int16).cuda()
+    assert torch.equal(checksum.checksum_sums(words, _LANES), _checksum_sums(words))
+
+
+def test_a_checksum_after_the_copys_event_waits_for_the_copy_alone():
+    """Rows copied on the rows stream with an event: the checksum after that event is the
+    rows' own, while a long matmul is still queued on the caller's stream."""
+    from stateblock.model.slots import rows_stream
+
+    rows = torch.randn(512, 2688, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    source = rows.cuda()
+    torch.cuda.synchronize()
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy  # queued on the caller's stream
+    side = rows_stream(source.device)
+    with torch.cuda.stream(side):
+        copy = source.clone()
+    ready = torch.cuda.Event()
+    ready.record(side)
+    assert rows_checksum(copy, ready) == rows_checksum(rows)
+    torch.cuda.synchronize()
