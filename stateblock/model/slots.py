@@ -85,9 +85,8 @@ def rows_stream(device: torch.device) -> torch.cuda.Stream:
     the forwards and readouts queued on the other streams instead of behind them."""
     device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
     stream = _ROWS_STREAMS.get(device)
-    if stream is None:
-        top, _ = torch.cuda.Stream.priority_range()
-        stream = _ROWS_STREAMS.setdefault(device, torch.cuda.Stream(device, priority=top))
+    if stream is None:  # a priority past the range is the range's highest
+        stream = _ROWS_STREAMS.setdefault(device, torch.cuda.Stream(device, priority=-(1 << 10)))
     return stream
 
 
