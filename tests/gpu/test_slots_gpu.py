@@ -58,7 +58,7 @@ def test_a_checksum_after_the_copys_event_waits_for_the_copy_alone():
     for _ in range(4):
         busy = busy @ busy  # queued on the caller's stream
     side = rows_stream(source.device)
-    assert side is rows_stream(torch.device("cuda", source.device.index))  # one a GPU
+    assert side is rows_stream(torch.device("cuda", source.device.index))  # one per GPU
     assert side.priority < torch.cuda.current_stream().priority  # ahead of the default
     with torch.cuda.stream(side):
         copy = source.clone()
