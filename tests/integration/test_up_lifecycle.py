@@ -4,6 +4,7 @@ failure is one clear line, a non-zero exit, and no process left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -36,11 +37,27 @@ def nats_servers_of(data_dir: Path) -> list[int]:
 
 
 def up(data_dir: Path, *args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread's stack
     return subprocess.Popen(
         [sys.executable, "-m", "stateblock.app.cli", "up", "--data-dir", str(data_dir), *args],
         cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, **popen,
+        start_new_session=True, env=env, **popen,
     )  # fmt: skip
+
+
+def exit_of(proc: subprocess.Popen) -> tuple[int, str]:
+    """The exit status and stderr of an `up` that should end by itself, its pipes read
+    meanwhile (a full pipe would block it); one that does not end within READY_S fails the
+    test with every thread's stack (faulthandler) and its last output."""
+    try:
+        _, err = proc.communicate(timeout=READY_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # its nats-server, if left
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"stateblock up did not exit:\n{err.decode(errors='replace')[-6000:]}")
+    return proc.returncode, err.decode()
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
@@ -91,8 +108,7 @@ def test_a_port_in_use_is_one_line_and_nothing_left(tmp_path, which):
         port = str(busy.getsockname()[1])
         other = "--grpc-port" if which == "--http-port" else "--http-port"
         proc = up(data, which, port, other, str(free_port()))
-        rc = proc.wait(timeout=READY_S)
-    err = proc.stderr.read().decode()
+        rc, err = exit_of(proc)
     assert rc != 0
     (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
     assert "cannot listen" in line and port in line
@@ -110,8 +126,7 @@ def test_a_port_in_use_is_one_line_and_nothing_left(tmp_path, which):
 def test_a_bad_setting_is_one_line_and_nothing_left(tmp_path, args, says):
     data = tmp_path / "up"
     proc = up(data, "--http-port", "0", "--grpc-port", "0", *args)
-    rc = proc.wait(timeout=READY_S)
-    err = proc.stderr.read().decode()
+    rc, err = exit_of(proc)
     assert rc != 0 and "Traceback" not in err, err[-2000:]
     (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
     assert says in line
