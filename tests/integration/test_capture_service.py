@@ -364,7 +364,7 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
         }
     )
     assert config.compile == "aot_eager"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-at-teardown")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "restored-at-teardown"))
     metrics = CollectorRegistry()
     model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)
     nc = await nats.connect(nats_url)

@@ -128,7 +128,7 @@ def test_a_compile_after_a_restart_loads_the_graph_from_the_compile_cache(tmp_pa
     there: a cache hit, no second miss (inductor itself: C++ on the CPU)."""
     import torch._dynamo
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset-at-teardown")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "restored-at-teardown"))
     cache = tmp_path / "compile-cache"
     use_compile_cache(cache)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
