@@ -51,6 +51,7 @@ from bench.models import SCALES, bench_prompt
 from bench.procs import ProcStack, ProcStackConfig
 from bench.report import Report
 from bench.stack import CompletionError, CompletionsClient
+from stateblock.app.plan import IN_PROCESS, PROCESSES
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stateblock-bench"
@@ -84,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
     ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
     ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
+    ap.add_argument(
+        "--placement",
+        choices=[PROCESSES, IN_PROCESS],
+        default=PROCESSES,
+        help="a process per service, or one `stateblock up` process (the rows in "
+        "its slot pool: the `local` data plane)",
+    )
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
     ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V", type=env_pair,
@@ -263,7 +271,8 @@ def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, ref
 
 
 def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, left) -> tuple:
-    """The per-service stack over the saved models; (stack, gateway URL, start seconds)."""
+    """The stack over the saved models, a process per service or one `stateblock up`
+    process (--placement); (stack, gateway URL, start seconds)."""
     cuda = device.startswith("cuda")
     config = ProcStackConfig(
         data_dir=Path(paths["work"]) / name,
@@ -279,8 +288,9 @@ def start_stack(args, paths: dict, device: str, compile_mode: str, name: str, le
         capture_compile=compile_mode,
         blocks_storage=args.blocks_storage,
         ready_timeout_s=max(30.0, left()),
-        nats_monitor=True,
+        nats_monitor=args.placement == PROCESSES,  # `stateblock up`'s own server has none
         extra_env=dict(args.env),
+        placement=args.placement,
     )
     stack = ProcStack(config)
     t0 = time.perf_counter()
@@ -462,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="stateblock-load-"))
-    config = dict(environment(args, device), stack="processes", model_name=MODEL_NAME)
+    config = dict(environment(args, device), stack=args.placement, model_name=MODEL_NAME)
     report = Report(args.out / "load.json", {"config": config, "load": {}, "skipped": []})
     try:
         run(args, device, report, work, t_start + args.budget_s)

@@ -140,11 +140,19 @@ def fairness_lines(f: dict) -> list[str]:
 
 def markdown(doc: dict) -> str:
     c = doc["config"]
+    if c.get("stack") == "in-process":
+        where, shape = (
+            "one `stateblock up` process",
+            f"every service in one process, {c['workers']} workers",
+        )
+    else:
+        where = "one process per service"
+        shape = (f"{c.get('captures', 1)} capture and {c.get('readout_procs', 1)} readout "
+                 f"processes of {c['workers']} workers")  # fmt: skip
     lines = [
-        f"### Load, one process per service ({c['scale']}, {c['device_name']})",
+        f"### Load, {where} ({c['scale']}, {c['device_name']})",
         f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
-        f"`{c['capture_compile']}`, {c.get('captures', 1)} capture and "
-        f"{c.get('readout_procs', 1)} readout processes of {c['workers']} workers, blocks storage "
+        f"`{c['capture_compile']}`, {shape}, blocks storage "
         f"`{c['blocks_storage']}`, {c['level_s']} s a level"
         + "".join(f", `{name}={value}`" for name, value in c.get("env") or ()),
     ]

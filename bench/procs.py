@@ -3,6 +3,9 @@
 and GIL, and the STATEBLOCK_* environment the stack plan (stateblock/app/plan.py) generates
 for it: the topology `stateblock up` runs in one process, here one process per service.
 
+With `placement=IN_PROCESS` the same plan runs as one `stateblock up` process instead (every
+service on its event loop, the rows in its slot pool), the bench still a process apart.
+
 `bench.stack` runs the same services on one event loop in the bench's process, where the
 capture's publish, the worker's read of the same 2.75 MB block and the gateway's reply wait
 on each other's turns. This module measures what a deployment pays instead. The services
@@ -31,6 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from stateblock import settings
 from stateblock.app.nats_server import free_port, nats_server_binary
 from stateblock.app.plan import (
+    IN_PROCESS,
+    LOOPBACK,
     MODULES,
     NATS,
     PROCESSES,
@@ -43,6 +48,7 @@ from stateblock.app.plan import (
 from stateblock.app.stack import credentials_wiring
 from stateblock.settings import CAPTURE, GATEWAY, READOUT
 
+UP_PROCESS = "stack"  # the one process of an in-process stack
 ENGINE_SETTINGS = {  # the readout's engine options (ReadoutServiceConfig.engine_options)
     "matmul_precision": settings.MATMUL_PRECISION,
     "head": settings.READOUT_HEAD,
@@ -90,6 +96,9 @@ class ProcStackConfig:
     # STATEBLOCK_* for the services: each gets those its component reads
     extra_env: dict[str, str] = field(default_factory=dict)
     nats_monitor: bool = False  # nats-server's HTTP monitoring (/varz) on a free port
+    # IN_PROCESS: one `stateblock up` process (its own nats-server, every service on one
+    # event loop, the `local` data plane unless extra_env says otherwise)
+    placement: str = PROCESSES
 
     def plan(self) -> StackPlan:
         """The stack these processes run, every port a free one."""
@@ -111,9 +120,11 @@ class ProcStackConfig:
         ports = Ports(
             http=0, grpc=0, capture=(0,) * c, capture_metrics=(0,) * c, readout_metrics=(0,) * n
         )
+        if self.placement == IN_PROCESS:  # the metrics on the gateway's HTTP port
+            ports = Ports(http=0, grpc=0)
         plan = StackPlan(
             data_dir=self.data_dir,
-            placement=PROCESSES,
+            placement=self.placement,
             nats_max_payload=self.nats_max_payload,
             captures=c,
             readout_procs=n,
@@ -164,6 +175,8 @@ class ProcStack:
             raise
 
     def _start(self, plan: StackPlan) -> str:
+        if plan.placement == IN_PROCESS:
+            return self._start_up(plan)
         nats_port = self._start_nats()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
         wiring = credentials_wiring(plan.data_dir, self.nats_url)
@@ -188,6 +201,19 @@ class ProcStack:
         for url in self._metrics_urls:
             self._wait(lambda u=url: _http_ok(u), url)
         return f"http://127.0.0.1:{p.http}"
+
+    def _start_up(self, plan: StackPlan) -> str:
+        """One `stateblock up` process: ready once the gateway's /health answers (it starts
+        after the capture's warm-up and the workers)."""
+        p = plan.ports
+        argv = [sys.executable, "-m", "stateblock.app.cli", "up", "--data-dir",
+                str(plan.data_dir), "--host", LOOPBACK, "--http-port", str(p.http),
+                "--grpc-port", str(p.grpc)]  # fmt: skip
+        self._spawn(UP_PROCESS, argv, plan.up_env())
+        url = f"http://{LOOPBACK}:{p.http}"
+        self._wait(lambda: _http_ok(f"{url}/health"), UP_PROCESS)
+        self._metrics_urls = [f"{url}/metrics"]
+        return url
 
     def _start_nats(self) -> int:
         """nats-server with JetStream on a free port, its store in the data dir."""
@@ -240,8 +266,12 @@ class ProcStack:
         return tuple(self._metrics_urls)
 
     def pids(self) -> dict[str, int]:
-        """{service name: process id} of the processes still running."""
-        return {n: p.pid for n, p in self._procs.items() if p.poll() is None}
+        """{service name: process id} of the processes still running (in-process, the
+        `stateblock up` process and its nats-server)."""
+        out = {n: p.pid for n, p in self._procs.items() if p.poll() is None}
+        if UP_PROCESS in out:
+            out.update((NATS, pid) for pid in _children(out[UP_PROCESS], "nats-server"))
+        return out
 
     def signal(self, name: str, sig: int) -> None:
         """Send a signal to one service's process (SIGKILL, SIGSTOP, SIGCONT...)."""
@@ -285,6 +315,19 @@ def _probe(service: Service, plan: StackPlan, nats_port: int) -> Callable[[], bo
         url = f"http://127.0.0.1:{plan.ports.readout_metrics[service.index]}/metrics"
         return lambda: _http_ok(url)
     return lambda: _http_ok(f"http://127.0.0.1:{plan.ports.http}/health")
+
+
+def _children(pid: int, name: str) -> list[int]:
+    """The process's children whose command is `name` (Linux /proc; none elsewhere)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):  # a thread's own children each
+        try:
+            for child in (task / "children").read_text().split():
+                if Path(f"/proc/{child}/comm").read_text().strip() == name:
+                    found.append(int(child))
+        except OSError:
+            continue
+    return found
 
 
 def _port_open(port: int) -> bool:

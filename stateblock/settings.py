@@ -202,7 +202,12 @@ ANSWER_DEPTH_MAX = _setting(
 )  # fmt: skip
 
 # --- several services ----------------------------------------------------------------------
-DEVICE = _setting("DEVICE", str, "cpu", "`cpu` or `cuda`", (CAPTURE, READOUT), chart=COMPUTED)
+DEVICE = _setting(
+    "DEVICE", str, "cpu",
+    "`cpu` or `cuda`; `stateblock up`: `auto`, a CUDA device where there is one (the base "
+    "model then in `bfloat16` unless STATEBLOCK_CAPTURE_DTYPE says otherwise)",
+    (CAPTURE, READOUT, UP), defaults={UP: "auto"}, chart=COMPUTED,
+)  # fmt: skip
 METRICS_HOST = _setting(
     "METRICS_HOST", str, "127.0.0.1",
     "where `/metrics` (and the readout's health check) listen", (CAPTURE, READOUT),

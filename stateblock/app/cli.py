@@ -59,7 +59,15 @@ def cmd_up(a: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    config = embedded.UpConfig(**up_config_values(a))
+    # the settings no flag covers reach the services from the environment, as they would
+    # reach each service's own process
+    environment = embedded.environment_settings(os.environ)
+    config = embedded.UpConfig(**up_config_values(a), service_settings=environment)
+    try:  # a variable no service could start with: the same one line, nothing started
+        config.check()
+    except (runtime.ConfigError, ValueError) as e:
+        print(f"stateblock up: {e}", file=sys.stderr)
+        return 2
 
     def ready(urls: embedded.StackUrls) -> None:
         print(f"stateblock is up (model {config.model_name}, signing key {urls.key_id})")

@@ -166,6 +166,17 @@ class StackPlan:
             if service.component in setting.readers and value is not None and value != ""
         }
 
+    def up_env(self) -> dict[str, str]:
+        """The STATEBLOCK_* environment under which `stateblock up` (flags for its ports and
+        data dir) runs this plan's values: its flags' defaults and its services' settings."""
+        if self.placement != IN_PROCESS:
+            raise ValueError("`stateblock up` runs an in-process plan")
+        return {
+            setting.name: _text(value)
+            for setting, value in self.values.items()
+            if value is not None and value != ""
+        }
+
     def config(self, service: Service, wiring: Wiring) -> Any:
         """The service's typed config, read from `env` as its own process would."""
         from capture_svc.config import CaptureConfig

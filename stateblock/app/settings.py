@@ -40,6 +40,7 @@ class UpFlags:
     nats_url: str | None = declared(settings.NATS_URL)  # None: start an embedded server
     nats_replicas: int = declared(settings.NATS_REPLICAS)
     data_plane: str = declared(settings.DATA_PLANE)  # local: rows in a slot pool
+    device: str = declared(settings.DEVICE)  # auto: a CUDA device where there is one
     log_level: str = declared(settings.LOG_LEVEL)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import faulthandler
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +27,13 @@ from prometheus_client import CollectorRegistry
 from stateblock import runtime, settings
 from stateblock.app import nats_auth
 from stateblock.app.nats_server import NatsServerLost, supervised_nats_server
-from stateblock.app.plan import IN_PROCESS, Ports, StackPlan, Wiring
+from stateblock.app.plan import IN_PROCESS, WIRING, Ports, StackPlan, Wiring
 from stateblock.nats_client import NatsOptions, NatsState, connect, drain_or_close
 from stateblock.protocol import streams
-from stateblock.settings import CAPTURE, GATEWAY, READOUT
+from stateblock.settings import CAPTURE, GATEWAY, READOUT, Setting
 
 if TYPE_CHECKING:
+    from readout_svc.config import ReadoutServiceConfig
     from stateblock.engines import ReadoutEngine
     from stateblock.model.loading import ServingModel
     from stateblock.protocol.keys import Signer, TrustStore
@@ -67,6 +68,12 @@ class UpConfig:
     capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
     # local: the rows stay on the capture's device in a slot pool this process's workers read
     data_plane: str = settings.DATA_PLANE.default_for(settings.UP)
+    # `cpu`, `cuda` or `auto` (a CUDA device where there is one): where the model is loaded
+    # when none is handed to the stack; on a GPU the base model is bfloat16 unless set
+    device: str = "cpu"
+    # every other setting a service reads that `up` neither reads itself nor wires (its
+    # STATEBLOCK_* variables, `environment_settings`): each given to the services reading it
+    service_settings: Mapping[Setting, str] = field(default_factory=dict)
     # One NATS connection per service, as separate processes have (the benches): on a
     # shared one the capture's publish ack queues behind the delivery of the same block
     # to a worker, both read by one client loop. Always so on the stack's own nats-server,
@@ -96,7 +103,11 @@ class UpConfig:
             settings.CAPTURE_COMPILE: self.capture_compile,
             settings.BATCH_WINDOW_S: self.batch_window_s,  # None: the capture's default
             settings.DATA_PLANE: self.data_plane,
+            settings.DEVICE: resolve_device(self.device),
         }
+        if values[settings.DEVICE] != "cpu":  # a GPU's dtype, unless the settings say one
+            values[settings.CAPTURE_DTYPE] = "bfloat16"
+        values.update(self.service_settings)
         return StackPlan(
             data_dir=self.data_dir.resolve(),
             placement=IN_PROCESS,
@@ -106,6 +117,19 @@ class UpConfig:
             ports=Ports(http=self.http_port, grpc=self.grpc_port, capture=(self.capture_port,)),
             values=values,
         )
+
+    def check(self) -> StackPlan:
+        """The plan, with every service's config read from it as the service will read it
+        (provisional wiring in the data dir); raises runtime.ConfigError or ValueError, so a
+        setting no service could start with stops `up` before anything starts."""
+        plan = self.plan()
+        d = plan.data_dir
+        wiring = Wiring(plan.nats_url or "nats://127.0.0.1:4222", d / "keys", d / "readout-keys",
+                        d / "capture-token", capture_port=1)  # fmt: skip
+        for service in plan.services():
+            if service.component in settings.SERVICES:
+                plan.config(service, wiring)
+        return plan
 
 
 @dataclass(frozen=True)
@@ -165,20 +189,51 @@ def _wiring(creds: _Credentials, nats_url: str) -> Wiring:
     return Wiring(nats_url, creds.key_dir, creds.readout_key_dir, creds.token_file)
 
 
+def resolve_device(device: str) -> str:
+    """`auto`: `cuda` where torch sees a CUDA device, else `cpu`; any other name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def environment_settings(environ: Mapping[str, str]) -> dict[Setting, str]:
+    """`UpConfig.service_settings` from `environ`: the STATEBLOCK_* variables set there of
+    the settings a service reads that `up` neither reads itself (its flags, NATS login,
+    event loop) nor wires (ports, keys, addresses)."""
+    return {
+        setting: environ[setting.name]
+        for setting in settings.SETTINGS
+        if environ.get(setting.name)
+        and set(setting.readers) & set(settings.SERVICES)
+        and settings.UP not in setting.readers
+        and setting not in WIRING
+    }
+
+
 async def _served(
-    config: UpConfig, model: ServingModel | None, engine: ReadoutEngine | None
+    plan: StackPlan,
+    readout: ReadoutServiceConfig,
+    model: ServingModel | None,
+    engine: ReadoutEngine | None,
 ) -> tuple[ServingModel, ReadoutEngine]:
-    """The given model and engine, else config.base_dir on the CPU with config.engine."""
+    """The given model and engine, else the plan's base model on its device (in its capture
+    dtype) and its engine there with the readout's engine settings."""
     from stateblock.engines import create_engine, require_engine
-    from stateblock.model.loading import load_serving_model
+    from stateblock.model.loading import load_serving_model, parse_dtype
 
     if engine is None:
-        require_engine(config.engine)
+        require_engine(readout.engine)
     if model is None:
+        dtype = parse_dtype(plan.value(settings.CAPTURE_DTYPE))
         model = await asyncio.to_thread(
-            load_serving_model, config.model_name, config.base_dir, config.decoder_dir
-        )
-    return model, engine if engine is not None else create_engine(config.engine, model)
+            load_serving_model, readout.model_name, readout.base_dir, readout.decoder_dir,
+            device=readout.device, dtype=dtype,
+        )  # fmt: skip
+    if engine is None:
+        engine = create_engine(readout.engine, model, readout.device, **readout.engine_options())
+    return model, engine
 
 
 async def _nats(
@@ -252,20 +307,22 @@ async def running_stack(
 ) -> AsyncIterator[StackUrls]:
     """Every service of the request path, ready when this yields; stopped in reverse order.
 
-    `model` and `engine`, when given, are served instead of loading config.base_dir on the
-    CPU with config.engine (the GPU bench builds both on the device)."""
+    `model` and `engine`, when given, are served instead of loading config.base_dir on
+    config.device with config.engine (the GPU benches build both themselves)."""
     from capture_svc.server import running_capture
     from gateway.server import running_gateway
     from readout_svc.server import running_readout
 
     plan = (config if engine is None else dataclasses.replace(config, engine=engine.name)).plan()
-    model, engine = await _served(config, model, engine)
     metrics = CollectorRegistry() if metrics is None else metrics
     plan.data_dir.mkdir(parents=True, exist_ok=True)
     creds = _credentials(plan.data_dir)
     async with AsyncExitStack() as stack:
         nats_url, nats_lost = await _nats(stack, plan, creds)
         wiring = _wiring(creds, nats_url)
+        model, engine = await _served(
+            plan, plan.config(plan.service(READOUT), wiring), model, engine
+        )
         own_nats = plan.nats_url is None  # its users: one per service
         logins = creds.nats_passwords if own_nats else None
         connection = _Connections(stack, nats_url, metrics, config.connection_per_service, logins)

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 import httpx
@@ -27,6 +28,7 @@ from capture_svc.service import CaptureUnavailable
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from registry import Registry
+from stateblock.app.plan import IN_PROCESS
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
 from stateblock.model.shm import SHM_DIR, host_placement
@@ -405,3 +407,31 @@ async def test_a_capture_with_every_slot_held_is_unavailable_and_leaves_nothing(
 
 def lane(prompt: str, max_tokens: int) -> capture_pb2.CaptureLane:
     return capture_pb2.CaptureLane(prompt=prompt, max_tokens=max_tokens)
+
+
+def test_the_bench_runs_stateblock_up_as_one_process(stack, decoder_dir, tmp_path):
+    """The load bench's in-process placement: one `stateblock up` process started from the
+    bench's plan (its settings through the environment `up` reads): the bus's answers from
+    the local plane, the services' stages on its one /metrics, its nats-server among the
+    processes the bench measures, and nothing left when it stops."""
+    procs = ProcStack(
+        ProcStackConfig(
+            data_dir=tmp_path / "up", model_name=MODEL, base_dir=REFERENCE_BASE,
+            decoder_dir=decoder_dir, device="cpu", capture_dtype="float32",
+            engine="reference", ready_timeout_s=180.0, placement=IN_PROCESS,
+            extra_env={"STATEBLOCK_CAPTURE_COHORT_LANES": "16"},
+        )
+    )  # fmt: skip
+    url = procs.start()
+    try:
+        assert answers(url) == answers(stack.urls.http)
+        stages = procs.scrape()
+        assert stages[("stateblock_capture_stage_seconds_count", "forward")] >= len(PROMPTS)
+        assert stages[("stateblock_readout_stage_seconds_count", "readout")] >= 1
+        assert held_slots(procs.metrics_urls[0]) == ["stateblock_capture_slots_held 0.0"]
+        pids = procs.pids()
+        assert set(pids) == {"stack", "nats"}
+    finally:
+        procs.stop()
+    assert procs.pids() == {}
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids.values())

@@ -36,8 +36,9 @@ def nats_servers_of(data_dir: Path) -> list[int]:
     return pids
 
 
-def up(data_dir: Path, *args: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT dumps every thread's stack
+def up(data_dir: Path, *args: str, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    # SIGABRT dumps every thread's stack
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "stateblock.app.cli", "up", "--data-dir", str(data_dir), *args],
         cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -131,6 +132,61 @@ def test_a_bad_setting_is_one_line_and_nothing_left(tmp_path, args, says):
     (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
     assert says in line
     assert nats_servers_of(data) == []
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"STATEBLOCK_MAX_LANES": "0"}, "STATEBLOCK_MAX_LANES"),
+        ({"STATEBLOCK_LEASE_S": "30", "STATEBLOCK_ACK_WAIT_S": "20"}, "STATEBLOCK_ACK_WAIT_S"),
+    ],
+    ids=["unreadable", "inconsistent"],
+)
+def test_a_bad_service_variable_stops_up_before_it_starts(tmp_path, env, says):
+    """A STATEBLOCK_* setting no flag covers goes to the services that read it; one they could
+    not start with is exit 2 and one line naming it, before nats-server or a model load."""
+    data = tmp_path / "up"
+    proc = up(data, "--http-port", "0", "--grpc-port", "0", env=env)
+    rc, err = exit_of(proc)
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("stateblock up:")]
+    assert says in line
+    assert nats_servers_of(data) == [] and not (data / "nats").exists()
+
+
+def url_of(proc: subprocess.Popen) -> str:
+    """The OpenAI base URL `up` prints once it is ready."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if not line:
+            break
+        if "OpenAI HTTP API" in line:
+            return line.split()[-1]
+    raise AssertionError(f"up not ready: {proc.stderr.read().decode()[-2000:]}")
+
+
+def test_up_gives_its_services_the_settings_of_the_environment(tmp_path):
+    """`STATEBLOCK_MAX_LANES=1 stateblock up`: the gateway `up` runs holds requests to one
+    lane (the default is 8), as its own process would under that variable."""
+    import openai
+
+    proc = up(
+        tmp_path / "up", "--http-port", str(free_port()), "--grpc-port", "0",
+        env={"STATEBLOCK_MAX_LANES": "1"},
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=url_of(proc), api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        one = client.completions.create(model=model, prompt="copy: ab", max_tokens=4)
+        assert len(one.choices) == 1
+        with pytest.raises(openai.BadRequestError, match="lanes|n ") as e:
+            client.completions.create(model=model, prompt="copy: ab", max_tokens=4, n=2)
+        assert e.value.status_code == 400
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
 
 
 def test_up_serves_a_hugging_face_style_model_name(tmp_path):

@@ -21,6 +21,7 @@ from stateblock.app.plan import (
     StackPlan,
     Wiring,
 )
+from stateblock.app.plan import WIRING as WIRING_SETTINGS
 from stateblock.app.stack import UpConfig
 from stateblock.runtime import ConfigError
 
@@ -177,3 +178,49 @@ def test_the_plan_carries_the_data_plane_and_refuses_local_rows_across_processes
 def test_an_unknown_data_plane_is_a_start_up_error(config):
     with pytest.raises(ConfigError, match="STATEBLOCK_DATA_PLANE='shm' must be"):
         config.from_env({"STATEBLOCK_DATA_PLANE": "shm"})
+
+
+def test_up_takes_the_service_settings_of_its_environment_and_nothing_it_wires():
+    """`stateblock up` gives its services the STATEBLOCK_* settings no flag of its covers;
+    ports, keys, NATS logins and its own flags' variables are not among them."""
+    from stateblock.app.stack import environment_settings
+
+    environ = {
+        "STATEBLOCK_CAPTURE_COHORT_TOKENS": "4096", "STATEBLOCK_GREEDY_DTYPE": "bfloat16",
+        "STATEBLOCK_MAX_LANES": "", "STATEBLOCK_CAPTURE_PORT": "5", "STATEBLOCK_NATS_USER": "u",
+        "STATEBLOCK_WORKERS": "7", "STATEBLOCK_KEY_DIR": "/k", "HOME": "/root",
+    }  # fmt: skip
+    chosen = environment_settings(environ)
+    assert {s.name for s in chosen} == {
+        "STATEBLOCK_CAPTURE_COHORT_TOKENS",
+        "STATEBLOCK_GREEDY_DTYPE",
+    }
+    plan = UpConfig(data_dir=Path("/d"), workers=3, engine="torch", service_settings=chosen).check()
+    capture = plan.config(plan.service("capture"), WIRING)
+    readout = plan.config(plan.service("readout"), WIRING)
+    assert capture.cohort_tokens == 4096 and capture.port == 0
+    assert readout.engine_options() == {"greedy_dtype": "bfloat16"} and readout.workers == 3
+
+
+def test_up_on_a_gpu_loads_bfloat16_unless_its_settings_say_otherwise():
+    from stateblock.app.stack import environment_settings
+
+    def dtype(**kw) -> str:
+        plan = UpConfig(data_dir=Path("/d"), **kw).plan()
+        return plan.config(plan.service("capture"), WIRING).dtype
+
+    assert dtype() == "float32"  # UpConfig's device: the CPU
+    assert dtype(device="cuda") == "bfloat16"
+    chosen = environment_settings({"STATEBLOCK_CAPTURE_DTYPE": "float32"})
+    assert dtype(device="cuda", service_settings=chosen) == "float32"
+    auto = UpConfig(data_dir=Path("/d"), device="auto").plan()
+    assert auto.value(settings.DEVICE) in ("cpu", "cuda")  # never "auto" past the plan
+
+
+def test_an_in_process_plan_is_the_environment_up_reads():
+    plan = _procs(placement=IN_PROCESS, extra_env={"STATEBLOCK_CAPTURE_COHORT_LANES": "16"}).plan()
+    env = plan.up_env()
+    assert env["STATEBLOCK_CAPTURE_COHORT_LANES"] == "16" and env["STATEBLOCK_DEVICE"] == "cpu"
+    assert not set(env) & {s.name for s in WIRING_SETTINGS}
+    with pytest.raises(ValueError, match="in-process"):
+        _procs().plan().up_env()
