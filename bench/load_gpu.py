@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds kept for the AR step (default: 150 on CUDA, 60 elsewhere)")  # fmt: skip
     ap.add_argument("--ratio-clients", type=int, default=64,
                     help="the level and AR batch whose answer tokens/s are compared")  # fmt: skip
+    ap.add_argument(
+        "--profile-clients",
+        type=int,
+        default=0,
+        help="at this level of the first depth, py-spy samples each service "
+        "process (where py-spy is on the PATH); 0: none",
+    )
     ap.add_argument("--stall-clients", type=int, default=0, help="0: no compile-stall level")
     ap.add_argument("--stall-compile", default="reduce-overhead")
     ap.add_argument("--big-clients", type=int, default=0,
@@ -246,9 +253,15 @@ def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, ref
     """One level with the probes read around it."""
     level = Level(url, prompts, depth, args.max_requests)
     pids = {**stack.pids(), "bench-clients": os.getpid()}
+    profiles = None
+    if clients == args.profile_clients and depth == args.depths[0]:
+        services = {k: v for k, v in pids.items() if k not in ("bench-clients", "nats")}
+        profiles = load_probes.Profiles(args.out, services, args.level_s)
     cpu0, varz0 = load_probes.cpu_snapshot(pids), load_probes.varz(stack.nats_monitor_url)
     hist0 = stack.scrape(load_probes.FAMILIES)
     w0 = time.perf_counter()
+    if profiles is not None:
+        profiles.start()
     t0, t1 = level.run(clients, args.level_s)
     wall = time.perf_counter() - w0
     cpu1, varz1 = load_probes.cpu_snapshot(pids), load_probes.varz(stack.nats_monitor_url)
@@ -267,6 +280,8 @@ def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, ref
         nats=load_probes.nats_rates(varz0, varz1, wall),
         stages=load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall),
     )
+    if profiles is not None:
+        out["profiles"] = profiles.finish()
     return out
 
 

@@ -149,3 +149,65 @@ def stages(before: dict, after: dict, wall: float) -> dict:
             out[key] = {"n": int(n), "mean_ms": round(1000.0 * total / n, 3),
                         "in_flight": round(total / wall, 3)}  # fmt: skip
     return out
+
+
+class Profiles:
+    """py-spy samples of the services' Python stacks over one level (--profile-clients):
+    one collapsed-stack file a process (`pyspy-<name>.txt`, each thread while it runs, not
+    while it sleeps or waits), its samples by thread, and the top functions by own samples. An
+    optional probe: without py-spy on the PATH (or allowed to read the processes) the report
+    says so and the level is measured as any other."""
+
+    def __init__(self, out_dir, pids: dict[str, int], seconds: float, rate: int = 200) -> None:
+        self._exe = shutil.which("py-spy")
+        self._out, self._pids, self._seconds, self._rate = out_dir, pids, seconds, rate
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        if self._exe is None:
+            return
+        for name, pid in self._pids.items():
+            cmd = [self._exe, "record", "--pid", str(pid), "--duration", f"{self._seconds:.0f}",
+                   "--rate", str(self._rate), "--format", "raw", "--threads",
+                   "--nonblocking", "--output", str(self._out / f"pyspy-{name}.txt")]  # fmt: skip
+            self._procs[name] = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+
+    def finish(self) -> dict:
+        """{process: its top functions by own samples, or why it has none}."""
+        if self._exe is None:
+            return {"skipped": "py-spy is not on the PATH"}
+        out = {}
+        for name, proc in self._procs.items():
+            try:
+                _, err = proc.communicate(timeout=self._seconds + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                err = "py-spy did not finish"
+            path = self._out / f"pyspy-{name}.txt"
+            out[name] = top_frames(path) if path.is_file() else {"error": (err or "")[-400:]}
+        return out
+
+
+def top_frames(path, n: int = 25) -> dict:
+    """A collapsed-stack file's samples, and its top `n` leaf frames by share of them (the
+    thread's name kept: `thread;frame;...;leaf count`)."""
+    leaves: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        key = f"{frames[0]} :: {frames[-1]}"
+        leaves[key] = leaves.get(key, 0) + int(count)
+        threads[frames[0]] = threads.get(frames[0], 0) + int(count)
+        total += int(count)
+
+    def shares(counts: dict[str, int], k: int) -> list:
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:k]
+        return [[name, round(v / max(total, 1), 4)] for name, v in top]
+
+    return {"samples": total, "threads": shares(threads, 12), "top": shares(leaves, n)}
