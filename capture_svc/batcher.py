@@ -25,7 +25,8 @@ A compiled forward runs a fixed set of shapes: a cohort's lanes are padded up to
 bucket with dummy lanes of pad ids (their rows are cut off before the plan table sees the
 forward's output, so they reach no block), and `warm_shapes` lists every (lane bucket,
 width bucket) pair a cohort can reach, which the service runs through the forward before
-it is ready.
+it is ready. The smallest bucket is two lanes: one lane alone would run a graph of its own
+(dynamo specializes sizes of 1), so a request alone would not get its rows in company.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ from stateblock.service_config import BlocksServiceConfig
 declared = settings.fields_for(settings.CAPTURE)
 
 
+# A compiled forward never runs one lane: dynamo compiles a batch of one as a graph of its
+# own (it specializes sizes of 1), whose kernels may round otherwise than the symbolic-lanes
+# graph every larger cohort runs, so a request alone would get other rows than in company.
+# A lone lane runs with a dummy lane beside it, through the graph its company would use.
+MIN_COMPILED_LANES = 2
+
+
 @dataclass(frozen=True)
 class CohortLimits:
     """What one base forward carries at most: lanes, and padded tokens (lanes x the bucket
@@ -106,9 +113,10 @@ class CaptureConfig(BlocksServiceConfig):
     @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:
         """The lane counts a compiled cohort is padded to: the configured buckets below the
-        cohort's lane limit, and that limit. None when the forward is eager: any lane count
-        runs as is."""
+        cohort's lane limit, and that limit, none under MIN_COMPILED_LANES. None when the
+        forward is eager: any lane count runs as is."""
         if self.compile == "off":
             return None
         top = self.cohort.lanes
-        return tuple(sorted({b for b in self.lane_buckets if b < top} | {top}))
+        buckets = {b for b in self.lane_buckets if b < top} | {top}
+        return tuple(sorted({max(b, MIN_COMPILED_LANES) for b in buckets}))

@@ -382,8 +382,9 @@ CAPTURE_COHORT_TOKENS = _setting(
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
     "compiled only: the lane counts a cohort is padded to with dummy lanes (the cohort's lane "
-    "limit is always one); every (lane bucket, prompt bucket) shape a cohort can reach warms "
-    "up before the capture is SERVING, so fewer buckets are fewer shapes to warm up",
+    "limit is always one; a bucket of 1 runs as 2, so a request alone runs the kernels it "
+    "would run in company); every (lane bucket, prompt bucket) shape a cohort can reach "
+    "warms up before the capture is SERVING, so fewer buckets are fewer shapes to warm up",
     (CAPTURE,), minimum=1, chart="capture.laneBuckets",
 )  # fmt: skip
 BLOCK_TTL_S = _setting(

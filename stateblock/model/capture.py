@@ -48,8 +48,9 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     at once, and a later read of an overwritten output raises instead of returning them.
 
     Lanes and width are symbolic (`dynamic=True`): one graph serves every width bucket and
-    lane count above one, and lanes == 1 gets a second (dynamo specializes sizes of 1), so a
-    model compiles twice whatever the number of buckets. "reduce-overhead" still records
+    lane count above one, and lanes == 1 would get a second (dynamo specializes sizes of 1),
+    whose kernels may round otherwise: the capture service never runs one lane compiled
+    (capture_svc.config.MIN_COMPILED_LANES), so a model compiles once. "reduce-overhead" still records
     one CUDA graph per concrete (lanes, width) shape on that shape's first calls: `warm_up`
     makes them all before a request arrives.
 

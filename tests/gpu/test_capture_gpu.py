@@ -1,6 +1,7 @@
-"""The eager capture's two forward threads on a CUDA GPU, each on a stream of its own: a
-cohort's rows, captured while the other thread runs forwards of other prompts, are bit for
-bit the rows of the same prompts captured alone. Skipped cleanly without a GPU."""
+"""The capture's rows on a CUDA GPU do not depend on their company: the eager capture's two
+forward threads, each on a stream of its own (a cohort's rows, captured while the other
+thread runs forwards of other prompts, are bit for bit the rows of the same prompts alone),
+and the compiled forward at every lane bucket. Skipped cleanly without a GPU."""
 
 from __future__ import annotations
 
@@ -50,3 +51,47 @@ def test_two_forward_threads_on_their_own_streams_capture_the_rows_of_each_alone
         rows = [job.result() for job in jobs]
     for k, got in enumerate(rows):
         assert torch.equal(got, alone[k % len(PROMPTS)]), f"job {k}"
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode):
+    """Compiled, with the service's lane buckets (no cohort of one lane), a prompt's rows in
+    a cohort of 2 to 32 lanes (the others other prompts, padded up with dummy lanes) equal
+    its rows alone bit for bit: a request's answer does not depend on its company."""
+    from capture_svc.batcher import bucket_width, warm_shapes
+    from capture_svc.config import CaptureConfig
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+    from stateblock.model.loading import load_base
+
+    buckets = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": mode}).cohort_lane_buckets
+    model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=60)
+    forward = CohortForward(
+        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE, lane_buckets=buckets
+    )
+    hidden = model.config.hidden_size
+    compile_backbone(model, mode)
+    try:
+        forward.warm_up(warm_shapes(buckets, 64))
+
+        def run(tag: str, prompts: list[str]) -> list[torch.Tensor]:
+            pending = []
+            for i, p in enumerate(prompts):
+                ids = [tok(p)["input_ids"]]
+                layout = envelope.make_layout(
+                    f"{tag}{i}", [len(ids[0])], [4], hidden_size=hidden, dtype=torch.bfloat16
+                )
+                pending.append(Pending(plans.register(f"{tag}{i}", layout), ids, None))
+            forward(pending)
+            return [plans.consume(p.plan.request_id, p.plan.layout_digest).cpu() for p in pending]
+
+        # one width bucket (16), as the batcher's cohorts are; lengths 9 to 15
+        prompts = [f"copy: {'abcdefghij'[i % 10] * (3 + i % 7)} {i}" for i in range(16)]
+        assert {bucket_width(len(tok(p)["input_ids"])) for p in prompts} == {16}
+        alone = [run(f"alone{i}-", [p])[0] for i, p in enumerate(prompts)]
+        for lanes in (2, 3, 5, 8, 13, 16):
+            got = run(f"c{lanes}-", prompts[:lanes])
+            for i in range(lanes):
+                assert torch.equal(got[i], alone[i]), f"{lanes} lanes, prompt {i}"
+    finally:
+        uncompile_backbone(model)

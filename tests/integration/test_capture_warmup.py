@@ -51,9 +51,10 @@ def test_lane_buckets_from_env():
     assert CaptureConfig.from_env({}).lane_buckets == (1, 2, 4, 8, 16, 32)
     assert CaptureConfig.from_env({}).cohort_lane_buckets is None  # eager: no lane padding
     env = {"STATEBLOCK_CAPTURE_COMPILE": "reduce-overhead"}
-    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 2, 4, 8, 16, 32)
+    # a compiled forward never runs one lane (MIN_COMPILED_LANES)
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 4, 8, 16, 32)
     env |= {"STATEBLOCK_CAPTURE_LANE_BUCKETS": "4,1,16", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
-    assert CaptureConfig.from_env(env).cohort_lane_buckets == (1, 4, 12)  # the cohort closes it
+    assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 4, 12)  # the cohort closes it
     for bad in ("1,two", "0,4", "-1"):
         with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
@@ -93,13 +94,7 @@ def test_warm_shapes_stop_at_what_a_cohort_can_carry():
     config = CaptureConfig.from_env(
         {"STATEBLOCK_CAPTURE_COMPILE": "inductor", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
     )
-    assert config.cohort == CohortLimits(12, 16384) and config.cohort_lane_buckets == (
-        1,
-        2,
-        4,
-        8,
-        12,
-    )
+    assert config.cohort == CohortLimits(12, 16384) and config.cohort_lane_buckets == (2, 4, 8, 12)
     env = {"STATEBLOCK_CAPTURE_COHORT_LANES": "2", "STATEBLOCK_MAX_LANES": "6"}
     assert CaptureConfig.from_env(env).cohort.lanes == 6  # a request's lanes share a forward
 
@@ -157,6 +152,39 @@ def test_dummy_lanes_leave_each_lanes_rows_bit_identical(serving_model):
         assert torch.equal(a, b), (a - b).abs().max().item()
 
 
+def test_a_compiled_forward_gives_a_lane_the_rows_of_its_company_alone(tmp_path, monkeypatch):
+    """Compiled (inductor), a prompt alone runs beside a dummy lane through the graph its
+    company runs (never the one-lane graph dynamo specializes): its rows alone and in a
+    cohort of three, padded to four, are equal bit for bit."""
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+    from stateblock.model.loading import load_base
+    from stateblock.runtime import REFERENCE_BASE
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    buckets = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "inductor"}).cohort_lane_buckets
+    assert buckets is not None and min(buckets) == 2
+    model, tok = load_base(REFERENCE_BASE)
+    serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = CohortForward(
+        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, lane_buckets=buckets
+    )
+    prompts = ["copy: a", "sort: zyxwvu", "reverse: hello"]
+    seen, remove = batch_shapes(model)
+    compile_backbone(model, "inductor")
+    try:
+        together = run_cohort(forward, reg, serving, prompts, "together")
+        alone = [
+            run_cohort(forward, reg, serving, [p], f"alone{i}")[0] for i, p in enumerate(prompts)
+        ]
+    finally:
+        remove()
+        uncompile_backbone(model)
+    assert seen == [(4, 16)] + [(2, 16)] * 3  # no forward of one lane
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
 async def health(port: int) -> dict[str, int]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -208,7 +236,7 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
 ):
     """aot_eager (the compile path without codegen) over 2 lane buckets x 2 widths: health is
     NOT_SERVING and a Capture is a retryable UNAVAILABLE while the shapes run; after, requests
-    of each shape (a dummy lane in one) compile no new graph and publish the eager rows."""
+    (one with a dummy lane) compile no new graph and publish the eager rows."""
     from stateblock.model.loading import load_serving_model
     from tests.helpers import REFERENCE_BASE
 
@@ -219,7 +247,7 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
         "STATEBLOCK_CAPTURE_HOST": "127.0.0.1",
         "STATEBLOCK_CAPTURE_LANE_BUCKETS": "1",
         "STATEBLOCK_MAX_LANES": "3",
-        "STATEBLOCK_CAPTURE_COHORT_LANES": "3",  # buckets 1 and 3
+        "STATEBLOCK_CAPTURE_COHORT_LANES": "3",  # buckets 2 (1 runs as 2) and 3
         "STATEBLOCK_PROMPT_LEN_MAX": "24",  # widths 16 and 24
     }
     config = CaptureConfig.from_env(env)
@@ -246,7 +274,7 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
             graphs_before_warm_up = counters["stats"]["unique_graphs"]
             gated_warm_up.set()
             running = await asyncio.wait_for(entered, 300)
-            assert sorted(set(seen)) == [(1, 16), (1, 24), (3, 16), (3, 24)]
+            assert sorted(set(seen)) == [(2, 16), (2, 24), (3, 16), (3, 24)]
             graphs = counters["stats"]["unique_graphs"]
             assert graphs > graphs_before_warm_up  # the counter sees the warm-up's compiles
             assert metrics.get_sample_value("stateblock_capture_warmup_seconds") > 0
@@ -256,10 +284,11 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
 
             sub = await nc.jetstream().pull_subscribe(streams.blocks_subject(MODEL), "probe")
             seen.clear()
-            await running.service.capture("one", MODEL, [lane(prompt=short, max_tokens=4)])
+            one = [lane(prompt=short, max_tokens=4)]
+            await running.service.capture("one", MODEL, one)  # 1 lane + 1 dummy
             two = [lane(prompt=long, max_tokens=4), lane(prompt=short, max_tokens=4)]
-            await running.service.capture("two", MODEL, two)  # 2 lanes + 1 dummy
-            assert seen == [(1, 16), (3, 24)]
+            await running.service.capture("two", MODEL, two)  # 2 lanes, bucket 2
+            assert seen == [(2, 16), (2, 24)]
             assert counters["stats"]["unique_graphs"] == graphs  # no compile on a request
             msgs = await sub.fetch(2, timeout=5)
     finally:
