@@ -190,12 +190,22 @@ def _wiring(creds: _Credentials, nats_url: str) -> Wiring:
 
 
 def resolve_device(device: str) -> str:
-    """`auto`: `cuda` where torch sees a CUDA device, else `cpu`; any other name as given."""
-    if device != "auto":
-        return device
+    """`auto`: `cuda` where torch sees a CUDA device, else `cpu`; `cpu`, `cuda` and `cuda:N`
+    as given, when this machine has that device; raises runtime.ConfigError otherwise."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise runtime.ConfigError(f"STATEBLOCK_DEVICE={device!r} must be auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DEVICE={device}: this machine has no such CUDA device"
+        )
+    return device
 
 
 def environment_settings(environ: Mapping[str, str]) -> dict[Setting, str]:

@@ -139,8 +139,10 @@ def test_a_bad_setting_is_one_line_and_nothing_left(tmp_path, args, says):
     [
         ({"STATEBLOCK_MAX_LANES": "0"}, "STATEBLOCK_MAX_LANES"),
         ({"STATEBLOCK_LEASE_S": "30", "STATEBLOCK_ACK_WAIT_S": "20"}, "STATEBLOCK_ACK_WAIT_S"),
+        ({"STATEBLOCK_DEVICE": "tpu"}, "STATEBLOCK_DEVICE='tpu' must be"),
+        ({"STATEBLOCK_DEVICE": "cuda:99"}, "no such CUDA device"),
     ],
-    ids=["unreadable", "inconsistent"],
+    ids=["unreadable", "inconsistent", "unknown_device", "absent_device"],
 )
 def test_a_bad_service_variable_stops_up_before_it_starts(tmp_path, env, says):
     """A STATEBLOCK_* setting no flag covers goes to the services that read it; one they could
