@@ -202,8 +202,12 @@ def test_up_takes_the_service_settings_of_its_environment_and_nothing_it_wires()
     assert readout.engine_options() == {"greedy_dtype": "bfloat16"} and readout.workers == 3
 
 
-def test_up_on_a_gpu_loads_bfloat16_unless_its_settings_say_otherwise():
+def test_up_on_a_gpu_loads_bfloat16_unless_its_settings_say_otherwise(monkeypatch):
+    from stateblock.app import stack
     from stateblock.app.stack import environment_settings
+
+    real = stack.resolve_device
+    monkeypatch.setattr(stack, "resolve_device", lambda d: d if d == "cuda" else real(d))
 
     def dtype(**kw) -> str:
         plan = UpConfig(data_dir=Path("/d"), **kw).plan()
