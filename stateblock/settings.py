@@ -245,8 +245,9 @@ READOUT_COHORT_LANES = _setting(
 ENGINE = _setting(
     "ENGINE", str, "reference",
     "the readout engine: `reference`, `onnx` or `torch` (an unknown engine, or one that "
-    "cannot load or whose manifest does not match the model, stops the worker at start-up)",
-    (READOUT, UP), chart="readout.engine",
+    "cannot load or whose manifest does not match the model, stops the worker at start-up); "
+    "`stateblock up`: `auto`, `torch` on a GPU and `reference` on the CPU",
+    (READOUT, UP), defaults={UP: "auto"}, chart="readout.engine",
 )  # fmt: skip
 DATA_PLANE = _setting(
     "DATA_PLANE", str, "bus",

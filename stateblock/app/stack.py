@@ -69,7 +69,8 @@ class UpConfig:
     # local: the rows stay on the capture's device in a slot pool this process's workers read
     data_plane: str = settings.DATA_PLANE.default_for(settings.UP)
     # `cpu`, `cuda` or `auto` (a CUDA device where there is one): where the model is loaded
-    # when none is handed to the stack; on a GPU the base model is bfloat16 unless set
+    # when none is handed to the stack; on a GPU the base model is bfloat16 unless set, and
+    # engine `auto` is `torch` (`reference` on the CPU)
     device: str = "cpu"
     # every other setting a service reads that `up` neither reads itself nor wires (its
     # STATEBLOCK_* variables, `environment_settings`): each given to the services reading it
@@ -105,8 +106,11 @@ class UpConfig:
             settings.DATA_PLANE: self.data_plane,
             settings.DEVICE: resolve_device(self.device),
         }
-        if values[settings.DEVICE] != "cpu":  # a GPU's dtype, unless the settings say one
+        on_gpu = values[settings.DEVICE] != "cpu"
+        if on_gpu:  # a GPU's dtype, unless the settings say one
             values[settings.CAPTURE_DTYPE] = "bfloat16"
+        if self.engine == "auto":  # the GPU's fast path there, the reference on the CPU
+            values[settings.ENGINE] = "torch" if on_gpu else "reference"
         values.update(self.service_settings)
         return StackPlan(
             data_dir=self.data_dir.resolve(),

@@ -202,7 +202,7 @@ def test_up_takes_the_service_settings_of_its_environment_and_nothing_it_wires()
     assert readout.engine_options() == {"greedy_dtype": "bfloat16"} and readout.workers == 3
 
 
-def test_up_on_a_gpu_loads_bfloat16_unless_its_settings_say_otherwise(monkeypatch):
+def test_up_on_a_gpu_loads_bfloat16_and_the_torch_engine_unless_told_otherwise(monkeypatch):
     from stateblock.app import stack
     from stateblock.app.stack import environment_settings
 
@@ -219,6 +219,14 @@ def test_up_on_a_gpu_loads_bfloat16_unless_its_settings_say_otherwise(monkeypatc
     assert dtype(device="cuda", service_settings=chosen) == "float32"
     auto = UpConfig(data_dir=Path("/d"), device="auto").plan()
     assert auto.value(settings.DEVICE) in ("cpu", "cuda")  # never "auto" past the plan
+
+    def engine(device: str) -> str:
+        plan = UpConfig(data_dir=Path("/d"), device=device, engine="auto").plan()
+        return plan.config(plan.service("readout"), WIRING).engine
+
+    assert (engine("cpu"), engine("cuda")) == ("reference", "torch")  # `up`'s engine auto
+    plan = UpConfig(data_dir=Path("/d"), device="cuda", engine="onnx").plan()
+    assert plan.value(settings.ENGINE) == "onnx"  # one named stays
 
 
 def test_an_in_process_plan_is_the_environment_up_reads():
