@@ -4,7 +4,7 @@
 
 1. Builds the bench-scale base and decoder (bench/models.py: random weights, seeded, nothing
    downloaded) and starts the stack as deployed, one process per service (bench/procs.py),
-   nats-server with its monitoring port.
+   nats-server with its monitoring port; or, with --placement in-process, one `stateblock up`.
 2. For each answer depth (default 256 and 1,014 tokens): a reference pass first, each of
    the --prompts distinct prompts sent alone; then for each client count C (default 1, 8,
    32, 64, 128) C threads send `/v1/completions` back to back for --level-s seconds
@@ -85,13 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
     ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
     ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
-    ap.add_argument(
-        "--placement",
-        choices=[PROCESSES, IN_PROCESS],
-        default=PROCESSES,
-        help="a process per service, or one `stateblock up` process (the rows in "
-        "its slot pool: the `local` data plane)",
-    )
+    ap.add_argument("--placement", choices=[PROCESSES, IN_PROCESS], default=PROCESSES,
+                    help="a process per service, or one `stateblock up` (`local` rows)")  # fmt: skip
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
     ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
     ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V", type=env_pair,
@@ -107,13 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds kept for the AR step (default: 150 on CUDA, 60 elsewhere)")  # fmt: skip
     ap.add_argument("--ratio-clients", type=int, default=64,
                     help="the level and AR batch whose answer tokens/s are compared")  # fmt: skip
-    ap.add_argument(
-        "--profile-clients",
-        type=int,
-        default=0,
-        help="at this level of the first depth, py-spy samples each service "
-        "process (where py-spy is on the PATH); 0: none",
-    )
+    ap.add_argument("--profile-clients", type=int, default=0,
+                    help="py-spy each service at this level of the first depth (0: none)")  # fmt: skip
     ap.add_argument("--stall-clients", type=int, default=0, help="0: no compile-stall level")
     ap.add_argument("--stall-compile", default="reduce-overhead")
     ap.add_argument("--big-clients", type=int, default=0,
