@@ -342,3 +342,28 @@ def test_unpack_writes_each_packed_file_once_beside_itself(tmp_path):
     assert (tmp_path / "base.part0.safetensors").read_bytes() == b"weights"
     assert (tmp_path / "corpus" / "train.txt").read_bytes() == b"One. Two."
     assert unpack(tmp_path) == []  # a second call finds nothing to do
+
+
+def test_a_profile_is_read_as_threads_and_top_frames(tmp_path):
+    """bench.load_probes.top_frames: py-spy's collapsed stacks (`thread;frame;...;leaf N`)
+    as shares of every sample, by thread and by (thread, leaf frame)."""
+    from bench.load_probes import Profiles, top_frames
+
+    path = tmp_path / "pyspy-capture.txt"
+    path.write_text(
+        "thread (1): MainThread;run (a.py:1);sign (keys.py:9) 6\n"
+        "thread (1): MainThread;run (a.py:1);publish (p.py:3) 2\n"
+        "thread (2): capture-fwd_0;forward (m.py:5);linear (l.py:7) 12\n"
+        "not a stack line\n"
+    )
+    got = top_frames(path, n=2)
+    assert got["samples"] == 20
+    assert got["threads"] == [["thread (2): capture-fwd_0", 0.6], ["thread (1): MainThread", 0.4]]
+    assert got["top"] == [
+        ["thread (2): capture-fwd_0 :: linear (l.py:7)", 0.6],
+        ["thread (1): MainThread :: sign (keys.py:9)", 0.3],
+    ]
+    profiles = Profiles(tmp_path, {"capture": 1}, 1.0)
+    profiles._exe = None  # as where py-spy is not installed: the level is measured as any other
+    profiles.start()
+    assert profiles.finish() == {"skipped": "py-spy is not on the PATH"}
