@@ -280,6 +280,7 @@ FAILING_PAUSE_S = 0.1  # between the probes of a dependency that is not answerin
 
 
 async def _probe_forever(readiness: Readiness, name: str, probe: Probe, timeout_s: float):
+    task = asyncio.current_task()
     while True:
         try:
             await asyncio.wait_for(probe(timeout_s), timeout_s)
@@ -288,6 +289,11 @@ async def _probe_forever(readiness: Readiness, name: str, probe: Probe, timeout_
             failure = f"no answer within {timeout_s:g}s"
         except Exception as e:  # any failure to answer is a reason to be unready
             failure = describe(e)
+        # A cancel that arrives in the loop turn the probe answers is lost by Python 3.11's
+        # wait_for (it returns the probe's result); the task still says it is being
+        # cancelled, so it stops here rather than probe on past its context's exit.
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
         await readiness.report(name, failure)
         # while it fails, a probe is nearly always waiting: the first answer ends the stall
         await asyncio.sleep(timeout_s / 2 if failure is None else FAILING_PAUSE_S)

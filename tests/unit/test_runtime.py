@@ -116,3 +116,24 @@ async def test_a_max_connection_age_makes_clients_reconnect_without_failing_a_ca
     finally:
         await server.stop(None)
     assert len(peers) == 20 and len(set(peers)) >= 2, set(peers)
+
+
+async def test_probing_stops_even_when_wait_for_loses_its_cancel():
+    """Python 3.11's wait_for returns the probe's result, dropping the cancel, when the probe
+    finishes in the same loop turn as the cancel arrives (the gateway's capture probe did, and
+    a test's teardown waited forever on it). `probing` still stops at the context's exit."""
+    from stateblock.nats_client import Readiness, probing
+
+    started = asyncio.Event()
+    gate = asyncio.get_running_loop().create_future()
+
+    async def probe(_timeout_s: float) -> None:
+        started.set()
+        await gate
+
+    async def leave() -> None:
+        async with probing(Readiness(), {"dep": probe}, 30.0):
+            await started.wait()
+            gate.set_result(None)  # the probe answers in the turn its cancel arrives
+
+    await asyncio.wait_for(leave(), 10)
