@@ -128,7 +128,7 @@ class UpConfig:
         setting no service could start with stops `up` before anything starts."""
         plan = self.plan()
         d = plan.data_dir
-        wiring = Wiring(plan.nats_url or "nats://127.0.0.1:4222", d / "keys", d / "readout-keys",
+        wiring = Wiring(plan.nats_url or runtime.DEFAULT_NATS_URL, d / "keys", d / "readout-keys",
                         d / "capture-token", capture_port=1)  # fmt: skip
         for service in plan.services():
             if service.component in settings.SERVICES:

@@ -50,9 +50,9 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     Lanes and width are symbolic (`dynamic=True`): one graph serves every width bucket and
     lane count above one, and lanes == 1 would get a second (dynamo specializes sizes of 1),
     whose kernels may round otherwise: the capture service never runs one lane compiled
-    (capture_svc.config.MIN_COMPILED_LANES), so a model compiles once. "reduce-overhead" still records
-    one CUDA graph per concrete (lanes, width) shape on that shape's first calls: `warm_up`
-    makes them all before a request arrives.
+    (capture_svc.config.MIN_COMPILED_LANES), so a model compiles once. "reduce-overhead"
+    still records one CUDA graph per concrete (lanes, width) shape on that shape's first
+    calls: `warm_up` makes them all before a request arrives.
 
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
