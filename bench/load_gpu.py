@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64,
                     help="distinct prompts, each sent alone once a depth (the reference)")  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
-    ap.add_argument("--workers", type=int, default=2, help="readout workers a process")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="readout workers a process (default: the readout's, by its engine)")  # fmt: skip
     ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
     ap.add_argument("--captures", type=int, default=1, help="capture processes on the GPU")
     ap.add_argument("--placement", choices=[PROCESSES, IN_PROCESS], default=PROCESSES,

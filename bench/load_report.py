@@ -140,15 +140,16 @@ def fairness_lines(f: dict) -> list[str]:
 
 def markdown(doc: dict) -> str:
     c = doc["config"]
+    workers = "the default (by engine)" if c["workers"] is None else c["workers"]
     if c.get("stack") == "in-process":
         where, shape = (
             "one `stateblock up` process",
-            f"every service in one process, {c['workers']} workers",
+            f"every service in one process, {workers} workers",
         )
     else:
         where = "one process per service"
         shape = (f"{c.get('captures', 1)} capture and {c.get('readout_procs', 1)} readout "
-                 f"processes of {c['workers']} workers")  # fmt: skip
+                 f"processes of {workers} workers")  # fmt: skip
     lines = [
         f"### Load, {where} ({c['scale']}, {c['device_name']})",
         f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "

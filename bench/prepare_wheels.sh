@@ -24,6 +24,7 @@ names=(
   structlog prometheus-client uvloop
   cryptography cffi pycparser blake3
   httpx httpcore certifi idna
+  pytest-asyncio  # the GPU tests' async ones (the image has pytest alone)
 )
 
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude

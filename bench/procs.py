@@ -85,7 +85,7 @@ class ProcStackConfig:
     device: str  # for capture and readout alike
     capture_dtype: str  # "bfloat16" on a GPU
     engine: str
-    workers: int = 2
+    workers: int | None = None  # None: the readout's default for its engine
     capture_compile: str = "off"
     blocks_storage: str = "file"
     engine_options: dict[str, str] = field(default_factory=dict)  # the readout's: ENGINE_SETTINGS

@@ -10,7 +10,9 @@ lane is over it), by a second runner beside the cohorts': its parts never hold u
 cohorts of the requests that fit. With an executor of two threads (the eager forward) a
 part runs beside a cohort; with one (a compiled forward: its CUDA graphs belong to the
 thread that warmed them up) the two runners take turns, so a request queued behind a part
-goes in the next forward. Parts of several such requests go round-robin, one part of each
+goes in the next forward. The cohorts' runner keeps up to `in_flight` forwards going (the
+eager forward: two, each on a thread and CUDA stream of its own), so the device runs the
+next cohort while the last one's rows are copied out and its callers answered. Parts of several such requests go round-robin, one part of each
 in turn; the plan table assembles a request's rows once its last lane is in.
 
 Lanes are right-padded to a bucket width (powers of two and 1.5x
@@ -223,9 +225,14 @@ class ForwardBatcher:
         max_lanes: int,
         cohort: CohortLimits | None = None,
         on_cohort: Callable[[int], None] | None = None,
+        in_flight: int = 1,
     ) -> None:
         self._forward = forward
         self._executor = executor
+        # cohort forwards at once: with two, the next cohort's forward runs on the device
+        # while the previous one's rows go out to the host and its callers are answered
+        self._in_flight = in_flight
+        self._forwards: set[asyncio.Task] = set()  # cohort forwards running
         self._window = window_s
         self._max_lanes = max_lanes  # one request's
         # one forward's; by default one request's lanes and no token bound
@@ -251,7 +258,9 @@ class ForwardBatcher:
             parted = [parts[0] for parts in self._rotation if parts]
             return parted + runtime.drained(self._queue) + runtime.drained(self._oversized)
 
-        await runtime.stop_serving(self._tasks, "capture service is shutting down", waiting)
+        await runtime.stop_serving(
+            self._tasks, "capture service is shutting down", waiting, *self._forwards
+        )
 
     def over_bound(self, lane_ids: Sequence[Sequence[int]]) -> bool:
         """Whether a request's lanes at its bucket width are over the cohort's token bound:
@@ -326,16 +335,31 @@ class ForwardBatcher:
         return cohorts
 
     async def _run(self) -> None:
-        """The requests that fit the token bound, a batch at a time, a cohort a forward."""
+        """The requests that fit the token bound, a batch at a time, a cohort a forward, up
+        to `in_flight` forwards at once. A batch is collected only once a forward can start,
+        so it takes in everything that queued while the others ran."""
+        free = asyncio.Semaphore(self._in_flight)
         while True:
-            batch = await self._collect()
-            for cohort in self._cohorts(batch):
+            await free.acquire()
+            held = True
+            for cohort in self._cohorts(await self._collect()):
+                if not held:
+                    await free.acquire()
+                held = False
                 # a caller that went away while an earlier cohort ran: its forward never starts
                 cohort = [p for p in cohort if not p.future.done()]
-                if cohort and await self._run_forward(cohort):
-                    for p in cohort:
-                        if not p.future.done():
-                            p.future.set_result(None)
+                task = asyncio.create_task(self._run_cohort(cohort), name="capture-cohort")
+                self._forwards.add(task)
+                task.add_done_callback(self._forwards.discard)
+                task.add_done_callback(lambda _: free.release())
+            if held:
+                free.release()
+
+    async def _run_cohort(self, cohort: list[Pending]) -> None:
+        if cohort and await self._run_forward(cohort):
+            for p in cohort:
+                if not p.future.done():
+                    p.future.set_result(None)
 
     async def _run_parts(self) -> None:
         """The requests over the token bound, a part a forward, one part of each in turn. A

@@ -59,6 +59,8 @@ class CaptureConfig(BlocksServiceConfig):
     # fit: continuous batching sized by tokens, not only lanes
     cohort_lanes: int = declared(settings.CAPTURE_COHORT_LANES)
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
+    # eager only: cohort forwards at once (a compiled forward's CUDA graphs are one thread's)
+    forwards: int = declared(settings.CAPTURE_FORWARDS)
     # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
     # limit is always one), so the shapes to warm up are these x the prompt-width buckets
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
@@ -109,6 +111,11 @@ class CaptureConfig(BlocksServiceConfig):
     def cohort(self) -> CohortLimits:
         """One forward's bounds; the lane bound never below a request's (max_lanes)."""
         return CohortLimits(max(self.cohort_lanes, self.limits.max_lanes), self.cohort_tokens)
+
+    @property
+    def forwards_in_flight(self) -> int:
+        """Cohort forwards at once: one when compiled (its graphs are its thread's)."""
+        return self.forwards if self.compile == "off" else 1
 
     @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:

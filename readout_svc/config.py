@@ -11,6 +11,7 @@ from stateblock import runtime, settings
 from stateblock.service_config import BlocksServiceConfig
 
 declared = settings.fields_for(settings.READOUT)
+DEFAULT_WORKERS = 2  # pull loops for an engine that reads every block alone
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class ReadoutServiceConfig(BlocksServiceConfig):
     # every readout key whose registry claims and outcomes stand (the gateway's set); an
     # entry no key here signed is a forger's and is claimed over. Default: signing_key_dir.
     readout_trusted_keys_dir: Path | None = declared(settings.READOUT_TRUSTED_KEYS_DIR)
-    workers: int = declared(settings.WORKERS)  # concurrent pull loops in this process
+    # concurrent pull loops in this process; None: `pull_loops` chooses by the engine
+    workers: int | None = declared(settings.WORKERS)
     # lanes of several blocks in one engine execution (readout_svc.cohorts); 1: block by block
     cohort_lanes: int = declared(settings.READOUT_COHORT_LANES)
     worker_id: str = declared(settings.WORKER_ID)  # default: host-pid-based, set at start-up
@@ -65,7 +67,7 @@ class ReadoutServiceConfig(BlocksServiceConfig):
                 "STATEBLOCK_GREEDY_DTYPE apply to "
                 f"STATEBLOCK_ENGINE=torch only, not {self.engine!r}"
             )
-        if self.workers < 1:
+        if self.workers is not None and self.workers < 1:
             raise runtime.ConfigError("STATEBLOCK_WORKERS must be >= 1")
         if self.ack_wait_s <= self.lease_s:
             raise runtime.ConfigError("STATEBLOCK_ACK_WAIT_S must exceed STATEBLOCK_LEASE_S")
@@ -80,3 +82,16 @@ class ReadoutServiceConfig(BlocksServiceConfig):
         if self.greedy_dtype:
             options["greedy_dtype"] = self.greedy_dtype
         return options
+
+    def combines(self, engine: object) -> bool:
+        """Whether this process reads several blocks in one execution of `engine` (one that
+        says which blocks read the same together as alone: its `cohort_key`)."""
+        return self.cohort_lanes > 1 and hasattr(engine, "cohort_key")
+
+    def pull_loops(self, engine: object) -> int:
+        """The pull loops to run: STATEBLOCK_WORKERS, or by default enough blocks in hand to
+        fill the two executions a combining engine runs at once (a block of one lane each),
+        else two."""
+        if self.workers is not None:
+            return self.workers
+        return 2 * self.cohort_lanes if self.combines(engine) else DEFAULT_WORKERS

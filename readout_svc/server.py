@@ -61,7 +61,7 @@ async def running_readout(
     engine_health: EngineHealth | None = None,
     slots: SlotPool | None = None,
 ) -> AsyncIterator[RunningReadout]:
-    """`config.workers` pull loops; on exit each finishes the block in hand, then stops. On
+    """`config.pull_loops(engine)` pull loops; on exit each finishes the block in hand, then stops. On
     the local data plane they read the capture's `slots` (this process's), and pull that
     placement's blocks alone."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
@@ -88,8 +88,11 @@ async def running_readout(
     worker_metrics = WorkerMetrics(metrics)
     base_id = config.worker_id or default_worker_id()
     stop = asyncio.Event()
+    loops = config.pull_loops(engine)
     async with AsyncExitStack() as stack:
-        executor, digests, readouts = await _engine_threads(stack, engine, config, worker_metrics)
+        executor, digests, readouts = await _engine_threads(
+            stack, engine, config, loops, worker_metrics
+        )
         # blocks whose last delivery died with its worker: ended by a signed rejection
         exhausted = ExhaustedBlocks(
             nc, registry, trust, signer, f"{base_id}-advisories", config.lease_s,
@@ -99,7 +102,7 @@ async def running_readout(
         advisories = await exhausted.subscribe()
         stack.push_async_callback(advisories.unsubscribe)
         workers, tasks = [], []
-        for i in range(config.workers):
+        for i in range(loops):
             worker = ReadoutWorker(
                 engine,
                 registry,
@@ -144,22 +147,20 @@ async def _engine_threads(
     stack: AsyncExitStack,
     engine: ReadoutEngine,
     config: ReadoutServiceConfig,
+    loops: int,
     metrics: WorkerMetrics,
 ) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, ReadoutCohorts]:
     """The readout threads, the digest threads (the rows' hash runs beside the claim and
-    the readout, not after them) and the cohorts that read the workers' blocks, the engine
-    warmed up first."""
-    executor = stack.enter_context(ThreadPoolExecutor(config.workers, thread_name_prefix="readout"))
-    digests = stack.enter_context(
-        ThreadPoolExecutor(config.workers, thread_name_prefix="readout-digest")
-    )
+    the readout, not after them) and the cohorts that read the `loops` pull loops' blocks,
+    the engine warmed up first."""
+    executor = stack.enter_context(ThreadPoolExecutor(loops, thread_name_prefix="readout"))
+    digests = stack.enter_context(ThreadPoolExecutor(loops, thread_name_prefix="readout-digest"))
     await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
     # combining needs blocks in hand: two executions at a time (a long one never holds up
     # every other), the rest queue and go together (an engine without a cohort key reads
     # every block alone: as many at a time as workers); a block of more answer positions than
     # one maximal lane is read in parts, one execution at a time, beside the cohorts
-    combines = config.cohort_lanes > 1 and hasattr(engine, "cohort_key")
-    concurrency = min(2, config.workers) if combines else config.workers
+    concurrency = min(2, loops) if config.combines(engine) else loops
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
             engine,

@@ -68,8 +68,10 @@ class Setting:
 
     def _value(self, env: Env, default: Any) -> Any:
         if self.type is int:
-            if default is None:  # unset or negative: off
-                value = env.int(self.key, -1)
+            if default is None:  # unset, or negative where no minimum says otherwise: none
+                if env.optional_str(self.key) is None:
+                    return None
+                value = env.int(self.key, -1, minimum=self.minimum)
                 return None if value < 0 else value
             return env.int(self.key, default, minimum=self.minimum)
         if self.type is float:
@@ -232,15 +234,18 @@ READOUT_TRUSTED_KEYS_DIR = _setting(
     defaults={READOUT: None}, unset="`STATEBLOCK_READOUT_KEY_DIR`", chart=COMPUTED,
 )  # fmt: skip
 WORKERS = _setting(
-    "WORKERS", int, 2, "readout pull loops in the process", (READOUT, UP), minimum=1,
+    "WORKERS", int, None,
+    "readout pull loops in the process: the blocks it holds at once, which an engine that "
+    "combines blocks (`torch`) needs to fill its executions", (READOUT, UP), minimum=1,
     chart="readout.workers",
+    unset="twice `STATEBLOCK_READOUT_COHORT_LANES` for an engine that combines blocks, else 2",
 )  # fmt: skip
 READOUT_COHORT_LANES = _setting(
     "READOUT_COHORT_LANES", int, Limits.max_lanes,
     "lanes from several blocks the process reads in one engine execution, two executions at "
     "a time (only blocks the engine reads the same together as alone); 1: each block alone, "
     "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
-    "run: give the process more than 2 workers", (READOUT,), minimum=1,
+    "run: the workers' default is twice this for such an engine", (READOUT,), minimum=1,
 )  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
@@ -379,6 +384,14 @@ CAPTURE_COHORT_TOKENS = _setting(
     "prompts or a few long ones; a request over it is captured in parts (as many lanes a "
     "forward as fit, one at least) beside the others' forwards", (CAPTURE,), minimum=1,
     chart="capture.cohortTokens",
+)  # fmt: skip
+CAPTURE_FORWARDS = _setting(
+    "CAPTURE_FORWARDS", int, 1,
+    "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "
+    "with 2 the device runs the next cohort while the last one's rows go out; "
+    "a compiled forward runs one (its CUDA graphs belong to the thread "
+    "that recorded them)", (CAPTURE,),
+    minimum=1,
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),

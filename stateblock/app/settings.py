@@ -31,7 +31,7 @@ class UpFlags:
     host: str = declared(settings.GATEWAY_HOST)
     http_port: int = declared(settings.HTTP_PORT)
     grpc_port: int = declared(settings.GRPC_PORT)
-    workers: int = declared(settings.WORKERS)  # the readout's pull loops
+    workers: int | None = declared(settings.WORKERS)  # the readout's pull loops; None: by engine
     base: Path = declared(settings.BASE_DIR)
     decoder: Path = declared(settings.DECODER_DIR)
     engine: str = declared(settings.ENGINE)

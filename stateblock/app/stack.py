@@ -49,7 +49,7 @@ class UpConfig:
     http_port: int = settings.HTTP_PORT.default
     grpc_port: int = settings.GRPC_PORT.default
     capture_port: int = 0
-    workers: int = settings.WORKERS.default
+    workers: int | None = settings.WORKERS.default  # None: the readout chooses by its engine
     model_name: str = settings.MODEL_NAME.default
     base_dir: Path = settings.BASE_DIR.default
     decoder_dir: Path = settings.DECODER_DIR.default

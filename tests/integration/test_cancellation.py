@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from capture_svc.batcher import CohortForward, Dropped, ForwardBatcher
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from readout_svc import cohorts, worker
+from stateblock import settings
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.protocol import envelope, streams
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -112,7 +113,7 @@ def until(check, what: str, timeout_s: float = 20.0) -> None:
 @pytest.fixture
 def held_stack(decoder_dir, tmp_path, monkeypatch):
     """The embedded stack, each base forward recording its lanes' lengths and then waiting
-    for `release`."""
+    for `release`; one cohort forward at a time, so a request sent meanwhile queues."""
     forwards: list[list[int]] = []
     running, release = threading.Event(), threading.Event()
     real = CohortForward.__call__
@@ -125,7 +126,8 @@ def held_stack(decoder_dir, tmp_path, monkeypatch):
         real(self, cohort)
 
     monkeypatch.setattr(CohortForward, "__call__", held)
-    with embedded_stack(decoder_dir, tmp_path, release) as stack:
+    one_forward = {settings.CAPTURE_FORWARDS: "1"}
+    with embedded_stack(decoder_dir, tmp_path, release, one_forward) as stack:
         yield stack, forwards, running, release
 
 
@@ -157,10 +159,13 @@ def held_readout(decoder_dir, tmp_path, monkeypatch):
 
 
 @contextmanager
-def embedded_stack(decoder_dir, tmp_path, release: threading.Event) -> Iterator[StackThread]:
+def embedded_stack(
+    decoder_dir, tmp_path, release: threading.Event, service_settings=None
+) -> Iterator[StackThread]:
     config = UpConfig(
-        data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1, decoder_dir=decoder_dir
-    )
+        data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=1,
+        decoder_dir=decoder_dir, service_settings=service_settings or {},
+    )  # fmt: skip
     stack = StackThread(config)
     stack.start(timeout=120)
     try:

@@ -523,3 +523,35 @@ async def test_a_block_whose_last_delivery_died_ends_signed_rejected(nc, serving
         await psub.unsubscribe()
     finally:
         await sub.unsubscribe()
+
+
+@pytest.mark.parametrize(
+    ("engine_name", "env", "loops"),
+    [
+        ("reference", {}, 2),  # reads every block alone: two at a time
+        ("torch", {}, 16),  # combines blocks: two executions of 8 lanes in hand
+        ("torch", {"STATEBLOCK_READOUT_COHORT_LANES": "4"}, 8),
+        ("torch", {"STATEBLOCK_READOUT_COHORT_LANES": "1"}, 2),  # combining off
+        ("torch", {"STATEBLOCK_WORKERS": "3"}, 3),  # a set value wins
+    ],
+)
+async def test_the_pull_loops_follow_the_engine_unless_set(
+    nc, serving_model, engine_name, env, loops
+):
+    """A process combines only the blocks its pull loops hold: by default an engine that
+    combines gets enough of them to fill the two executions it runs at once."""
+    config = ReadoutServiceConfig.from_env(
+        {"STATEBLOCK_NATS_URL": "unused", "STATEBLOCK_FETCH_TIMEOUT_S": "0.2", **env}
+    )
+    engine = create_engine(engine_name, serving_model, "cpu")
+    async with running_readout(
+        config, nc=nc, engine=engine, trust=TrustStore([SIGNER.public_key]),
+        signer=READOUT_SIGNER, metrics=CollectorRegistry(),
+    ) as running:  # fmt: skip
+        assert len(running.workers) == loops
+
+
+def test_workers_below_one_are_refused():
+    for raw in ("0", "-1"):
+        with pytest.raises(ConfigError, match=f"STATEBLOCK_WORKERS={raw} is below 1"):
+            ReadoutServiceConfig.from_env({"STATEBLOCK_WORKERS": raw})

@@ -177,6 +177,14 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def chart_value(setting: settings.Setting, values: dict) -> object:
+    """A setting's value in the chart's values; for a setting with no default of its own
+    (STATEBLOCK_WORKERS), the chart's 0 leaves it to the service."""
+    value = value_at(setting.chart, values)
+    unset = setting.type is int and setting.default is None and value == 0
+    return None if unset else value
+
+
 def plan_for(values: dict | None = None) -> StackPlan:
     """The stack the chart should deploy for `values` (over values.yaml): processes on every
     interface of their pods, an external NATS, each port and setting the value the
@@ -207,7 +215,7 @@ def plan_for(values: dict | None = None) -> StackPlan:
             readout_health=(port(settings.READOUT_HEALTH_PORT),) * n,
         ),
         values={
-            **{s: value_at(s.chart, v) for s in keyed if s not in WIRING},
+            **{s: chart_value(s, v) for s in keyed if s not in WIRING},
             settings.NATS_REPLICAS: max(1, v["nats"]["replicas"]),
             settings.DATA_PLANE: "host" if pod else "bus",
             settings.BASE_DIR: Path(model["mountPath"]) / model["baseDir"],

@@ -569,7 +569,7 @@ def test_model_from_host_path_or_image():
         ({"keys": {"create": True}}, 'keys.keyId "" must be the 16-hex-digit id'),
         ({"readoutKeys": {"create": True}}, 'readoutKeys.keyId "" must be the 16-hex-digit id'),
         ({"readoutKeys": {"signingSecret": ""}}, "readoutKeys.signingSecret and"),
-        ({"readout": {"workers": 0}}, "/readout/workers"),
+        ({"readout": {"workers": -1}}, "/readout/workers"),
         (
             {"readout": {"ackWaitSeconds": 40}},
             "readout.ackWaitSeconds (40) must be at most half of gateway.requestTimeoutSeconds",

@@ -67,7 +67,7 @@ the readout's port names and its NATS user's volume name carry a "readout-" pref
         "STATEBLOCK_TRUSTED_KEYS_DIR" (include "stateblock.trustedKeysDir" .)
         "STATEBLOCK_READOUT_KEY_DIR" (include "stateblock.readoutSigningKeyDir" .)
         "STATEBLOCK_READOUT_TRUSTED_KEYS_DIR" (include "stateblock.readoutTrustedKeysDir" .)
-        "STATEBLOCK_WORKERS" ($v.workers | int)
+        "STATEBLOCK_WORKERS" (ternary ($v.workers | int | toString) "" (gt ($v.workers | int) 0))
         "STATEBLOCK_LEASE_S" $v.leaseSeconds
         "STATEBLOCK_ACK_WAIT_S" $v.ackWaitSeconds
         "STATEBLOCK_MAX_DELIVER" ($v.maxDeliver | int)

@@ -1,0 +1,111 @@
+"""The capture's cohorts runner keeps `in_flight` forwards going at once (the eager
+forward: the next cohort runs on the device while the last one's rows go out), never more,
+and every caller is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from capture_svc.batcher import CohortForward, ForwardBatcher
+from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.plans import PlanTable, PlanTableMetrics
+from stateblock.protocol import envelope
+from stateblock.v1 import block_pb2 as pb
+
+
+class Held:
+    """A forward that counts the cohorts running at once; each waits for `release`."""
+
+    def __init__(self) -> None:
+        self.lock, self.release = threading.Lock(), threading.Event()
+        self.running = self.peak = 0
+        self.lanes: list[int] = []
+
+    def __call__(self, cohort) -> None:
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            self.lanes.append(sum(len(p.lane_ids) for p in cohort))
+        try:
+            assert self.release.wait(30), "the test never released the forwards"
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+async def until(check, what: str) -> None:
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+async def test_the_cohorts_runner_keeps_in_flight_forwards_going_and_no_more(in_flight):
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = Held()
+    one_lane = CohortLimits(lanes=1, tokens=1 << 20)  # every request a cohort of its own
+    with ThreadPoolExecutor(4) as pool:
+        batcher = ForwardBatcher(
+            forward, pool, window_s=0.0, max_lanes=1, cohort=one_lane, in_flight=in_flight
+        )
+        async with batcher:
+            submitted = []
+            for i in range(6):
+                layout = envelope.make_layout(f"r{i}", [4], [4], hidden_size=8, dtype=torch.float32)
+                plan = plans.register(f"r{i}", layout)
+                submitted.append(asyncio.ensure_future(batcher.submit(plan, [[1] * 4])))
+            await until(lambda: forward.running == in_flight, f"{in_flight} forwards at once")
+            await asyncio.sleep(0.2)  # the others wait for one of them to end
+            assert forward.running == in_flight and not any(f.done() for f in submitted)
+            forward.release.set()
+            await asyncio.wait_for(asyncio.gather(*submitted), 30)
+    assert forward.peak == in_flight and forward.lanes == [1] * 6
+
+
+async def test_forwards_in_flight_give_each_request_its_rows_alone(serving_model):
+    """Two cohort forwards at once, on threads of their own: each request's rows are those
+    it gets alone, one forward at a time."""
+    tok = serving_model.tokenizer
+    prompts = [f"copy: {'ab' * i}" for i in range(1, 9)]
+
+    async def rows(in_flight: int, lanes: int) -> list[torch.Tensor]:
+        plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=30)
+        forward = CohortForward(
+            serving_model.model, plans, pad_id=tok.pad_token_id,
+            capture_mode=pb.CAPTURE_MODE_FINAL_HIDDEN,
+        )  # fmt: skip
+        cohort = CohortLimits(lanes=lanes, tokens=1 << 20)
+        with ThreadPoolExecutor(in_flight + 1) as pool:
+            batcher = ForwardBatcher(
+                forward, pool, window_s=0.0, max_lanes=1, cohort=cohort, in_flight=in_flight
+            )
+            async with batcher:
+                submitted = []
+                for i, prompt in enumerate(prompts):
+                    ids = tok(prompt)["input_ids"]
+                    layout = envelope.make_layout(
+                        f"r{i}", [len(ids)], [4], hidden_size=serving_model.hidden_size,
+                        dtype=torch.float32,
+                    )  # fmt: skip
+                    plan = plans.register(f"r{i}", layout)
+                    submitted.append((plan, batcher.submit(plan, [ids])))
+                await asyncio.gather(*(s for _, s in submitted))
+        return [plans.consume(p.request_id, p.layout_digest) for p, _ in submitted]
+
+    alone = await rows(in_flight=1, lanes=1)
+    for a, b in zip(alone, await rows(in_flight=2, lanes=2), strict=True):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+def test_a_compiled_capture_runs_one_cohort_forward_at_a_time():
+    eager = CaptureConfig(nats_url="unused", forwards=2)
+    assert eager.forwards_in_flight == 2
+    assert CaptureConfig(nats_url="unused", forwards=2, compile="inductor").forwards_in_flight == 1
