@@ -456,6 +456,9 @@ class TorchEngine:
         k = len(lanes)
         wants_lp = any(lane.sampling.HasField("logprobs") for lane in lanes)
         precision = self._path(lanes)
+        # rows in host memory reach the device before the lock: their copy waits on the
+        # device's queue, and meanwhile another caller's execution holds the lock and runs
+        lanes = [replace(lane, rows=lane.rows.to(self._device)) for lane in lanes]
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
                 h, top_v, top_i, eos, lse = self._replay(shape, precision, lanes)
