@@ -11,7 +11,9 @@ its last lane is in. `consume` hands them over exactly once, against the layout 
 
 `record` runs on the forward thread inside the hook, the rest on the event loop, so every
 method takes the lock. A failed check poisons only the request it concerns: the other
-requests of the cohort keep their rows.
+requests of the cohort keep their rows. The copy of a GPU's rows to the host runs after
+`record` lets go of the lock: it waits for the forward's kernels, and the event loop's
+`register` and `consume` must not wait with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
 
 _REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
+
+
+def to_host(rows: Tensor) -> Tensor:
+    """A request's rows in host memory (the forward's device synchronised for a GPU's)."""
+    return rows if rows.device.type == "cpu" else rows.to("cpu")
 
 
 class PlanError(Exception):
@@ -222,6 +229,7 @@ class PlanTable:
     # -- forward-thread side -----------------------------------------------------------
     def record(self, stamp: CohortStamp, rows: Tensor, lane_lengths: Sequence[int]) -> None:
         """Called by the hook: rows (B, P, d) of one cohort, lane_lengths (B,) of its inputs."""
+        assembled: list[_Entry] = []
         with self._lock:
             rows_of: dict[str, list[Slot]] = {}
             seen_rows: set[int] = set()
@@ -236,7 +244,24 @@ class PlanTable:
                     return
                 seen_rows.add(slot.batch_row)
             for request_id, slots in rows_of.items():
-                self._record_one(request_id, slots, stamp.capture_mode, rows, lane_lengths)
+                entry = self._record_one(request_id, slots, stamp.capture_mode, rows, lane_lengths)
+                if entry is not None:
+                    assembled.append(entry)
+        if self._host_rows:
+            self._to_host(assembled)
+
+    def _to_host(self, assembled: list[_Entry]) -> None:
+        """Each assembled request's rows to the host, outside the lock. Its consume waits
+        for the forward that called `record` to return, so nothing reads them meanwhile; a
+        request failed or discarded in between keeps what that left."""
+        for entry in assembled:
+            rows = entry.rows
+            if rows is None:
+                continue
+            host = to_host(rows)
+            with self._lock:
+                if entry.rows is rows:
+                    entry.rows = host
 
     def _record_one(
         self,
@@ -245,29 +270,30 @@ class PlanTable:
         mode: int,
         rows: Tensor,
         lane_lengths: Sequence[int],
-    ) -> None:
+    ) -> _Entry | None:
+        """Record a request's lanes of this cohort; its entry once its rows are assembled."""
         entry = self._entries.get(request_id)
         if entry is None:
             self._m.unplanned_records.inc()
-            return
+            return None
         self._m.records.inc()
         plan = entry.plan
         if entry.error is not None:  # poisoned already: nothing more of it is kept
-            return
+            return None
         if any(s.lane_index in entry.lanes for s in slots) or entry.rows is not None:
             self._m.cross_request_events.inc()
             self._fail(request_id, "cross_request_events", "a second forward recorded a lane")
-            return
+            return None
         if any(s.plan_token != plan.token for s in slots):
             self._m.identity_mismatch.inc()
             self._fail(request_id, "identity_mismatch", "hook stamp is not this plan's")
-            return
+            return None
         if mode != plan.capture_mode:
             self._m.mode_mismatch.inc()
             self._fail(
                 request_id, "mode_mismatch", f"captured mode {mode}, plan {plan.capture_mode}"
             )
-            return
+            return None
         slots = sorted(slots, key=lambda s: s.lane_index)
         indices = [s.lane_index for s in slots]
         actual = [int(lane_lengths[s.batch_row]) for s in slots]
@@ -276,32 +302,32 @@ class PlanTable:
             self._m.lane_length_mismatch.inc()
             detail = f"lanes {indices} of {actual} rows, plan {list(plan.lane_lengths)}"
             self._fail(request_id, "lane_length_mismatch", detail)
-            return
+            return None
         views = [rows[s.batch_row, :n] for s, n in zip(slots, actual, strict=True)]
         if len(indices) == len(plan.lane_lengths):  # the whole request in one forward
-            self._assemble(request_id, entry, mode, views)
-            return
-        # a part is copied at record time: a compiled forward's next replay overwrites it
-        where = "cpu" if self._host_rows else rows.device
+            return entry if self._assemble(request_id, entry, mode, views) else None
+        # a part is copied at record time, where it is: a compiled forward's next replay
+        # overwrites it
         for i, view in zip(indices, views, strict=True):
-            entry.lanes[i] = view.detach().to(where, copy=True)
-        if len(entry.lanes) == len(plan.lane_lengths):
-            parts = [entry.lanes.pop(i) for i in range(len(plan.lane_lengths))]
-            self._assemble(request_id, entry, mode, parts)
+            entry.lanes[i] = view.detach().clone()
+        if len(entry.lanes) < len(plan.lane_lengths):
+            return None
+        parts = [entry.lanes.pop(i) for i in range(len(plan.lane_lengths))]
+        return entry if self._assemble(request_id, entry, mode, parts) else None
 
-    def _assemble(self, request_id: str, entry: _Entry, mode: int, lanes: list[Tensor]) -> None:
+    def _assemble(self, request_id: str, entry: _Entry, mode: int, lanes: list[Tensor]) -> bool:
         """Every lane is in (in lane order): the request's packed rows, checked against its
-        plan."""
+        plan, on the forward's device (`record` copies them to the host after the lock);
+        False when a check failed."""
         plan = entry.plan
         # cat copies: the request owns its rows, whatever becomes of the cohort tensor
         packed = torch.cat(lanes).detach()  # (total_rows, d)
-        packed = packed.to("cpu") if self._host_rows else packed  # `local`: stays on its device
         actual = list(plan.lane_lengths)
         if packed.shape[0] != plan.total_rows:
             self._m.row_count_mismatch.inc()
             detail = f"{packed.shape[0]} rows, plan {plan.total_rows}"
             self._fail(request_id, "row_count_mismatch", detail)
-            return
+            return False
         try:
             seen = envelope.make_layout(
                 request_id,
@@ -317,8 +343,9 @@ class PlanTable:
         if not digest_ok:
             self._m.layout_digest_mismatch.inc()
             self._fail(request_id, "layout_digest_mismatch", "recorded layout != plan")
-            return
+            return False
         entry.rows = packed
+        return True
 
     def _fail(self, request_id: str, kind: str, detail: str) -> None:
         entry = self._entries.get(request_id)

@@ -1,6 +1,7 @@
 """The capture's cohorts runner keeps `in_flight` forwards going at once (the eager
 forward: the next cohort runs on the device while the last one's rows go out), never more,
-and every caller is answered."""
+and every caller is answered; a cohort's rows going to the host never hold up the event
+loop's plan table calls."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from capture_svc import plans as plan_table
 from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.config import CaptureConfig, CohortLimits
-from capture_svc.plans import PlanTable, PlanTableMetrics
+from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
 from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
 
@@ -109,3 +111,37 @@ def test_a_compiled_capture_runs_one_cohort_forward_at_a_time():
     eager = CaptureConfig(nats_url="unused", forwards=2)
     assert eager.forwards_in_flight == 2
     assert CaptureConfig(nats_url="unused", forwards=2, compile="inductor").forwards_in_flight == 1
+
+
+def test_rows_going_to_the_host_do_not_hold_the_plan_table(monkeypatch):
+    """A GPU's rows reach the host only once its forward's kernels are done: `record` makes
+    that copy after it lets go of the table's lock, so a request registering (or one
+    consuming) on the event loop meanwhile does not wait for the forward."""
+    copying, done = threading.Event(), threading.Event()
+
+    def slow_to_host(rows):
+        copying.set()
+        assert done.wait(30), "the test never let the copy end"
+        return rows.clone()
+
+    monkeypatch.setattr(plan_table, "to_host", slow_to_host)
+    table = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=30, host_rows=True)
+
+    def layout(rid: str):
+        return envelope.make_layout(rid, [3], [4], hidden_size=8, dtype=torch.float32)
+
+    plan = table.register("a", layout("a"))
+    rows = torch.randn(1, 4, 8)
+    stamp = CohortStamp((Slot("a", plan.token, 0, 0),), pb.CAPTURE_MODE_FINAL_HIDDEN)
+    forward = threading.Thread(target=table.record, args=(stamp, rows, [3]))
+    forward.start()
+    assert copying.wait(10)
+    registered = threading.Thread(target=table.register, args=("b", layout("b")))
+    registered.start()
+    registered.join(5)
+    alive = registered.is_alive()
+    done.set()
+    forward.join(10)
+    registered.join(10)
+    assert not alive, "register waited for the rows' copy to the host"
+    assert torch.equal(table.consume("a", plan.layout_digest), rows[0, :3])
