@@ -19,6 +19,7 @@ from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
 from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
+from tests.integration.test_fairness import until
 
 
 class Held:
@@ -39,14 +40,6 @@ class Held:
         finally:
             with self.lock:
                 self.running -= 1
-
-
-async def until(check, what: str) -> None:
-    for _ in range(1000):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never: {what}")
 
 
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
