@@ -11,9 +11,10 @@ cohorts of the requests that fit. With an executor of two threads (the eager for
 part runs beside a cohort; with one (a compiled forward: its CUDA graphs belong to the
 thread that warmed them up) the two runners take turns, so a request queued behind a part
 goes in the next forward. The cohorts' runner keeps up to `in_flight` forwards going (the
-eager forward: two, each on a thread and CUDA stream of its own), so the device runs the
-next cohort while the last one's rows are copied out and its callers answered. Parts of several such requests go round-robin, one part of each
-in turn; the plan table assembles a request's rows once its last lane is in.
+eager forward: `STATEBLOCK_CAPTURE_FORWARDS`, each on a thread and CUDA stream of its own),
+so with two the device runs the next cohort while the last one's rows are copied out and its
+callers answered. Parts of several such requests go round-robin, one part of each in turn;
+the plan table assembles a request's rows once its last lane is in.
 
 Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal
@@ -233,6 +234,7 @@ class ForwardBatcher:
         # while the previous one's rows go out to the host and its callers are answered
         self._in_flight = in_flight
         self._forwards: set[asyncio.Task] = set()  # cohort forwards running
+        self._collected: deque[list[Pending]] = deque()  # cohorts waiting for a forward
         self._window = window_s
         self._max_lanes = max_lanes  # one request's
         # one forward's; by default one request's lanes and no token bound
@@ -256,7 +258,10 @@ class ForwardBatcher:
     async def __aexit__(self, *exc) -> None:
         def waiting() -> list[Pending]:
             parted = [parts[0] for parts in self._rotation if parts]
-            return parted + runtime.drained(self._queue) + runtime.drained(self._oversized)
+            collected = [p for cohort in self._collected for p in cohort]
+            return (
+                parted + collected + runtime.drained(self._queue) + runtime.drained(self._oversized)
+            )
 
         await runtime.stop_serving(
             self._tasks, "capture service is shutting down", waiting, *self._forwards
@@ -342,12 +347,13 @@ class ForwardBatcher:
         while True:
             await free.acquire()
             held = True
-            for cohort in self._cohorts(await self._collect()):
+            self._collected = deque(self._cohorts(await self._collect()))
+            while self._collected:
                 if not held:
                     await free.acquire()
                 held = False
                 # a caller that went away while an earlier cohort ran: its forward never starts
-                cohort = [p for p in cohort if not p.future.done()]
+                cohort = [p for p in self._collected.popleft() if not p.future.done()]
                 task = asyncio.create_task(self._run_cohort(cohort), name="capture-cohort")
                 self._forwards.add(task)
                 task.add_done_callback(self._forwards.discard)

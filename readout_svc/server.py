@@ -61,9 +61,9 @@ async def running_readout(
     engine_health: EngineHealth | None = None,
     slots: SlotPool | None = None,
 ) -> AsyncIterator[RunningReadout]:
-    """`config.pull_loops(engine)` pull loops; on exit each finishes the block in hand, then stops. On
-    the local data plane they read the capture's `slots` (this process's), and pull that
-    placement's blocks alone."""
+    """`config.pull_loops(engine)` pull loops; on exit each finishes the block in hand, then
+    stops. On the local data plane they read the capture's `slots` (this process's), and pull
+    that placement's blocks alone."""
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")

@@ -138,3 +138,32 @@ def test_rows_going_to_the_host_do_not_hold_the_plan_table(monkeypatch):
     registered.join(10)
     assert not alive, "register waited for the rows' copy to the host"
     assert torch.equal(table.consume("a", plan.layout_digest), rows[0, :3])
+
+
+async def test_a_stop_fails_the_cohorts_still_waiting_for_a_forward():
+    """One forward at a time: a batch of two cohorts (two widths) whose second waits for the
+    first's forward. Stopping then lets the running forward finish and answer its caller, and
+    fails the waiting cohort's caller at once instead of leaving it waiting forever."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = Held()
+    with ThreadPoolExecutor(2) as pool:
+        # a window: both requests go in one batch, whose cohorts the runner starts in turn
+        batcher = ForwardBatcher(
+            forward, pool, window_s=0.3, max_lanes=1, cohort=CohortLimits(8, 1 << 20), in_flight=1
+        )
+        await batcher.__aenter__()
+        submitted = []
+        for rid, width in (("narrow", 4), ("wide", 20)):  # buckets 16 and 24: two cohorts
+            layout = envelope.make_layout(rid, [width], [4], hidden_size=8, dtype=torch.float32)
+            plan = plans.register(rid, layout)
+            submitted.append(asyncio.ensure_future(batcher.submit(plan, [[1] * width])))
+        await until(lambda: forward.running == 1, "the first cohort's forward")
+        stopping = asyncio.ensure_future(batcher.__aexit__(None, None, None))
+        await asyncio.sleep(0.1)
+        forward.release.set()
+        await asyncio.wait_for(stopping, 30)
+        narrow, wide = await asyncio.wait_for(
+            asyncio.gather(*submitted, return_exceptions=True), 10
+        )
+    assert narrow is None and forward.lanes == [1]
+    assert isinstance(wide, RuntimeError) and "shutting down" in str(wide)
