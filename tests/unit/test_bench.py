@@ -367,3 +367,21 @@ def test_a_profile_is_read_as_threads_and_top_frames(tmp_path):
     profiles._exe = None  # as where py-spy is not installed: the level is measured as any other
     profiles.start()
     assert profiles.finish() == {"skipped": "py-spy is not on the PATH"}
+
+
+def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
+    """The base forward alone at each lane count (tiny scale, CPU), and the rate arithmetic:
+    2 x parameters x lanes x width over the forward's time."""
+    from bench.forward_rate import main, rates
+
+    main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--lanes", "1,4",
+          "--width", "32", "--repeats", "2", "--peak-tflops", "100"])  # fmt: skip
+    doc = json.loads((tmp_path / "forward_rate.json").read_text())
+    assert [(r["lanes"], r["tokens"]) for r in doc["forwards"]] == [(1, 32), (4, 128)]
+    vocab, hidden = 2048, 64  # the tiny scale's: its embedding and head are not matmuls
+    assert doc["config"]["params"] == 336_192 - 2 * vocab * hidden
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in doc["forwards"])
+    assert "| 4 | 32 |" in (tmp_path / "forward_rate.md").read_text()
+    (row,) = rates([{"lanes": 30, "width": 512, "ms": 200.0}], 2_901_300_864, 755.0)
+    assert row["tflops"] == round(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, 3) == 445.64
+    assert row["of_peak"] == round(445.64 / 755.0, 3) == 0.59

@@ -1,0 +1,121 @@
+"""The capture's base forward alone, as a cohort runs it: milliseconds and model TFLOP/s at
+each lane count, against the GEMM rate a load run's forwards must reach.
+
+The load bench sees a forward only through the GPU's busy fraction and the cohort's cycle
+(docs/BENCHMARKS.md, "Against the 200 requests/s target"); this times `capture()` on
+(lanes, width) batches of random ids back to back, with nothing else on the device, so a
+load run's cycle splits into the forward's own time and the rest. Model FLOPs are
+2 x the matmul parameters x padded tokens: the embedding is a lookup and the output head
+runs on one position (`logits_to_keep=1`), so neither counts; the attention's own, about
+3 % at 512, is left out.
+
+    python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
+        [--compile off|reduce-overhead] [--scale full] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.models import SCALES, build_llama, sync
+
+
+def matmul_params(model) -> int:
+    """The parameters every token multiplies through: all but the embedding and the head."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def time_forward(model, lanes: int, width: int, device: str, repeats: int) -> dict:
+    """`capture()` over a (lanes, width) batch; the median of `repeats` after 3 warm-ups."""
+    from stateblock.model.capture import capture
+
+    gen = torch.Generator().manual_seed(lanes * 7919 + width)
+    ids = torch.randint(4, model.config.vocab_size, (lanes, width), generator=gen).to(device)
+    runs = []
+    with torch.inference_mode():
+        for i in range(3 + repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            capture(model, ids)
+            sync(device)
+            if i >= 3:  # the first calls compile, record graphs, grow the allocator
+                runs.append(time.perf_counter() - t0)
+    return {"lanes": lanes, "width": width, "ms": statistics.median(runs) * 1e3}
+
+
+def rates(rows: list[dict], params: int, peak_tflops: float | None) -> list[dict]:
+    """Each timing with its tokens, model TFLOP/s and (given a peak) its share of it."""
+    out = []
+    for r in rows:
+        tokens = r["lanes"] * r["width"]
+        tflops = 2 * params * tokens / (r["ms"] / 1e3) / 1e12
+        row = {**r, "tokens": tokens, "tflops": round(tflops, 3)}
+        if peak_tflops:
+            row["of_peak"] = round(tflops / peak_tflops, 3)
+        out.append(row)
+    return out
+
+
+def markdown(doc: dict) -> str:
+    c = doc["config"]
+    lines = [
+        f"### The base forward alone ({c['scale']}, {c['device_name']}, compile `{c['compile']}`)",
+        f"{c['params']:,} matmul parameters (embedding and head left out); model FLOPs "
+        "2 x those x lanes x width"
+        + (f"; peak {c['peak_tflops']} TFLOP/s" if c["peak_tflops"] else ""),
+        "",
+        "| lanes | width | ms a forward | TFLOP/s | of peak |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["forwards"]:
+        share = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
+        lines.append(
+            f"| {r['lanes']} | {r['width']} | {r['ms']:.1f} | {r['tflops']:.1f} | {share} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for forward_rate.json/.md")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="full")
+    ap.add_argument("--lanes", default="1,8,16,30,32", help="lane counts, in this order")
+    ap.add_argument("--width", type=int, default=512, help="padded prompt width")
+    ap.add_argument("--compile", default="off", help="off, or a torch.compile backend / mode")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's measured bf16 GEMM rate (the smoke bench's)")  # fmt: skip
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_llama(SCALES[args.scale], args.device)
+    if args.compile != "off":
+        from stateblock.model.capture import compile_backbone
+
+        compile_backbone(model, args.compile)
+    lanes = [int(x) for x in args.lanes.split(",") if x]
+    timed = [time_forward(model, n, args.width, args.device, args.repeats) for n in lanes]
+    params = matmul_params(model)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    doc = {
+        "config": {
+            "scale": args.scale, "width": args.width, "compile": args.compile,
+            "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
+        },
+        "forwards": rates(timed, params, args.peak_tflops),
+    }  # fmt: skip
+    (out / "forward_rate.json").write_text(json.dumps(doc, indent=2))
+    (out / "forward_rate.md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
