@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.models import SCALES, build_llama, sync
+from bench.models import SCALES, build_llama
+from bench.prefill import time_prefill
 
 
 def matmul_params(model) -> int:
@@ -32,30 +31,12 @@ def matmul_params(model) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
-def time_forward(model, lanes: int, width: int, device: str, repeats: int) -> dict:
-    """`capture()` over a (lanes, width) batch; the median of `repeats` after 3 warm-ups."""
-    from stateblock.model.capture import capture
-
-    gen = torch.Generator().manual_seed(lanes * 7919 + width)
-    ids = torch.randint(4, model.config.vocab_size, (lanes, width), generator=gen).to(device)
-    runs = []
-    with torch.inference_mode():
-        for i in range(3 + repeats):
-            sync(device)
-            t0 = time.perf_counter()
-            capture(model, ids)
-            sync(device)
-            if i >= 3:  # the first calls compile, record graphs, grow the allocator
-                runs.append(time.perf_counter() - t0)
-    return {"lanes": lanes, "width": width, "ms": statistics.median(runs) * 1e3}
-
-
 def rates(rows: list[dict], params: int, peak_tflops: float | None) -> list[dict]:
     """Each timing with its tokens, model TFLOP/s and (given a peak) its share of it."""
     out = []
     for r in rows:
-        tokens = r["lanes"] * r["width"]
-        tflops = 2 * params * tokens / (r["ms"] / 1e3) / 1e12
+        tokens = r["lanes"] * r["padded_width"]
+        tflops = 2 * params * tokens / (r["median_ms"] / 1e3) / 1e12
         row = {**r, "tokens": tokens, "tflops": round(tflops, 3)}
         if peak_tflops:
             row["of_peak"] = round(tflops / peak_tflops, 3)
@@ -77,7 +58,8 @@ def markdown(doc: dict) -> str:
     for r in doc["forwards"]:
         share = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
         lines.append(
-            f"| {r['lanes']} | {r['width']} | {r['ms']:.1f} | {r['tflops']:.1f} | {share} |"
+            f"| {r['lanes']} | {r['padded_width']} | {r['median_ms']:.1f} | {r['tflops']:.1f} "
+            f"| {share} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -87,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="directory for forward_rate.json/.md")
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
     ap.add_argument("--lanes", default="1,8,16,30,32", help="lane counts, in this order")
-    ap.add_argument("--width", type=int, default=512, help="padded prompt width")
+    ap.add_argument("--width", type=int, default=512,
+                    help="prompt length, padded to its bucket as the capture pads it")  # fmt: skip
     ap.add_argument("--compile", default="off", help="off, or a torch.compile backend / mode")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=None,
@@ -102,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
 
         compile_backbone(model, args.compile)
     lanes = [int(x) for x in args.lanes.split(",") if x]
-    timed = [time_forward(model, n, args.width, args.device, args.repeats) for n in lanes]
+    timed = [time_prefill(model, args.width, args.device, args.repeats, n, lanes=n) for n in lanes]
     params = matmul_params(model)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     doc = {

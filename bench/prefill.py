@@ -17,14 +17,17 @@ def failure(e: BaseException) -> dict:
     return {"failed": f"{type(e).__name__}: {e}"[:2000]}
 
 
-def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -> dict:
-    """`capture()` over one prompt padded as the capture service pads it; median of repeats."""
+def time_prefill(
+    model, prompt_len: int, device: str, repeats: int, seed: int, lanes: int = 1
+) -> dict:
+    """`capture()` over `lanes` prompts padded as the capture service pads them, as one
+    cohort; median of repeats."""
     from capture_svc.batcher import bucket_width
     from stateblock.model.capture import capture
 
     width = bucket_width(prompt_len)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, model.config.vocab_size, (1, width), generator=gen).to(device)
+    ids = torch.randint(4, model.config.vocab_size, (lanes, width), generator=gen).to(device)
     with torch.inference_mode():
         for _ in range(3):  # a compiled backbone compiles (and records its graphs) here
             capture(model, ids)
@@ -37,6 +40,7 @@ def time_prefill(model, prompt_len: int, device: str, repeats: int, seed: int) -
             runs.append(time.perf_counter() - t0)
     return {
         "prompt_len": prompt_len,
+        "lanes": lanes,
         "padded_width": width,
         "compiled": getattr(model.base_model, "_stateblock_compiled", None) or "off",
         "rows_finite": bool(torch.isfinite(rows.float()).all()),

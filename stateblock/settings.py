@@ -388,9 +388,8 @@ CAPTURE_COHORT_TOKENS = _setting(
 CAPTURE_FORWARDS = _setting(
     "CAPTURE_FORWARDS", int, 1,
     "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "
-    "with 2 the device runs the next cohort while the last one's rows go out; "
-    "a compiled forward runs one (its CUDA graphs belong to the thread "
-    "that recorded them)", (CAPTURE,),
+    "with 2 the device runs the next cohort while the last one's rows go out; a compiled "
+    "forward runs one (its CUDA graphs belong to the thread that recorded them)", (CAPTURE,),
     minimum=1,
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(

@@ -380,8 +380,8 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     assert [(r["lanes"], r["tokens"]) for r in doc["forwards"]] == [(1, 32), (4, 128)]
     vocab, hidden = 2048, 64  # the tiny scale's: its embedding and head are not matmuls
     assert doc["config"]["params"] == 336_192 - 2 * vocab * hidden
-    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in doc["forwards"])
+    assert all(r["median_ms"] > 0 and r["tflops"] > 0 for r in doc["forwards"])
     assert "| 4 | 32 |" in (tmp_path / "forward_rate.md").read_text()
-    (row,) = rates([{"lanes": 30, "width": 512, "ms": 200.0}], 2_901_300_864, 755.0)
+    (row,) = rates([{"lanes": 30, "padded_width": 512, "median_ms": 200.0}], 2_901_300_864, 755.0)
     assert row["tflops"] == round(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, 3) == 445.64
     assert row["of_peak"] == round(445.64 / 755.0, 3) == 0.59
