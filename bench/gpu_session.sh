@@ -17,6 +17,10 @@
 #   bash bench/gpu_session.sh planes [ARGS]  # the GPU tests of the data planes (company,
 #                                         # ipc, two forward threads), then bench.load_gpu on
 #                                         # the ipc and host planes at 8, 64, 128 clients
+#   bash bench/gpu_session.sh compiled [ARGS]  # the capture compiled `default` (deterministic
+#                                         # kernels, 2 forwards at once): a cold start and
+#                                         # 1-128 clients, two captures at 128 (do replicas
+#                                         # agree?), the forward's rate (about 9 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -34,6 +38,15 @@
 #       # tree do not fit one call's 64 MiB together. DATA/base.part*.safetensors.xz and
 #       # DATA/corpus/*.txt.gz are unpacked first (`bench.unpack`); with a corpus, the train
 #       # prompts are made on the machine (--tune-prompts: more than a call could carry)
+#   bash bench/gpu_session.sh prose-chain [DATA [ARGS]]  # issue 41 from nothing in one call:
+#       # a 7-pass base on DATA's shards (prose_stage, skipped when DATA/base.part* is there),
+#       # then prose-readout's chain on it with 250,000 tuning prompts made on the machine;
+#       # DATA: prose_shards' folder with corpus/train.txt.gz and readout/tasks (--until
+#       # tasks) beside (docs/QUALITY.md "To run"); ARGS go to prose_readout. DATA stays on
+#       # the machine while it is held, for:
+#   bash bench/gpu_session.sh prose-more [DATA [MINUTES]]  # on the same warm machine, carrying
+#       # nothing: the last decoder goes on distilling MINUTES (default 7) and is evaluated;
+#       # the pair comes back as prose-readout's does (pair.tar.xz.NN), for bench.prose_api
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
 # compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
@@ -41,13 +54,23 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, startup, invariance, prose, prose-readout, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
-  prose-readout) if [ -d .whl ]; then source bench/gpu_env.sh || exit 1; fi ;;
+  prose-readout|prose-chain|prose-more) if [ -d .whl ]; then source bench/gpu_env.sh || exit 1; fi ;;
   *) source bench/gpu_env.sh || exit 1 ;;
 esac
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+pack_pair() {  # WORK's pair (tuned base, decoder, the teacher's answers when they fit) in
+  # $OUT/pair.tar.xz.NN, parts a call returns (15 MiB a file; 8 files, 64 MiB in all)
+  local w=$1
+  [ -f "$w/decoder/manifest.json" ] && [ -f "$w/tuned/config.json" ] || return 0
+  tar -C "$w" -cf - tuned decoder teacher | xz -T0 -6 > "$OUT/pair.tar.xz"
+  if [ "$(stat -c %s "$OUT/pair.tar.xz")" -gt 66000000 ]; then
+    tar -C "$w" -cf - tuned decoder | xz -T0 -6 > "$OUT/pair.tar.xz"
+  fi
+  split -b 15M -d "$OUT/pair.tar.xz" "$OUT/pair.tar.xz." && rm "$OUT/pair.tar.xz"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt"
 if [ "$STAGE" = final ]; then  # one call for the last minutes of a session: smoke, then e2e
   timeout 220 python3 -m bench.gpu_smoke --out "$OUT" --skip-checks --audit \
@@ -94,6 +117,22 @@ elif [ "$STAGE" = planes ]; then  # issue 38's data planes: GPU tests, then host
       "${@:2}" > "$OUT/load-$plane.log" 2>&1
     echo "load $plane rc=$?"; tail -c 2500 "$OUT/load-$plane.log"
   done
+elif [ "$STAGE" = compiled ]; then  # a cold start and load, two captures, the forward's rate
+  flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
+    --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
+    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
+  # the first from an empty inductor cache (a fresh machine): its stack_start_s is a cold start
+  for run in one:1:1,8,64,128:230 two:2:128:170; do
+    IFS=: read -r name captures levels limit <<<"$run"
+    timeout "$limit" python3 -m bench.load_gpu --out "$OUT/$name" "${flags[@]}" \
+      --levels "$levels" --captures "$captures" --budget-s $((limit - 15)) "${@:2}" \
+      > "$OUT/load-$name.log" 2>&1
+    echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
+  done
+  timeout 130 python3 -m bench.forward_rate --out "$OUT/rate" --compile default \
+    --lanes 8,16,30,32 --peak-tflops 755 > "$OUT/rate.log" 2>&1
+  echo "forward rate rc=$?"; tail -6 "$OUT/rate/forward_rate.md"
+  tar czf "$OUT/compiled.tgz" -C "$OUT" one two rate && rm -r "$OUT/one" "$OUT/two" "$OUT/rate"
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
@@ -109,6 +148,35 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
+elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for prose-more
+  DATA=${2:-.gpu_prose}; t0=$SECONDS
+  python3 -m bench.unpack "$DATA" || exit 1
+  if ! ls "$DATA"/base.part*.safetensors > /dev/null 2>&1; then
+    timeout 200 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
+      --minutes 3 --epochs 7 > "$OUT/prose.log" 2>&1
+    echo "prose base rc=$? ($((SECONDS - t0)) s)"; cat "$DATA/stage/summary.md"
+    cp "$DATA"/stage/base.part*.safetensors "$DATA/" || exit 1
+  fi
+  timeout $((575 - SECONDS + t0)) python3 -m stateblock.train.prose_readout \
+    --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$DATA/readout" \
+    --scale bench --device cuda --corpus "$DATA/corpus" --task-workers "$(nproc)" \
+    --tune-prompts 250000 --train-prompts 50000 --tune-minutes 1.5 --distill-minutes 2.5 \
+    "${@:3}" > "$OUT/prose-readout.log" 2>&1
+  echo "prose-readout rc=$? ($((SECONDS - t0)) s)"
+  cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
+  grep '^\[prose\]' "$OUT/prose-readout.log"; cat "$OUT/summary.md" 2>/dev/null
+elif [ "$STAGE" = prose-more ]; then  # the last decoder distilled on, from this machine's DATA
+  DATA=${2:-.gpu_prose}; W="$DATA/readout"
+  [ -f "$W/decoder/manifest.json" ] || { echo "no decoder in $W (run prose-chain first)"; exit 1; }
+  prev="$DATA/decoder-prev$(find "$DATA" -maxdepth 1 -name 'decoder-prev*' | wc -l)"
+  mv "$W/decoder" "$prev" && rm -f "$W/summary.json" "$W/summary.md" "$W/readouts.jsonl"
+  timeout 560 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
+    --base-weights "$DATA/base" --work "$W" --scale bench --device cuda \
+    --distill-init "$prev" --distill-minutes "${3:-7}" > "$OUT/prose-readout.log" 2>&1
+  echo "prose-readout rc=$?"
+  cp "$W/summary.json" "$W/summary.md" "$OUT/" 2>/dev/null
+  pack_pair "$W"
+  grep '^\[prose\]' "$OUT/prose-readout.log"; cat "$OUT/summary.md" 2>/dev/null
 elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md, the pair's parts in $OUT
   DATA=${2:-.gpu_prose}  # a stage found in DATA/readout (a rerun on this machine) is skipped
   # carried compressed to fit a call: base parts as .xz (bf16 weights shrink about a
@@ -128,13 +196,7 @@ elif [ "$STAGE" = prose-readout ]; then  # summary.json, summary.md, the pair's 
   # xz -d | tar x` gives tuned/, decoder/ and teacher/, for bench.prose_api's served check
   # and for a call that goes on distilling (--distill-init); the teacher is left out when
   # the whole would not come back
-  if [ -f "$DATA/readout/decoder/manifest.json" ] && [ -f "$DATA/readout/tuned/config.json" ]; then
-    tar -C "$DATA/readout" -cf - tuned decoder teacher | xz -T0 -6 > "$OUT/pair.tar.xz"
-    if [ "$(stat -c %s "$OUT/pair.tar.xz")" -gt 66000000 ]; then
-      tar -C "$DATA/readout" -cf - tuned decoder | xz -T0 -6 > "$OUT/pair.tar.xz"
-    fi
-    split -b 15M -d "$OUT/pair.tar.xz" "$OUT/pair.tar.xz." && rm "$OUT/pair.tar.xz"
-  fi
+  pack_pair "$DATA/readout"
   grep '^\[prose\]' "$OUT/prose-readout.log"; tail -c 2000 "$OUT/prose-readout.log"
   cat "$OUT/summary.md" 2>/dev/null
 elif [ "$STAGE" = smoke ] || [ "$STAGE" = measure ]; then  # timings, the audit, the GPU tests

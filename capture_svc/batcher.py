@@ -7,11 +7,11 @@ the bucket width, `CohortLimits`), one forward each, the narrowest bucket first.
 A request over the token bound (a maximal one: 8 lanes of 4,096 tokens) is captured in
 parts instead, as many of its lanes a forward as the bound allows (one lane when a single
 lane is over it), by a second runner beside the cohorts': its parts never hold up the
-cohorts of the requests that fit. With an executor of two threads (the eager forward) a
-part runs beside a cohort; with one (a compiled forward: its CUDA graphs belong to the
-thread that warmed them up) the two runners take turns, so a request queued behind a part
-goes in the next forward. The cohorts' runner keeps up to `in_flight` forwards going (the
-eager forward: `STATEBLOCK_CAPTURE_FORWARDS`, each on a thread and CUDA stream of its own),
+cohorts of the requests that fit. With an executor of more threads than forwards in flight
+a part runs beside a cohort; with one (a forward replaying CUDA graphs: they belong to the
+thread that recorded them) the two runners take turns, so a request queued behind a part
+goes in the next forward. The cohorts' runner keeps up to `in_flight` forwards going
+(`STATEBLOCK_CAPTURE_FORWARDS`, each on a thread and CUDA stream of its own),
 so with two the device runs the next cohort while the last one's rows are copied out and its
 callers answered. Parts of several such requests go round-robin, one part of each in turn;
 the plan table assembles a request's rows once its last lane is in.

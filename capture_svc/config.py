@@ -19,6 +19,9 @@ declared = settings.fields_for(settings.CAPTURE)
 # graph every larger cohort runs, so a request alone would get other rows than in company.
 # A lone lane runs with a dummy lane beside it, through the graph its company would use.
 MIN_COMPILED_LANES = 2
+# inductor's modes whose compiled forward replays CUDA graphs (a graph is its recording
+# thread's, so such a forward runs on one thread)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,9 @@ class CaptureConfig(BlocksServiceConfig):
     dtype: str = declared(settings.CAPTURE_DTYPE)
     batch_window_s: float = declared(settings.BATCH_WINDOW_S)  # >0 waits for company
     # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...) or an
-    # inductor mode ("reduce-overhead": one CUDA graph per shape, the GPU's fast path). The
-    # start-up warm-up runs every (lane bucket, width bucket) shape before the service is
-    # SERVING, so no request compiles. Off by default: a compiled kernel may round
-    # differently per shape, so batched rows are not guaranteed bit-identical to the same
-    # request alone.
+    # inductor mode ("default", "reduce-overhead": one CUDA graph per shape). The start-up
+    # warm-up runs every (lane bucket, width bucket) shape before the service is SERVING, so
+    # no request compiles.
     compile: str = declared(settings.CAPTURE_COMPILE)
     # compiled only: inductor's and Triton's caches, kept where a restart finds them
     compile_cache: Path | None = declared(settings.CAPTURE_COMPILE_CACHE)
@@ -59,8 +60,8 @@ class CaptureConfig(BlocksServiceConfig):
     # fit: continuous batching sized by tokens, not only lanes
     cohort_lanes: int = declared(settings.CAPTURE_COHORT_LANES)
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
-    # eager only: cohort forwards at once (a compiled forward's CUDA graphs are one thread's)
-    forwards: int = declared(settings.CAPTURE_FORWARDS)
+    # cohort forwards at once; None: 2 on a GPU, 1 on the CPU (forwards_in_flight)
+    forwards: int | None = declared(settings.CAPTURE_FORWARDS)
     # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
     # limit is always one), so the shapes to warm up are these x the prompt-width buckets
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
@@ -113,9 +114,21 @@ class CaptureConfig(BlocksServiceConfig):
         return CohortLimits(max(self.cohort_lanes, self.limits.max_lanes), self.cohort_tokens)
 
     @property
+    def replays_graphs(self) -> bool:
+        """The compiled forward replays CUDA graphs, which belong to the thread that recorded
+        them: one forward thread."""
+        return self.compile in CUDA_GRAPH_MODES
+
+    @property
     def forwards_in_flight(self) -> int:
-        """Cohort forwards at once: one when compiled (its graphs are its thread's)."""
-        return self.forwards if self.compile == "off" else 1
+        """Cohort forwards at once: the setting's, else two on a GPU (it runs one cohort while
+        the last one's rows go out) and one on the CPU (one forward uses every core); one
+        when the forward replays CUDA graphs."""
+        if self.replays_graphs:
+            return 1
+        if self.forwards is not None:
+            return self.forwards
+        return 2 if self.device.startswith("cuda") else 1
 
     @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:

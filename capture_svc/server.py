@@ -188,7 +188,7 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
         pad_id=model.tokenizer.pad_token_id or 0,
         capture_mode=CAPTURE_MODE,
         lane_buckets=config.cohort_lane_buckets,
-        thread_streams=config.compile == "off",  # the eager forward's threads
+        thread_streams=not config.replays_graphs,  # a stream for each forward thread
     )
 
 
@@ -248,12 +248,12 @@ async def running_capture(
         capture_metrics = CaptureMetrics(metrics)
         if held is not None:
             capture_metrics.slots_held.set_function(held.held)
-        # Eager: a thread for each cohort forward at once and one more, so a part of a
-        # request over the token bound runs beside the cohorts of those that fit. Compiled:
-        # one, the thread whose warm-up recorded the CUDA graphs (they are per thread); the
+        # A thread for each cohort forward at once and one more, so a part of a request over
+        # the token bound runs beside the cohorts of those that fit. A forward replaying CUDA
+        # graphs: one, the thread whose warm-up recorded them (they are per thread); the
         # batcher's runners take turns.
         in_flight = config.forwards_in_flight
-        threads = in_flight + 1 if config.compile == "off" else 1
+        threads = 1 if config.replays_graphs else in_flight + 1
         executor = stack.enter_context(
             ThreadPoolExecutor(threads, thread_name_prefix="capture-fwd")
         )

@@ -358,10 +358,10 @@ BATCH_WINDOW_S = _setting(
 )  # fmt: skip
 CAPTURE_COMPILE = _setting(
     "CAPTURE_COMPILE", str, "off",
-    "a `torch.compile` backend (`inductor`) or mode (`reduce-overhead`: one CUDA graph per "
-    "shape, the GPU setting) for the base forward, one graph per (lane bucket, prompt "
-    "bucket) shape, every one compiled by a warm-up before the capture is SERVING; off by default: a compiled kernel may round differently "
-    "per shape, so batched rows may differ in their last bits from a request alone",
+    "a `torch.compile` backend (`inductor`) or mode (`default`: the fastest under load on a "
+    "GPU; `reduce-overhead`: one CUDA graph per shape) for the base forward, every (lane "
+    "bucket, prompt bucket) shape compiled by a warm-up before the capture is SERVING; a "
+    "prompt's rows are the same alone as in any cohort",
     (CAPTURE,), chart="capture.compile",
 )  # fmt: skip
 CAPTURE_COMPILE_CACHE = _setting(
@@ -386,11 +386,12 @@ CAPTURE_COHORT_TOKENS = _setting(
     chart="capture.cohortTokens",
 )  # fmt: skip
 CAPTURE_FORWARDS = _setting(
-    "CAPTURE_FORWARDS", int, 1,
+    "CAPTURE_FORWARDS", int, None,
     "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "
-    "with 2 the device runs the next cohort while the last one's rows go out; a compiled "
-    "forward runs one (its CUDA graphs belong to the thread that recorded them)", (CAPTURE,),
-    minimum=1,
+    "with 2 the device runs the next cohort while the last one's rows go out; a forward that "
+    "replays CUDA graphs (`reduce-overhead`) runs one (a graph is its recording thread's)",
+    (CAPTURE,), minimum=1, unset="2 on a CUDA device, 1 on the CPU (a forward there already "
+    "uses every core)",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),

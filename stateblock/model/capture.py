@@ -70,6 +70,12 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
     # one CUDA graph per bucketed shape is the design, not a symptom to warn about
     torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
+    # Inductor times a kernel's candidate configs on its first run and keeps the fastest: a
+    # choice that follows the GPU's load at that moment, so two processes compiling one model
+    # can round differently and a prompt's answer would depend on the replica that took it.
+    # Deterministic mode picks every config without timing.
+    if hasattr(torch._inductor.config, "deterministic"):
+        torch._inductor.config.deterministic = True
     eager = bb.forward
     if backend in COMPILE_MODES:
         bb.forward = torch.compile(eager, mode=backend, dynamic=True)

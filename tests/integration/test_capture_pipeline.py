@@ -1,11 +1,12 @@
-"""The capture's cohorts runner keeps `in_flight` forwards going at once (the eager
-forward: the next cohort runs on the device while the last one's rows go out), never more,
+"""The capture's cohorts runner keeps `in_flight` forwards going at once (the next cohort
+runs on the device while the last one's rows go out), never more,
 and every caller is answered; a cohort's rows going to the host never hold up the event
 loop's plan table calls."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,9 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc import plans as plan_table
 from capture_svc.batcher import CohortForward, ForwardBatcher
-from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.config import CUDA_GRAPH_MODES, MIN_COMPILED_LANES, CaptureConfig, CohortLimits
 from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
+from stateblock.model.capture import compile_backbone
 from stateblock.protocol import envelope
+from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 from tests.integration.test_fairness import until
 
@@ -65,17 +68,31 @@ async def test_the_cohorts_runner_keeps_in_flight_forwards_going_and_no_more(in_
     assert forward.peak == in_flight and forward.lanes == [1] * 6
 
 
-async def test_forwards_in_flight_give_each_request_its_rows_alone(serving_model):
-    """Two cohort forwards at once, on threads of their own: each request's rows are those
-    it gets alone, one forward at a time."""
+@pytest.fixture(scope="module")
+def compiled_model(serving_model):
+    """A copy of the served base whose backbone is compiled (`aot_eager`: dynamo's graphs
+    on the CPU without code generation), beside the eager one the other tests use."""
+    model = copy.deepcopy(serving_model.model)
+    compile_backbone(model, "aot_eager")
+    return model
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+async def test_forwards_in_flight_give_each_request_its_rows_alone(
+    serving_model, compiled_model, compiled
+):
+    """Two cohort forwards at once, on threads (and streams) of their own, eager or compiled
+    without CUDA graphs: each request's rows are those it gets alone, one forward at a time."""
     tok = serving_model.tokenizer
     prompts = [f"copy: {'ab' * i}" for i in range(1, 9)]
+    model = compiled_model if compiled else serving_model.model
+    buckets = (MIN_COMPILED_LANES, 4) if compiled else None  # a compiled lone lane has company
 
     async def rows(in_flight: int, lanes: int) -> list[torch.Tensor]:
         plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=30)
         forward = CohortForward(
-            serving_model.model, plans, pad_id=tok.pad_token_id,
-            capture_mode=pb.CAPTURE_MODE_FINAL_HIDDEN,
+            model, plans, pad_id=tok.pad_token_id, capture_mode=pb.CAPTURE_MODE_FINAL_HIDDEN,
+            lane_buckets=buckets, thread_streams=True,
         )  # fmt: skip
         cohort = CohortLimits(lanes=lanes, tokens=1 << 20)
         with ThreadPoolExecutor(in_flight + 1) as pool:
@@ -100,10 +117,18 @@ async def test_forwards_in_flight_give_each_request_its_rows_alone(serving_model
         assert torch.equal(a, b), (a - b).abs().max().item()
 
 
-def test_a_compiled_capture_runs_one_cohort_forward_at_a_time():
-    eager = CaptureConfig(nats_url="unused", forwards=2)
-    assert eager.forwards_in_flight == 2
-    assert CaptureConfig(nats_url="unused", forwards=2, compile="inductor").forwards_in_flight == 1
+def test_forwards_at_once_follow_the_device_and_cuda_graphs_run_one():
+    def config(**kw) -> CaptureConfig:
+        return CaptureConfig(nats_url="unused", **kw)
+
+    assert config().forwards_in_flight == 1  # the CPU: one forward uses every core
+    assert config(device="cuda").forwards_in_flight == 2
+    assert config(device="cuda", compile="default").forwards_in_flight == 2
+    assert config(forwards=3, compile="inductor").forwards_in_flight == 3
+    for mode in CUDA_GRAPH_MODES:  # a CUDA graph replays on the thread that recorded it
+        assert config(device="cuda", forwards=2, compile=mode).forwards_in_flight == 1
+    with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_FORWARDS"):
+        CaptureConfig.from_env({"STATEBLOCK_CAPTURE_FORWARDS": "0", "STATEBLOCK_NATS_URL": "x"})
 
 
 def test_rows_going_to_the_host_do_not_hold_the_plan_table(monkeypatch):
