@@ -9,8 +9,14 @@ load run's cycle splits into the forward's own time and the rest. Model FLOPs ar
 runs on one position (`logits_to_keep=1`), so neither counts; the attention's own, about
 3 % at 512, is left out.
 
+With --profile-lanes N, one more forward of N lanes runs under torch's profiler and its
+device time is split by kind of kernel (matmul, attention, the compiler's fused Triton
+kernels, the rest), with the longest kernels: where the forward's time goes besides its
+matmuls.
+
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
-        [--compile off|reduce-overhead] [--scale full] [--device cuda]
+        [--compile off|default|reduce-overhead] [--profile-lanes 30] [--scale full] \\
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -44,6 +50,63 @@ def rates(rows: list[dict], params: int, peak_tflops: float | None) -> list[dict
     return out
 
 
+# substrings of a kernel's (or, on the CPU, an operator's) name, lower case, in the order
+# tried: flash attention kernels may also name a GEMM
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::matmul", "aten::linear")),
+    ("fused (triton)", ("triton",)),
+)  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def split_by_kind(kernels: list[tuple[str, float]], top: int = 10) -> dict:
+    """(name, self microseconds) of each kernel -> ms and share by kind, and the longest."""
+    total = sum(us for _, us in kernels) or 1.0
+    kinds: dict[str, float] = {}
+    for name, us in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+    longest = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {
+        "total_ms": round(total / 1e3, 3),
+        "kinds": {k: {"ms": round(us / 1e3, 3), "share": round(us / total, 3)}
+                  for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "longest": [{"name": n[:120], "ms": round(us / 1e3, 3), "kind": kernel_kind(n)}
+                    for n, us in longest],
+    }  # fmt: skip
+
+
+def profile_forward(model, width: int, lanes: int, device: str) -> dict:
+    """One forward of `lanes` x `width` under torch's profiler: its device kernels' time
+    (its operators' on the CPU), split by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from stateblock.model.capture import capture
+
+    cuda = device.startswith("cuda")
+    ids = torch.randint(4, model.config.vocab_size, (lanes, width), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.inference_mode():
+        capture(model, ids)  # compiled: the shape's first call is not the one profiled
+        with profile(activities=activities) as prof:
+            capture(model, ids)
+            if cuda:
+                torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if cuda and on_device:
+            kernels.append((e.key, float(getattr(e, "self_device_time_total", 0.0))))
+        elif not cuda and e.key.startswith("aten::"):
+            kernels.append((e.key, float(e.self_cpu_time_total)))
+    return {"lanes": lanes, "width": width, **split_by_kind(kernels)}
+
+
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [
@@ -61,6 +124,14 @@ def markdown(doc: dict) -> str:
             f"| {r['lanes']} | {r['padded_width']} | {r['median_ms']:.1f} | {r['tflops']:.1f} "
             f"| {share} |"
         )
+    prof = doc.get("profile")
+    if prof:
+        lines += ["", f"One forward of {prof['lanes']} x {prof['width']} profiled: "
+                  f"{prof['total_ms']:.1f} ms of kernels", "",
+                  "| kind | ms | share |", "|---|---:|---:|"]  # fmt: skip
+        lines += [f"| {k} | {v['ms']:.2f} | {v['share']:.0%} |" for k, v in prof["kinds"].items()]
+        lines += ["", "| longest kernels | kind | ms |", "|---|---|---:|"]
+        lines += [f"| `{k['name'][:80]}` | {k['kind']} | {k['ms']:.2f} |" for k in prof["longest"]]
     return "\n".join(lines) + "\n"
 
 
@@ -75,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's measured bf16 GEMM rate (the smoke bench's)")  # fmt: skip
+    ap.add_argument("--profile-lanes", type=int, default=0,
+                    help="profile one forward of this many lanes (0: none)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -95,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip
+    if args.profile_lanes:
+        width = timed[0]["padded_width"] if timed else args.width
+        doc["profile"] = profile_forward(model, width, args.profile_lanes, args.device)
     (out / "forward_rate.json").write_text(json.dumps(doc, indent=2))
     (out / "forward_rate.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -130,8 +130,8 @@ elif [ "$STAGE" = compiled ]; then  # a cold start and load, two captures, the f
     echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
   done
   timeout 130 python3 -m bench.forward_rate --out "$OUT/rate" --compile default \
-    --lanes 8,16,30,32 --peak-tflops 755 > "$OUT/rate.log" 2>&1
-  echo "forward rate rc=$?"; tail -6 "$OUT/rate/forward_rate.md"
+    --lanes 8,16,30,32 --peak-tflops 755 --profile-lanes 30 > "$OUT/rate.log" 2>&1
+  echo "forward rate rc=$?"; tail -24 "$OUT/rate/forward_rate.md"
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two rate && rm -r "$OUT/one" "$OUT/two" "$OUT/rate"
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \

@@ -375,8 +375,12 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     from bench.forward_rate import main, rates
 
     main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--lanes", "1,4",
-          "--width", "32", "--repeats", "2", "--peak-tflops", "100"])  # fmt: skip
+          "--width", "32", "--repeats", "2", "--peak-tflops", "100",
+          "--profile-lanes", "4"])  # fmt: skip
     doc = json.loads((tmp_path / "forward_rate.json").read_text())
+    prof = doc["profile"]  # the CPU's operators stand in for a GPU's kernels
+    assert (prof["lanes"], prof["width"]) == (4, 32) and prof["kinds"]["matmul"]["ms"] > 0
+    assert sum(k["ms"] for k in prof["kinds"].values()) == pytest.approx(prof["total_ms"], abs=0.01)
     assert [(r["lanes"], r["tokens"]) for r in doc["forwards"]] == [(1, 32), (4, 128)]
     vocab, hidden = 2048, 64  # the tiny scale's: its embedding and head are not matmuls
     assert doc["config"]["params"] == 336_192 - 2 * vocab * hidden
@@ -385,3 +389,21 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     (row,) = rates([{"lanes": 30, "padded_width": 512, "median_ms": 200.0}], 2_901_300_864, 755.0)
     assert row["tflops"] == round(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, 3) == 445.64
     assert row["of_peak"] == round(445.64 / 755.0, 3) == 0.59
+
+
+def test_a_profiled_forward_splits_its_kernels_by_kind():
+    from bench.forward_rate import kernel_kind, split_by_kind
+
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert kernel_kind("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNN") == "matmul"
+    assert kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == (
+        "attention"
+    )
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "fused (triton)"
+    assert kernel_kind("void at::native::elementwise_kernel<128, 4>") == "other"
+    split = split_by_kind([("gemm_a", 3000.0), ("flash_fwd", 500.0), ("triton_poi", 1500.0),
+                           ("gemm_b", 5000.0)], top=2)  # fmt: skip
+    assert split["total_ms"] == 10.0
+    assert split["kinds"]["matmul"] == {"ms": 8.0, "share": 0.8}
+    assert list(split["kinds"]) == ["matmul", "fused (triton)", "attention"]
+    assert [k["name"] for k in split["longest"]] == ["gemm_b", "gemm_a"]
