@@ -57,7 +57,8 @@ set -uo pipefail
 STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
-  prose-readout|prose-chain|prose-more) if [ -d .whl ]; then source bench/gpu_env.sh || exit 1; fi ;;
+  prose-readout|prose-chain|prose-more)
+    if [ -d "${WHL:-.whl}" ]; then source bench/gpu_env.sh || exit 1; fi ;;
   *) source bench/gpu_env.sh || exit 1 ;;
 esac
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1

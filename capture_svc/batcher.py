@@ -151,15 +151,17 @@ class CohortForward:
         on_cuda = thread_streams and self._device.type == "cuda"
         self._streams = threading.local() if on_cuda else None
 
-    def warm_up(self, shapes: Sequence[tuple[int, int]] = ((1, MIN_BUCKET),)) -> float:
-        """Run each (lanes, width) shape before the first request (by default one throwaway
-        forward: the eager path's first-call cost); returns the seconds it took."""
+    def warm_up(
+        self, shapes: Sequence[tuple[int, int]] = ((1, MIN_BUCKET),), runs: int = 1
+    ) -> float:
+        """Run each (lanes, width) shape `runs` times before the first request (by default one
+        throwaway forward: the eager path's first-call cost); returns the seconds it took."""
         t0 = time.perf_counter()
 
         def done(lanes: int, width: int, seconds: float) -> None:
             log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
 
-        warm_up(self._model, shapes, pad_id=self._pad_id, on_shape=done)
+        warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
         total = time.perf_counter() - t0
         log.info("warm-up done", shapes=len(shapes), seconds=round(total, 3))
         return total

@@ -35,7 +35,12 @@ from capture_svc.service import (
 )
 from stateblock import runtime
 from stateblock.model.arena import DeviceArena
-from stateblock.model.capture import compile_backbone, compile_cache_counts, use_compile_cache
+from stateblock.model.capture import (
+    WARM_RUNS,
+    compile_backbone,
+    compile_cache_counts,
+    use_compile_cache,
+)
 from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool
@@ -127,8 +132,10 @@ async def _health_not_serving(server: grpc.aio.Server) -> health.aio.HealthServi
 async def _warm_up(
     forward: CohortForward, executor: Executor, config: CaptureConfig, metrics: CaptureMetrics
 ) -> None:
-    """Compiled: every (lane bucket, width bucket) shape a cohort can run. Eager: one
-    throwaway forward, its first-call cost."""
+    """Compiled: every (lane bucket, width bucket) shape a cohort can run, once (a symbolic
+    graph compiles on its first call; a shape that breaks one of its guards compiles again
+    on its own), or WARM_RUNS times where the forward records and replays CUDA graphs.
+    Eager: one throwaway forward, its first-call cost."""
     buckets = config.cohort_lane_buckets
     limit = config.limits.prompt_len_max
     shapes = [(1, MIN_BUCKET)]
@@ -136,7 +143,9 @@ async def _warm_up(
         shapes = warm_shapes(buckets, limit, config.cohort)
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
-    metrics.warmup_seconds.set(await loop.run_in_executor(executor, forward.warm_up, shapes))
+    runs = WARM_RUNS if config.replays_graphs else 1
+    seconds = await loop.run_in_executor(executor, forward.warm_up, shapes, runs)
+    metrics.warmup_seconds.set(seconds)
     if buckets is not None:
         counts = compile_cache_counts()
         for key, n in counts.items():

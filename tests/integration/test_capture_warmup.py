@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import grpc
@@ -28,10 +29,12 @@ from capture_svc.batcher import (
 )
 from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import PlanTable, PlanTableMetrics
-from capture_svc.server import CAPTURE_SERVICE, running_capture
+from capture_svc.server import CAPTURE_SERVICE, _warm_up, running_capture
+from capture_svc.service import CaptureMetrics
 from gateway.capture_client import never_reached_capture
 from readout_svc.config import ReadoutServiceConfig
 from stateblock.app.nats_server import free_port
+from stateblock.model.capture import WARM_RUNS
 from stateblock.model.rows import block_lanes
 from stateblock.protocol import envelope, streams
 from stateblock.protocol.keys import Signer, TrustStore
@@ -274,7 +277,8 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
             graphs_before_warm_up = counters["stats"]["unique_graphs"]
             gated_warm_up.set()
             running = await asyncio.wait_for(entered, 300)
-            assert sorted(set(seen)) == [(2, 16), (2, 24), (3, 16), (3, 24)]
+            # each shape once: without CUDA graphs a shape has nothing to record or replay
+            assert sorted(seen) == [(2, 16), (2, 24), (3, 16), (3, 24)]
             graphs = counters["stats"]["unique_graphs"]
             assert graphs > graphs_before_warm_up  # the counter sees the warm-up's compiles
             assert metrics.get_sample_value("stateblock_capture_warmup_seconds") > 0
@@ -340,3 +344,21 @@ async def test_a_request_sent_during_warm_up_is_answered_after_it(
         await client.close()
     assert answer.object == "text_completion" and len(answer.choices) == 1
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("mode", "runs"), [("default", 1), ("reduce-overhead", WARM_RUNS)])
+async def test_a_shape_warms_up_once_unless_its_cuda_graph_is_recorded_and_replayed(mode, runs):
+    class Forward:
+        def warm_up(self, shapes, runs):
+            self.called = (list(shapes), runs)
+            return 0.5
+
+    forward = Forward()
+    config = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": mode, "STATEBLOCK_NATS_URL": "x",
+                                     "STATEBLOCK_PROMPT_LEN_MAX": "16"})  # fmt: skip
+    metrics = CollectorRegistry()
+    with ThreadPoolExecutor(1) as executor:
+        await _warm_up(forward, executor, config, CaptureMetrics(metrics))
+    shapes = warm_shapes(config.cohort_lane_buckets, 16, config.cohort)
+    assert forward.called == (list(shapes), runs) and len(shapes) == 5  # lanes 2 to 32
+    assert metrics.get_sample_value("stateblock_capture_warmup_seconds") == 0.5

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The folder a `prose-chain` device call carries (issue 41), made here from nothing: Debian's
+# documentation packages installed and turned into the corpus (data/prose, docs/CORPUS.md),
+# its BPE tokenizer (data/prose-tokenizer), the base's id streams and the tokenizer
+# (prose_shards), the corpus's train text gzipped (the train prompts are made on the
+# machine) and the held-out prompts alone (the train prompts there are more than a call
+# carries). Each step is skipped when its output is there. About 2 minutes on 2 cores (39 MB).
+#
+# Also .whl-prose: the blake3 wheel alone (the model loader's digests; the service wheels
+# and DATA together would not fit a call).
+#
+# Usage (repo root, as root for apt-get): bash bench/prose_prepare.sh [DATA=.gpu_prose]
+# Then, with models/ moved out of the working tree (DATA and the tree fit 64 MiB only so):
+#   WHL=.whl-prose bash bench/gpu_session.sh prose-chain DATA  # carry [".whl-prose", "DATA"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DATA=${1:-.gpu_prose}
+PY=.venv/bin/python
+
+if [ ! -f data/prose/train.txt ]; then
+  apt-get update -qq
+  # shellcheck disable=SC2046  # one word a package
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    $($PY -m stateblock.train.corpus packages) > /dev/null
+  $PY -m stateblock.train.corpus build --out data/prose
+fi
+if [ ! -f data/prose-tokenizer/tokenizer.json ]; then
+  $PY -m stateblock.train.prose_tokenizer --corpus data/prose --out data/prose-tokenizer
+fi
+if [ ! -f "$DATA/train.npy" ]; then
+  $PY -m stateblock.train.prose_shards --corpus data/prose --tokenizer data/prose-tokenizer \
+    --out "$DATA"
+fi
+mkdir -p "$DATA/corpus"
+if [ ! -f "$DATA/corpus/train.txt.gz" ]; then
+  gzip -c data/prose/train.txt > "$DATA/corpus/train.txt.gz"
+fi
+if [ ! -f "$DATA/readout/tasks/heldout.jsonl.gz" ]; then
+  $PY -m stateblock.train.prose_readout --corpus data/prose --work "$DATA/readout" \
+    --scale bench --until tasks
+  rm -f "$DATA/readout/tasks/train.jsonl.gz"  # made on the machine, as many as the tuning reads
+fi
+if ! ls .whl-prose/blake3-*.whl > /dev/null 2>&1; then
+  mkdir -p .whl-prose
+  $PY -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl-prose "$($PY -m pip freeze | grep -i '^blake3==')"
+fi
+du -sb "$DATA" | awk '{printf "%s: %.1f MB\n", $2, $1 / 1e6}'
