@@ -8,7 +8,10 @@
 # (grpcio, protobuf, anyio, httpx, ...): the generated protobuf code and fastapi need ours.
 #
 # Usage (repo root): bench/prepare_wheels.sh [DEST=.whl]
-# Then on the GPU machine: carry ".whl" and source bench/gpu_env.sh first.
+# Then on the GPU machine: carry ".whl" and source bench/gpu_env.sh first. These wheels
+# (about 28 MB) and the tracked tree (37 MB, 36 of it models/) exceed a call's 64 MiB
+# together: move models/ out of the working tree for the call (the GPU benches build their
+# own models; `mv models /tmp/models-held`, and back after).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest="${1:-.whl}"
