@@ -70,7 +70,8 @@ def split_by_kind(kernels: list[tuple[str, float]], top: int = 10) -> dict:
     total = sum(us for _, us in kernels) or 1.0
     kinds: dict[str, float] = {}
     for name, us in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + us
     longest = sorted(kernels, key=lambda k: -k[1])[:top]
     return {
         "total_ms": round(total / 1e3, 3),

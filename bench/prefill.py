@@ -10,6 +10,7 @@ import torch
 
 from bench.models import build_nemotron, n_params, sync
 from bench.report import Report
+from capture_svc.config import CUDA_GRAPH_MODES
 
 
 def failure(e: BaseException) -> dict:
@@ -83,7 +84,7 @@ def measure_prefill(args, base, device: str, report: Report, left) -> None:
         )
     except Exception as e:
         prefill["llama"] = failure(e)
-    if args.capture_compile in ("reduce-overhead", "max-autotune"):
+    if args.capture_compile in CUDA_GRAPH_MODES:
         # inductor's CUDA-graph trees live in the thread that first records one (the capture
         # service's forward thread, next); recording on this thread first would bind them here
         prefill["llama_compiled"] = {
