@@ -347,19 +347,21 @@ class ForwardBatcher:
         so it takes in everything that queued while the others ran."""
         free = asyncio.Semaphore(self._in_flight)
         while True:
-            await free.acquire()  # the first cohort's forward
+            await free.acquire()
+            held = True
             self._collected = deque(self._cohorts(await self._collect()))
-            if not self._collected:
-                free.release()
             while self._collected:
+                if not held:
+                    await free.acquire()
+                held = False
                 # a caller that went away while an earlier cohort ran: its forward never starts
                 cohort = [p for p in self._collected.popleft() if not p.future.done()]
                 task = asyncio.create_task(self._run_cohort(cohort), name="capture-cohort")
                 self._forwards.add(task)
                 task.add_done_callback(self._forwards.discard)
                 task.add_done_callback(lambda _: free.release())
-                if self._collected:
-                    await free.acquire()  # the next cohort's
+            if held:
+                free.release()
 
     async def _run_cohort(self, cohort: list[Pending]) -> None:
         if cohort and await self._run_forward(cohort):
