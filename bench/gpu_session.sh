@@ -19,8 +19,9 @@
 #                                         # the ipc and host planes at 8, 64, 128 clients
 #   bash bench/gpu_session.sh compiled [ARGS]  # the capture compiled `default` (deterministic
 #                                         # kernels, 2 forwards at once): a cold start and
-#                                         # 1-128 clients, two captures at 128 (do replicas
-#                                         # agree?), the forward's rate (about 9 minutes)
+#                                         # 1-128 clients with compiled AR at batch 64, two
+#                                         # captures at 128 (do replicas agree?); RATE=1 adds
+#                                         # the forward's rate (about 9 minutes, 11 with it)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -118,22 +119,26 @@ elif [ "$STAGE" = planes ]; then  # issue 38's data planes: GPU tests, then host
       "${@:2}" > "$OUT/load-$plane.log" 2>&1
     echo "load $plane rc=$?"; tail -c 2500 "$OUT/load-$plane.log"
   done
-elif [ "$STAGE" = compiled ]; then  # a cold start and load, two captures, the forward's rate
-  flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
+elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two captures at 128
+  flags=(--depths 256 --prompts 32 --ar-reserve-s 150 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
-  # the first from an empty inductor cache (a fresh machine): its stack_start_s is a cold start
-  for run in one:1:1,8,64,128:230 two:2:128:170; do
-    IFS=: read -r name captures levels limit <<<"$run"
+  # the first from an empty inductor cache (a fresh machine): its stack_start_s is a cold
+  # start; its batched compiled AR at 64 gives the ratio at 64 clients
+  for run in one:1:1,8,64,128:380:64 two:2:128:170:; do
+    IFS=: read -r name captures levels limit ar <<<"$run"
     timeout "$limit" python3 -m bench.load_gpu --out "$OUT/$name" "${flags[@]}" \
-      --levels "$levels" --captures "$captures" --budget-s $((limit - 15)) "${@:2}" \
-      > "$OUT/load-$name.log" 2>&1
-    echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
+      --levels "$levels" --captures "$captures" --ar-batches "$ar" \
+      --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
+    echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup|[Rr]atio' "$OUT/$name/load.md"
   done
-  timeout 130 python3 -m bench.forward_rate --out "$OUT/rate" --compile default \
-    --lanes 8,16,30,32 --peak-tflops 755 --profile-lanes 30 > "$OUT/rate.log" 2>&1
-  echo "forward rate rc=$?"; tail -24 "$OUT/rate/forward_rate.md"
-  tar czf "$OUT/compiled.tgz" -C "$OUT" one two rate && rm -r "$OUT/one" "$OUT/two" "$OUT/rate"
+  if [ -n "${RATE:-}" ]; then  # the forward alone (about 2 minutes more)
+    timeout 130 python3 -m bench.forward_rate --out "$OUT/rate" --compile default \
+      --lanes 8,16,30,32 --peak-tflops 755 --profile-lanes 30 > "$OUT/rate.log" 2>&1
+    echo "forward rate rc=$?"; tail -24 "$OUT/rate/forward_rate.md"
+  fi
+  tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
+    rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
