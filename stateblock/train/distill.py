@@ -24,6 +24,8 @@ from stateblock.train.readout_ddp import answer_loss
 from stateblock.train.reference import StepPlan, lr_at
 from stateblock.train.teacher import greedy_answers, load_cache, save_cache
 
+MAX_SKIPPED = 10  # non-finite steps a run absorbs (or a twentieth of its steps) before failing
+
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -134,9 +136,11 @@ def start_from(decoder: ReadoutDecoder, init: Path, identity: dict, device) -> N
 
 def train_step(
     decoder, opt, base, lm_head, batch: tuple, lr: float, amp, eos_weight: float = 1.0
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, bool]:
     """One optimizer step on one batch: the base's rows, the decoder's cross-entropy averaged
-    over its passes (first guess and each refinement), EOS targets weighted `eos_weight`."""
+    over its passes (first guess and each refinement), EOS targets weighted `eos_weight`.
+    (loss, stepped): a batch whose gradient is not finite is skipped, not applied; clipping a
+    NaN norm would otherwise turn every weight into NaN for the rest of the run."""
     ids, mask, lens, tgt = batch
     rows = capture(base, ids, mask)  # (K, P, d_base), frozen
     pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
@@ -148,9 +152,12 @@ def train_step(
     loss = sum(answer_loss(lg, tgt, eos, eos_weight) for lg in passes) / len(passes)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+    if not torch.isfinite(norm):
+        opt.zero_grad(set_to_none=True)
+        return loss, False
     opt.step()
-    return loss
+    return loss, True
 
 
 def base_identity(base_dir: str | Path, lm_head: torch.Tensor) -> dict:
@@ -209,14 +216,18 @@ def fit(
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     decoder.train()
     t1 = time.perf_counter()
-    loss = torch.tensor(float("nan"))
+    loss, skipped = torch.tensor(float("nan")), 0
     bar = tqdm(desc="distill", initial=start, total=steps, mininterval=5)
     step, plan = start, StepPlan(steps, 80, cfg.max_minutes, start)
     while step < steps:
         steps = bar.total = plan.plan(step)
         batch = _batch(records, batches[step % len(batches)], device, tok.pad_token_id)
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
-        loss = train_step(decoder, opt, base, lm_head, batch, lr, amp, cfg.eos_weight)
+        loss, stepped = train_step(decoder, opt, base, lm_head, batch, lr, amp, cfg.eos_weight)
+        skipped += not stepped
+        if skipped > max(MAX_SKIPPED, step // 20):
+            raise RuntimeError(f"distillation diverged: {skipped} of {step + 1 - start} steps "
+                               "had a gradient that was not finite")  # fmt: skip
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         step += 1
@@ -232,6 +243,7 @@ def fit(
         "train_seconds": round(time.perf_counter() - t1, 1),
         **(stats or {}),
         "final_loss": float(loss.item()),
+        "skipped_steps": skipped,
         "device": device,
         "examples": len(records),
         "params": sum(p.numel() for p in decoder.parameters()),

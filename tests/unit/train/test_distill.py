@@ -121,3 +121,31 @@ def test_the_step_plan_fits_the_budget_again_once_early_steps_are_past():
     assert first == 80 + int((60 - 24) / 0.2)  # 260 from the slow pace
     assert abs(now[0] - 60) < 1.0 and steps > first  # the second plan used the minute
     assert StepPlan(5000, 80, 1.0, start=100).plan(80) == 5000  # a resumed run keeps its plan
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_the_weights_stay_finite():
+    """One bad batch (here: an lm_head holding a NaN, so every logit's gradient is NaN) must
+    not be applied: clipping a NaN norm scales every gradient by NaN, and the run's weights
+    would all be NaN from then on."""
+    from contextlib import nullcontext
+
+    from stateblock.train.distill import _batch, new_decoder, train_step
+
+    base, tok = load_base(REFERENCE_BASE)
+    lm_head = lm_head_weight(base)
+    cfg = DistillConfig(decoder=TINY)
+    decoder = new_decoder(base, tok, lm_head, cfg, "cpu")
+    opt = torch.optim.AdamW(decoder.parameters(), lr=1e-3)
+    records = [{"prompt_ids": tok.encode("copy: abc"), "answer_ids": tok.encode("abc")}] * 2
+    batch = _batch(records, [0, 1], "cpu", tok.pad_token_id)
+    before = {k: v.clone() for k, v in decoder.state_dict().items()}
+    bad = lm_head.clone()
+    bad[0, 0] = float("nan")
+    loss, stepped = train_step(decoder, opt, base, bad, batch, 1e-3, nullcontext())
+    assert not stepped and not torch.isfinite(loss)
+    assert all(torch.equal(before[k], v) for k, v in decoder.state_dict().items())
+    loss, stepped = train_step(decoder, opt, base, lm_head, batch, 1e-3, nullcontext())
+    assert stepped and torch.isfinite(loss)
+    after = decoder.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+    assert all(torch.isfinite(v).all() for v in after.values())
