@@ -34,7 +34,7 @@
 #       # (issue 41): stateblock.train.prose_readout --scale bench on DATA/base.part* (a prose
 #       # stage's weights), DATA/tokenizer and DATA/readout/tasks (written here with --until
 #       # tasks): tuned base, teacher, readout, evaluation, about 3 minutes; summary in $OUT;
-#       # carry a .whl holding the blake3 wheel alone (the model loader's digests), and run it
+#       # carry .whl-prose (bench/prose_prepare.sh: blake3, cryptography), and run it
 #       # with models/ moved out of the working tree: the base's 53.5 MB and the tracked
 #       # tree do not fit one call's 64 MiB together. DATA/base.part*.safetensors.xz and
 #       # DATA/corpus/*.txt.gz are unpacked first (`bench.unpack`); with a corpus, the train
@@ -67,9 +67,11 @@ pack_pair() {  # WORK's pair (tuned base, decoder, the teacher's answers when th
   # $OUT/pair.tar.xz.NN, parts a call returns (15 MiB a file; 8 files, 64 MiB in all)
   local w=$1
   [ -f "$w/decoder/manifest.json" ] && [ -f "$w/tuned/config.json" ] || return 0
-  tar -C "$w" -cf - tuned decoder teacher | xz -T0 -6 > "$OUT/pair.tar.xz"
-  if [ "$(stat -c %s "$OUT/pair.tar.xz")" -gt 66000000 ]; then
-    tar -C "$w" -cf - tuned decoder | xz -T0 -6 > "$OUT/pair.tar.xz"
+  # the carried .xz copies stay behind; the teacher only when the whole comes back beside
+  # the logs and summaries (64 MiB a call)
+  tar -C "$w" --exclude='*.xz' -cf - tuned decoder teacher | xz -T0 -6 > "$OUT/pair.tar.xz"
+  if [ "$(stat -c %s "$OUT/pair.tar.xz")" -gt 60000000 ]; then
+    tar -C "$w" --exclude='*.xz' -cf - tuned decoder | xz -T0 -6 > "$OUT/pair.tar.xz"
   fi
   split -b 15M -d "$OUT/pair.tar.xz" "$OUT/pair.tar.xz." && rm "$OUT/pair.tar.xz"
 }

@@ -3,7 +3,7 @@
 # (`cat pair.tar.xz.* | xz -d | tar x` gives PAIR/tuned, PAIR/decoder, PAIR/teacher) and the
 # first call's folder (its tokenizer and held-out prompts) into OUT, the weights and the
 # teacher's answers as .xz (bench.unpack unpacks them on the machine); about 60 MB, under a
-# call's 64 MiB with the code (models/ moved out, a .whl of the blake3 wheel alone). Then:
+# call's 64 MiB with the code (models/ moved out, .whl-prose from bench/prose_prepare.sh). Then:
 #   bash bench/gpu_session.sh prose-readout OUT --distill-init OUT/decoder-prev --distill-minutes 7
 set -euo pipefail
 PAIR=${1:?the unpacked pair: tuned/, decoder/, teacher/}

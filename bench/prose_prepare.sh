@@ -6,8 +6,9 @@
 # machine) and the held-out prompts alone (the train prompts there are more than a call
 # carries). Each step is skipped when its output is there. About 2 minutes on 2 cores (39 MB).
 #
-# Also .whl-prose: the blake3 wheel alone (the model loader's digests; the service wheels
-# and DATA together would not fit a call).
+# Also .whl-prose: the wheels the prose stages need beyond the GPU image (5 MB): blake3 (the
+# model loader's digests) and cryptography with cffi and pycparser (the loader imports the
+# block envelope); the service wheels and DATA together would not fit a call.
 #
 # Usage (repo root, as root for apt-get): bash bench/prose_prepare.sh [DATA=.gpu_prose]
 # Then, with models/ moved out of the working tree (DATA and the tree fit 64 MiB only so):
@@ -40,10 +41,12 @@ if [ ! -f "$DATA/readout/tasks/heldout.jsonl.gz" ]; then
     --scale bench --until tasks
   rm -f "$DATA/readout/tasks/train.jsonl.gz"  # made on the machine, as many as the tuning reads
 fi
-if ! ls .whl-prose/blake3-*.whl > /dev/null 2>&1; then
-  mkdir -p .whl-prose
-  $PY -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl-prose "$($PY -m pip freeze | grep -i '^blake3==')"
-fi
+mkdir -p .whl-prose
+for pkg in blake3 cryptography cffi pycparser; do  # the versions installed here
+  if ! ls .whl-prose/"$pkg"-*.whl > /dev/null 2>&1; then
+    $PY -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl-prose "$($PY -m pip freeze | grep -i "^$pkg==")"
+  fi
+done
 du -sb "$DATA" | awk '{printf "%s: %.1f MB\n", $2, $1 / 1e6}'
