@@ -293,6 +293,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
         scale = replace(scale, distill=replace(scale.distill, max_minutes=a.distill_minutes))
     if a.distill_init:
         scale = replace(scale, distill=replace(scale.distill, init=a.distill_init))
+    if a.distill_lr:
+        scale = replace(scale, distill=replace(scale.distill, lr=a.distill_lr))
     return scale
 
 
@@ -350,6 +352,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
     add("--distill-init", default="",
         help="a finished decoder of this pair to go on training (another call's)")  # fmt: skip
+    add("--distill-lr", type=float, default=0.0,
+        help="the readout's peak learning rate (0: the scale's; a run from --distill-init may "
+             "want less: a fresh optimizer at the full rate can diverge)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",
         help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip
 

@@ -115,10 +115,23 @@ def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
     arm = prose_readout.with_overrides(
         bench,
         ap.parse_args(
-            ["--train-prompts", "50000", "--tune-minutes", "2", "--distill-minutes", "4"]
+            [
+                "--train-prompts",
+                "50000",
+                "--tune-minutes",
+                "2",
+                "--distill-minutes",
+                "4",
+                "--distill-lr",
+                "3e-4",
+            ]  # fmt: skip
         ),
     )
     assert (arm.train_prompts, arm.tune.max_minutes, arm.distill.max_minutes) == (50000, 2.0, 4.0)
+    assert arm.distill.lr == 3e-4 and bench.distill.lr != 3e-4
+    assert replace(arm.distill, max_minutes=bench.distill.max_minutes, lr=bench.distill.lr) == (
+        bench.distill
+    )
     assert (
         replace(arm, train_prompts=bench.train_prompts, tune=bench.tune, distill=bench.distill)
         == bench
