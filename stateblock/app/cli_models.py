@@ -53,12 +53,11 @@ def _build_prose(a: argparse.Namespace) -> int:
         print("stateblock build-reference --recipe prose needs --corpus and an --out of its "
               "own (the shipped reference pair stays where it is)", file=sys.stderr)  # fmt: skip
         return 2
-    args = argparse.Namespace(
+    args = prose_readout.parser().parse_args([])  # every other flag at its default: the scale's
+    vars(args).update(
         corpus=a.corpus, work=a.work_dir or "runs/prose", out=a.out,
         scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
-        device=device_of(a.device), seed=a.seed, until="all",
-        train_prompts=0, tune_prompts=0, tune_minutes=0.0, distill_minutes=0.0,  # the scale's
-        task_workers=1, distill_init="",
+        device=device_of(a.device), seed=a.seed,
     )  # fmt: skip
     if a.dry_run:
         print(json.dumps(vars(args)))

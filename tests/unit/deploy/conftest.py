@@ -1,4 +1,5 @@
-"""The chart with a stand-in for its NATS dependency, for the tests that enable it."""
+"""The chart tests' shared fixtures: the default render, a key pair, and the chart with a
+stand-in for its NATS dependency, for the tests that enable it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.deploy.chart import CHART
+from stateblock.protocol.keys import generate_keypair
+from tests.unit.deploy.chart import CHART, render_valid
 
 
 @pytest.fixture
@@ -28,3 +30,14 @@ def chart_with_nats_stub(tmp_path) -> Path:
         "data:\n  jetstream: {{ .Values.config.jetstream.enabled | quote }}\n"
     )
     return chart
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render_valid()
+
+
+@pytest.fixture(scope="module")
+def keypair(tmp_path_factory) -> tuple[str, str, str]:
+    files = generate_keypair(tmp_path_factory.mktemp("keys"))
+    return files.key_id, files.private_path.read_text(), files.public_path.read_text()
