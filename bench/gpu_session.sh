@@ -45,8 +45,9 @@
 #       # DATA: prose_shards' folder with corpus/train.txt.gz and readout/tasks (--until
 #       # tasks) beside (docs/QUALITY.md "To run"); ARGS go to prose_readout. DATA stays on
 #       # the machine while it is held, for:
-#   bash bench/gpu_session.sh prose-more [DATA [MINUTES]]  # on the same warm machine, carrying
-#       # nothing: the last decoder goes on distilling MINUTES (default 7) and is evaluated;
+#   bash bench/gpu_session.sh prose-more [DATA [MINUTES [ARGS]]]  # on the same warm machine,
+#       # carrying .whl-prose alone: the last decoder goes on distilling MINUTES (default 7;
+#       # ARGS to prose_readout, e.g. --distill-lr 3e-4) and is evaluated;
 #       # the pair comes back as prose-readout's does (pair.tar.xz.NN), for bench.prose_api
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
@@ -180,7 +181,7 @@ elif [ "$STAGE" = prose-more ]; then  # the last decoder distilled on, from this
   mv "$W/decoder" "$prev" && rm -f "$W/summary.json" "$W/summary.md" "$W/readouts.jsonl"
   timeout 560 python3 -m stateblock.train.prose_readout --tokenizer "$DATA/tokenizer" \
     --base-weights "$DATA/base" --work "$W" --scale bench --device cuda \
-    --distill-init "$prev" --distill-minutes "${3:-7}" > "$OUT/prose-readout.log" 2>&1
+    --distill-init "$prev" --distill-minutes "${3:-7}" "${@:4}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$?"
   cp "$W/summary.json" "$W/summary.md" "$OUT/" 2>/dev/null
   pack_pair "$W"
