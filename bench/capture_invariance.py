@@ -10,6 +10,8 @@ against the eager lane alone, for the modes asked. Seconds on the H200; also run
 at a small scale.
 
     python -m bench.capture_invariance --scale full --modes off,reduce-overhead
+    python -m bench.capture_invariance --scale full --modes off,default --size-oblivious
+        # a lone lane through the cohorts' graph (STATEBLOCK_CAPTURE_MIN_LANES=1)
 """
 
 from __future__ import annotations
@@ -47,19 +49,22 @@ def compare(rows: dict[int, torch.Tensor], against: torch.Tensor) -> dict:
     }  # fmt: skip
 
 
-def run_mode(model, tok, prompts, lanes, width, device, mode: str) -> dict:
+def run_mode(model, tok, prompts, lanes, width, device, mode: str, oblivious: bool) -> dict:
     """Lane 0's rows at each lane count under one compile mode ("off": eager)."""
+    from torch._dynamo.utils import counters
+
     n = len(tok(prompts[0])["input_ids"][:width])
-    t0 = time.perf_counter()
+    t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
     if mode != "off":
-        compile_backbone(model, mode)
+        compile_backbone(model, mode, size_oblivious=oblivious)
     rows = {}
     for k in lanes:
         ids = cohort(tok, prompts, k, width, device)
         for _ in range(3):  # cudagraph trees: warm-up, record, replay
             rows[k] = lane0_rows(model, ids, n)
     sync(device)
-    out = {"seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+    out = {"seconds": round(time.perf_counter() - t0, 1), "rows": rows,
+           "graphs": counters["stats"]["unique_graphs"] - graphs}  # fmt: skip
     uncompile_backbone(model)
     return out
 
@@ -71,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", default="1,2,4,8,16,32")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size-oblivious", action="store_true",
+                    help="compile as STATEBLOCK_CAPTURE_MIN_LANES=1 does: one lane runs the "
+                         "symbolic-lanes graph")  # fmt: skip
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -82,12 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         model = model.float()
     modes = args.modes.split(",")
-    results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m) for m in modes}
+    results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m,
+                            args.size_oblivious) for m in modes}  # fmt: skip
     alone = results["off"]["rows"][1] if "off" in results else None
-    report = {"scale": args.scale, "device": args.device, "width": args.width, "modes": {}}
+    report = {"scale": args.scale, "device": args.device, "width": args.width,
+              "size_oblivious": args.size_oblivious, "modes": {}}  # fmt: skip
     for mode, r in results.items():
         rows = r["rows"]
-        entry = {"seconds": r["seconds"], "vs_own_lanes_1": compare(rows, rows[lanes[0]])}
+        entry = {"seconds": r["seconds"], "graphs": r["graphs"],
+                 "vs_own_lanes_1": compare(rows, rows[lanes[0]])}  # fmt: skip
         if len(lanes) > 1:
             entry["vs_own_lanes_2"] = compare(rows, rows[lanes[1]])
         if alone is not None:

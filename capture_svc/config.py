@@ -14,11 +14,12 @@ from stateblock.service_config import BlocksServiceConfig
 declared = settings.fields_for(settings.CAPTURE)
 
 
-# A compiled forward never runs one lane: dynamo compiles a batch of one as a graph of its
-# own (it specializes sizes of 1), whose kernels may round otherwise than the symbolic-lanes
-# graph every larger cohort runs, so a request alone would get other rows than in company.
-# A lone lane runs with a dummy lane beside it, through the graph its company would use.
-MIN_COMPILED_LANES = 2
+# By default a compiled forward never runs one lane: dynamo compiles a batch of one as a
+# graph of its own (it specializes sizes of 1), whose kernels may round otherwise than the
+# symbolic-lanes graph every larger cohort runs, so a request alone would get other rows than
+# in company. A lone lane runs with a dummy lane beside it, through the graph its company
+# would use (STATEBLOCK_CAPTURE_MIN_LANES=1 compiles size-oblivious instead).
+MIN_COMPILED_LANES = settings.CAPTURE_MIN_LANES.default
 # inductor's modes whose compiled forward replays CUDA graphs (a graph is its recording
 # thread's, so such a forward runs on one thread)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -65,6 +66,7 @@ class CaptureConfig(BlocksServiceConfig):
     # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
     # limit is always one), so the shapes to warm up are these x the prompt-width buckets
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
+    min_lanes: int = declared(settings.CAPTURE_MIN_LANES)  # compiled only: the fewest lanes
     block_ttl_s: float = declared(settings.BLOCK_TTL_S)
     # the hash the block's forward_state_digest is signed as: "blake3" or "sha256"
     forward_state_digest: str = declared(settings.FORWARD_STATE_DIGEST)
@@ -131,12 +133,18 @@ class CaptureConfig(BlocksServiceConfig):
         return 2 if self.device.startswith("cuda") else 1
 
     @property
+    def size_oblivious(self) -> bool:
+        """The compiled forward runs lone lanes, so dynamo must not specialize a lane count
+        of one (compile_backbone's size_oblivious)."""
+        return self.compile != "off" and self.min_lanes == 1
+
+    @property
     def cohort_lane_buckets(self) -> tuple[int, ...] | None:
         """The lane counts a compiled cohort is padded to: the configured buckets below the
-        cohort's lane limit, and that limit, none under MIN_COMPILED_LANES. None when the
-        forward is eager: any lane count runs as is."""
+        cohort's lane limit, and that limit, none under min_lanes. None when the forward is
+        eager: any lane count runs as is."""
         if self.compile == "off":
             return None
         top = self.cohort.lanes
         buckets = {b for b in self.lane_buckets if b < top} | {top}
-        return tuple(sorted({max(b, MIN_COMPILED_LANES) for b in buckets}))
+        return tuple(sorted({max(b, self.min_lanes) for b in buckets}))

@@ -190,7 +190,7 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
     if config.compile != "off":
         if config.compile_cache is not None:
             use_compile_cache(config.compile_cache)
-        compile_backbone(model.model, config.compile)
+        compile_backbone(model.model, config.compile, size_oblivious=config.size_oblivious)
     return CohortForward(
         model.model,
         plans,

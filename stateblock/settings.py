@@ -393,6 +393,15 @@ CAPTURE_FORWARDS = _setting(
     (CAPTURE,), minimum=1, unset="2 on a CUDA device, 1 on the CPU (a forward there already "
     "uses every core)",
 )  # fmt: skip
+CAPTURE_MIN_LANES = _setting(
+    "CAPTURE_MIN_LANES", int, 2,
+    "compiled only: the fewest lanes a cohort forward runs, a lone request padded with dummy "
+    "lanes up to it. 2 runs a request alone through the graph its company runs; 1 runs it "
+    "at half that forward's cost through the same graph, compiled size-oblivious so dynamo "
+    "makes no graph of its own for one lane (not yet shown on a GPU to give a request alone "
+    "the rows it gets in company: `bench.capture_invariance --size-oblivious`)",
+    (CAPTURE,), minimum=1, chart="capture.minLanes",
+)  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
     "compiled only: the lane counts a cohort is padded to with dummy lanes (the cohort's lane "

@@ -38,7 +38,9 @@ def lm_head_weight(model: nn.Module) -> Tensor:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
+def compile_backbone(
+    model: nn.Module, backend: str = "inductor", *, size_oblivious: bool = False
+) -> None:
     """Compile the backbone's forward in place (`torch.compile`, shapes symbolic).
 
     `backend` is a torch.compile backend ("inductor", "aot_eager", ...) or one of inductor's
@@ -54,16 +56,23 @@ def compile_backbone(model: nn.Module, backend: str = "inductor") -> None:
     still records one CUDA graph per concrete (lanes, width) shape on that shape's first
     calls: `warm_up` makes them all before a request arrives.
 
+    `size_oblivious`: dynamo reasons about every size without a case for 1, so one lane
+    runs the same symbolic graph as the rest (no second graph); process-wide, as torch
+    reads it, and set on every call.
+
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
     its own request-scoped hook.
     """
     import torch._dynamo
     import torch._inductor.config
+    import torch.fx.experimental._config as fx_config
 
     bb = backbone(model)
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
+    fx_config.backed_size_oblivious = size_oblivious
+    bb._stateblock_size_oblivious = size_oblivious
     # headroom over dynamo's default for a caller that runs shapes outside the buckets
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
@@ -148,7 +157,7 @@ def uncompile_backbone(model: nn.Module) -> None:
     if eager is None:
         return
     bb.forward = eager
-    del bb._stateblock_compiled
+    del bb._stateblock_compiled, bb._stateblock_size_oblivious
     torch._dynamo.reset()
 
 
@@ -183,14 +192,28 @@ def capture(
             on_rows(rows)
         sink.append(rows)
 
-    handle = backbone(model).register_forward_hook(hook)
+    bb = backbone(model)
+    extra = {}
+    if getattr(bb, "_stateblock_size_oblivious", False):
+        # positions (B, P) of their own: given none, transformers broadcasts (1, P) ones and
+        # branches on B != 1, which would make one lane a graph of its own
+        extra["position_ids"] = positions(input_ids)
+    handle = bb.register_forward_hook(hook)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=1, **extra)  # fmt: skip
     finally:
         handle.remove()
     if len(sink) != 1:
         raise RuntimeError(f"capture hook fired {len(sink)} times for one forward")
     return sink[0]
+
+
+def positions(input_ids: Tensor) -> Tensor:
+    """(B, P) positions 0..P-1 of each lane, contiguous (not a view: dynamo guards a view's
+    base sizes)."""
+    b, p = input_ids.shape
+    return torch.arange(p, device=input_ids.device).expand(b, p).contiguous()
 
 
 def pad_lanes(rows: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -58,6 +58,11 @@ def test_lane_buckets_from_env():
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 4, 8, 16, 32)
     env |= {"STATEBLOCK_CAPTURE_LANE_BUCKETS": "4,1,16", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
     assert CaptureConfig.from_env(env).cohort_lane_buckets == (2, 4, 12)  # the cohort closes it
+    assert not CaptureConfig.from_env(env).size_oblivious
+    lone = CaptureConfig.from_env(env | {"STATEBLOCK_CAPTURE_MIN_LANES": "1"})
+    assert lone.cohort_lane_buckets == (1, 4, 12) and lone.size_oblivious  # a lone lane alone
+    eager = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_MIN_LANES": "1"})
+    assert eager.cohort_lane_buckets is None and not eager.size_oblivious
     for bad in ("1,two", "0,4", "-1"):
         with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})

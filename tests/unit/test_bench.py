@@ -312,6 +312,12 @@ def test_capture_invariance_bench_on_the_cpu(tmp_path):
     for lanes in ("1", "2", "4"):
         assert modes["off"]["vs_own_lanes_1"][lanes]["identical"]
         assert "identical" in modes["aot_eager"]["vs_eager_alone"][lanes]
+    assert modes["aot_eager"]["graphs"] == 2  # one lane is a graph of its own
+    proc = subprocess.run([*cmd, "--size-oblivious"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["size_oblivious"] and report["modes"]["aot_eager"]["graphs"] == 1
 
 
 async def test_regions_bench_frees_every_region_it_wrote(tmp_path):

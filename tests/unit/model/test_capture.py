@@ -161,3 +161,26 @@ def test_warm_up_runs_each_shape_as_a_request_runs_it():
         handle.remove()
     assert seen == [((1, 16), None)] * 2 + [((2, 24), None)] * 2
     assert [r[:2] for r in reported] == [(1, 16), (2, 24)] and all(r[2] > 0 for r in reported)
+
+
+@pytest.mark.parametrize("size_oblivious, graphs", [(False, 2), (True, 1)])
+def test_a_lone_lane_runs_the_cohorts_graph_only_when_compiled_size_oblivious(
+    size_oblivious, graphs
+):
+    """Dynamo specializes a lane count of one into a graph of its own, whose kernels may
+    round otherwise (so by default a lone lane runs beside a dummy one); compiled
+    size-oblivious, lanes 4, 2 and 1 all run the one symbolic graph."""
+    import torch.fx.experimental._config as fx_config
+    from torch._dynamo.utils import counters
+
+    model, tok = load_base(REFERENCE_BASE)
+    ids = torch.randint(5, 60, (4, 24), generator=torch.Generator().manual_seed(0))
+    try:
+        compile_backbone(model, "aot_eager", size_oblivious=size_oblivious)
+        counters.clear()
+        rows = {lanes: capture(model, ids[:lanes].clone())[0] for lanes in (4, 2, 1)}
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert torch.equal(rows[1], rows[4]) and torch.equal(rows[2], rows[4])
+    finally:
+        uncompile_backbone(model)
+        fx_config.backed_size_oblivious = False
