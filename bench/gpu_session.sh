@@ -173,6 +173,7 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
     "${@:3}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$? ($((SECONDS - t0)) s)"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
+  pack_pair "$DATA/readout"  # the pair comes back even when no prose-more call follows
   grep '^\[prose\]' "$OUT/prose-readout.log"; cat "$OUT/summary.md" 2>/dev/null
 elif [ "$STAGE" = prose-more ]; then  # the last decoder distilled on, from this machine's DATA
   DATA=${2:-.gpu_prose}; W="$DATA/readout"
