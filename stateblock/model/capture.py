@@ -58,7 +58,8 @@ def compile_backbone(
 
     `size_oblivious`: dynamo reasons about every size without a case for 1, so one lane
     runs the same symbolic graph as the rest (no second graph); process-wide, as torch
-    reads it, and set on every call.
+    reads it, and set by every compile (a backbone already compiled with `backend` returns
+    early and keeps the setting it was compiled with).
 
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
