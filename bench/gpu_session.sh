@@ -22,6 +22,11 @@
 #                                         # 1-128 clients with compiled AR at batch 64, two
 #                                         # captures at 128 (do replicas agree?); RATE=1 adds
 #                                         # the forward's rate (about 9 minutes, 11 with it)
+#   bash bench/gpu_session.sh lanes-mps [ARGS]  # the compiled stack of `compiled` with a lone
+#                                         # request as one lane (MIN_LANES=1) at 1-128
+#                                         # clients, again under CUDA MPS (the processes'
+#                                         # kernels share the GPU instead of taking turns),
+#                                         # then MIN_LANES=2 at 1 client (about 9 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -56,7 +61,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout|prose-chain|prose-more)
@@ -142,6 +147,24 @@ elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two capt
   fi
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
     rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
+elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1, time slicing against MPS; MIN_LANES=2
+  flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
+    --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
+    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
+  for run in lone:0:1,8,64,128:200:1 mps:1:1,64,128:150:1 pair:0:1:130:2; do
+    IFS=: read -r name mps levels limit lanes <<<"$run"
+    if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins
+      nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda')" ||
+        { echo "no MPS here"; echo quit | nvidia-cuda-mps-control; continue; }
+    fi
+    timeout "$limit" python3 -m bench.load_gpu --out "$OUT/$name" "${flags[@]}" \
+      --levels "$levels" --env "STATEBLOCK_CAPTURE_MIN_LANES=$lanes" \
+      --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
+    echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
+    [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
+  done
+  ran=$(cd "$OUT" && ls -d lone mps pair 2>/dev/null)
+  [ -n "$ran" ] && tar czf "$OUT/lanes-mps.tgz" -C "$OUT" $ran && (cd "$OUT" && rm -r $ran)
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
