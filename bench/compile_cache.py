@@ -43,7 +43,7 @@ def shapes_of(mode: str, prompt_len_max: int, lane_buckets: str, cohort_lanes: i
         "STATEBLOCK_CAPTURE_LANE_BUCKETS": lane_buckets,
         "STATEBLOCK_CAPTURE_COHORT_LANES": str(cohort_lanes),
     })  # fmt: skip
-    return warm_shapes(config.cohort_lane_buckets, config.limits.prompt_len_max, config.cohort)
+    return warm_shapes(config.warm_lane_buckets, config.limits.prompt_len_max, config.cohort)
 
 
 def child(args: argparse.Namespace) -> dict:

@@ -22,11 +22,13 @@
 #                                         # 1-128 clients with compiled AR at batch 64, two
 #                                         # captures at 128 (do replicas agree?); RATE=1 adds
 #                                         # the forward's rate (about 9 minutes, 11 with it)
-#   bash bench/gpu_session.sh lanes-mps [ARGS]  # the compiled stack of `compiled` with a lone
+#   bash bench/gpu_session.sh lanes-mps [ARGS]  # lane 0's rows at 1-32 lanes (odd counts
+#                                         # too), compiled `default` size-oblivious; then the
+#                                         # stack of `compiled` (cohorts unpadded) with a lone
 #                                         # request as one lane (MIN_LANES=1) at 1-128
 #                                         # clients, again under CUDA MPS (the processes'
-#                                         # kernels share the GPU instead of taking turns),
-#                                         # then MIN_LANES=2 at 1 client (about 9 minutes)
+#                                         # kernels share the GPU instead of taking turns)
+#                                         # at 64 and 128 (about 9 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -147,23 +149,25 @@ elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two capt
   fi
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
     rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
-elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1, time slicing against MPS; MIN_LANES=2
+elif [ "$STAGE" = lanes-mps ]; then  # invariance at any lane count; MIN_LANES=1; MPS
+  timeout 150 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
+    off,default --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
+  echo "invariance rc=$?"; tail -c 1500 "$OUT/invariance.log"
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
-    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
-  for run in lone:0:1,8,64,128:200:1 mps:1:1,64,128:150:1 pair:0:1:130:2; do
-    IFS=: read -r name mps levels limit lanes <<<"$run"
+    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
+  for run in lone:0:1,8,64,128:200 mps:1:64,128:140; do
+    IFS=: read -r name mps levels limit <<<"$run"
     if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins
       nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda')" ||
         { echo "no MPS here"; echo quit | nvidia-cuda-mps-control; continue; }
     fi
     timeout "$limit" python3 -m bench.load_gpu --out "$OUT/$name" "${flags[@]}" \
-      --levels "$levels" --env "STATEBLOCK_CAPTURE_MIN_LANES=$lanes" \
-      --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
+      --levels "$levels" --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
     echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   done
-  ran=$(cd "$OUT" && ls -d lone mps pair 2>/dev/null)
+  ran=$(cd "$OUT" && ls -d lone mps 2>/dev/null)
   [ -n "$ran" ] && tar czf "$OUT/lanes-mps.tgz" -C "$OUT" $ran && (cd "$OUT" && rm -r $ran)
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \

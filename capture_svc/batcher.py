@@ -24,12 +24,15 @@ Hugging Face SDPA off its causal (flash) kernel onto a materialized (B, 1, P, P)
 lane's rows then come out of the same computation alone or batched (the same bucket width,
 the same unmasked causal path), so batching never changes an answer.
 
-A compiled forward runs a fixed set of shapes: a cohort's lanes are padded up to a lane
-bucket with dummy lanes of pad ids (their rows are cut off before the plan table sees the
-forward's output, so they reach no block), and `warm_shapes` lists every (lane bucket,
-width bucket) pair a cohort can reach, which the service runs through the forward before
-it is ready. The smallest bucket is two lanes: one lane alone would run a graph of its own
-(dynamo specializes sizes of 1), so a request alone would not get its rows in company.
+A forward that replays CUDA graphs runs a fixed set of shapes: a cohort's lanes are padded
+up to a lane bucket with dummy lanes of pad ids (their rows are cut off before the plan
+table sees the forward's output, so they reach no block), and `warm_shapes` lists every
+(lane bucket, width bucket) pair a cohort can reach, which the service runs through the
+forward before it is ready. A compiled forward without graphs has symbolic lanes: one graph
+serves every lane count, so a cohort runs at its own count and the warm-up's buckets only
+compile it. Either way a compiled forward runs at least two lanes by default: one lane alone
+would run a graph of its own (dynamo specializes sizes of 1), so a request alone would not
+get its rows in company.
 """
 
 from __future__ import annotations
@@ -138,13 +141,15 @@ class CohortForward:
         pad_id: int,
         capture_mode: int,
         lane_buckets: Sequence[int] | None = None,
+        min_lanes: int = 1,
         thread_streams: bool = False,
     ) -> None:
         self._model = model
         self._plans = plans
         self._pad_id = pad_id
         self._mode = capture_mode
-        self._lane_buckets = lane_buckets  # None: a cohort runs at its own lane count
+        self._lane_buckets = lane_buckets  # None: a cohort runs at its own lane count,
+        self._min_lanes = min_lanes  # ... padded with dummy lanes up to this one
         self._device = next(model.parameters()).device
         # Each forward thread on a CUDA stream of its own (the eager forward's two threads):
         # on one stream a part's kernels, launched first, queue every cohort's behind them.
@@ -175,7 +180,10 @@ class CohortForward:
                 slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
                 lanes.append(ids)
         real = len(lanes)
-        batch = real if self._lane_buckets is None else lane_bucket(real, self._lane_buckets)
+        if self._lane_buckets is None:
+            batch = max(real, self._min_lanes)
+        else:
+            batch = max(lane_bucket(real, self._lane_buckets), self._min_lanes)
         # (B, P); rows past `real` are dummy lanes of pad ids, cut off before the plan table
         ids = torch.full((batch, width), self._pad_id, dtype=torch.long)
         for row, lane in enumerate(lanes):

@@ -139,12 +139,25 @@ class CaptureConfig(BlocksServiceConfig):
         return self.compile != "off" and self.min_lanes == 1
 
     @property
-    def cohort_lane_buckets(self) -> tuple[int, ...] | None:
-        """The lane counts a compiled cohort is padded to: the configured buckets below the
-        cohort's lane limit, and that limit, none under min_lanes. None when the forward is
-        eager: any lane count runs as is."""
+    def warm_lane_buckets(self) -> tuple[int, ...] | None:
+        """The lane counts the warm-up runs each width bucket at, compiled: the configured
+        buckets below the cohort's lane limit, and that limit, none under min_lanes. None
+        when the forward is eager."""
         if self.compile == "off":
             return None
         top = self.cohort.lanes
         buckets = {b for b in self.lane_buckets if b < top} | {top}
         return tuple(sorted({max(b, self.min_lanes) for b in buckets}))
+
+    @property
+    def cohort_lane_buckets(self) -> tuple[int, ...] | None:
+        """The lane counts a cohort is padded to with dummy lanes: the warm-up's, where the
+        forward replays CUDA graphs (one graph per shape). None otherwise: the symbolic
+        graph serves any lane count, so a cohort runs at its own count (at least
+        `cohort_min_lanes`) and pays for no dummy lanes."""
+        return self.warm_lane_buckets if self.replays_graphs else None
+
+    @property
+    def cohort_min_lanes(self) -> int:
+        """The fewest lanes a forward runs: min_lanes compiled, one eager."""
+        return 1 if self.compile == "off" else self.min_lanes

@@ -136,7 +136,7 @@ async def _warm_up(
     graph compiles on its first call; a shape that breaks one of its guards compiles again
     on its own), or WARM_RUNS times where the forward records and replays CUDA graphs.
     Eager: one throwaway forward, its first-call cost."""
-    buckets = config.cohort_lane_buckets
+    buckets = config.warm_lane_buckets
     limit = config.limits.prompt_len_max
     shapes = [(1, MIN_BUCKET)]
     if buckets is not None:
@@ -197,6 +197,7 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
         pad_id=model.tokenizer.pad_token_id or 0,
         capture_mode=CAPTURE_MODE,
         lane_buckets=config.cohort_lane_buckets,
+        min_lanes=config.cohort_min_lanes,
         thread_streams=not config.replays_graphs,  # a stream for each forward thread
     )
 

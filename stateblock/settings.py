@@ -404,10 +404,11 @@ CAPTURE_MIN_LANES = _setting(
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
-    "compiled only: the lane counts a cohort is padded to with dummy lanes (the cohort's lane "
-    "limit is always one; a bucket of 1 runs as 2, so a request alone runs the kernels it "
-    "would run in company); every (lane bucket, prompt bucket) shape a cohort can reach "
-    "warms up before the capture is SERVING, so fewer buckets are fewer shapes to warm up",
+    "compiled only: the lane counts the warm-up runs every prompt bucket at before the "
+    "capture is SERVING (the cohort's lane limit is always one; fewer buckets are fewer "
+    "shapes to warm up); a forward that replays CUDA graphs (`reduce-overhead`) also pads a "
+    "cohort up to its bucket with dummy lanes, one graph per shape, while other modes run "
+    "a cohort at its own lane count through one symbolic graph",
     (CAPTURE,), minimum=1, chart="capture.laneBuckets",
 )  # fmt: skip
 BLOCK_TTL_S = _setting(

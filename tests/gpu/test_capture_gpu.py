@@ -55,24 +55,26 @@ def test_two_forward_threads_on_their_own_streams_capture_the_rows_of_each_alone
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode):
-    """Compiled, with the service's lane buckets (no cohort of one lane), a prompt's rows in
-    a cohort of 2 to 32 lanes (the others other prompts, padded up with dummy lanes) equal
-    its rows alone bit for bit: a request's answer does not depend on its company."""
+    """Compiled, as the service runs it (padded to lane buckets under CUDA graphs, at its own
+    lane count otherwise; no cohort of one lane), a prompt's rows in a cohort of 2 to 16
+    lanes (the others other prompts) equal its rows alone bit for bit: a request's answer
+    does not depend on its company."""
     from capture_svc.batcher import bucket_width, warm_shapes
     from capture_svc.config import CaptureConfig
     from stateblock.model.capture import compile_backbone, uncompile_backbone
     from stateblock.model.loading import load_base
 
-    buckets = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": mode}).cohort_lane_buckets
+    config = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": mode})
     model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=60)
     forward = CohortForward(
-        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE, lane_buckets=buckets
-    )
+        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE,
+        lane_buckets=config.cohort_lane_buckets, min_lanes=config.cohort_min_lanes,
+    )  # fmt: skip
     hidden = model.config.hidden_size
     compile_backbone(model, mode)
     try:
-        forward.warm_up(warm_shapes(buckets, 64))
+        forward.warm_up(warm_shapes(config.warm_lane_buckets, 64))
 
         def run(tag: str, prompts: list[str]) -> list[torch.Tensor]:
             pending = []

@@ -86,13 +86,13 @@ async def test_forwards_in_flight_give_each_request_its_rows_alone(
     tok = serving_model.tokenizer
     prompts = [f"copy: {'ab' * i}" for i in range(1, 9)]
     model = compiled_model if compiled else serving_model.model
-    buckets = (MIN_COMPILED_LANES, 4) if compiled else None  # a compiled lone lane has company
+    least = MIN_COMPILED_LANES if compiled else 1  # a compiled lone lane has company
 
     async def rows(in_flight: int, lanes: int) -> list[torch.Tensor]:
         plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=30)
         forward = CohortForward(
             model, plans, pad_id=tok.pad_token_id, capture_mode=pb.CAPTURE_MODE_FINAL_HIDDEN,
-            lane_buckets=buckets, thread_streams=True,
+            min_lanes=least, thread_streams=True,
         )  # fmt: skip
         cohort = CohortLimits(lanes=lanes, tokens=1 << 20)
         with ThreadPoolExecutor(in_flight + 1) as pool:

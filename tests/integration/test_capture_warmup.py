@@ -63,6 +63,10 @@ def test_lane_buckets_from_env():
     assert lone.cohort_lane_buckets == (1, 4, 12) and lone.size_oblivious  # a lone lane alone
     eager = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_MIN_LANES": "1"})
     assert eager.cohort_lane_buckets is None and not eager.size_oblivious
+    assert eager.warm_lane_buckets is None and eager.cohort_min_lanes == 1
+    symbolic = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "default"})
+    assert symbolic.cohort_lane_buckets is None and symbolic.cohort_min_lanes == 2
+    assert symbolic.warm_lane_buckets == (2, 4, 8, 16, 32)
     for bad in ("1,two", "0,4", "-1"):
         with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
@@ -102,7 +106,8 @@ def test_warm_shapes_stop_at_what_a_cohort_can_carry():
     config = CaptureConfig.from_env(
         {"STATEBLOCK_CAPTURE_COMPILE": "inductor", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
     )
-    assert config.cohort == CohortLimits(12, 16384) and config.cohort_lane_buckets == (2, 4, 8, 12)
+    assert config.cohort == CohortLimits(12, 16384) and config.warm_lane_buckets == (2, 4, 8, 12)
+    assert config.cohort_lane_buckets is None  # no CUDA graphs: cohorts are not padded
     env = {"STATEBLOCK_CAPTURE_COHORT_LANES": "2", "STATEBLOCK_MAX_LANES": "6"}
     assert CaptureConfig.from_env(env).cohort.lanes == 6  # a request's lanes share a forward
 
@@ -161,35 +166,44 @@ def test_dummy_lanes_leave_each_lanes_rows_bit_identical(serving_model):
 
 
 def test_a_compiled_forward_gives_a_lane_the_rows_of_its_company_alone(tmp_path, monkeypatch):
-    """Compiled (inductor), a prompt alone runs beside a dummy lane through the graph its
-    company runs (never the one-lane graph dynamo specializes): its rows alone and in a
-    cohort of three, padded to four, are equal bit for bit."""
+    """Compiled (inductor, no CUDA graphs), a cohort runs at its own lane count, warmed or
+    not, through one symbolic graph, and a prompt alone runs beside a dummy lane through
+    that graph (never the one-lane graph dynamo specializes): its rows alone and in cohorts
+    of three and five, padded to nothing, are equal bit for bit."""
+    from torch._dynamo.utils import counters
+
     from stateblock.model.capture import compile_backbone, uncompile_backbone
     from stateblock.model.loading import load_base
     from stateblock.runtime import REFERENCE_BASE
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    buckets = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "inductor"}).cohort_lane_buckets
-    assert buckets is not None and min(buckets) == 2
+    config = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "inductor"})
+    assert config.cohort_lane_buckets is None and config.cohort_min_lanes == 2
     model, tok = load_base(REFERENCE_BASE)
     serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})
     reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
     forward = CohortForward(
-        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, lane_buckets=buckets
-    )
-    prompts = ["copy: a", "sort: zyxwvu", "reverse: hello"]
+        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE,
+        lane_buckets=config.cohort_lane_buckets, min_lanes=config.cohort_min_lanes,
+    )  # fmt: skip
+    prompts = ["copy: a", "sort: zyxwvu", "reverse: hello", "copy: bb", "sort: ba"]
     seen, remove = batch_shapes(model)
     compile_backbone(model, "inductor")
     try:
-        together = run_cohort(forward, reg, serving, prompts, "together")
+        three = run_cohort(forward, reg, serving, prompts[:3], "three")
+        graphs = counters["stats"]["unique_graphs"]
+        five = run_cohort(forward, reg, serving, prompts, "five")
         alone = [
             run_cohort(forward, reg, serving, [p], f"alone{i}")[0] for i, p in enumerate(prompts)
         ]
+        assert counters["stats"]["unique_graphs"] == graphs  # 5 and 2 lanes: no new graph
     finally:
         remove()
         uncompile_backbone(model)
-    assert seen == [(4, 16)] + [(2, 16)] * 3  # no forward of one lane
-    for a, b in zip(alone, together, strict=True):
+    assert seen == [(3, 16), (5, 16)] + [(2, 16)] * 5  # no dummy lanes, no forward of one
+    for a, b in zip(alone, three + five[3:], strict=True):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    for a, b in zip(three, five[:3], strict=True):
         assert torch.equal(a, b), (a - b).abs().max().item()
 
 
@@ -364,6 +378,6 @@ async def test_a_shape_warms_up_once_unless_its_cuda_graph_is_recorded_and_repla
     metrics = CollectorRegistry()
     with ThreadPoolExecutor(1) as executor:
         await _warm_up(forward, executor, config, CaptureMetrics(metrics))
-    shapes = warm_shapes(config.cohort_lane_buckets, 16, config.cohort)
+    shapes = warm_shapes(config.warm_lane_buckets, 16, config.cohort)
     assert forward.called == (list(shapes), runs) and len(shapes) == 5  # lanes 2 to 32
     assert metrics.get_sample_value("stateblock_capture_warmup_seconds") == 0.5
