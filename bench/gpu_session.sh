@@ -25,10 +25,10 @@
 #   bash bench/gpu_session.sh lanes-mps [ARGS]  # lane 0's rows at 1-32 lanes (odd counts
 #                                         # too), compiled `default` size-oblivious; then the
 #                                         # stack of `compiled` (cohorts unpadded) with a lone
-#                                         # request as one lane (MIN_LANES=1) at 1-128
+#                                         # request as one lane (MIN_LANES=1) at 1, 64, 128
 #                                         # clients, again under CUDA MPS (the processes'
 #                                         # kernels share the GPU instead of taking turns)
-#                                         # at 64 and 128 (about 9 minutes)
+#                                         # at 64 and 128 (about 8 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -156,7 +156,7 @@ elif [ "$STAGE" = lanes-mps ]; then  # invariance at any lane count; MIN_LANES=1
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
-  for run in lone:0:1,8,64,128:200 mps:1:64,128:140; do
+  for run in lone:0:1,64,128:170 mps:1:64,128:130; do
     IFS=: read -r name mps levels limit <<<"$run"
     if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins
       nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda')" ||
