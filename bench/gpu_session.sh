@@ -149,15 +149,17 @@ elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two capt
   fi
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
     rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
-elif [ "$STAGE" = lanes-mps ]; then  # invariance at any lane count; MIN_LANES=1; MPS
-  timeout 150 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
-    off,default --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
-  echo "invariance rc=$?"; tail -c 1500 "$OUT/invariance.log"
+elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any lane count; MPS
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
-  for run in lone:0:1,64,128:170 mps:1:64,128:130; do
+  for run in lone:0:1,64,128:170 invariance mps:1:64,128:130; do
     IFS=: read -r name mps levels limit <<<"$run"
+    if [ "$name" = invariance ]; then
+      timeout 120 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
+        off,default --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
+      echo "invariance rc=$?"; tail -c 1500 "$OUT/invariance.log"; continue
+    fi
     if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins
       nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda')" ||
         { echo "no MPS here"; echo quit | nvidia-cuda-mps-control; continue; }
@@ -165,10 +167,9 @@ elif [ "$STAGE" = lanes-mps ]; then  # invariance at any lane count; MIN_LANES=1
     timeout "$limit" python3 -m bench.load_gpu --out "$OUT/$name" "${flags[@]}" \
       --levels "$levels" --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
     echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
+    tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   done
-  ran=$(cd "$OUT" && ls -d lone mps 2>/dev/null)
-  [ -n "$ran" ] && tar czf "$OUT/lanes-mps.tgz" -C "$OUT" $ran && (cd "$OUT" && rm -r $ran)
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
