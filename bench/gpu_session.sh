@@ -153,7 +153,7 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
-  for run in lone:0:1,64,128:170 invariance mps:1:64,128:130; do
+  for run in lone:0:1,64,128:170 mps:1:64,128:130 invariance; do
     IFS=: read -r name mps levels limit <<<"$run"
     if [ "$name" = invariance ]; then
       timeout 120 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
