@@ -269,7 +269,8 @@ def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, ref
         else {},
         gpu_busy_pct=gpu.mean(w0, w0 + wall) if gpu is not None else None,
         nats=load_probes.nats_rates(varz0, varz1, wall),
-        stages=load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall),
+        stages=load_probes.stages(hist0, hist1 := stack.scrape(load_probes.FAMILIES), wall),
+        compiled_after_warmup=load_probes.compiled(hist0, hist1),
     )
     if profiles is not None:
         out["profiles"] = profiles.finish()

@@ -18,13 +18,16 @@ import time
 import urllib.request
 from bisect import bisect_left, bisect_right
 
-# what the load bench scrapes: the procs.SCRAPED histograms and the capture's lanes per forward
+# what the load bench scrapes: the procs.SCRAPED histograms, the capture's lanes per forward
+# and its forwards that compiled after the warm-up
+COMPILED = "stateblock_capture_compiled_after_warmup"
 FAMILIES = (
     "stateblock_capture_seconds",
     "stateblock_capture_stage_seconds",
     "stateblock_capture_cohort_lanes",
     "stateblock_readout_stage_seconds",
     "stateblock_readout_cohort_blocks",
+    COMPILED,
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -149,6 +152,12 @@ def stages(before: dict, after: dict, wall: float) -> dict:
             out[key] = {"n": int(n), "mean_ms": round(1000.0 * total / n, 3),
                         "in_flight": round(total / wall, 3)}  # fmt: skip
     return out
+
+
+def compiled(before: dict, after: dict) -> int:
+    """Forwards over one level that compiled a graph after the warm-up (0 is the design)."""
+    key = (COMPILED + "_total", "")
+    return int(after.get(key, 0.0) - before.get(key, 0.0))
 
 
 class Profiles:

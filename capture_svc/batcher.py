@@ -53,7 +53,7 @@ from torch import nn
 from capture_svc.config import CohortLimits
 from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
 from stateblock import runtime
-from stateblock.model.capture import capture, warm_up
+from stateblock.model.capture import capture, graphs_compiled, warm_up
 
 log = structlog.get_logger("capture_svc.batcher")
 MIN_BUCKET = 16
@@ -143,6 +143,7 @@ class CohortForward:
         lane_buckets: Sequence[int] | None = None,
         min_lanes: int = 1,
         thread_streams: bool = False,
+        on_compile: Callable[[], object] | None = None,
     ) -> None:
         self._model = model
         self._plans = plans
@@ -155,6 +156,11 @@ class CohortForward:
         # on one stream a part's kernels, launched first, queue every cohort's behind them.
         on_cuda = thread_streams and self._device.type == "cuda"
         self._streams = threading.local() if on_cuda else None
+        # compiled: graphs compiled so far, counted from the warm-up's end; a forward after it
+        # that compiles (a shape the warm-up missed, a guard it broke) is reported
+        self._on_compile = on_compile
+        self._graphs: int | None = None
+        self._graphs_lock = threading.Lock()
 
     def warm_up(
         self, shapes: Sequence[tuple[int, int]] = ((1, MIN_BUCKET),), runs: int = 1
@@ -167,6 +173,8 @@ class CohortForward:
             log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
 
         warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
+        if self._on_compile is not None:
+            self._graphs = graphs_compiled()
         total = time.perf_counter() - t0
         log.info("warm-up done", shapes=len(shapes), seconds=round(total, 3))
         return total
@@ -199,6 +207,17 @@ class CohortForward:
                 ids.to(self._device),
                 on_rows=lambda rows: self._plans.record(stamp, rows[:real], lengths),
             )
+        if self._graphs is not None:
+            self._compiled_since(batch, width)
+
+    def _compiled_since(self, lanes: int, width: int) -> None:
+        """Report a forward of this shape that compiled a graph after the warm-up."""
+        with self._graphs_lock:
+            now = graphs_compiled()
+            new, self._graphs = now - self._graphs, now
+        if new > 0:
+            log.warning("compiled after the warm-up", lanes=lanes, width=width, graphs=new)
+            self._on_compile()
 
     @contextmanager
     def _thread_stream(self) -> Iterator[None]:

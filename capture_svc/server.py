@@ -182,7 +182,9 @@ def _door(config: CaptureConfig) -> list[grpc.aio.ServerInterceptor]:
     return [] if token is None else [CaptureTokenInterceptor(token)]
 
 
-def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> CohortForward:
+def _forward(
+    model: ServingModel, plans: PlanTable, config: CaptureConfig, metrics: CaptureMetrics
+) -> CohortForward:
     """The packed base forward, compiled when the config asks. Its CUDA graph trees
     (reduce-overhead) live until the process exits: releasing them at stop on the forward
     thread hung an in-process stack's stop on the H200 (the loop idle, waiting on that
@@ -199,6 +201,7 @@ def _forward(model: ServingModel, plans: PlanTable, config: CaptureConfig) -> Co
         lane_buckets=config.cohort_lane_buckets,
         min_lanes=config.cohort_min_lanes,
         thread_streams=not config.replays_graphs,  # a stream for each forward thread
+        on_compile=None if config.compile == "off" else metrics.compiled_after_warmup.inc,
     )
 
 
@@ -267,7 +270,7 @@ async def running_capture(
         executor = stack.enter_context(
             ThreadPoolExecutor(threads, thread_name_prefix="capture-fwd")
         )
-        forward = _forward(model, plans, config)
+        forward = _forward(model, plans, config, capture_metrics)
         batcher = await stack.enter_async_context(
             ForwardBatcher(
                 forward,

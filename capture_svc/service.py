@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from capture_svc.batcher import Dropped, ForwardBatcher
 from capture_svc.config import CaptureConfig
@@ -100,6 +100,14 @@ class CaptureMetrics:
         self.warmup_seconds = Gauge(
             "stateblock_capture_warmup_seconds",
             "Start-up warm-up: every compiled (lanes, width) shape run before SERVING.",
+            registry=metrics,
+        )
+        self.compiled_after_warmup = Counter(
+            "stateblock_capture_compiled_after_warmup_total",
+            "Compiled only: forwards after the warm-up that compiled a graph (a stall of "
+            "seconds on a request's path: the warm-up missed a shape); 0 is the design. The "
+            "count is the process's, so in one process with a readout that compiles, its "
+            "graphs count too.",
             registry=metrics,
         )
         self.warmup_cache = Gauge(

@@ -118,6 +118,13 @@ def compile_cache_counts() -> dict[str, int]:
     }
 
 
+def graphs_compiled() -> int:
+    """The graphs dynamo has compiled in this process so far (every backend, every model)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 # a shape's first call runs eagerly in the CUDA graph pool (cudagraph trees' warm-up), its
 # second records the graph, the third replays it: after these a request only replays
 WARM_RUNS = 3

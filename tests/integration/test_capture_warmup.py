@@ -207,6 +207,36 @@ def test_a_compiled_forward_gives_a_lane_the_rows_of_its_company_alone(tmp_path,
         assert torch.equal(a, b), (a - b).abs().max().item()
 
 
+def test_a_forward_that_compiles_after_the_warm_up_is_reported():
+    """A forward whose shape the warm-up did not reach compiles on the request's path: the
+    forward says so (`on_compile`, the capture's counter). Here one lane alone without
+    min_lanes, which dynamo compiles as a graph of its own."""
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+    from stateblock.model.loading import load_base
+    from stateblock.runtime import REFERENCE_BASE
+
+    model, tok = load_base(REFERENCE_BASE)
+    serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    compiles: list[int] = []
+    forward = CohortForward(
+        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, min_lanes=1,
+        on_compile=lambda: compiles.append(1),
+    )  # fmt: skip
+    compile_backbone(model, "aot_eager")
+    try:
+        forward.warm_up([(2, 16), (3, 16)])
+        run_cohort(forward, reg, serving, ["copy: a", "sort: ba"], "two")
+        run_cohort(forward, reg, serving, ["copy: a", "sort: ba", "copy: b", "a"], "four")
+        assert compiles == []  # symbolic lanes: 2 and 4 run the warmed graph
+        run_cohort(forward, reg, serving, ["copy: a"], "one")
+        assert compiles == [1]  # a lone lane: a graph of its own
+        run_cohort(forward, reg, serving, ["sort: ab"], "one again")
+        assert compiles == [1]  # compiled once
+    finally:
+        uncompile_backbone(model)
+
+
 async def health(port: int) -> dict[str, int]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -313,6 +343,8 @@ async def test_compiled_capture_is_not_serving_until_warm_and_compiles_nothing_a
             await running.service.capture("two", MODEL, two)  # 2 lanes, bucket 2
             assert seen == [(2, 16), (2, 24)]
             assert counters["stats"]["unique_graphs"] == graphs  # no compile on a request
+            after = "stateblock_capture_compiled_after_warmup_total"
+            assert metrics.get_sample_value(after) == 0
             msgs = await sub.fetch(2, timeout=5)
     finally:
         remove()
