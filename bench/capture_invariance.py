@@ -24,7 +24,12 @@ import time
 import torch
 
 from bench.models import SCALES, bench_prompt, bench_tokenizer, build_llama, sync
-from stateblock.model.capture import capture, compile_backbone, uncompile_backbone
+from stateblock.model.capture import (
+    capture,
+    compile_backbone,
+    graphs_compiled,
+    uncompile_backbone,
+)
 
 
 def cohort(tok, prompts: list[str], lanes: int, width: int, device) -> torch.Tensor:
@@ -51,10 +56,8 @@ def compare(rows: dict[int, torch.Tensor], against: torch.Tensor) -> dict:
 
 def run_mode(model, tok, prompts, lanes, width, device, mode: str, oblivious: bool) -> dict:
     """Lane 0's rows at each lane count under one compile mode ("off": eager)."""
-    from torch._dynamo.utils import counters
-
     n = len(tok(prompts[0])["input_ids"][:width])
-    t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+    t0, graphs = time.perf_counter(), graphs_compiled()
     if mode != "off":
         compile_backbone(model, mode, size_oblivious=oblivious)
     rows = {}
@@ -64,7 +67,7 @@ def run_mode(model, tok, prompts, lanes, width, device, mode: str, oblivious: bo
             rows[k] = lane0_rows(model, ids, n)
     sync(device)
     out = {"seconds": round(time.perf_counter() - t0, 1), "rows": rows,
-           "graphs": counters["stats"]["unique_graphs"] - graphs}  # fmt: skip
+           "graphs": graphs_compiled() - graphs}  # fmt: skip
     uncompile_backbone(model)
     return out
 

@@ -188,10 +188,8 @@ class CohortForward:
                 slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
                 lanes.append(ids)
         real = len(lanes)
-        if self._lane_buckets is None:
-            batch = max(real, self._min_lanes)
-        else:
-            batch = max(lane_bucket(real, self._lane_buckets), self._min_lanes)
+        padded = real if self._lane_buckets is None else lane_bucket(real, self._lane_buckets)
+        batch = max(padded, self._min_lanes)
         # (B, P); rows past `real` are dummy lanes of pad ids, cut off before the plan table
         ids = torch.full((batch, width), self._pad_id, dtype=torch.long)
         for row, lane in enumerate(lanes):

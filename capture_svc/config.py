@@ -63,8 +63,8 @@ class CaptureConfig(BlocksServiceConfig):
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
     # cohort forwards at once; None: 2 on a GPU, 1 on the CPU (forwards_in_flight)
     forwards: int | None = declared(settings.CAPTURE_FORWARDS)
-    # compiled only: a cohort's lanes are padded up to the next of these (the cohort's lane
-    # limit is always one), so the shapes to warm up are these x the prompt-width buckets
+    # compiled only: the shapes to warm up are these x the prompt-width buckets (the cohort's
+    # lane limit is always one); a forward replaying CUDA graphs pads a cohort up to them
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
     min_lanes: int = declared(settings.CAPTURE_MIN_LANES)  # compiled only: the fewest lanes
     block_ttl_s: float = declared(settings.BLOCK_TTL_S)
