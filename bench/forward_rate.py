@@ -14,9 +14,14 @@ device time is split by kind of kernel (matmul, attention, the compiler's fused 
 kernels, the rest), with the longest kernels: where the forward's time goes besides its
 matmuls.
 
+With --gemm-lanes N, the device's own matmul rate at the forward's shapes: one layer's
+projections (each Linear's (in, out)) as plain `torch.mm` on N x width tokens, timed alone,
+and one 8192^3 product; their rate is what the forward's "of GEMM" share is measured
+against on this machine (the 755 TFLOP/s a flag can give is the smoke bench's, on an H200).
+
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
-        [--compile off|default|reduce-overhead] [--profile-lanes 30] [--scale full] \\
-        [--device cuda]
+        [--compile off|default|reduce-overhead] [--profile-lanes 30] [--gemm-lanes 30] \\
+        [--scale full] [--device cuda]
 """
 
 from __future__ import annotations
@@ -108,6 +113,56 @@ def profile_forward(model, width: int, lanes: int, device: str) -> dict:
     return {"lanes": lanes, "width": width, **split_by_kind(kernels)}
 
 
+def layer_shapes(model) -> list[tuple[str, int, int]]:
+    """(name, in, out) of each Linear in the first decoder layer: the matmuls every token
+    runs once a layer."""
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0"))
+    return [(n, m.in_features, m.out_features) for n, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear)]  # fmt: skip
+
+
+def time_mm(m: int, k: int, n: int, device: str, dtype: torch.dtype, repeats: int) -> float:
+    """Median seconds of one (m, k) @ (k, n) product."""
+    import statistics
+    import time
+
+    from bench.models import sync
+
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    runs = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def gemm_rates(model, tokens: int, device: str, repeats: int, square: int = 8192) -> dict:
+    """The matmul rate at one layer's projection shapes on `tokens` rows, each and summed as
+    the forward runs them (each once a token), and at `square`^3."""
+    dtype = next(model.parameters()).dtype
+    shapes, total_s, total_flop = [], 0.0, 0.0
+    for name, k, n in layer_shapes(model):
+        s = time_mm(tokens, k, n, device, dtype, repeats)
+        flop = 2.0 * tokens * k * n
+        shapes.append({"name": name, "m": tokens, "k": k, "n": n, "ms": round(s * 1e3, 3),
+                       "tflops": round(flop / s / 1e12, 3)})  # fmt: skip
+        total_s, total_flop = total_s + s, total_flop + flop
+    sq = time_mm(square, square, square, device, dtype, repeats)
+    return {
+        "tokens": tokens,
+        "shapes": shapes,
+        "layer_tflops": round(total_flop / total_s / 1e12, 3),
+        "square": square,
+        "square_tflops": round(2.0 * square**3 / sq / 1e12, 3),
+    }
+
+
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [
@@ -116,14 +171,15 @@ def markdown(doc: dict) -> str:
         "2 x those x lanes x width"
         + (f"; peak {c['peak_tflops']} TFLOP/s" if c["peak_tflops"] else ""),
         "",
-        "| lanes | width | ms a forward | TFLOP/s | of peak |",
-        "|---:|---:|---:|---:|---:|",
+        "| lanes | width | ms a forward | TFLOP/s | of peak | of this layer's matmuls |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["forwards"]:
         share = f"{r['of_peak']:.0%}" if "of_peak" in r else "-"
+        gemm = f"{r['of_gemm']:.0%}" if "of_gemm" in r else "-"
         lines.append(
             f"| {r['lanes']} | {r['padded_width']} | {r['median_ms']:.1f} | {r['tflops']:.1f} "
-            f"| {share} |"
+            f"| {share} | {gemm} |"
         )
     prof = doc.get("profile")
     if prof:
@@ -133,6 +189,14 @@ def markdown(doc: dict) -> str:
         lines += [f"| {k} | {v['ms']:.2f} | {v['share']:.0%} |" for k, v in prof["kinds"].items()]
         lines += ["", "| longest kernels | kind | ms |", "|---|---|---:|"]
         lines += [f"| `{k['name'][:80]}` | {k['kind']} | {k['ms']:.2f} |" for k in prof["longest"]]
+    gemm = doc.get("gemm")
+    if gemm:
+        lines += ["", f"Plain matmuls on {gemm['tokens']:,} tokens at one layer's shapes: "
+                  f"{gemm['layer_tflops']:.1f} TFLOP/s together; {gemm['square']}^3: "
+                  f"{gemm['square_tflops']:.1f}", "",
+                  "| projection | k x n | ms | TFLOP/s |", "|---|---|---:|---:|"]  # fmt: skip
+        lines += [f"| {g['name']} | {g['k']} x {g['n']} | {g['ms']:.3f} | {g['tflops']:.1f} |"
+                  for g in gemm["shapes"]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the device's measured bf16 GEMM rate (the smoke bench's)")  # fmt: skip
     ap.add_argument("--profile-lanes", type=int, default=0,
                     help="profile one forward of this many lanes (0: none)")  # fmt: skip
+    ap.add_argument("--gemm-lanes", type=int, default=0,
+                    help="time plain matmuls at one layer's shapes on this many lanes")  # fmt: skip
+    ap.add_argument("--gemm-square", type=int, default=8192, help="and one n^3 product")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -172,6 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile_lanes:
         width = timed[0]["padded_width"] if timed else args.width
         doc["profile"] = profile_forward(model, width, args.profile_lanes, args.device)
+    if args.gemm_lanes:
+        width = timed[0]["padded_width"] if timed else args.width
+        doc["gemm"] = gemm_rates(
+            model, args.gemm_lanes * width, args.device, args.repeats, args.gemm_square
+        )
+        for r in doc["forwards"]:  # the forward against plain matmuls of its shapes, here
+            r["of_gemm"] = round(r["tflops"] / doc["gemm"]["layer_tflops"], 3)
     (out / "forward_rate.json").write_text(json.dumps(doc, indent=2))
     (out / "forward_rate.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -22,13 +22,15 @@
 #                                         # 1-128 clients with compiled AR at batch 64, two
 #                                         # captures at 128 (do replicas agree?); RATE=1 adds
 #                                         # the forward's rate (about 9 minutes, 11 with it)
-#   bash bench/gpu_session.sh lanes-mps [ARGS]  # lane 0's rows at 1-32 lanes (odd counts
-#                                         # too), compiled `default` size-oblivious; then the
-#                                         # stack of `compiled` (cohorts unpadded) with a lone
-#                                         # request as one lane (MIN_LANES=1) at 1, 64, 128
-#                                         # clients, again under CUDA MPS (the processes'
-#                                         # kernels share the GPU instead of taking turns)
-#                                         # at 64 and 128 (about 8 minutes)
+#   bash bench/gpu_session.sh lanes-mps [ARGS]  # the stack of `compiled` (cohorts unpadded)
+#                                         # with a lone request as one lane (MIN_LANES=1) at
+#                                         # 1, 64, 128 clients, again under CUDA MPS (the
+#                                         # processes' kernels share the GPU instead of taking
+#                                         # turns) at 64 and 128; lane 0's rows at 1-32 lanes
+#                                         # (odd counts too), compiled `default`
+#                                         # size-oblivious; the forward alone at 20-32 lanes,
+#                                         # profiled, against plain matmuls of its shapes
+#                                         # (about 9 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -170,6 +172,10 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   done
+  # the forward alone, unpadded lane counts, split by kernel, against plain matmuls here
+  timeout $((585 - SECONDS)) python3 -m bench.forward_rate --out "$OUT/forward" --compile \
+    default --lanes 20,30,32 --profile-lanes 30 --gemm-lanes 30 > "$OUT/forward.log" 2>&1
+  echo "forward rc=$?"; cat "$OUT/forward/forward_rate.md" 2>/dev/null
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1

@@ -383,8 +383,15 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
 
     main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--lanes", "1,4",
           "--width", "32", "--repeats", "2", "--peak-tflops", "100",
-          "--profile-lanes", "4"])  # fmt: skip
+          "--profile-lanes", "4", "--gemm-lanes", "2", "--gemm-square", "64"])  # fmt: skip
     doc = json.loads((tmp_path / "forward_rate.json").read_text())
+    gemm = doc["gemm"]  # one layer's projections as plain matmuls on 2 x 32 tokens
+    assert gemm["tokens"] == 64 and gemm["square"] == 64 and gemm["square_tflops"] > 0
+    names = [g["name"] for g in gemm["shapes"]]
+    assert len(names) == 7 and any(n.endswith("q_proj") for n in names)
+    flop = sum(2 * 64 * g["k"] * g["n"] for g in gemm["shapes"])
+    seconds = sum(g["ms"] for g in gemm["shapes"]) / 1e3
+    assert gemm["layer_tflops"] == pytest.approx(flop / seconds / 1e12, rel=0.05)
     prof = doc["profile"]  # the CPU's operators stand in for a GPU's kernels
     assert (prof["lanes"], prof["width"]) == (4, 32) and prof["kinds"]["matmul"]["ms"] > 0
     assert sum(k["ms"] for k in prof["kinds"].values()) == pytest.approx(prof["total_ms"], abs=0.01)
@@ -393,6 +400,7 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     assert doc["config"]["params"] == 336_192 - 2 * vocab * hidden
     assert all(r["median_ms"] > 0 and r["tflops"] > 0 for r in doc["forwards"])
     assert "| 4 | 32 |" in (tmp_path / "forward_rate.md").read_text()
+    assert all(r["of_gemm"] > 0 for r in doc["forwards"])
     (row,) = rates([{"lanes": 30, "padded_width": 512, "median_ms": 200.0}], 2_901_300_864, 755.0)
     assert row["tflops"] == round(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, 3) == 445.64
     assert row["of_peak"] == round(445.64 / 755.0, 3) == 0.59
