@@ -222,6 +222,32 @@ async def _serve(
     return port, health_servicer
 
 
+async def _batcher(
+    stack: AsyncExitStack, forward: CohortForward, config: CaptureConfig, metrics: CaptureMetrics
+) -> tuple[ThreadPoolExecutor, ForwardBatcher]:
+    """The forward threads and the batcher that runs cohorts on them, closed with `stack`.
+
+    A thread for each cohort forward at once and one more, so a part of a request over the
+    token bound runs beside the cohorts of those that fit. A forward replaying CUDA graphs:
+    one, the thread whose warm-up recorded them (they are per thread); the batcher's runners
+    take turns."""
+    in_flight = config.forwards_in_flight
+    threads = 1 if config.replays_graphs else in_flight + 1
+    executor = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="capture-fwd"))
+    batcher = await stack.enter_async_context(
+        ForwardBatcher(
+            forward,
+            executor,
+            window_s=config.batch_window_s,
+            max_lanes=config.limits.max_lanes,
+            cohort=config.cohort,
+            on_cohort=metrics.cohort_lanes.observe,
+            in_flight=in_flight,
+        )
+    )
+    return executor, batcher
+
+
 @asynccontextmanager
 async def running_capture(
     config: CaptureConfig,
@@ -261,27 +287,8 @@ async def running_capture(
         capture_metrics = CaptureMetrics(metrics)
         if held is not None:
             capture_metrics.slots_held.set_function(held.held)
-        # A thread for each cohort forward at once and one more, so a part of a request over
-        # the token bound runs beside the cohorts of those that fit. A forward replaying CUDA
-        # graphs: one, the thread whose warm-up recorded them (they are per thread); the
-        # batcher's runners take turns.
-        in_flight = config.forwards_in_flight
-        threads = 1 if config.replays_graphs else in_flight + 1
-        executor = stack.enter_context(
-            ThreadPoolExecutor(threads, thread_name_prefix="capture-fwd")
-        )
         forward = _forward(model, plans, config, capture_metrics)
-        batcher = await stack.enter_async_context(
-            ForwardBatcher(
-                forward,
-                executor,
-                window_s=config.batch_window_s,
-                max_lanes=config.limits.max_lanes,
-                cohort=config.cohort,
-                on_cohort=capture_metrics.cohort_lanes.observe,
-                in_flight=in_flight,
-            )
-        )
+        executor, batcher = await _batcher(stack, forward, config, capture_metrics)
         plane = data_plane(config, publisher, sealer, held)
         service = CaptureService(model, plans, batcher, plane, capture_metrics, config=config)
         port, health_servicer = await _serve(stack, service, config)

@@ -39,6 +39,17 @@ class RunningGateway:
     service: GatewayService
 
 
+def _readout_trust(config: GatewayConfig, given: TrustStore | None) -> TrustStore:
+    """The keys whose commits the gateway believes: `given`, or the configured directory's."""
+    trust = given if given is not None else TrustStore.from_dir(config.readout_trusted_keys_dir)
+    if len(trust) == 0:
+        raise runtime.ConfigError(
+            f"no readout key in {config.readout_trusted_keys_dir} "
+            "(STATEBLOCK_READOUT_TRUSTED_KEYS_DIR): no answer could ever be believed"
+        )
+    return trust
+
+
 @asynccontextmanager
 async def running_gateway(
     config: GatewayConfig,
@@ -52,13 +63,7 @@ async def running_gateway(
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     manifest = decoder_manifest(config.decoder_dir)
     tokenizer = tokenizer if tokenizer is not None else Detokenizer.load(config.base_dir)
-    if readout_trust is None:
-        readout_trust = TrustStore.from_dir(config.readout_trusted_keys_dir)
-    if len(readout_trust) == 0:
-        raise runtime.ConfigError(
-            f"no readout key in {config.readout_trusted_keys_dir} "
-            "(STATEBLOCK_READOUT_TRUSTED_KEYS_DIR): no answer could ever be believed"
-        )
+    readout_trust = _readout_trust(config, readout_trust)
     registry = await Registry.open(nc.jetstream(), replicas=config.nats_replicas)
     keys = await KvKeyStore.open(
         nc.jetstream(), ttl_s=config.idempotency_ttl_s, replicas=config.nats_replicas

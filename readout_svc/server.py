@@ -67,22 +67,8 @@ async def running_readout(
     runtime.keep_freed_buffers()  # state blocks are multi-MB: no page faults per copy
     if len(trust) == 0:
         raise runtime.ConfigError("the trust store is empty: no block could ever be verified")
-    if (config.data_plane == locator.LOCAL) != (slots is not None):
-        raise runtime.ConfigError(
-            f"STATEBLOCK_DATA_PLANE={config.data_plane} "
-            + ("needs the capture's slot pool in this process" if slots is None else "has no slots")
-        )
+    placement = _placement(config, slots)
     js = nc.jetstream()
-    placement = None  # the bus
-    if slots is not None:
-        placement = slots.instance_id
-    elif config.data_plane == locator.HOST:
-        try:
-            placement = host_placement()
-        except OSError as e:
-            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
-    elif config.data_plane == locator.CUDA_IPC:
-        placement = ipc_placement()
     durable, registry = await _open_bus(js, config, signer, placement)
     objects = await streams.payload_store(js)
     worker_metrics = WorkerMetrics(metrics)
@@ -102,27 +88,16 @@ async def running_readout(
         advisories = await exhausted.subscribe()
         stack.push_async_callback(advisories.unsubscribe)
         workers, tasks = [], []
+        make = functools.partial(
+            ReadoutWorker, engine, registry, trust, signer,
+            nc=nc, objects=objects, executor=executor, digest_executor=digests,
+            metrics=worker_metrics, lease_s=config.lease_s, retry_delay_s=config.retry_delay_s,
+            limits=config.limits, max_deliver=config.max_deliver, engine_health=engine_health,
+            readouts=readouts, slots=slots,
+            host=placement if config.data_plane in (locator.HOST, locator.CUDA_IPC) else None,
+        )  # fmt: skip
         for i in range(loops):
-            worker = ReadoutWorker(
-                engine,
-                registry,
-                trust,
-                signer,
-                nc=nc,
-                objects=objects,
-                executor=executor,
-                digest_executor=digests,
-                metrics=worker_metrics,
-                worker_id=f"{base_id}-w{i}",
-                lease_s=config.lease_s,
-                retry_delay_s=config.retry_delay_s,
-                limits=config.limits,
-                max_deliver=config.max_deliver,
-                engine_health=engine_health,
-                readouts=readouts,
-                slots=slots,
-                host=placement if config.data_plane in (locator.HOST, locator.CUDA_IPC) else None,
-            )
+            worker = make(worker_id=f"{base_id}-w{i}")
             psub = await js.pull_subscribe_bind(durable, streams.BLOCKS_STREAM)
             stack.push_async_callback(psub.unsubscribe)
             workers.append(worker)
@@ -141,6 +116,25 @@ async def running_readout(
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _placement(config: ReadoutServiceConfig, slots: SlotPool | None) -> str | None:
+    """Where this process's workers read rows (None: the bus), checked against the plane."""
+    if (config.data_plane == locator.LOCAL) != (slots is not None):
+        raise runtime.ConfigError(
+            f"STATEBLOCK_DATA_PLANE={config.data_plane} "
+            + ("needs the capture's slot pool in this process" if slots is None else "has no slots")
+        )
+    if slots is not None:
+        return slots.instance_id
+    if config.data_plane == locator.HOST:
+        try:
+            return host_placement()
+        except OSError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_DATA_PLANE=host: {e}") from e
+    if config.data_plane == locator.CUDA_IPC:
+        return ipc_placement()
+    return None
 
 
 async def _engine_threads(
