@@ -30,7 +30,7 @@
 #                                         # (odd counts too), compiled `default`
 #                                         # size-oblivious; the forward alone at 20-32 lanes,
 #                                         # profiled, against plain matmuls of its shapes
-#                                         # (about 9 minutes)
+#                                         # (about 9 minutes; PARTS=lone,forward: 5)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -155,8 +155,10 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
+  parts=${PARTS:-lone,mps,invariance,forward}  # a shorter call: PARTS=lone,forward
   for run in lone:0:1,64,128:170 mps:1:64,128:130 invariance; do
     IFS=: read -r name mps levels limit <<<"$run"
+    [[ ",$parts," == *",$name,"* ]] || continue
     if [ "$name" = invariance ]; then
       timeout 120 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
         off,default --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
@@ -173,9 +175,11 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   done
   # the forward alone, unpadded lane counts, split by kernel, against plain matmuls here
-  timeout $((585 - SECONDS)) python3 -m bench.forward_rate --out "$OUT/forward" --compile \
-    default --lanes 20,30,32 --profile-lanes 30 --gemm-lanes 30 > "$OUT/forward.log" 2>&1
-  echo "forward rc=$?"; cat "$OUT/forward/forward_rate.md" 2>/dev/null
+  if [[ ",$parts," == *",forward,"* ]]; then
+    timeout $((585 - SECONDS)) python3 -m bench.forward_rate --out "$OUT/forward" --compile \
+      default --lanes 20,30,32 --profile-lanes 30 --gemm-lanes 30 > "$OUT/forward.log" 2>&1
+    echo "forward rc=$?"; cat "$OUT/forward/forward_rate.md" 2>/dev/null
+  fi
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
