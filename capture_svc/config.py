@@ -141,12 +141,13 @@ class CaptureConfig(BlocksServiceConfig):
     @property
     def warm_lane_buckets(self) -> tuple[int, ...] | None:
         """The lane counts the warm-up runs each width bucket at, compiled: the configured
-        buckets below the cohort's lane limit, and that limit, none under min_lanes. None
-        when the forward is eager."""
+        buckets below the cohort's lane limit, that limit, and min_lanes (the fewest a
+        forward runs: where dynamo still makes one lane a graph of its own, the warm-up
+        compiles it), none under min_lanes. None when the forward is eager."""
         if self.compile == "off":
             return None
         top = self.cohort.lanes
-        buckets = {b for b in self.lane_buckets if b < top} | {top}
+        buckets = {b for b in self.lane_buckets if b < top} | {top, self.min_lanes}
         return tuple(sorted({max(b, self.min_lanes) for b in buckets}))
 
     @property

@@ -397,9 +397,10 @@ CAPTURE_MIN_LANES = _setting(
     "CAPTURE_MIN_LANES", int, 2,
     "compiled only: the fewest lanes a cohort forward runs, a lone request padded with dummy "
     "lanes up to it. 2 runs a request alone through the graph its company runs; 1 runs it "
-    "at half that forward's cost through the same graph, compiled size-oblivious so dynamo "
-    "makes no graph of its own for one lane (not yet shown on a GPU to give a request alone "
-    "the rows it gets in company: `bench.capture_invariance --size-oblivious`)",
+    "at half that forward's cost, compiled size-oblivious so dynamo makes no graph of its "
+    "own for one lane where the model allows (a model with grouped key/value heads still "
+    "gets one, compiled by the warm-up; not yet shown on a GPU to give a request alone the "
+    "rows it gets in company: `bench.capture_invariance --size-oblivious`)",
     (CAPTURE,), minimum=1, chart="capture.minLanes",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(

@@ -57,35 +57,21 @@ def compile_backbone(
     calls: `warm_up` makes them all before a request arrives.
 
     `size_oblivious`: dynamo reasons about every size without a case for 1, so one lane
-    runs the same symbolic graph as the rest (no second graph); process-wide, as torch
-    reads it, and set by every compile (a backbone already compiled with `backend` returns
-    early and keeps the setting it was compiled with).
+    runs the same symbolic graph as the rest (no second graph). It and the other settings
+    the compile needs (`compile_settings`) are applied here and on every thread that runs
+    the backbone through `capture` (a backbone already compiled with `backend` returns
+    early and keeps the settings it was compiled with).
 
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
     its own request-scoped hook.
     """
-    import torch._dynamo
-    import torch._inductor.config
-    import torch.fx.experimental._config as fx_config
-
     bb = backbone(model)
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
-    fx_config.backed_size_oblivious = size_oblivious
     bb._stateblock_size_oblivious = size_oblivious
-    # headroom over dynamo's default for a caller that runs shapes outside the buckets
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
-    # one CUDA graph per bucketed shape is the design, not a symptom to warn about
-    torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit = None
-    # Inductor times a kernel's candidate configs on its first run and keeps the fastest: a
-    # choice that follows the GPU's load at that moment, so two processes compiling one model
-    # can round differently and a prompt's answer would depend on the replica that took it.
-    # Deterministic mode picks every config without timing.
-    if hasattr(torch._inductor.config, "deterministic"):
-        torch._inductor.config.deterministic = True
+    bb._stateblock_settings = compile_settings(size_oblivious)
+    apply_compile_settings(bb)
     eager = bb.forward
     if backend in COMPILE_MODES:
         bb.forward = torch.compile(eager, mode=backend, dynamic=True)
@@ -93,6 +79,46 @@ def compile_backbone(
         bb.forward = torch.compile(eager, backend=backend, dynamic=True)
     bb._stateblock_eager_forward = eager
     bb._stateblock_compiled = backend
+
+
+def compile_settings(size_oblivious: bool) -> tuple[tuple[object, str, object], ...]:
+    """(config module, name, value) of each torch setting a compiled backbone needs."""
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.fx.experimental._config as fx_config
+
+    dynamo = torch._dynamo.config
+    settings: list[tuple[object, str, object]] = [
+        (fx_config, "backed_size_oblivious", size_oblivious),
+        # one CUDA graph per bucketed shape is the design, not a symptom to warn about
+        (torch._inductor.config.triton, "cudagraph_dynamic_shape_warn_limit", None),
+    ]
+    # headroom over dynamo's default for a caller that runs shapes outside the buckets
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            settings.append((dynamo, name, max(getattr(dynamo, name), 256)))
+    # Inductor times a kernel's candidate configs on its first run and keeps the fastest: a
+    # choice that follows the GPU's load at that moment, so two processes compiling one model
+    # can round differently and a prompt's answer would depend on the replica that took it.
+    # Deterministic mode picks every config without timing.
+    if hasattr(torch._inductor.config, "deterministic"):
+        settings.append((torch._inductor.config, "deterministic", True))
+    return tuple(settings)
+
+
+_applied = threading.local()
+
+
+def apply_compile_settings(bb: nn.Module) -> None:
+    """The compiled backbone's settings on this thread. torch keeps a setting made in code per
+    thread (its config modules hold them in context variables): made once where the backbone
+    was compiled, it would not reach the forward threads that run, and compile, its graphs."""
+    settings = getattr(bb, "_stateblock_settings", None)
+    if settings is None or getattr(_applied, "settings", None) is settings:
+        return
+    for module, name, value in settings:
+        setattr(module, name, value)
+    _applied.settings = settings
 
 
 def use_compile_cache(directory: Path) -> None:
@@ -165,7 +191,7 @@ def uncompile_backbone(model: nn.Module) -> None:
     if eager is None:
         return
     bb.forward = eager
-    del bb._stateblock_compiled, bb._stateblock_size_oblivious
+    del bb._stateblock_compiled, bb._stateblock_size_oblivious, bb._stateblock_settings
     torch._dynamo.reset()
 
 
@@ -201,6 +227,7 @@ def capture(
         sink.append(rows)
 
     bb = backbone(model)
+    apply_compile_settings(bb)
     extra = {}
     if getattr(bb, "_stateblock_size_oblivious", False):
         # positions (B, P) of their own: given none, transformers broadcasts (1, P) ones and

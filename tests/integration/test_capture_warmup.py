@@ -67,6 +67,9 @@ def test_lane_buckets_from_env():
     symbolic = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "default"})
     assert symbolic.cohort_lane_buckets is None and symbolic.cohort_min_lanes == 2
     assert symbolic.warm_lane_buckets == (2, 4, 8, 16, 32)
+    env = {"STATEBLOCK_CAPTURE_COMPILE": "default", "STATEBLOCK_CAPTURE_LANE_BUCKETS": "2,8,32"}
+    lone = CaptureConfig.from_env(env | {"STATEBLOCK_CAPTURE_MIN_LANES": "1"})
+    assert lone.warm_lane_buckets == (1, 2, 8, 32)  # the fewest lanes a forward runs, warmed
     for bad in ("1,two", "0,4", "-1"):
         with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_LANE_BUCKETS"):
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
@@ -233,6 +236,41 @@ def test_a_forward_that_compiles_after_the_warm_up_is_reported():
         assert compiles == [1]  # a lone lane: a graph of its own
         run_cohort(forward, reg, serving, ["sort: ab"], "one again")
         assert compiles == [1]  # compiled once
+    finally:
+        uncompile_backbone(model)
+
+
+def test_the_compile_settings_reach_the_threads_that_run_the_forward():
+    """torch keeps a setting made in code per thread: a compile's settings (lanes without a
+    case for 1, deterministic kernels) made where the backbone was compiled must also hold
+    on the threads that warm it up and run its cohorts, as the capture service's executor
+    does. Warmed on one thread, served on another: a lone lane runs the warmed graph."""
+    import torch.fx.experimental._config as fx_config
+
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+    from stateblock.model.loading import load_base
+    from stateblock.runtime import REFERENCE_BASE
+
+    model, tok = load_base(REFERENCE_BASE)
+    serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    compiles: list[int] = []
+    forward = CohortForward(
+        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, min_lanes=1,
+        on_compile=lambda: compiles.append(1),
+    )  # fmt: skip
+    compile_backbone(model, "aot_eager", size_oblivious=True)
+    try:
+        with ThreadPoolExecutor(1) as warm, ThreadPoolExecutor(1) as serve:
+            warm.submit(forward.warm_up, [(2, 16), (3, 16)]).result()
+            serve.submit(run_cohort, forward, reg, serving, ["copy: a"], "one").result()
+            three = ["copy: a", "sort: ba", "copy: b"]
+            serve.submit(run_cohort, forward, reg, serving, three, "three").result()
+            seen = serve.submit(
+                lambda: (fx_config.backed_size_oblivious, torch._inductor.config.deterministic)
+            ).result()
+        assert seen == (True, True)
+        assert compiles == []  # one lane and three ran the graph the warm-up compiled
     finally:
         uncompile_backbone(model)
 
