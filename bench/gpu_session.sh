@@ -156,6 +156,8 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
   parts=${PARTS:-lone,mps,invariance,forward}  # a shorter call: PARTS=lone,forward
+  # an MPS daemon left by a call cut short would take every later CUDA process (error 805)
+  pgrep -x nvidia-cuda-mps-control > /dev/null && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   for run in lone:0:1,64,128:170 mps:1:64,128:130 invariance; do
     IFS=: read -r name mps levels limit <<<"$run"
     [[ ",$parts," == *",$name,"* ]] || continue
@@ -165,6 +167,7 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
       echo "invariance rc=$?"; tail -c 1500 "$OUT/invariance.log"; continue
     fi
     if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT  # also when the call's limit stops us
       nvidia-cuda-mps-control -d && timeout 60 python3 -c "import torch; torch.ones(1, device='cuda')" ||
         { echo "no MPS here"; echo quit | nvidia-cuda-mps-control; continue; }
     fi
@@ -172,7 +175,7 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
       --levels "$levels" --budget-s $((limit - 15)) "${@:2}" > "$OUT/load-$name.log" 2>&1
     echo "load $name rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/$name/load.md"
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
-    [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; sleep 2; }
+    [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; trap - EXIT; sleep 2; }
   done
   # the forward alone, unpadded lane counts, split by kernel, against plain matmuls here
   if [[ ",$parts," == *",forward,"* ]]; then
