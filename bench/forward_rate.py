@@ -21,7 +21,7 @@ against on this machine (the 755 TFLOP/s a flag can give is the smoke bench's, o
 
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
         [--compile off|default|reduce-overhead] [--profile-lanes 30] [--gemm-lanes 30] \\
-        [--scale full] [--device cuda]
+        [--unmasked] [--scale full] [--device cuda]
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def gemm_rates(model, tokens: int, device: str, repeats: int, square: int = 8192
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [
-        f"### The base forward alone ({c['scale']}, {c['device_name']}, compile `{c['compile']}`)",
+        f"### The base forward alone ({c['scale']}, {c['device_name']}, compile `{c['compile']}`, "
+        f"attention `{c.get('attention')}`)",
         f"{c['params']:,} matmul parameters (embedding and head left out); model FLOPs "
         "2 x those x lanes x width"
         + (f"; peak {c['peak_tflops']} TFLOP/s" if c["peak_tflops"] else ""),
@@ -216,11 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-lanes", type=int, default=0,
                     help="time plain matmuls at one layer's shapes on this many lanes")  # fmt: skip
     ap.add_argument("--gemm-square", type=int, default=8192, help="and one n^3 product")
+    ap.add_argument("--unmasked", action="store_true",
+                    help="SDPA without the causal mask transformers builds while compiling")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_llama(SCALES[args.scale], args.device)
+    if args.unmasked:
+        from stateblock.model.capture import use_unmasked_causal_attention
+
+        use_unmasked_causal_attention(model)
     if args.compile != "off":
         from stateblock.model.capture import compile_backbone
 
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": {
             "scale": args.scale, "width": args.width, "compile": args.compile,
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
+            "attention": model.config._attn_implementation,
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip

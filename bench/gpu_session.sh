@@ -31,6 +31,10 @@
 #                                         # size-oblivious; the forward alone at 20-32 lanes,
 #                                         # profiled, against plain matmuls of its shapes
 #                                         # (about 9 minutes; PARTS=lone,forward: 5)
+#   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate, compiled `default`, 20 and
+#                                         # 30 lanes, profiled, against plain matmuls: with
+#                                         # transformers' causal mask, then without
+#                                         # (--unmasked; about 6 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -65,7 +69,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout|prose-chain|prose-more)
@@ -183,6 +187,13 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
       default --lanes 20,30,32 --profile-lanes 30 --gemm-lanes 30 > "$OUT/forward.log" 2>&1
     echo "forward rc=$?"; cat "$OUT/forward/forward_rate.md" 2>/dev/null
   fi
+elif [ "$STAGE" = forward ]; then  # the compiled forward with transformers' mask, then without
+  for run in masked unmasked; do
+    flag=$([ "$run" = unmasked ] && echo --unmasked)
+    timeout 200 python3 -m bench.forward_rate --out "$OUT/$run" --compile default --lanes 20,30 \
+      --profile-lanes 30 --gemm-lanes 30 $flag "${@:2}" > "$OUT/forward-$run.log" 2>&1
+    echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null
+  done
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1

@@ -121,6 +121,34 @@ def apply_compile_settings(bb: nn.Module) -> None:
     _applied.settings = settings
 
 
+UNMASKED_SDPA = "stateblock_causal_sdpa"
+
+
+def _causal_mask_or_none(*args, **kwargs):
+    """transformers' SDPA mask, but none for a batch without a padding mask: SDPA then runs
+    its causal kernel (`is_causal`) instead of reading a (B, 1, P, P) mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if not args and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_unmasked_causal_attention(model: nn.Module) -> None:
+    """SDPA attention whose mask is left out where the batch has no padding mask, as the
+    capture's right-padded cohorts have not. Eager transformers already leaves it out; while
+    dynamo traces, the installed transformers (torch before 2.14) always builds the mask,
+    which sends a compiled forward to a masked attention kernel and adds the mask's own
+    construction (docs/BENCHMARKS.md, "The compiled forward split by kernel")."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(UNMASKED_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(UNMASKED_SDPA, _causal_mask_or_none)
+    model.set_attn_implementation(UNMASKED_SDPA)
+
+
 def use_compile_cache(directory: Path) -> None:
     """Keep inductor's caches (compiled graphs, Triton kernels, autotuning results) in
     `directory`, made if missing, so a process that compiles the same model on the same

@@ -184,3 +184,31 @@ def test_a_lone_lane_runs_the_cohorts_graph_only_when_compiled_size_oblivious(
     finally:
         uncompile_backbone(model)
         fx_config.backed_size_oblivious = False
+
+
+def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
+    """A Llama with grouped key/value heads (the bench's shape), compiled: with the unmasked
+    attention no (B, 1, P, P) mask is built for a batch without padding, the rows equal the
+    eager forward's bit for bit, and a padding mask still gets transformers' mask."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import sdpa_mask
+
+    from stateblock.model.capture import _causal_mask_or_none, use_unmasked_causal_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(4, 96, (3, 24))
+    eager = capture(model, ids)
+    use_unmasked_causal_attention(model)
+    compile_backbone(model, "aot_eager")
+    try:
+        assert torch.equal(capture(model, ids), eager)
+    finally:
+        uncompile_backbone(model)
+    assert _causal_mask_or_none(batch_size=3, q_length=24, kv_length=24) is None
+    padding = torch.ones(3, 24, dtype=torch.bool)
+    padding[0, 20:] = False
+    kwargs = dict(batch_size=3, q_length=24, kv_length=24, attention_mask=padding)
+    assert torch.equal(_causal_mask_or_none(**kwargs), sdpa_mask(**kwargs))
