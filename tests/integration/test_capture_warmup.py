@@ -210,11 +210,9 @@ def test_a_compiled_forward_gives_a_lane_the_rows_of_its_company_alone(tmp_path,
         assert torch.equal(a, b), (a - b).abs().max().item()
 
 
-def test_a_forward_that_compiles_after_the_warm_up_is_reported():
-    """A forward whose shape the warm-up did not reach compiles on the request's path: the
-    forward says so (`on_compile`, the capture's counter). Here one lane alone without
-    min_lanes, which dynamo compiles as a graph of its own."""
-    from stateblock.model.capture import compile_backbone, uncompile_backbone
+def lone_lane_forward():
+    """The shipped base behind a CohortForward that runs a lone request as one lane, and the
+    list its compiles after the warm-up land in."""
     from stateblock.model.loading import load_base
     from stateblock.runtime import REFERENCE_BASE
 
@@ -226,6 +224,16 @@ def test_a_forward_that_compiles_after_the_warm_up_is_reported():
         model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, min_lanes=1,
         on_compile=lambda: compiles.append(1),
     )  # fmt: skip
+    return model, serving, reg, forward, compiles
+
+
+def test_a_forward_that_compiles_after_the_warm_up_is_reported():
+    """A forward whose shape the warm-up did not reach compiles on the request's path: the
+    forward says so (`on_compile`, the capture's counter). Here one lane alone without
+    min_lanes, which dynamo compiles as a graph of its own."""
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+
+    model, serving, reg, forward, compiles = lone_lane_forward()
     compile_backbone(model, "aot_eager")
     try:
         forward.warm_up([(2, 16), (3, 16)])
@@ -248,17 +256,8 @@ def test_the_compile_settings_reach_the_threads_that_run_the_forward():
     import torch.fx.experimental._config as fx_config
 
     from stateblock.model.capture import compile_backbone, uncompile_backbone
-    from stateblock.model.loading import load_base
-    from stateblock.runtime import REFERENCE_BASE
 
-    model, tok = load_base(REFERENCE_BASE)
-    serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})
-    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    compiles: list[int] = []
-    forward = CohortForward(
-        model, reg, pad_id=tok.pad_token_id, capture_mode=MODE, min_lanes=1,
-        on_compile=lambda: compiles.append(1),
-    )  # fmt: skip
+    model, serving, reg, forward, compiles = lone_lane_forward()
     compile_backbone(model, "aot_eager", size_oblivious=True)
     try:
         with ThreadPoolExecutor(1) as warm, ThreadPoolExecutor(1) as serve:
