@@ -121,45 +121,26 @@ def layer_shapes(model) -> list[tuple[str, int, int]]:
             if isinstance(m, torch.nn.Linear)]  # fmt: skip
 
 
-def time_mm(m: int, k: int, n: int, device: str, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of one (m, k) @ (k, n) product."""
-    import statistics
-    import time
-
-    from bench.models import sync
-
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b)
-    runs = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync(device)
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
-
-
 def gemm_rates(model, tokens: int, device: str, repeats: int, square: int = 8192) -> dict:
     """The matmul rate at one layer's projection shapes on `tokens` rows, each and summed as
     the forward runs them (each once a token), and at `square`^3."""
+    from bench.machine import gemm_tflops
+
     dtype = next(model.parameters()).dtype
     shapes, total_s, total_flop = [], 0.0, 0.0
     for name, k, n in layer_shapes(model):
-        s = time_mm(tokens, k, n, device, dtype, repeats)
+        tflops = gemm_tflops(dtype, tokens, k, n, device, repeats)
         flop = 2.0 * tokens * k * n
+        s = flop / tflops / 1e12
         shapes.append({"name": name, "m": tokens, "k": k, "n": n, "ms": round(s * 1e3, 3),
-                       "tflops": round(flop / s / 1e12, 3)})  # fmt: skip
+                       "tflops": round(tflops, 3)})  # fmt: skip
         total_s, total_flop = total_s + s, total_flop + flop
-    sq = time_mm(square, square, square, device, dtype, repeats)
     return {
         "tokens": tokens,
         "shapes": shapes,
         "layer_tflops": round(total_flop / total_s / 1e12, 3),
         "square": square,
-        "square_tflops": round(2.0 * square**3 / sq / 1e12, 3),
+        "square_tflops": round(gemm_tflops(dtype, square, square, square, device, repeats), 3),
     }
 
 
@@ -244,11 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip
+    width = timed[0]["padded_width"] if timed else args.width
     if args.profile_lanes:
-        width = timed[0]["padded_width"] if timed else args.width
         doc["profile"] = profile_forward(model, width, args.profile_lanes, args.device)
     if args.gemm_lanes:
-        width = timed[0]["padded_width"] if timed else args.width
         doc["gemm"] = gemm_rates(
             model, args.gemm_lanes * width, args.device, args.repeats, args.gemm_square
         )

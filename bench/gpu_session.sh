@@ -28,9 +28,7 @@
 #                                         # processes' kernels share the GPU instead of taking
 #                                         # turns) at 64 and 128; lane 0's rows at 1-32 lanes
 #                                         # (odd counts too), compiled `default`
-#                                         # size-oblivious; the forward alone at 20-32 lanes,
-#                                         # profiled, against plain matmuls of its shapes
-#                                         # (about 9 minutes; PARTS=lone,forward: 5)
+#                                         # size-oblivious (about 8 minutes; PARTS=lone: 3)
 #   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate, compiled `default`, 20 and
 #                                         # 30 lanes, profiled, against plain matmuls: with
 #                                         # transformers' causal mask, then without
@@ -159,7 +157,7 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
-  parts=${PARTS:-lone,mps,invariance,forward}  # a shorter call: PARTS=lone,forward
+  parts=${PARTS:-lone,mps,invariance}  # a shorter call: PARTS=lone
   # an MPS daemon left by a call cut short would take every later CUDA process (error 805)
   pgrep -x nvidia-cuda-mps-control > /dev/null && { echo quit | nvidia-cuda-mps-control; sleep 2; }
   for run in lone:0:1,64,128:170 mps:1:64,128:130 invariance; do
@@ -181,12 +179,6 @@ elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; trap - EXIT; sleep 2; }
   done
-  # the forward alone, unpadded lane counts, split by kernel, against plain matmuls here
-  if [[ ",$parts," == *",forward,"* ]]; then
-    timeout $((585 - SECONDS)) python3 -m bench.forward_rate --out "$OUT/forward" --compile \
-      default --lanes 20,30,32 --profile-lanes 30 --gemm-lanes 30 > "$OUT/forward.log" 2>&1
-    echo "forward rc=$?"; cat "$OUT/forward/forward_rate.md" 2>/dev/null
-  fi
 elif [ "$STAGE" = forward ]; then  # the compiled forward with transformers' mask, then without
   for run in masked unmasked; do
     flag=$([ "$run" = unmasked ] && echo --unmasked)

@@ -27,17 +27,39 @@ def cuda_ms(fn, iters: int = ITERS, warmup: int = WARMUP) -> float:
     return statistics.median(times)
 
 
-def gemm_tflops(dtype: torch.dtype = torch.bfloat16) -> float:
-    """cuBLAS 8192^3 rate; fp32 runs as TF32 (the fused head's dots)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=dtype)  # random: zeros run fast
-    b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+def median_ms(fn, device: str = "cuda", iters: int = ITERS, warmup: int = WARMUP) -> float:
+    """`cuda_ms` on a GPU; on the CPU, wall time of each call."""
+    if str(device).startswith("cuda"):
+        return cuda_ms(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def gemm_tflops(
+    dtype: torch.dtype = torch.bfloat16,
+    m: int = 8192,
+    k: int = 8192,
+    n: int = 8192,
+    device: str = "cuda",
+    iters: int = ITERS,
+) -> float:
+    """The (m, k) @ (k, n) rate, cuBLAS's on a GPU (by default 8192^3); fp32 runs as TF32
+    (the fused head's dots)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)  # random: zeros run fast
+    b = torch.randn(k, n, device=device, dtype=dtype)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
-        ms = cuda_ms(lambda: a @ b)
+        ms = median_ms(lambda: a @ b, device, iters)
     finally:
         torch.set_float32_matmul_precision(before)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+    return 2 * m * k * n / (ms * 1e-3) / 1e12
 
 
 def copy_gbs() -> dict:
