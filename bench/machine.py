@@ -97,14 +97,8 @@ def host_costs() -> dict:
     from stateblock.protocol import envelope
     from stateblock.protocol.keys import Signer, TrustStore
 
-    def ms(fn, n: int = 50) -> float:
-        fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+    def ms(fn) -> float:
+        return median_ms(fn, "cpu", iters=50, warmup=1)
 
     rows = torch.randn(512, D_BASE).bfloat16()
     data = rows_to_bytes(rows)
