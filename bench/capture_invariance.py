@@ -29,6 +29,7 @@ from stateblock.model.capture import (
     compile_backbone,
     graphs_compiled,
     uncompile_backbone,
+    use_unmasked_causal_attention,
 )
 
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-oblivious", action="store_true",
                     help="compile as STATEBLOCK_CAPTURE_MIN_LANES=1 does: one lane runs the "
                          "symbolic-lanes graph")  # fmt: skip
+    ap.add_argument("--unmasked", action="store_true",
+                    help="attention without the causal mask a traced forward builds, as the "
+                         "compiled capture service runs it")  # fmt: skip
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -92,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     model = build_llama(scale, args.device, seed=0)
     if args.device == "cpu":
         model = model.float()
+    if args.unmasked and not use_unmasked_causal_attention(model):
+        ap.error("--unmasked: the bench model is not on transformers' SDPA attention")
     modes = args.modes.split(",")
     results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m,
                             args.size_oblivious) for m in modes}  # fmt: skip
-    alone = results["off"]["rows"][1] if "off" in results else None
+    alone = results["off"]["rows"].get(1) if "off" in results else None
     report = {"scale": args.scale, "device": args.device, "width": args.width,
-              "size_oblivious": args.size_oblivious, "modes": {}}  # fmt: skip
+              "size_oblivious": args.size_oblivious, "unmasked": args.unmasked,
+              "modes": {}}  # fmt: skip
     for mode, r in results.items():
         rows = r["rows"]
         entry = {"seconds": r["seconds"], "graphs": r["graphs"],

@@ -22,13 +22,12 @@
 #                                         # 1-128 clients with compiled AR at batch 64, two
 #                                         # captures at 128 (do replicas agree?); RATE=1 adds
 #                                         # the forward's rate (about 9 minutes, 11 with it)
-#   bash bench/gpu_session.sh lanes-mps [ARGS]  # the stack of `compiled` (cohorts unpadded)
-#                                         # with a lone request as one lane (MIN_LANES=1) at
-#                                         # 1, 64, 128 clients, again under CUDA MPS (the
-#                                         # processes' kernels share the GPU instead of taking
-#                                         # turns) at 64 and 128; lane 0's rows at 1-32 lanes
-#                                         # (odd counts too), compiled `default`
-#                                         # size-oblivious (about 8 minutes; PARTS=lone: 3)
+#   bash bench/gpu_session.sh lanes-mps [ARGS]  # the stack of `compiled` (cohorts unpadded,
+#                                         # attention unmasked) at 1, 64, 128 clients, again
+#                                         # under CUDA MPS (the processes' kernels share the
+#                                         # GPU instead of taking turns) at 64 and 128; lane
+#                                         # 0's rows at 1-32 lanes (odd counts too), compiled
+#                                         # `default` (about 9 minutes; PARTS=plain: 4)
 #   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate, compiled `default`, 20 and
 #                                         # 30 lanes, profiled, against plain matmuls: with
 #                                         # transformers' causal mask, then without
@@ -153,19 +152,21 @@ elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two capt
   fi
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
     rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
-elif [ "$STAGE" = lanes-mps ]; then  # MIN_LANES=1 under load; invariance at any lane count; MPS
+elif [ "$STAGE" = lanes-mps ]; then  # unpadded cohorts under load, then under MPS; invariance
+  # MIN_LANES stays 2: size-oblivious lanes (MIN_LANES=1) stop torch 2.11's inductor on the
+  # GPU (CantSplit: 2688*s27 not divisible by s27*s52; docs/BENCHMARKS.md)
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
-    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 --env STATEBLOCK_CAPTURE_MIN_LANES=1)
-  parts=${PARTS:-lone,mps,invariance}  # a shorter call: PARTS=lone
+    --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
+  parts=${PARTS:-plain,mps,invariance}  # a shorter call: PARTS=plain
   # an MPS daemon left by a call cut short would take every later CUDA process (error 805)
-  pgrep -x nvidia-cuda-mps-control > /dev/null && { echo quit | nvidia-cuda-mps-control; sleep 2; }
-  for run in lone:0:1,64,128:170 mps:1:64,128:130 invariance; do
+  pgrep -f nvidia-cuda-mps-control > /dev/null && { echo quit | nvidia-cuda-mps-control; sleep 2; }
+  for run in plain:0:1,64,128:${PLAIN_S:-240} mps:1:64,128:150 invariance; do
     IFS=: read -r name mps levels limit <<<"$run"
     [[ ",$parts," == *",$name,"* ]] || continue
-    if [ "$name" = invariance ]; then
-      timeout 120 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
-        off,default --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
+    if [ "$name" = invariance ]; then  # the compiled lanes as the service runs them
+      timeout 150 python3 -m bench.capture_invariance --out "$OUT/invariance.json" --modes \
+        off,default --unmasked --lanes 1,2,3,5,8,13,19,27,32 > "$OUT/invariance.log" 2>&1
       echo "invariance rc=$?"; tail -c 1500 "$OUT/invariance.log"; continue
     fi
     if [ "$mps" = 1 ]; then  # the control daemon, default pipe dir: every CUDA process joins

@@ -25,6 +25,13 @@ MIN_COMPILED_LANES = settings.CAPTURE_MIN_LANES.default
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def default_compile(device: str) -> str:
+    """The base forward's compile where none is set: inductor's `default` on a GPU (the
+    fastest under load; docs/BENCHMARKS.md), eager on the CPU, where a compile's warm-up
+    costs more than its kernels save."""
+    return "default" if device.startswith("cuda") else "off"
+
+
 @dataclass(frozen=True)
 class CohortLimits:
     """What one base forward carries at most: lanes, and padded tokens (lanes x the bucket
@@ -51,9 +58,9 @@ class CaptureConfig(BlocksServiceConfig):
     dtype: str = declared(settings.CAPTURE_DTYPE)
     batch_window_s: float = declared(settings.BATCH_WINDOW_S)  # >0 waits for company
     # torch.compile backend for the base forward ("off", "inductor", "aot_eager", ...) or an
-    # inductor mode ("default", "reduce-overhead": one CUDA graph per shape). The start-up
-    # warm-up runs every (lane bucket, width bucket) shape before the service is SERVING, so
-    # no request compiles.
+    # inductor mode ("default", "reduce-overhead": one CUDA graph per shape); unset, "default"
+    # on a CUDA device and "off" on the CPU. The start-up warm-up runs every (lane bucket,
+    # width bucket) shape before the service is SERVING, so no request compiles.
     compile: str = declared(settings.CAPTURE_COMPILE)
     # compiled only: inductor's and Triton's caches, kept where a restart finds them
     compile_cache: Path | None = declared(settings.CAPTURE_COMPILE_CACHE)
@@ -94,6 +101,8 @@ class CaptureConfig(BlocksServiceConfig):
                 "anyone who reaches it could run forwards and get signed blocks; give a "
                 "token file or bind a loopback address"
             )
+        if self.compile is None:  # frozen: the device's default, resolved once here
+            object.__setattr__(self, "compile", default_compile(self.device))
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
         if not self.lane_buckets or min(self.lane_buckets) < 1:

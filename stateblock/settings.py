@@ -357,12 +357,12 @@ BATCH_WINDOW_S = _setting(
     (CAPTURE,), zero_ok=True, chart="capture.batchWindowSeconds",
 )  # fmt: skip
 CAPTURE_COMPILE = _setting(
-    "CAPTURE_COMPILE", str, "off",
-    "a `torch.compile` backend (`inductor`) or mode (`default`: the fastest under load on a "
-    "GPU; `reduce-overhead`: one CUDA graph per shape) for the base forward, every (lane "
-    "bucket, prompt bucket) shape compiled by a warm-up before the capture is SERVING; a "
-    "prompt's rows are the same alone as in any cohort",
-    (CAPTURE,), chart="capture.compile",
+    "CAPTURE_COMPILE", str, None,
+    "`off`, a `torch.compile` backend (`inductor`) or mode (`default`: the fastest under load "
+    "on a GPU; `reduce-overhead`: one CUDA graph per shape) for the base forward, every "
+    "(lane bucket, prompt bucket) shape compiled by a warm-up before the capture is SERVING; "
+    "a prompt's rows are the same alone as in any cohort",
+    (CAPTURE,), chart="capture.compile", unset="`default` on a CUDA device, `off` on the CPU",
 )  # fmt: skip
 CAPTURE_COMPILE_CACHE = _setting(
     "CAPTURE_COMPILE_CACHE", Path, None,
@@ -399,8 +399,8 @@ CAPTURE_MIN_LANES = _setting(
     "lanes up to it. 2 runs a request alone through the graph its company runs; 1 runs it "
     "at half that forward's cost, compiled size-oblivious so dynamo makes no graph of its "
     "own for one lane where the model allows (a model with grouped key/value heads still "
-    "gets one, compiled by the warm-up; not yet shown on a GPU to give a request alone the "
-    "rows it gets in company: `bench.capture_invariance --size-oblivious`)",
+    "gets one, compiled by the warm-up). On a GPU, torch 2.11's inductor cannot compile the "
+    "size-oblivious graph (a `CantSplit` error at start-up; docs/BENCHMARKS.md): there, 2",
     (CAPTURE,), minimum=1, chart="capture.minLanes",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(

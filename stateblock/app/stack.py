@@ -65,7 +65,7 @@ class UpConfig:
     blocks_storage: str = settings.BLOCKS_STORAGE.default  # the blocks work queue
     forward_state_digest: str = settings.FORWARD_STATE_DIGEST.default  # the blocks' row hash
     batch_window_s: float | None = None  # None: the capture service's default
-    capture_compile: str = settings.CAPTURE_COMPILE.default  # the base forward's torch.compile
+    capture_compile: str | None = settings.CAPTURE_COMPILE.default  # None: per device
     # local: the rows stay on the capture's device in a slot pool this process's workers read
     data_plane: str = settings.DATA_PLANE.default_for(settings.UP)
     # `cpu`, `cuda` or `auto` (a CUDA device where there is one): where the model is loaded

@@ -134,12 +134,19 @@ def _causal_mask_or_none(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def use_unmasked_causal_attention(model: nn.Module) -> None:
+def use_unmasked_causal_attention(model: nn.Module) -> bool:
     """SDPA attention whose mask is left out where the batch has no padding mask, as the
     capture's right-padded cohorts have not. Eager transformers already leaves it out; while
     dynamo traces, the installed transformers (torch before 2.14) always builds the mask,
     which sends a compiled forward to a masked attention kernel and adds the mask's own
-    construction (docs/BENCHMARKS.md, "The compiled forward split by kernel")."""
+    construction (docs/BENCHMARKS.md, "The compiled forward split by kernel"). Returns
+    whether the model now runs it: one on another attention than transformers' SDPA is left
+    as it is."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) not in (
+        "sdpa",
+        UNMASKED_SDPA,
+    ):
+        return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -147,6 +154,7 @@ def use_unmasked_causal_attention(model: nn.Module) -> None:
     AttentionInterface.register(UNMASKED_SDPA, ALL_ATTENTION_FUNCTIONS["sdpa"])
     AttentionMaskInterface.register(UNMASKED_SDPA, _causal_mask_or_none)
     model.set_attn_implementation(UNMASKED_SDPA)
+    return True
 
 
 def use_compile_cache(directory: Path) -> None:

@@ -25,6 +25,7 @@ from capture_svc.plans import (
 )
 from capture_svc.server import running_capture
 from capture_svc.service import CaptureFailed, InvalidCapture
+from stateblock.model.capture import UNMASKED_SDPA
 from stateblock.model.rows import block_lanes
 from stateblock.protocol import envelope, streams
 from stateblock.protocol.keys import Signer, TrustStore
@@ -384,6 +385,8 @@ async def test_compiled_capture_publishes_the_rows_of_the_eager_forward(
         labels = {"cache": "fxgraph", "outcome": outcome}
         assert metrics.get_sample_value("stateblock_capture_warmup_cache_lookups", labels) >= 0
     assert getattr(model.model.base_model, "_stateblock_compiled", None) == "aot_eager"
+    # traced without the (B, 1, P, P) causal mask the eager forward leaves out too
+    assert model.model.config._attn_implementation == UNMASKED_SDPA
     # kernels chosen without timing them: every replica compiles the same ones
     assert getattr(torch._inductor.config, "deterministic", True) is True
     (rows,) = block_lanes(

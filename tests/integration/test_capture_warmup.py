@@ -75,6 +75,19 @@ def test_lane_buckets_from_env():
             CaptureConfig.from_env({"STATEBLOCK_CAPTURE_LANE_BUCKETS": bad})
 
 
+def test_the_capture_compiles_by_default_on_a_gpu_and_not_on_the_cpu():
+    """Unset, STATEBLOCK_CAPTURE_COMPILE is `default` on a CUDA device (the fastest under load,
+    its warm-up inside the start-up bound) and `off` on the CPU; set, it is what it says."""
+    assert CaptureConfig.from_env({}).compile == "off"
+    gpu = CaptureConfig.from_env({"STATEBLOCK_DEVICE": "cuda"})
+    assert gpu.compile == "default" and gpu.warm_lane_buckets == (2, 4, 8, 16, 32)
+    assert gpu.forwards_in_flight == 2 and not gpu.replays_graphs
+    eager = CaptureConfig.from_env(
+        {"STATEBLOCK_DEVICE": "cuda:1", "STATEBLOCK_CAPTURE_COMPILE": "off"}
+    )
+    assert eager.compile == "off" and eager.warm_lane_buckets is None
+
+
 @pytest.mark.parametrize("prompt_len_max", [1, 16, 17, 24, 100, 512, 4096])
 def test_width_buckets_are_every_width_a_prompt_can_get(prompt_len_max):
     reached = {bucket_width(n) for n in range(1, prompt_len_max + 1)}

@@ -177,6 +177,14 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def default_env(component: str) -> set[str]:
+    """The variables a component's container gets from values.yaml: those the declarations
+    give the chart, and the capture's compile cache (the chart's capture runs on a GPU, so
+    it compiles by default and keeps its caches on a volume)."""
+    names = settings.chart_variables(component)
+    return names | {settings.CAPTURE_COMPILE_CACHE.name} if component == "capture" else names
+
+
 def chart_value(setting: settings.Setting, values: dict) -> object:
     """A setting's value in the chart's values; for a setting with no default of its own
     (STATEBLOCK_WORKERS), the chart's 0 leaves it to the service."""

@@ -23,6 +23,7 @@ from tests.unit.deploy.chart import (
     CONFIGS,
     RELEASE,
     container,
+    default_env,
     deployment,
     env_of,
     kinds,
@@ -117,7 +118,7 @@ def test_pods_run_non_root_with_read_only_root(default_docs):
 @pytest.mark.parametrize("component", sorted(CONFIGS))
 def test_env_is_exactly_what_the_declarations_say_the_service_reads(default_docs, component):
     env = env_of(default_docs, component)
-    assert set(env) == settings.chart_variables(component)
+    assert set(env) == default_env(component)
     # The service's own parser accepts the rendered values (types, ranges, cross-checks).
     config = CONFIGS[component].from_env(env)
     assert config.model_name == "stateblock-reference"
@@ -131,9 +132,12 @@ def test_env_is_exactly_what_the_declarations_say_the_service_reads(default_docs
 
 def test_a_compiled_capture_keeps_its_compile_cache_on_a_volume(default_docs):
     """Compiled: STATEBLOCK_CAPTURE_COMPILE_CACHE names a mounted directory, a claim's when
-    one is given (a new pod warms up from it), else an emptyDir; eager: neither."""
-    assert "STATEBLOCK_CAPTURE_COMPILE_CACHE" not in env_of(default_docs, "capture")
-    assert "/var/cache/stateblock-compile" not in volumes_by_mount(default_docs, "capture")
+    one is given (a new pod warms up from it), else an emptyDir; eager: neither. The chart's
+    capture runs on a GPU, so it compiles (`default`) unless told `off`."""
+    assert CONFIGS["capture"].from_env(env_of(default_docs, "capture")).compile == "default"
+    eager = render_valid({"capture": {"compile": "off"}})
+    assert "STATEBLOCK_CAPTURE_COMPILE_CACHE" not in env_of(eager, "capture")
+    assert "/var/cache/stateblock-compile" not in volumes_by_mount(eager, "capture")
     for cache, volume in (
         ({}, {"emptyDir": {"sizeLimit": "8Gi"}}),
         ({"claimName": "compile-cache"}, {"persistentVolumeClaim": {"claimName": "compile-cache"}}),

@@ -9,13 +9,13 @@ import pytest
 
 from capture_svc.config import CaptureConfig
 from readout_svc.config import ReadoutServiceConfig
-from stateblock import settings
 from stateblock.nats_client import NatsOptions
 from stateblock.protocol import locator
 from tests.unit.deploy.chart import (
     RELEASE,
     container,
     containers_of,
+    default_env,
     deployment,
     env_of,
     gpus,
@@ -97,7 +97,7 @@ def test_pod_shares_an_in_memory_dev_shm_and_sets_the_host_plane(pod_docs):
 
 @pytest.mark.parametrize("component", ["capture", "readout"])
 def test_pod_gives_each_container_exactly_what_its_service_reads(pod_docs, component):
-    assert set(env_of(pod_docs, component)) == settings.chart_variables(component)
+    assert set(env_of(pod_docs, component)) == default_env(component)
     c = container(pod_docs, component)
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"]["port"] in {p["containerPort"] for p in c["ports"]}

@@ -201,7 +201,7 @@ def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(4, 96, (3, 24))
     eager = capture(model, ids)
-    use_unmasked_causal_attention(model)
+    assert use_unmasked_causal_attention(model)
     compile_backbone(model, "aot_eager")
     try:
         assert torch.equal(capture(model, ids), eager)
@@ -212,3 +212,7 @@ def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
     padding[0, 20:] = False
     kwargs = dict(batch_size=3, q_length=24, kv_length=24, attention_mask=padding)
     assert torch.equal(_causal_mask_or_none(**kwargs), sdpa_mask(**kwargs))
+    # another attention than SDPA is left as it is
+    other = LlamaForCausalLM(LlamaConfig(**config.to_dict(), attn_implementation="eager"))
+    assert not use_unmasked_causal_attention(other)
+    assert other.config._attn_implementation == "eager"
