@@ -14,7 +14,10 @@ goes in the next forward. The cohorts' runner keeps up to `in_flight` forwards g
 (`STATEBLOCK_CAPTURE_FORWARDS`, each on a thread and CUDA stream of its own),
 so with two the device runs the next cohort while the last one's rows are copied out and its
 callers answered. Parts of several such requests go round-robin, one part of each in turn;
-the plan table assembles a request's rows once its last lane is in.
+the plan table assembles a request's rows once its last lane is in. On a GPU the parts run
+on streams of the lowest priority and the cohorts on streams of the highest: a part's
+kernels fill the device only where a cohort's leave room, so a small request beside a
+maximal one waits for the blocks already running, not for the part's whole forward.
 
 Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal
@@ -152,8 +155,9 @@ class CohortForward:
         self._lane_buckets = lane_buckets  # None: a cohort runs at its own lane count,
         self._min_lanes = min_lanes  # ... padded with dummy lanes up to this one
         self._device = next(model.parameters()).device
-        # Each forward thread on a CUDA stream of its own (the eager forward's two threads):
-        # on one stream a part's kernels, launched first, queue every cohort's behind them.
+        # Each forward thread on CUDA streams of its own (the eager forward's two threads):
+        # on one stream a part's kernels, launched first, queue every cohort's behind them;
+        # a part's stream is of the lowest priority, a cohort's of the highest.
         on_cuda = thread_streams and self._device.type == "cuda"
         self._streams = threading.local() if on_cuda else None
         # compiled: graphs compiled so far, counted from the warm-up's end; a forward after it
@@ -179,7 +183,11 @@ class CohortForward:
         log.info("warm-up done", shapes=len(shapes), seconds=round(total, 3))
         return total
 
-    def __call__(self, cohort: Sequence[Pending]) -> None:
+    def part(self, cohort: Sequence[Pending]) -> None:
+        """A part of a request over the token bound: the forward behind the cohorts'."""
+        self(cohort, background=True)
+
+    def __call__(self, cohort: Sequence[Pending], *, background: bool = False) -> None:
         width = max(p.bucket for p in cohort)
         slots: list[Slot] = []
         lanes: list[Sequence[int]] = []
@@ -199,7 +207,7 @@ class CohortForward:
         # module docstring): causality alone keeps pad columns out of the valid rows.
         lengths = [len(lane) for lane in lanes]
         stamp = CohortStamp(tuple(slots), self._mode)
-        with self._thread_stream():
+        with self._thread_stream(background):
             capture(
                 self._model,
                 ids.to(self._device),
@@ -218,8 +226,9 @@ class CohortForward:
             self._on_compile()
 
     @contextmanager
-    def _thread_stream(self) -> Iterator[None]:
-        """This thread's own CUDA stream around a forward (without `thread_streams`, or off
+    def _thread_stream(self, background: bool) -> Iterator[None]:
+        """This thread's own CUDA stream around a forward, of the lowest priority for a
+        background forward and of the highest otherwise (without `thread_streams`, or off
         CUDA, the current stream). The forward's rows are consumed on other threads'
         streams, so the forward is synchronised before it returns: whatever reads its rows
         next finds them written, and nothing still in flight reads a freed block's memory
@@ -227,15 +236,23 @@ class CohortForward:
         if self._streams is None:
             yield
             return
-        stream = getattr(self._streams, "stream", None)
+        name = "background" if background else "foreground"
+        stream = getattr(self._streams, name, None)
         if stream is None:
-            stream = self._streams.stream = torch.cuda.Stream(self._device)
+            stream = torch.cuda.Stream(self._device, priority=stream_priority(background))
+            setattr(self._streams, name, stream)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         try:
             with torch.cuda.stream(stream):
                 yield
         finally:
             stream.synchronize()
+
+
+def stream_priority(background: bool) -> int:
+    """A CUDA stream priority: background work at 0, the default and lowest, the rest at
+    -1, torch's high-priority streams (lower numbers run first where both have work)."""
+    return 0 if background else -1
 
 
 class ForwardBatcher:
@@ -254,8 +271,10 @@ class ForwardBatcher:
         cohort: CohortLimits | None = None,
         on_cohort: Callable[[int], None] | None = None,
         in_flight: int = 1,
+        forward_part: Callable[[Sequence[Pending]], None] | None = None,
     ) -> None:
         self._forward = forward
+        self._forward_part = forward_part or forward  # a part of a request over the bound
         self._executor = executor
         # cohort forwards at once: with two, the next cohort's forward runs on the device
         # while the previous one's rows go out to the host and its callers are answered
@@ -404,7 +423,7 @@ class ForwardBatcher:
                 self._rotation.append(self._split(self._oversized.get_nowait()))
             parts = self._rotation[0]  # kept there while it runs: a stop fails its caller
             part = parts[0]
-            done = part.future.done() or not await self._run_forward([part])
+            done = part.future.done() or not await self._run_forward([part], part=True)
             self._rotation.popleft()
             del parts[0]
             if done:
@@ -417,13 +436,14 @@ class ForwardBatcher:
     def _split(self, pending: Pending) -> list[Pending]:
         return pending.parts(self._cohort.lanes_at(pending.bucket))
 
-    async def _run_forward(self, cohort: list[Pending]) -> bool:
-        """One forward on the executor; False when it failed (its requests' futures then
-        carry the error)."""
+    async def _run_forward(self, cohort: list[Pending], *, part: bool = False) -> bool:
+        """One forward on the executor (a part's through `forward_part`); False when it
+        failed (its requests' futures then carry the error)."""
         for p in cohort:  # from here on `drop` cannot take it back
             self._unstarted.pop(p.plan.request_id, None)
+        forward = self._forward_part if part else self._forward
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, cohort)
+            await asyncio.get_running_loop().run_in_executor(self._executor, forward, cohort)
         except Exception as e:  # the forward failed: every request in it fails
             log.exception("cohort forward failed", lanes=sum(len(p.lane_ids) for p in cohort))
             for p in cohort:

@@ -246,6 +246,7 @@ async def _batcher(
             cohort=config.cohort,
             on_cohort=metrics.cohort_lanes.observe,
             in_flight=in_flight,
+            forward_part=forward.part,
         )
     )
     return executor, batcher

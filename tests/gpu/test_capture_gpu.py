@@ -53,6 +53,34 @@ def test_two_forward_threads_on_their_own_streams_capture_the_rows_of_each_alone
         assert torch.equal(got, alone[k % len(PROMPTS)]), f"job {k}"
 
 
+def test_a_part_runs_on_a_low_priority_stream_and_a_cohort_on_a_high_one():
+    """A part of a request over the token bound (`CohortForward.part`) launches its kernels
+    on a stream of the lowest priority, a cohort on one of the highest, so a small request's
+    forward is not queued behind a maximal one's; the rows are the same either way."""
+    from stateblock.model.capture import backbone
+    from stateblock.model.loading import load_base
+
+    model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=60)
+    forward = CohortForward(
+        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE, thread_streams=True
+    )
+    seen: list[int] = []
+    backbone(model).register_forward_hook(
+        lambda *_: seen.append(torch.cuda.current_stream().priority)
+    )
+    ids = [tok(PROMPTS[0])["input_ids"]]
+    rows = []
+    for rid, run in (("cohort", forward), ("part", forward.part)):
+        layout = envelope.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
+                                      dtype=torch.bfloat16)  # fmt: skip
+        plan = plans.register(rid, layout)
+        run([Pending(plan, ids, None)])
+        rows.append(plans.consume(rid, plan.layout_digest))
+    assert seen[0] < seen[1] == 0  # CUDA counts down: the cohort's is the higher priority
+    assert torch.equal(rows[0], rows[1])
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode):
     """Compiled, as the service runs it (padded to lane buckets under CUDA graphs, at its own

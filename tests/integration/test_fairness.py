@@ -160,6 +160,28 @@ async def test_a_request_that_fits_runs_beside_a_part_with_two_forward_threads()
     assert forward.forwards == [[("big", 0, 2)], [("small", 0, 1)], [("big", 2, 1)]]
 
 
+async def test_parts_run_through_the_background_forward_and_cohorts_through_the_other():
+    """The parts of a request over the token bound go to `forward_part` (on a GPU: a stream
+    of the lowest priority, `CohortForward.part`), the cohorts of requests that fit to
+    `forward`; neither sees the other's."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    cohorts, parts = Gated(), Gated()
+    cohorts.release.set()
+    parts.release.set()
+    with ThreadPoolExecutor(2) as pool:
+        batcher = ForwardBatcher(
+            cohorts, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32),
+            forward_part=parts,
+        )  # fmt: skip
+        async with batcher:
+            await asyncio.gather(
+                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3),
+                batcher.submit(register(plans, "small", (5,)), [[1] * 5]),
+            )
+    assert parts.forwards == [[("big", 0, 2)], [("big", 2, 1)]]
+    assert cohorts.forwards == [[("small", 0, 1)]]
+
+
 async def test_a_split_request_has_the_rows_of_each_lane_alone(serving_model):
     """Lanes of several widths captured a lane a forward (each over the 16-token bound
     but the shortest), and a lone lane over the bound: each lane's rows equal the same
