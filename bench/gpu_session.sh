@@ -32,6 +32,10 @@
 #                                         # 30 lanes, profiled, against plain matmuls: with
 #                                         # transformers' causal mask, then without
 #                                         # (--unmasked; about 6 minutes)
+#   bash bench/gpu_session.sh fairness [ARGS]  # the capture's stream priorities (GPU test),
+#                                         # then one client sending maximal requests beside
+#                                         # one sending small ones, compiled `default`, host
+#                                         # plane (about 4 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -66,7 +70,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout|prose-chain|prose-more)
@@ -187,6 +191,15 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward with transformers' mas
       --profile-lanes 30 --gemm-lanes 30 $flag "${@:2}" > "$OUT/forward-$run.log" 2>&1
     echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null
   done
+elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
+  timeout 60 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k priority \
+    > "$OUT/priority-test.log" 2>&1
+  echo "priority test rc=$?"; tail -3 "$OUT/priority-test.log"
+  timeout 230 python3 -m bench.load_gpu --out "$OUT/fair" --levels '' --depths 256 \
+    --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
+    --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
+    --budget-s 215 "${@:2}" > "$OUT/fair.log" 2>&1
+  echo "fairness rc=$?"; grep -A6 '^\*\*Fairness' "$OUT/fair/load.md"; grep -E '^p99|^Beside' "$OUT/fair/load.md"
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1
