@@ -36,6 +36,9 @@
 #                                         # then one client sending maximal requests beside
 #                                         # one sending small ones, compiled `default`, host
 #                                         # plane (about 4 minutes)
+#   bash bench/gpu_session.sh served-eval  # the shipped pair's held-out eval (30 a family)
+#                                         # on a masked eager capture, then on the rows the
+#                                         # compiled capture service gives (about 5 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -70,7 +73,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout|prose-chain|prose-more)
@@ -200,6 +203,13 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
     --budget-s 215 "${@:2}" > "$OUT/fair.log" 2>&1
   echo "fairness rc=$?"; grep -A6 '^\*\*Fairness' "$OUT/fair/load.md"; grep -E '^p99|^Beside' "$OUT/fair/load.md"
+elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
+  for mode in off default; do  # a masked eager capture, then the compiled unmasked one
+    timeout 240 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
+      --capture-compile $mode --json "$OUT/eval-$mode.json" --markdown "$OUT/eval-$mode.md" \
+      > "$OUT/eval-$mode.log" 2>&1
+    echo "eval capture-compile $mode rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-$mode.md" | head -8
+  done
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \
     > "$OUT/startup.log" 2>&1

@@ -118,6 +118,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         device=device_of(a.device),
         families=tuple(a.families.split(",")) if a.families else None,
         max_answer=a.max_answer,
+        capture_compile=a.capture_compile,
     )
     seconds = round(time.perf_counter() - t0, 1)
     for report, d in zip(reports, decoders, strict=True):
@@ -247,6 +248,12 @@ def add_parsers(sub) -> None:
     e.add_argument("--families", default="", help="comma-separated subset")
     e.add_argument("--device", default="auto", help="cuda, cpu, or auto")
     e.add_argument("--max-answer", type=int, default=None, help="teacher envelope override")
+    e.add_argument(
+        "--capture-compile",
+        default="off",
+        help="read the rows the compiled capture service gives (a torch.compile backend or "
+        "mode, e.g. `default` on a GPU: no mask, SDPA unmasked); `off`: a masked eager capture",
+    )
     e.add_argument("--json", help="write the JSON report here")
     e.add_argument("--plot", help="write the PNG plot here")
     e.add_argument("--markdown", help="write the markdown tables here")

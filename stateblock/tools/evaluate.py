@@ -1,7 +1,9 @@
 """The quality report: readout vs the base model's own AR answer, by depth bucket and family.
 
 Held-out prompts only (no prompt of the report was ever trained on). The teacher column is
-the base model's greedy AR answer, computed exactly as in distillation.
+the base model's greedy AR answer, computed exactly as in distillation. The readout reads the
+rows of a masked eager capture, or with `capture_compile` those the compiled capture service
+gives: the backbone compiled, SDPA without a mask, right-padded ids and no mask.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.capture import (
+    capture,
+    compile_backbone,
+    lm_head_weight,
+    use_unmasked_causal_attention,
+)
 from stateblock.model.checkpoint import load_decoder
 from stateblock.model.loading import load_base
 from stateblock.model.vocab import NO_EOS, distinct_n
@@ -46,8 +53,10 @@ def read_out(
     pad: int,
     device,
     budget: int = 16384,
+    masked: bool = True,
 ) -> list[tuple[list[int], int]]:
-    """(tokens[:depth], eos position) per prompt: one capture + one readout call per batch."""
+    """(tokens[:depth], eos position) per prompt: one capture + one readout call per batch;
+    without `masked` the capture gets no mask, as the service runs it (right padding)."""
     out: list[tuple[list[int], int]] = [([], NO_EOS)] * len(prompts)
     batches = budget_batches(depths, budget, max_batch=128)
     for batch in tqdm(batches, desc="readout", unit="batch", mininterval=5):
@@ -57,7 +66,7 @@ def read_out(
         for r, i in enumerate(batch):
             ids[r, : len(prompts[i])], mask[r, : len(prompts[i])] = torch.tensor(prompts[i]), 1
         ids, mask = ids.to(device), mask.to(device)
-        rows = capture(base, ids, mask)
+        rows = capture(base, ids, mask if masked else None)
         pos = torch.arange(d, device=device).expand(len(batch), -1)
         dep = torch.tensor([depths[i] for i in batch], device=device)
         res = decoder(rows, mask.sum(-1), pos, dep, lm_head)
@@ -160,6 +169,7 @@ def evaluate(
     device: str = "cpu",
     families: tuple[str, ...] | None = None,
     max_answer: int | None = None,
+    capture_compile: str = "off",
 ) -> dict:
     """The report of one decoder (`evaluate_many` of one)."""
     return evaluate_many(
@@ -170,6 +180,7 @@ def evaluate(
         device=device,
         families=families,
         max_answer=max_answer,
+        capture_compile=capture_compile,
     )[0]
 
 
@@ -182,10 +193,13 @@ def evaluate_many(
     device: str = "cpu",
     families: tuple[str, ...] | None = None,
     max_answer: int | None = None,
+    capture_compile: str = "off",
 ) -> list[dict]:
     """One report per decoder, all against one teacher pass on the same prompts: comparing
     decoder arms costs one teacher (most of an eval's time on the CPU) and not one each.
-    Every decoder is checked against the base before the teacher runs."""
+    Every decoder is checked against the base before the teacher runs. `capture_compile`
+    (a torch.compile backend or mode, or "off"): the readouts read the rows the compiled
+    capture service gives; the teacher stays the eager greedy answer."""
     if not decoder_dirs:
         raise ValueError("evaluate_many needs at least one decoder")
     base, tok = load_base(base_dir, device)
@@ -204,11 +218,16 @@ def evaluate_many(
         base, pairs, eos=tok.eos_token_id, pad=tok.pad_token_id, max_new=max_answer, device=device
     )
     depths = [min(8192, len(t) + 64) for t in teacher]
+    served = capture_compile != "off"
+    if served:  # after the teacher: its cached decoding stays eager
+        use_unmasked_causal_attention(base)
+        compile_backbone(base, capture_compile)
     reports = []
     for decoder, manifest in loaded:
         readouts = read_out(
-            base, decoder, lm_head, [p for p, _ in pairs], depths, tok.pad_token_id, device
-        )
+            base, decoder, lm_head, [p for p, _ in pairs], depths, tok.pad_token_id, device,
+            masked=not served,
+        )  # fmt: skip
         report = _report(examples, pairs, teacher, readouts, tok, names)
         report["settings"] = {
             "n_each": n_each,
@@ -216,6 +235,7 @@ def evaluate_many(
             "split": "heldout",
             "decoder_digest": manifest["decoder_digest"],
             "max_answer": max_answer,
+            "capture_compile": capture_compile,
         }
         reports.append(report)
     return reports

@@ -156,3 +156,19 @@ def test_several_decoders_share_one_teacher_pass(tmp_path, monkeypatch, capsys):
 def test_several_decoders_take_no_plot(tmp_path):
     argv = ["eval", "--decoder", str(REFERENCE_DECODER), "--decoder", str(REFERENCE_DECODER)]
     assert main([*argv, "--plot", str(tmp_path / "q.png"), "--device", "cpu"]) == 2
+
+
+def test_eval_reads_the_rows_the_compiled_capture_gives(tmp_path):
+    """`--capture-compile`: the readouts read the rows of the compiled backbone, unmasked, as
+    the capture service runs it on a GPU; on the CPU in float32 those are the eager rows, so
+    the report is the masked eager one's, and it says what it read."""
+    common = ["eval", "--base", str(REFERENCE_BASE), "--decoder", str(REFERENCE_DECODER)]
+    common += ["--n-each", "2", "--families", "copy,reverse", "--device", "cpu"]
+    common += ["--max-answer", "96"]
+    eager, compiled = tmp_path / "eager.json", tmp_path / "compiled.json"
+    assert main([*common, "--json", str(eager)]) == 0
+    assert main([*common, "--capture-compile", "aot_eager", "--json", str(compiled)]) == 0
+    a, b = json.loads(eager.read_text()), json.loads(compiled.read_text())
+    assert a["settings"]["capture_compile"] == "off"
+    assert b["settings"]["capture_compile"] == "aot_eager"
+    assert b["buckets"] == a["buckets"] and b["misses"] == a["misses"]
