@@ -400,7 +400,8 @@ CAPTURE_MIN_LANES = _setting(
     "at half that forward's cost, compiled size-oblivious so dynamo makes no graph of its "
     "own for one lane where the model allows (a model with grouped key/value heads still "
     "gets one, compiled by the warm-up). On a GPU, torch 2.11's inductor cannot compile the "
-    "size-oblivious graph (a `CantSplit` error at start-up; docs/BENCHMARKS.md): there, 2",
+    "size-oblivious graph (a `CantSplit` error at start-up; docs/BENCHMARKS.md), so keep 2 "
+    "there",
     (CAPTURE,), minimum=1, chart="capture.minLanes",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
