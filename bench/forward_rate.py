@@ -42,15 +42,21 @@ def matmul_params(model) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """`x` to `digits` significant figures: a rate of the tiny CPU scale (thousandths of a
+    TFLOP/s) keeps its digits where a fixed number of decimals would round it to zero."""
+    return float(f"{x:.{digits}g}")
+
+
 def rates(rows: list[dict], params: int, peak_tflops: float | None) -> list[dict]:
     """Each timing with its tokens, model TFLOP/s and (given a peak) its share of it."""
     out = []
     for r in rows:
         tokens = r["lanes"] * r["padded_width"]
         tflops = 2 * params * tokens / (r["median_ms"] / 1e3) / 1e12
-        row = {**r, "tokens": tokens, "tflops": round(tflops, 3)}
+        row = {**r, "tokens": tokens, "tflops": sig(tflops)}
         if peak_tflops:
-            row["of_peak"] = round(tflops / peak_tflops, 3)
+            row["of_peak"] = sig(tflops / peak_tflops, 3)
         out.append(row)
     return out
 
@@ -132,15 +138,15 @@ def gemm_rates(model, tokens: int, device: str, repeats: int, square: int = 8192
         tflops = gemm_tflops(dtype, tokens, k, n, device, repeats)
         flop = 2.0 * tokens * k * n
         s = flop / tflops / 1e12
-        shapes.append({"name": name, "m": tokens, "k": k, "n": n, "ms": round(s * 1e3, 3),
-                       "tflops": round(tflops, 3)})  # fmt: skip
+        shapes.append({"name": name, "m": tokens, "k": k, "n": n, "ms": sig(s * 1e3),
+                       "tflops": sig(tflops)})  # fmt: skip
         total_s, total_flop = total_s + s, total_flop + flop
     return {
         "tokens": tokens,
         "shapes": shapes,
-        "layer_tflops": round(total_flop / total_s / 1e12, 3),
+        "layer_tflops": sig(total_flop / total_s / 1e12),
         "square": square,
-        "square_tflops": round(gemm_tflops(dtype, square, square, square, device, repeats), 3),
+        "square_tflops": sig(gemm_tflops(dtype, square, square, square, device, repeats)),
     }
 
 
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             model, args.gemm_lanes * width, args.device, args.repeats, args.gemm_square
         )
         for r in doc["forwards"]:  # the forward against plain matmuls of its shapes, here
-            r["of_gemm"] = round(r["tflops"] / doc["gemm"]["layer_tflops"], 3)
+            r["of_gemm"] = sig(r["tflops"] / doc["gemm"]["layer_tflops"], 3)
     (out / "forward_rate.json").write_text(json.dumps(doc, indent=2))
     (out / "forward_rate.md").write_text(markdown(doc))
     print(markdown(doc))

@@ -51,6 +51,7 @@ from bench.models import SCALES, bench_prompt
 from bench.procs import ProcStack, ProcStackConfig
 from bench.report import Report
 from bench.stack import CompletionError, CompletionsClient
+from capture_svc.config import default_compile
 from stateblock.app.plan import IN_PROCESS, PROCESSES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--placement", choices=[PROCESSES, IN_PROCESS], default=PROCESSES,
                     help="a process per service, or one `stateblock up` (`local` rows)")  # fmt: skip
     ap.add_argument("--engine", default=None, help="readout engine (default: torch on CUDA)")
-    ap.add_argument("--capture-compile", default="off", help="the capture's torch.compile")
+    ap.add_argument("--capture-compile", default=None,
+                    help="the capture's torch.compile (default: the service's, `default` on "
+                         "a GPU and `off` on the CPU)")  # fmt: skip
     ap.add_argument("--env", action="append", default=[], metavar="STATEBLOCK_X=V", type=env_pair,
                     help="a setting for every service, e.g. STATEBLOCK_CAPTURE_COHORT_LANES=32")  # fmt: skip
     ap.add_argument("--blocks-storage", choices=["file", "memory"], default="file")
@@ -474,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     args.engine = args.engine or ("torch" if device.startswith("cuda") else "reference")
+    args.capture_compile = args.capture_compile or default_compile(device)
     args.prompt_len = args.prompt_len or SCALES[args.scale].prompt_len
     require_engine(args.engine)  # fail closed before minutes of model building
     quiet()

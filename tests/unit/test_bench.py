@@ -402,8 +402,12 @@ def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     assert "| 4 | 32 |" in (tmp_path / "forward_rate.md").read_text()
     assert all(r["of_gemm"] > 0 for r in doc["forwards"])
     (row,) = rates([{"lanes": 30, "padded_width": 512, "median_ms": 200.0}], 2_901_300_864, 755.0)
-    assert row["tflops"] == round(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, 3) == 445.64
-    assert row["of_peak"] == round(445.64 / 755.0, 3) == 0.59
+    # to four significant figures (three for the share): a tiny rate keeps its digits
+    assert row["tflops"] == pytest.approx(2 * 2_901_300_864 * 15_360 / 0.2 / 1e12, rel=1e-4)
+    assert row["tflops"] == 445.6 and row["of_peak"] == 0.59
+    (tiny,) = rates([{"lanes": 1, "padded_width": 32, "median_ms": 900.0}], 74_048, None)
+    assert tiny["tflops"] == pytest.approx(2 * 74_048 * 32 / 0.9 / 1e12, rel=1e-3)
+    assert tiny["tflops"] > 0  # 5.3e-6: three decimals would have made it 0
 
 
 def test_a_profiled_forward_splits_its_kernels_by_kind():
