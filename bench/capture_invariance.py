@@ -55,12 +55,13 @@ def compare(rows: dict[int, torch.Tensor], against: torch.Tensor) -> dict:
     }  # fmt: skip
 
 
-def run_mode(model, tok, prompts, lanes, width, device, mode: str, oblivious: bool) -> dict:
+def run_mode(model, tok, prompts, lanes, width, device, mode: str, oblivious: bool,
+             autotune: bool = False) -> dict:  # fmt: skip
     """Lane 0's rows at each lane count under one compile mode ("off": eager)."""
     n = len(tok(prompts[0])["input_ids"][:width])
     t0, graphs = time.perf_counter(), graphs_compiled()
     if mode != "off":
-        compile_backbone(model, mode, size_oblivious=oblivious)
+        compile_backbone(model, mode, size_oblivious=oblivious, deterministic=not autotune)
     rows = {}
     for k in lanes:
         ids = cohort(tok, prompts, k, width, device)
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unmasked", action="store_true",
                     help="attention without the causal mask a traced forward builds, as the "
                          "compiled capture service runs it")  # fmt: skip
+    ap.add_argument("--autotune", action="store_true",
+                    help="compile with inductor timing its kernels' configurations (the "
+                         "service compiles deterministically)")  # fmt: skip
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -100,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--unmasked: the bench model is not on transformers' SDPA attention")
     modes = args.modes.split(",")
     results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m,
-                            args.size_oblivious) for m in modes}  # fmt: skip
+                            args.size_oblivious, args.autotune) for m in modes}  # fmt: skip
     alone = results["off"]["rows"].get(1) if "off" in results else None
     report = {"scale": args.scale, "device": args.device, "width": args.width,
               "size_oblivious": args.size_oblivious, "unmasked": args.unmasked,
+              "autotune": args.autotune,
               "modes": {}}  # fmt: skip
     for mode, r in results.items():
         rows = r["rows"]

@@ -153,8 +153,9 @@ def gemm_rates(model, tokens: int, device: str, repeats: int, square: int = 8192
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [
-        f"### The base forward alone ({c['scale']}, {c['device_name']}, compile `{c['compile']}`, "
-        f"attention `{c.get('attention')}`)",
+        f"### The base forward alone ({c['scale']}, {c['device_name']}, compile `{c['compile']}`"
+        + (" autotuned" if c.get("autotune") else "")
+        + f", attention `{c.get('attention')}`)",
         f"{c['params']:,} matmul parameters (embedding and head left out); model FLOPs "
         "2 x those x lanes x width"
         + (f"; peak {c['peak_tflops']} TFLOP/s" if c["peak_tflops"] else ""),
@@ -206,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-square", type=int, default=8192, help="and one n^3 product")
     ap.add_argument("--unmasked", action="store_true",
                     help="SDPA without the causal mask transformers builds while compiling")  # fmt: skip
+    ap.add_argument("--autotune", action="store_true",
+                    help="let inductor time its kernels' configurations (the capture service "
+                         "compiles deterministically, without timing them)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compile != "off":
         from stateblock.model.capture import compile_backbone
 
-        compile_backbone(model, args.compile)
+        compile_backbone(model, args.compile, deterministic=not args.autotune)
     lanes = [int(x) for x in args.lanes.split(",") if x]
     timed = [time_prefill(model, args.width, args.device, args.repeats, n, lanes=n) for n in lanes]
     params = matmul_params(model)
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     doc = {
         "config": {
             "scale": args.scale, "width": args.width, "compile": args.compile,
+            "autotune": args.autotune,
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
             "attention": model.config._attn_implementation,
         },

@@ -28,10 +28,10 @@
 #                                         # GPU instead of taking turns) at 64 and 128; lane
 #                                         # 0's rows at 1-32 lanes (odd counts too), compiled
 #                                         # `default` (about 9 minutes; PARTS=plain: 4)
-#   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate, compiled `default`, 20 and
-#                                         # 30 lanes, profiled, against plain matmuls: with
-#                                         # transformers' causal mask, then without
-#                                         # (--unmasked; about 6 minutes)
+#   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate at 20 and 30 lanes,
+#                                         # profiled, against plain matmuls: compiled as the
+#                                         # capture serves it, then autotuned
+#                                         # (max-autotune-no-cudagraphs; about 8 minutes)
 #   bash bench/gpu_session.sh fairness [ARGS]  # the capture's stream priorities (GPU test),
 #                                         # then one client sending maximal requests beside
 #                                         # one sending small ones, compiled `default`, host
@@ -187,11 +187,14 @@ elif [ "$STAGE" = lanes-mps ]; then  # unpadded cohorts under load, then under M
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; trap - EXIT; sleep 2; }
   done
-elif [ "$STAGE" = forward ]; then  # the compiled forward with transformers' mask, then without
-  for run in masked unmasked; do
-    flag=$([ "$run" = unmasked ] && echo --unmasked)
-    timeout 200 python3 -m bench.forward_rate --out "$OUT/$run" --compile default --lanes 20,30 \
-      --profile-lanes 30 --gemm-lanes 30 $flag "${@:2}" > "$OUT/forward-$run.log" 2>&1
+elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotuned
+  # served: `default`, unmasked, deterministic kernels; autotuned: inductor's Triton matmul
+  # templates timed against cuBLAS, epilogues fused where they win (PARTS=served: one)
+  for run in ${PARTS:-served autotuned}; do
+    flags=(--compile default)
+    [ "$run" = autotuned ] && flags=(--compile max-autotune-no-cudagraphs --autotune)
+    timeout 280 python3 -m bench.forward_rate --out "$OUT/$run" "${flags[@]}" --unmasked \
+      --lanes 20,30 --profile-lanes 30 --gemm-lanes 30 "${@:2}" > "$OUT/forward-$run.log" 2>&1
     echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null
   done
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture

@@ -39,7 +39,11 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 def compile_backbone(
-    model: nn.Module, backend: str = "inductor", *, size_oblivious: bool = False
+    model: nn.Module,
+    backend: str = "inductor",
+    *,
+    size_oblivious: bool = False,
+    deterministic: bool = True,
 ) -> None:
     """Compile the backbone's forward in place (`torch.compile`, shapes symbolic).
 
@@ -60,7 +64,9 @@ def compile_backbone(
     runs the same symbolic graph as the rest (no second graph). It and the other settings
     the compile needs (`compile_settings`) are applied here and on every thread that runs
     the backbone through `capture` (a backbone already compiled with `backend` returns
-    early and keeps the settings it was compiled with).
+    early and keeps the settings it was compiled with). `deterministic=False` lets inductor
+    time its kernels' candidate configurations (autotuning): for benches that measure what
+    that would give; a service never passes it (`compile_settings`).
 
     Only `forward` is replaced: the capture hook lives on the module and runs in
     `Module.__call__`, outside the compiled region, so every capture still records through
@@ -70,7 +76,7 @@ def compile_backbone(
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
     bb._stateblock_size_oblivious = size_oblivious
-    bb._stateblock_settings = compile_settings(size_oblivious)
+    bb._stateblock_settings = compile_settings(size_oblivious, deterministic)
     apply_compile_settings(bb)
     eager = bb.forward
     if backend in COMPILE_MODES:
@@ -81,7 +87,9 @@ def compile_backbone(
     bb._stateblock_compiled = backend
 
 
-def compile_settings(size_oblivious: bool) -> tuple[tuple[object, str, object], ...]:
+def compile_settings(
+    size_oblivious: bool, deterministic: bool = True
+) -> tuple[tuple[object, str, object], ...]:
     """(config module, name, value) of each torch setting a compiled backbone needs."""
     import torch._dynamo
     import torch._inductor.config
@@ -102,7 +110,7 @@ def compile_settings(size_oblivious: bool) -> tuple[tuple[object, str, object], 
     # can round differently and a prompt's answer would depend on the replica that took it.
     # Deterministic mode picks every config without timing.
     if hasattr(torch._inductor.config, "deterministic"):
-        settings.append((torch._inductor.config, "deterministic", True))
+        settings.append((torch._inductor.config, "deterministic", deterministic))
     return tuple(settings)
 
 

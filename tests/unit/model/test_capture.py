@@ -216,3 +216,16 @@ def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
     other = LlamaForCausalLM(LlamaConfig(**config.to_dict(), attn_implementation="eager"))
     assert not use_unmasked_causal_attention(other)
     assert other.config._attn_implementation == "eager"
+
+
+def test_a_compiled_backbone_is_deterministic_unless_a_bench_asks_to_autotune():
+    """The service's compile picks kernel configurations without timing them (replicas then
+    agree); `deterministic=False`, for a bench measuring autotuning, leaves them timed."""
+    import torch._inductor.config as inductor
+
+    from stateblock.model.capture import compile_settings
+
+    if not hasattr(inductor, "deterministic"):
+        pytest.skip("this torch has no inductor deterministic mode")
+    assert (inductor, "deterministic", True) in compile_settings(size_oblivious=False)
+    assert (inductor, "deterministic", False) in compile_settings(False, deterministic=False)
