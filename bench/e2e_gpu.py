@@ -73,7 +73,8 @@ NOTES = [
 
 
 STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per request
-    ("capture", "stateblock_capture_stage_seconds", ("tokenize", "forward", "sign", "publish")),
+    ("capture", "stateblock_capture_stage_seconds",
+     ("tokenize", "forward", "reserve", "sign", "publish")),
     ("worker", "stateblock_readout_stage_seconds",
      ("verify", "claim", "readout", "digest", "digest_wait", "commit", "ack")),
 )  # fmt: skip

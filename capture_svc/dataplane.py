@@ -103,7 +103,11 @@ class DataPlane:
         """Sign and publish the block of `rows`; raises PublishError or SlotPoolFull."""
         s = self._sealer
         block_id, now = uuid7(), time.time()
-        held = await self._reserve(block_id, now + s.ttl_s, layout)
+        t_wait = time.perf_counter()
+        try:  # a full store waits, up to its bound
+            held = await self._reserve(block_id, now + s.ttl_s, layout)
+        finally:
+            stage.labels("reserve").observe(time.perf_counter() - t_wait)
         try:
             t0 = time.perf_counter()
             placed = await self._place(held, block_id, layout, rows)

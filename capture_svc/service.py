@@ -82,7 +82,9 @@ class CaptureMetrics:
         self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
             "Capture time by stage: tokenize, forward (queue + base forward + rows to host, "
-            "but for a local data plane's), sign (digest + signature), publish (JetStream ack).",
+            "but for a local data plane's), reserve (a place for the rows: a slot or region, "
+            "waited for while every one is held; none on the bus), sign (digest + signature), "
+            "publish (JetStream ack).",
             metrics,
         )
         self.cohort_lanes = Histogram(

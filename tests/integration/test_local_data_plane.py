@@ -10,6 +10,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -244,7 +245,8 @@ async def test_a_worker_that_dies_holding_a_slot_leaks_nothing(nc, engine, servi
 
 async def test_a_full_pool_fails_the_capture_with_nothing_published(nc, serving_model):
     """Every slot held: the capture waits its bound, then fails; no header went out and the
-    slots are as they were. A slot freed while it waits lets it through."""
+    slots are as they were. A slot freed while it waits lets it through, and the wait is
+    its `reserve` stage."""
     pool = SlotPool(1)
     holder = await place(pool, serving_model, *captured(serving_model, 7))
     js = nc.jetstream()
@@ -270,14 +272,19 @@ async def test_a_full_pool_fails_the_capture_with_nothing_published(nc, serving_
     delivered = await asyncio.wait_for(waiting, 10)
     assert pool.rows(0)[0] == delivered.block_id
     assert (await js.stream_info(streams.BLOCKS_STREAM)).state.messages == 1
+    assert stage.seen["reserve"][0] >= 0.2  # the failed one waited its bound
+    assert stage.seen["reserve"][1] >= 0.1  # and this one until the slot was freed
+    assert len(stage.seen["sign"]) == len(stage.seen["publish"]) == 1
 
 
 class _Stage:
-    def labels(self, _name):
-        return self
+    """The capture's stage histogram, keeping each stage's observations."""
 
-    def observe(self, _value) -> None:
-        pass
+    def __init__(self) -> None:
+        self.seen: dict[str, list[float]] = {}
+
+    def labels(self, name: str):
+        return SimpleNamespace(observe=self.seen.setdefault(name, []).append)
 
 
 async def test_the_local_plane_needs_its_pool_and_the_bus_none(nc, engine):
