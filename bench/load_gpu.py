@@ -47,6 +47,7 @@ import torch
 
 from bench import load_probes
 from bench.latency_cpu import pct
+from bench.machine import mps_daemon_running
 from bench.models import SCALES, bench_prompt
 from bench.procs import ProcStack, ProcStackConfig
 from bench.report import Report
@@ -483,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="stateblock-load-"))
-    config = dict(environment(args, device), stack=args.placement, model_name=MODEL_NAME)
+    config = dict(environment(args, device), stack=args.placement, model_name=MODEL_NAME,
+                  mps=mps_daemon_running())  # fmt: skip
     report = Report(args.out / "load.json", {"config": config, "load": {}, "skipped": []})
     try:
         run(args, device, report, work, t_start + args.budget_s)

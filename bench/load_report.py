@@ -155,6 +155,7 @@ def markdown(doc: dict) -> str:
         f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
         f"`{c['capture_compile']}`, {shape}, blocks storage "
         f"`{c['blocks_storage']}`, {c['level_s']} s a level"
+        + (", under CUDA MPS" if c.get("mps") else "")
         + "".join(f", `{name}={value}`" for name, value in c.get("env") or ()),
     ]
     for depth, entry in doc.get("load", {}).items():

@@ -3,13 +3,23 @@ bandwidth and the host CPU's costs on one block. Shared by gpu_smoke and e2e_gpu
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 D_BASE = 2688
 ITERS, WARMUP = 20, 3
+
+
+def mps_daemon_running() -> bool:
+    """Whether NVIDIA's MPS control daemon listens in its pipe directory (the one
+    CUDA_MPS_PIPE_DIRECTORY names, else its default): CUDA processes started now share the GPU
+    through it, their kernels side by side instead of in turns."""
+    pipes = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    return (pipes / "control").exists()
 
 
 def cuda_ms(fn, iters: int = ITERS, warmup: int = WARMUP) -> float:

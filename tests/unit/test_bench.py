@@ -172,6 +172,8 @@ def test_load_bench_tiny_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "load.json").read_text())
     assert doc["config"]["stack"] == "processes" and doc["skipped"] == []
+    # unset, the capture's compile is the service's on this device; no MPS daemon here
+    assert doc["config"]["capture_compile"] == "off" and doc["config"]["mps"] is False
     assert doc["setup"]["stack_start_s"] > 0
 
     depth = doc["load"]["16"]
@@ -428,3 +430,12 @@ def test_a_profiled_forward_splits_its_kernels_by_kind():
     assert split["kinds"]["matmul"] == {"ms": 8.0, "share": 0.8}
     assert list(split["kinds"]) == ["matmul", "fused (triton)", "attention"]
     assert [k["name"] for k in split["longest"]] == ["gemm_b", "gemm_a"]
+
+
+def test_an_mps_daemon_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
+    from bench.machine import mps_daemon_running
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_daemon_running()
+    (tmp_path / "control").touch()  # the daemon's named pipe, as `-d` leaves it
+    assert mps_daemon_running()
