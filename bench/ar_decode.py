@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 from bench.models import SCALES, build_llama, sync
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -162,6 +166,34 @@ def time_ar_batches(model: nn.Module, args, deadline: float | None, write) -> di
         warmup_s = result["warmup_s"]
         write({"batches": done})
     return {"batches": done}
+
+
+def batches_in_process(args, device: str, budget_s: float) -> dict:
+    """This module's --batches in its own process, for the load bench (`args`: its ar_*
+    options, scale, prompt_len, seed and out), killed past budget_s + 30 s."""
+    mode = args.ar_mode
+    if mode == "auto":
+        mode = "compiled" if device.startswith("cuda") else "eager"
+    out = {"mode": mode, "new_tokens": args.ar_new_tokens, "prompt_len": args.prompt_len}
+    if not args.ar_batches:
+        return dict(out, skipped="--ar-batches ''")
+    if budget_s < 20.0:
+        return dict(out, skipped=f"{budget_s:.0f} s left of the budget")
+    result, log = args.out / "ar_batches.json", args.out / "ar_batches.log"
+    cmd = [sys.executable, "-m", "bench.ar_decode", "--mode", mode, "--scale", args.scale,
+           "--device", device, "--prompt-len", str(args.prompt_len), "--new-tokens",
+           str(args.ar_new_tokens), "--repeats", str(args.ar_repeats), "--seed",
+           str(args.seed), "--batches", ",".join(map(str, args.ar_batches)), "--budget-s",
+           f"{budget_s:.1f}", "--out", str(result)]  # fmt: skip
+    with log.open("wb") as f:
+        try:
+            subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                           timeout=budget_s + 30.0)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            out["note"] = f"stopped at {budget_s + 30.0:.0f} s; the batches it finished count"
+    if not result.exists():
+        return dict(out, failed=log.read_text(errors="replace")[-1500:])
+    return dict(out, **json.loads(result.read_text()))
 
 
 def main() -> None:

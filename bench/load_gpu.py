@@ -36,8 +36,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -46,6 +44,7 @@ from pathlib import Path
 import torch
 
 from bench import load_probes
+from bench.ar_decode import batches_in_process
 from bench.latency_cpu import pct
 from bench.machine import mps_daemon_running
 from bench.models import SCALES, bench_prompt
@@ -55,7 +54,6 @@ from bench.stack import CompletionError, CompletionsClient
 from capture_svc.config import default_compile
 from stateblock.app.plan import IN_PROCESS, PROCESSES
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "stateblock-bench"
 
 
@@ -333,33 +331,6 @@ def run_depths(args, stack, url, gpu, report: Report, left, reserve: float) -> d
     return kept
 
 
-def measure_ar(args, device: str, budget_s: float) -> dict:
-    """bench.ar_decode --batches in its own process, killed past budget_s + 30 s."""
-    mode = args.ar_mode
-    if mode == "auto":
-        mode = "compiled" if device.startswith("cuda") else "eager"
-    out = {"mode": mode, "new_tokens": args.ar_new_tokens, "prompt_len": args.prompt_len}
-    if not args.ar_batches:
-        return dict(out, skipped="--ar-batches ''")
-    if budget_s < 20.0:
-        return dict(out, skipped=f"{budget_s:.0f} s left of the budget")
-    result, log = args.out / "ar_batches.json", args.out / "ar_batches.log"
-    cmd = [sys.executable, "-m", "bench.ar_decode", "--mode", mode, "--scale", args.scale,
-           "--device", device, "--prompt-len", str(args.prompt_len), "--new-tokens",
-           str(args.ar_new_tokens), "--repeats", str(args.ar_repeats), "--seed",
-           str(args.seed), "--batches", ",".join(map(str, args.ar_batches)), "--budget-s",
-           f"{budget_s:.1f}", "--out", str(result)]  # fmt: skip
-    with log.open("wb") as f:
-        try:
-            subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                           timeout=budget_s + 30.0)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            out["note"] = f"stopped at {budget_s + 30.0:.0f} s; the batches it finished count"
-    if not result.exists():
-        return dict(out, failed=log.read_text(errors="replace")[-1500:])
-    return dict(out, **json.loads(result.read_text()))
-
-
 def stall_level(args, paths, device, gpu, kept: dict, left) -> dict:
     """A second stack whose capture compiles on the request path; one level, compared with
     the first stack's references (the same weights, the capture uncompiled)."""
@@ -457,7 +428,7 @@ def run(args, device: str, report: Report, work: Path, deadline: float) -> None:
         finally:
             stack.stop()
         stall_s = args.level_s + 150.0 if args.stall_clients else 0.0
-        report.set("ar", measure_ar(args, device, left() - stall_s - 10.0))
+        report.set("ar", batches_in_process(args, device, left() - stall_s - 10.0))
         report.set("ratio", ratio(report.doc, args.ratio_clients))
         if args.stall_clients and left() > stall_s:
             report.set("stall", stall_level(args, paths, device, gpu, kept, left))
