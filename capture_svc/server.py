@@ -37,10 +37,9 @@ from stateblock import runtime
 from stateblock.model.arena import DeviceArena
 from stateblock.model.capture import (
     WARM_RUNS,
-    compile_backbone,
+    compile_as_served,
     compile_cache_counts,
     use_compile_cache,
-    use_unmasked_causal_attention,
 )
 from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
@@ -193,9 +192,7 @@ def _forward(
     if config.compile != "off":
         if config.compile_cache is not None:
             use_compile_cache(config.compile_cache)
-        # traced, transformers would build the causal mask the eager forward leaves out
-        use_unmasked_causal_attention(model.model)
-        compile_backbone(model.model, config.compile, size_oblivious=config.size_oblivious)
+        compile_as_served(model.model, config.compile, size_oblivious=config.size_oblivious)
     return CohortForward(
         model.model,
         plans,

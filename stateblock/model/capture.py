@@ -165,6 +165,14 @@ def use_unmasked_causal_attention(model: nn.Module) -> bool:
     return True
 
 
+def compile_as_served(model: nn.Module, backend: str, *, size_oblivious: bool = False) -> None:
+    """The backbone compiled as the capture service runs it: SDPA without the causal mask a
+    traced forward would build (`use_unmasked_causal_attention`), then `compile_backbone`.
+    The service and the quality report's served rows both go through here."""
+    use_unmasked_causal_attention(model)
+    compile_backbone(model, backend, size_oblivious=size_oblivious)
+
+
 def use_compile_cache(directory: Path) -> None:
     """Keep inductor's caches (compiled graphs, Triton kernels, autotuning results) in
     `directory`, made if missing, so a process that compiles the same model on the same

@@ -15,12 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from stateblock.model.capture import (
-    capture,
-    compile_backbone,
-    lm_head_weight,
-    use_unmasked_causal_attention,
-)
+from stateblock.model.capture import capture, compile_as_served, lm_head_weight
 from stateblock.model.checkpoint import load_decoder
 from stateblock.model.loading import load_base
 from stateblock.model.vocab import NO_EOS, distinct_n
@@ -220,8 +215,7 @@ def evaluate_many(
     depths = [min(8192, len(t) + 64) for t in teacher]
     served = capture_compile != "off"
     if served:  # after the teacher: its cached decoding stays eager
-        use_unmasked_causal_attention(base)
-        compile_backbone(base, capture_compile)
+        compile_as_served(base, capture_compile)
     reports = []
     for decoder, manifest in loaded:
         readouts = read_out(
