@@ -32,13 +32,14 @@
 #                                         # profiled, against plain matmuls: compiled as the
 #                                         # capture serves it, then autotuned
 #                                         # (max-autotune-no-cudagraphs; about 8 minutes)
-#   bash bench/gpu_session.sh fairness [ARGS]  # the capture's stream priorities (GPU test),
-#                                         # then one client sending maximal requests beside
+#   bash bench/gpu_session.sh fairness [ARGS]  # one client sending maximal requests beside
 #                                         # one sending small ones, compiled `default`, host
-#                                         # plane (about 4 minutes)
-#   bash bench/gpu_session.sh served-eval  # the shipped pair's held-out eval (30 a family)
-#                                         # on a masked eager capture, then on the rows the
-#                                         # compiled capture service gives (about 5 minutes)
+#                                         # plane, parts at the cohort bound, then of 8,192
+#                                         # tokens (PART_TOKENS="cohort 8192"; 2-4 minutes each)
+#   WHL=.whl-eval bash bench/gpu_session.sh served-eval  # the capture's stream priorities
+#       # (GPU test), the shipped pair's held-out eval (30 a family) on a masked eager
+#       # capture, then on the rows the compiled capture service gives; carry models/ and
+#       # .whl-eval (bench/prepare_wheels.sh: the wheels these import; 2 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -198,15 +199,21 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
     echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null
   done
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
+  # an arm per part bound (STATEBLOCK_CAPTURE_PART_TOKENS; "cohort": the cohort bound's)
+  for bound in ${PART_TOKENS:-cohort 8192}; do
+    part=(); [ "$bound" = cohort ] || part=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=$bound")
+    timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$bound" --levels '' --depths 256 \
+      --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
+      --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
+      "${part[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$bound.log" 2>&1
+    echo "fairness, parts of $bound tokens: rc=$?"
+    grep -A6 '^\*\*Fairness' "$OUT/fair-$bound/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$bound/load.md"
+  done
+elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
+  # the capture's stream priorities (GPU test; it loads the shipped base)
   timeout 60 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k priority \
     > "$OUT/priority-test.log" 2>&1
   echo "priority test rc=$?"; tail -3 "$OUT/priority-test.log"
-  timeout 230 python3 -m bench.load_gpu --out "$OUT/fair" --levels '' --depths 256 \
-    --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
-    --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
-    --budget-s 215 "${@:2}" > "$OUT/fair.log" 2>&1
-  echo "fairness rc=$?"; grep -A6 '^\*\*Fairness' "$OUT/fair/load.md"; grep -E '^p99|^Beside' "$OUT/fair/load.md"
-elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
   for mode in off default; do  # a masked eager capture, then the compiled unmasked one
     timeout 240 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
       --capture-compile $mode --json "$OUT/eval-$mode.json" --markdown "$OUT/eval-$mode.md" \

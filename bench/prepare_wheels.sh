@@ -59,3 +59,12 @@ echo "wheels in $dest:"
 ls -1 "$dest"
 du -ch "$dest"/*.whl | tail -1
 nice -n 19 .venv/bin/python -m bench.check_wheels --wheels "$dest" --dry-run
+
+# .whl-eval beside it (11 MB): what `stateblock eval` and the GPU tests import beyond the
+# image, for a call that carries models/ (36 MB) and so not the whole set (gpu_session.sh
+# served-eval, with WHL=.whl-eval)
+eval_names=(blake3 cryptography cffi pycparser protobuf prometheus_client structlog uvloop
+  typing_extensions pytest_asyncio)
+rm -rf .whl-eval && mkdir .whl-eval
+for name in "${eval_names[@]}"; do cp "$dest/$name"-*.whl .whl-eval/; done
+du -ch .whl-eval/*.whl | tail -1

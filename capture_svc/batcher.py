@@ -434,7 +434,7 @@ class ForwardBatcher:
                 part.future.set_result(None)
 
     def _split(self, pending: Pending) -> list[Pending]:
-        return pending.parts(self._cohort.lanes_at(pending.bucket))
+        return pending.parts(self._cohort.part_lanes_at(pending.bucket))
 
     async def _run_forward(self, cohort: list[Pending], *, part: bool = False) -> bool:
         """One forward on the executor (a part's through `forward_part`); False when it

@@ -40,11 +40,18 @@ class CohortLimits:
 
     lanes: int
     tokens: int
+    part_tokens: int | None = None  # one part's bound; None: `tokens`
 
     def lanes_at(self, width: int) -> int:
         """The most lanes a forward of this bucket width carries: one at least (a lane over
         the token bound runs alone)."""
         return min(self.lanes, max(1, self.tokens // width))
+
+    def part_lanes_at(self, width: int) -> int:
+        """The most lanes one part of a request over the token bound carries at this width:
+        one at least."""
+        tokens = self.tokens if self.part_tokens is None else self.part_tokens
+        return min(self.lanes, max(1, tokens // width))
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class CaptureConfig(BlocksServiceConfig):
     # fit: continuous batching sized by tokens, not only lanes
     cohort_lanes: int = declared(settings.CAPTURE_COHORT_LANES)
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
+    part_tokens: int | None = declared(settings.CAPTURE_PART_TOKENS)  # None: cohort_tokens
     # cohort forwards at once; None: 2 on a GPU, 1 on the CPU (forwards_in_flight)
     forwards: int | None = declared(settings.CAPTURE_FORWARDS)
     # compiled only: the shapes to warm up are these x the prompt-width buckets (the cohort's
@@ -122,7 +130,8 @@ class CaptureConfig(BlocksServiceConfig):
     @property
     def cohort(self) -> CohortLimits:
         """One forward's bounds; the lane bound never below a request's (max_lanes)."""
-        return CohortLimits(max(self.cohort_lanes, self.limits.max_lanes), self.cohort_tokens)
+        lanes = max(self.cohort_lanes, self.limits.max_lanes)
+        return CohortLimits(lanes, self.cohort_tokens, self.part_tokens)
 
     @property
     def replays_graphs(self) -> bool:

@@ -385,6 +385,15 @@ CAPTURE_COHORT_TOKENS = _setting(
     "forward as fit, one at least) beside the others' forwards", (CAPTURE,), minimum=1,
     chart="capture.cohortTokens",
 )  # fmt: skip
+CAPTURE_PART_TOKENS = _setting(
+    "CAPTURE_PART_TOKENS", int, None,
+    "padded prompt tokens one part of a request over `STATEBLOCK_CAPTURE_COHORT_TOKENS` "
+    "carries at most (as many lanes as fit, one at least). On a GPU a running kernel is not "
+    "preempted, whatever its stream's priority, so a small request's forward beside a part "
+    "waits for the part's kernels one by one: smaller parts, shorter waits. Compiled, a part "
+    "still runs `STATEBLOCK_CAPTURE_MIN_LANES` lanes at least (dummy ones added)",
+    (CAPTURE,), minimum=1, unset="`STATEBLOCK_CAPTURE_COHORT_TOKENS`",
+)  # fmt: skip
 CAPTURE_FORWARDS = _setting(
     "CAPTURE_FORWARDS", int, None,
     "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "

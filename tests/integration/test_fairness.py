@@ -182,6 +182,31 @@ async def test_parts_run_through_the_background_forward_and_cohorts_through_the_
     assert cohorts.forwards == [[("small", 0, 1)]]
 
 
+async def test_parts_carry_their_own_token_bound_and_cohorts_keep_theirs():
+    """`CohortLimits.part_tokens` (`STATEBLOCK_CAPTURE_PART_TOKENS`) sizes the parts of a
+    request over the cohort bound: with 16 tokens a part, 3 lanes x 16 go a lane a part
+    (the cohort bound, 32, would make parts of 2 and 1), and a request that fits the
+    cohort bound still goes whole."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    cohorts, parts = Gated(), Gated()
+    cohorts.release.set()
+    parts.release.set()
+    with ThreadPoolExecutor(2) as pool:
+        batcher = ForwardBatcher(
+            cohorts, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32, 16),
+            forward_part=parts,
+        )  # fmt: skip
+        async with batcher:
+            await asyncio.gather(
+                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3),
+                batcher.submit(register(plans, "fits", (9, 9)), [[1] * 9] * 2),
+            )
+    assert parts.forwards == [[("big", 0, 1)], [("big", 1, 1)], [("big", 2, 1)]]
+    assert cohorts.forwards == [[("fits", 0, 2)]]
+    assert [CohortLimits(8, 32, 16).part_lanes_at(w) for w in (8, 16, 32)] == [2, 1, 1]
+    assert CohortLimits(8, 32).part_lanes_at(16) == CohortLimits(8, 32).lanes_at(16) == 2
+
+
 async def test_a_split_request_has_the_rows_of_each_lane_alone(serving_model):
     """Lanes of several widths captured a lane a forward (each over the 16-token bound
     but the shortest), and a lone lane over the bound: each lane's rows equal the same
