@@ -289,6 +289,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
         scale = replace(scale, tune_prompts=a.tune_prompts)
     if a.tune_minutes:
         scale = replace(scale, tune=replace(scale.tune, max_minutes=a.tune_minutes))
+    if a.tune_steps:
+        scale = replace(scale, tune=replace(scale.tune, steps=a.tune_steps))
     if a.distill_minutes:
         scale = replace(scale, distill=replace(scale.distill, max_minutes=a.distill_minutes))
     if a.distill_init:
@@ -349,6 +351,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--task-workers", type=int, default=1,
         help="processes making the tasks (more than one: generate_sharded's prompts)")  # fmt: skip
     add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
+    add("--tune-steps", type=int, default=0,
+        help="tuning's steps at most (0: the scale's; the minutes may stop it sooner)")  # fmt: skip
     add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
     add("--distill-init", default="",
         help="a finished decoder of this pair to go on training (another call's)")  # fmt: skip

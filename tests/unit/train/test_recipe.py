@@ -120,6 +120,8 @@ def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
                 "50000",
                 "--tune-minutes",
                 "2",
+                "--tune-steps",
+                "6000",
                 "--distill-minutes",
                 "4",
                 "--distill-lr",
@@ -129,6 +131,7 @@ def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
     )
     assert (arm.train_prompts, arm.tune.max_minutes, arm.distill.max_minutes) == (50000, 2.0, 4.0)
     assert arm.distill.lr == 3e-4 and bench.distill.lr != 3e-4
+    assert arm.tune == replace(bench.tune, max_minutes=2.0, steps=6000)
     assert replace(arm.distill, max_minutes=bench.distill.max_minutes, lr=bench.distill.lr) == (
         bench.distill
     )
