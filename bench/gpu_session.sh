@@ -28,6 +28,9 @@
 #                                         # GPU instead of taking turns) at 64 and 128; lane
 #                                         # 0's rows at 1-32 lanes (odd counts too), compiled
 #                                         # `default` (about 9 minutes; PARTS=plain: 4)
+#   bash bench/gpu_session.sh lone [ARGS]  # a request alone as one lane (MIN_LANES=1): lane
+#                                         # 0's rows at 1-32 lanes compiled with the lane
+#                                         # count unbacked, then 1 and 64 clients (8 minutes)
 #   bash bench/gpu_session.sh forward [ARGS]  # bench.forward_rate at 20 and 30 lanes,
 #                                         # profiled, against plain matmuls: compiled as the
 #                                         # capture serves it, then autotuned
@@ -74,7 +77,7 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, lone, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
   prose-readout|prose-chain|prose-more)
@@ -161,8 +164,7 @@ elif [ "$STAGE" = compiled ]; then  # a cold start, load with AR at 64, two capt
   tar czf "$OUT/compiled.tgz" -C "$OUT" one two $( [ -d "$OUT/rate" ] && echo rate ) &&
     rm -r "$OUT/one" "$OUT/two" "$OUT/rate" 2>/dev/null
 elif [ "$STAGE" = lanes-mps ]; then  # unpadded cohorts under load, then under MPS; invariance
-  # MIN_LANES stays 2: size-oblivious lanes (MIN_LANES=1) stop torch 2.11's inductor on the
-  # GPU (CantSplit: 2688*s27 not divisible by s27*s52; docs/BENCHMARKS.md)
+  # MIN_LANES stays 2 here: one lane alone (MIN_LANES=1) is the `lone` stage's
   flags=(--depths 256 --prompts 32 --ar-batches '' --ar-reserve-s 0 --capture-compile default
     --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_PROMPT_LEN_MAX=512
     --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32)
@@ -188,6 +190,19 @@ elif [ "$STAGE" = lanes-mps ]; then  # unpadded cohorts under load, then under M
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" "load-$name.log" && rm -r "$OUT/$name" "$OUT/load-$name.log"
     [ "$mps" = 1 ] && { echo quit | nvidia-cuda-mps-control; trap - EXIT; sleep 2; }
   done
+elif [ "$STAGE" = lone ]; then  # a request alone as one lane (STATEBLOCK_CAPTURE_MIN_LANES=1)
+  # lane 0's rows at 1-32 lanes through the unbacked-lane graph, then the stack at 1 and 64
+  # clients (torch 2.11 stopped the earlier size-oblivious graph: CantSplit, BENCHMARKS.md)
+  timeout 170 python3 -m bench.capture_invariance --out "$OUT/invariance-lone.json" --modes \
+    off,default --unmasked --size-oblivious --lanes 1,2,3,5,8,13,19,27,32 \
+    > "$OUT/invariance-lone.log" 2>&1
+  echo "invariance, size-oblivious: rc=$?"; tail -c 1500 "$OUT/invariance-lone.log"
+  timeout 300 python3 -m bench.load_gpu --out "$OUT/lone" --depths 256 --prompts 32 \
+    --ar-batches '' --ar-reserve-s 0 --capture-compile default --env STATEBLOCK_DATA_PLANE=host \
+    --env STATEBLOCK_PROMPT_LEN_MAX=512 --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
+    --env STATEBLOCK_CAPTURE_MIN_LANES=1 --levels 1,64 --budget-s 285 "${@:2}" \
+    > "$OUT/load-lone.log" 2>&1
+  echo "load, one lane alone: rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/lone/load.md"
 elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotuned
   # served: `default`, unmasked, deterministic kernels; autotuned: inductor's Triton matmul
   # templates timed against cuBLAS, epilogues fused where they win (PARTS=served: one)

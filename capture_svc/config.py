@@ -18,7 +18,7 @@ declared = settings.fields_for(settings.CAPTURE)
 # graph of its own (it specializes sizes of 1), whose kernels may round otherwise than the
 # symbolic-lanes graph every larger cohort runs, so a request alone would get other rows than
 # in company. A lone lane runs with a dummy lane beside it, through the graph its company
-# would use (STATEBLOCK_CAPTURE_MIN_LANES=1 compiles size-oblivious instead).
+# would use (STATEBLOCK_CAPTURE_MIN_LANES=1 compiles the lane count unbacked instead).
 MIN_COMPILED_LANES = settings.CAPTURE_MIN_LANES.default
 # inductor's modes whose compiled forward replays CUDA graphs (a graph is its recording
 # thread's, so such a forward runs on one thread)

@@ -406,11 +406,10 @@ CAPTURE_MIN_LANES = _setting(
     "CAPTURE_MIN_LANES", int, 2,
     "compiled only: the fewest lanes a cohort forward runs, a lone request padded with dummy "
     "lanes up to it. 2 runs a request alone through the graph its company runs; 1 runs it "
-    "at half that forward's cost, compiled size-oblivious so dynamo makes no graph of its "
-    "own for one lane where the model allows (a model with grouped key/value heads still "
-    "gets one, compiled by the warm-up). On a GPU, torch 2.11's inductor cannot compile the "
-    "size-oblivious graph (a `CantSplit` error at start-up; docs/BENCHMARKS.md), so keep 2 "
-    "there",
+    "at half that forward's cost through that same graph, compiled with the lane count "
+    "unbacked (no graph of its own for one lane). Measured on the CPU only: on a GPU, "
+    "torch 2.11's inductor could not compile the earlier size-oblivious graph (docs/"
+    "BENCHMARKS.md), and this one is not yet measured there",
     (CAPTURE,), minimum=1, chart="capture.minLanes",
 )  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -60,11 +61,15 @@ def compile_backbone(
     still records one CUDA graph per concrete (lanes, width) shape on that shape's first
     calls: `warm_up` makes them all before a request arrives.
 
-    `size_oblivious`: dynamo reasons about every size without a case for 1, so one lane
-    runs the same symbolic graph as the rest (no second graph). It and the other settings
-    the compile needs (`compile_settings`) are applied here and on every thread that runs
-    the backbone through `capture` (a backbone already compiled with `backend` returns
-    early and keeps the settings it was compiled with). `deterministic=False` lets inductor
+    `size_oblivious`: one lane runs the same symbolic graph as the rest (no second graph).
+    The lane count is marked unbacked on every call (dynamo then has no value to specialize
+    1 on) and the positions are made inside the compiled region, where transformers'
+    batch-size check compares the lane count with itself. torch's own switch for this
+    (`backed_size_oblivious`) still guards lanes >= 2 on the GPU image's torch 2.11, and its
+    graph stopped inductor's Triton generator there (docs/BENCHMARKS.md). The settings the
+    compile needs (`compile_settings`) are applied here and on every thread that runs the
+    backbone through `capture` (a backbone already compiled with `backend` returns early
+    and keeps the settings it was compiled with). `deterministic=False` lets inductor
     time its kernels' candidate configurations (autotuning): for benches that measure what
     that would give; a service never passes it (`compile_settings`).
 
@@ -76,28 +81,51 @@ def compile_backbone(
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
     bb._stateblock_size_oblivious = size_oblivious
-    bb._stateblock_settings = compile_settings(size_oblivious, deterministic)
+    bb._stateblock_settings = compile_settings(deterministic)
     apply_compile_settings(bb)
     eager = bb.forward
+    target = _positioned(eager) if size_oblivious else eager
     if backend in COMPILE_MODES:
-        bb.forward = torch.compile(eager, mode=backend, dynamic=True)
+        compiled = torch.compile(target, mode=backend, dynamic=True)
     else:
-        bb.forward = torch.compile(eager, backend=backend, dynamic=True)
+        compiled = torch.compile(target, backend=backend, dynamic=True)
+    bb.forward = _unbacked_lanes(compiled) if size_oblivious else compiled
     bb._stateblock_eager_forward = eager
     bb._stateblock_compiled = backend
 
 
-def compile_settings(
-    size_oblivious: bool, deterministic: bool = True
-) -> tuple[tuple[object, str, object], ...]:
+def _positioned(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The backbone's forward with each lane's positions 0..P-1 made inside it: given none,
+    transformers broadcasts (1, P) ones and branches on B != 1; given them from outside,
+    it compares their lane count with the ids' (two unbacked sizes it cannot prove equal)."""
+
+    def run(input_ids: Tensor, **kwargs: Any) -> Any:
+        b, p = input_ids.shape
+        kwargs["position_ids"] = torch.arange(p, device=input_ids.device).expand(b, p)
+        return forward(input_ids=input_ids, **kwargs)
+
+    return run
+
+
+def _unbacked_lanes(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` called with the ids' lane dimension marked unbacked: no graph of its own
+    for one lane."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    def run(input_ids: Tensor, **kwargs: Any) -> Any:
+        mark_unbacked(input_ids, 0)
+        return compiled(input_ids, **kwargs)
+
+    return run
+
+
+def compile_settings(deterministic: bool = True) -> tuple[tuple[object, str, object], ...]:
     """(config module, name, value) of each torch setting a compiled backbone needs."""
     import torch._dynamo
     import torch._inductor.config
-    import torch.fx.experimental._config as fx_config
 
     dynamo = torch._dynamo.config
     settings: list[tuple[object, str, object]] = [
-        (fx_config, "backed_size_oblivious", size_oblivious),
         # one CUDA graph per bucketed shape is the design, not a symptom to warn about
         (torch._inductor.config.triton, "cudagraph_dynamic_shape_warn_limit", None),
     ]
@@ -280,27 +308,15 @@ def capture(
 
     bb = backbone(model)
     apply_compile_settings(bb)
-    extra = {}
-    if getattr(bb, "_stateblock_size_oblivious", False):
-        # positions (B, P) of their own: given none, transformers broadcasts (1, P) ones and
-        # branches on B != 1, which would make one lane a graph of its own
-        extra["position_ids"] = positions(input_ids)
     handle = bb.register_forward_hook(hook)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-              logits_to_keep=1, **extra)  # fmt: skip
+              logits_to_keep=1)  # fmt: skip
     finally:
         handle.remove()
     if len(sink) != 1:
         raise RuntimeError(f"capture hook fired {len(sink)} times for one forward")
     return sink[0]
-
-
-def positions(input_ids: Tensor) -> Tensor:
-    """(B, P) positions 0..P-1 of each lane, contiguous (not a view: dynamo guards a view's
-    base sizes)."""
-    b, p = input_ids.shape
-    return torch.arange(p, device=input_ids.device).expand(b, p).contiguous()
 
 
 def pad_lanes(rows: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -169,8 +169,8 @@ def test_a_lone_lane_runs_the_cohorts_graph_only_when_compiled_size_oblivious(
 ):
     """Dynamo specializes a lane count of one into a graph of its own, whose kernels may
     round otherwise (so by default a lone lane runs beside a dummy one); compiled
-    size-oblivious, lanes 4, 2 and 1 all run the one symbolic graph."""
-    import torch.fx.experimental._config as fx_config
+    size-oblivious (the lane count unbacked), lanes 4, 2 and 1 all run the one symbolic
+    graph and give a lane the same rows."""
     from torch._dynamo.utils import counters
 
     model, tok = load_base(REFERENCE_BASE)
@@ -183,7 +183,28 @@ def test_a_lone_lane_runs_the_cohorts_graph_only_when_compiled_size_oblivious(
         assert torch.equal(rows[1], rows[4]) and torch.equal(rows[2], rows[4])
     finally:
         uncompile_backbone(model)
-        fx_config.backed_size_oblivious = False
+
+
+def test_a_lone_lane_runs_the_cohorts_graph_with_grouped_key_value_heads_too():
+    """The bench's Llama shape (21 query heads over 3 key/value heads), compiled
+    size-oblivious: lanes 3, 1 and 2 run one graph (the lane count is unbacked, so no
+    stride rule of the grouped heads guards it) and give a lane the same rows."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=84, num_hidden_layers=2,
+                         num_attention_heads=21, num_key_value_heads=3, intermediate_size=160)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(4, 96, (3, 40))
+    compile_backbone(model, "aot_eager", size_oblivious=True)
+    try:
+        counters.clear()
+        rows = {lanes: capture(model, ids[:lanes].clone())[0] for lanes in (3, 1, 2)}
+        assert counters["stats"]["unique_graphs"] == 1
+        assert torch.equal(rows[1], rows[3]) and torch.equal(rows[2], rows[3])
+    finally:
+        uncompile_backbone(model)
 
 
 def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
@@ -227,5 +248,5 @@ def test_a_compiled_backbone_is_deterministic_unless_a_bench_asks_to_autotune():
 
     if not hasattr(inductor, "deterministic"):
         pytest.skip("this torch has no inductor deterministic mode")
-    assert (inductor, "deterministic", True) in compile_settings(size_oblivious=False)
-    assert (inductor, "deterministic", False) in compile_settings(False, deterministic=False)
+    assert (inductor, "deterministic", True) in compile_settings()
+    assert (inductor, "deterministic", False) in compile_settings(deterministic=False)
