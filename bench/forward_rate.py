@@ -21,7 +21,12 @@ against on this machine (the 755 TFLOP/s a flag can give is the smoke bench's, o
 
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
         [--compile off|default|reduce-overhead] [--profile-lanes 30] [--gemm-lanes 30] \\
-        [--unmasked] [--scale full] [--device cuda]
+        [--unmasked] [--sdpa-backend cudnn|efficient|flash|math] [--scale full] \\
+        [--device cuda]
+
+--sdpa-backend pins the attention's kernel family: which one is fastest for the base's
+grouped key/value heads, and whether the kernel before it (the rotary embedding, and the
+keys and values repeated for each query head where the kernel cannot group them) shrinks.
 """
 
 from __future__ import annotations
@@ -189,6 +194,28 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# each SDPA kernel family and the switch that lets SDPA use it (process-wide)
+SDPA_BACKENDS = {
+    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    "flash": torch.backends.cuda.enable_flash_sdp,
+    "math": torch.backends.cuda.enable_math_sdp,
+}
+
+
+def only_sdpa_backend(name: str) -> None:
+    """Let SDPA use only `name`'s kernels, process-wide, and compile into a fresh cache: the
+    kernel is picked when a graph is traced, and a graph cached by an earlier process (the
+    compile cache outlives it) would keep the kernel it was traced with."""
+    import tempfile
+
+    from stateblock.model.capture import use_compile_cache
+
+    for backend, enable in SDPA_BACKENDS.items():
+        enable(backend == name)
+    use_compile_cache(Path(tempfile.mkdtemp(prefix="forward-rate-cache-")))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for forward_rate.json/.md")
@@ -210,10 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--autotune", action="store_true",
                     help="let inductor time its kernels' configurations (the capture service "
                          "compiles deterministically, without timing them)")  # fmt: skip
+    ap.add_argument("--sdpa-backend", choices=sorted(SDPA_BACKENDS), default=None,
+                    help="the one SDPA kernel family the forward may use (default: torch's "
+                         "choice), compiled into a fresh compile cache")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.sdpa_backend:
+        only_sdpa_backend(args.sdpa_backend)
     model = build_llama(SCALES[args.scale], args.device)
     if args.unmasked:
         from stateblock.model.capture import use_unmasked_causal_attention
@@ -233,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             "autotune": args.autotune,
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
             "attention": model.config._attn_implementation,
+            "sdpa_backend": args.sdpa_backend or "torch's choice",
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip

@@ -205,10 +205,15 @@ elif [ "$STAGE" = lone ]; then  # a request alone as one lane (STATEBLOCK_CAPTUR
   echo "load, one lane alone: rc=$?"; grep -E '^\| [0-9]+ \||^Saturation|^setup' "$OUT/lone/load.md"
 elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotuned
   # served: `default`, unmasked, deterministic kernels; autotuned: inductor's Triton matmul
-  # templates timed against cuBLAS, epilogues fused where they win (PARTS=served: one)
+  # templates timed against cuBLAS, epilogues fused where they win
+  # (PARTS=served: one); cudnn, efficient, flash: as served with SDPA pinned to that
+  # kernel family, compiled afresh (PARTS="served flash efficient")
   for run in ${PARTS:-served autotuned}; do
     flags=(--compile default)
-    [ "$run" = autotuned ] && flags=(--compile max-autotune-no-cudagraphs --autotune)
+    case "$run" in
+      autotuned) flags=(--compile max-autotune-no-cudagraphs --autotune) ;;
+      cudnn|efficient|flash) flags=(--compile default --sdpa-backend "$run") ;;
+    esac
     timeout 280 python3 -m bench.forward_rate --out "$OUT/$run" "${flags[@]}" --unmasked \
       --lanes 20,30 --profile-lanes 30 --gemm-lanes 30 "${@:2}" > "$OUT/forward-$run.log" 2>&1
     echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null

@@ -80,7 +80,6 @@ def compile_backbone(
     bb = backbone(model)
     if getattr(bb, "_stateblock_compiled", None) == backend:
         return
-    bb._stateblock_size_oblivious = size_oblivious
     bb._stateblock_settings = compile_settings(deterministic)
     apply_compile_settings(bb)
     eager = bb.forward
@@ -271,7 +270,7 @@ def uncompile_backbone(model: nn.Module) -> None:
     if eager is None:
         return
     bb.forward = eager
-    del bb._stateblock_compiled, bb._stateblock_size_oblivious, bb._stateblock_settings
+    del bb._stateblock_compiled, bb._stateblock_settings
     torch._dynamo.reset()
 
 

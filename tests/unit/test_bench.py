@@ -380,6 +380,34 @@ def test_a_profile_is_read_as_threads_and_top_frames(tmp_path):
     assert profiles.finish() == {"skipped": "py-spy is not on the PATH"}
 
 
+def test_forward_rate_pins_one_sdpa_kernel_family_and_compiles_it_afresh(tmp_path, monkeypatch):
+    """--sdpa-backend lets SDPA use that family alone and points the compile cache at a
+    fresh directory (a cached graph would keep the kernel it was traced with); the flags
+    are the process's, so they are put back here."""
+    import os
+
+    import torch
+
+    from bench.forward_rate import SDPA_BACKENDS, main
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+              cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())  # fmt: skip
+    try:
+        main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--lanes", "2",
+              "--width", "16", "--repeats", "1", "--sdpa-backend", "math"])  # fmt: skip
+        now = (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+               cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())  # fmt: skip
+        assert now == (False, False, False, True)
+        assert "forward-rate-cache-" in os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    finally:
+        for enable, on in zip(SDPA_BACKENDS.values(), before, strict=True):
+            enable(on)
+    doc = json.loads((tmp_path / "forward_rate.json").read_text())
+    assert doc["config"]["sdpa_backend"] == "math" and doc["forwards"][0]["median_ms"] > 0
+
+
 def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     """The base forward alone at each lane count (tiny scale, CPU), and the rate arithmetic:
     2 x parameters x lanes x width over the forward's time."""
