@@ -37,8 +37,9 @@
 #                                         # (max-autotune-no-cudagraphs; about 8 minutes)
 #   bash bench/gpu_session.sh fairness [ARGS]  # one client sending maximal requests beside
 #                                         # one sending small ones, compiled `default`, host
-#                                         # plane, parts at the cohort bound, then of 8,192
-#                                         # tokens (PART_TOKENS="cohort 8192"; 2-4 minutes each)
+#                                         # plane: parts at the cohort bound, of 8,192 tokens,
+#                                         # on 66 SMs (ARMS="cohort tokens8192 sms66"; 2-4
+#                                         # minutes each)
 #   WHL=.whl-eval bash bench/gpu_session.sh served-eval  # the capture's stream priorities
 #       # (GPU test), the shipped pair's held-out eval (30 a family) on a masked eager
 #       # capture, then on the rows the compiled capture service gives; carry models/ and
@@ -219,19 +220,25 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
     echo "forward $run rc=$?"; cat "$OUT/$run/forward_rate.md" 2>/dev/null
   done
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
-  # an arm per part bound (STATEBLOCK_CAPTURE_PART_TOKENS; "cohort": the cohort bound's)
-  for bound in ${PART_TOKENS:-cohort 8192}; do
-    part=(); [ "$bound" = cohort ] || part=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=$bound")
-    timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$bound" --levels '' --depths 256 \
+  # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
+  # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs)
+  for arm in ${ARMS:-cohort tokens8192 sms66}; do
+    env=()
+    case "$arm" in
+      tokens*) env=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${arm#tokens}") ;;
+      sms*) env=(--env "STATEBLOCK_CAPTURE_PART_SMS=${arm#sms}") ;;
+    esac
+    timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$arm" --levels '' --depths 256 \
       --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
       --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
-      "${part[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$bound.log" 2>&1
-    echo "fairness, parts of $bound tokens: rc=$?"
-    grep -A6 '^\*\*Fairness' "$OUT/fair-$bound/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$bound/load.md"
+      "${env[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$arm.log" 2>&1
+    echo "fairness, $arm: rc=$?"
+    grep -A6 '^\*\*Fairness' "$OUT/fair-$arm/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$arm/load.md"
   done
 elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
-  # the capture's stream priorities (GPU test; it loads the shipped base)
-  timeout 60 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k priority \
+  # the capture's stream priorities and a part's green context (GPU tests; they load the
+  # shipped base)
+  timeout 90 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k "priority or green" \
     > "$OUT/priority-test.log" 2>&1
   echo "priority test rc=$?"; tail -3 "$OUT/priority-test.log"
   for mode in off default; do  # a masked eager capture, then the compiled unmasked one

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 import torch
@@ -147,6 +148,7 @@ class CohortForward:
         min_lanes: int = 1,
         thread_streams: bool = False,
         on_compile: Callable[[], object] | None = None,
+        part_sms: int | None = None,
     ) -> None:
         self._model = model
         self._plans = plans
@@ -160,6 +162,9 @@ class CohortForward:
         # a part's stream is of the lowest priority, a cohort's of the highest.
         on_cuda = thread_streams and self._device.type == "cuda"
         self._streams = threading.local() if on_cuda else None
+        # a part's kernels on this many SMs only (a green context), the rest the cohorts'
+        self._part_sms = part_sms if on_cuda else None
+        self._green: Any = None
         # compiled: graphs compiled so far, counted from the warm-up's end; a forward after it
         # that compiles (a shape the warm-up missed, a guard it broke) is reported
         self._on_compile = on_compile
@@ -243,10 +248,29 @@ class CohortForward:
             setattr(self._streams, name, stream)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), self._part_context(background):
                 yield
         finally:
             stream.synchronize()
+
+    @contextmanager
+    def _part_context(self, background: bool) -> Iterator[None]:
+        """A part's forward inside the green context of `part_sms` SMs (made on the first
+        part): its kernels go on the context's stream, after what the current stream holds,
+        and the current stream waits for them on the way out. Otherwise nothing."""
+        if not background or self._part_sms is None:
+            yield
+            return
+        if self._green is None:  # parts run on one thread: no race to make it
+            from torch.cuda.green_contexts import GreenContext
+
+            index = self._device.index if self._device.index is not None else 0
+            self._green = GreenContext.create(num_sms=self._part_sms, device_id=index)
+        self._green.set_context()
+        try:
+            yield
+        finally:
+            self._green.pop_context()
 
 
 def stream_priority(background: bool) -> int:

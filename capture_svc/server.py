@@ -201,6 +201,7 @@ def _forward(
         lane_buckets=config.cohort_lane_buckets,
         min_lanes=config.cohort_min_lanes,
         thread_streams=not config.replays_graphs,  # a stream for each forward thread
+        part_sms=config.part_sms,
         on_compile=None if config.compile == "off" else metrics.compiled_after_warmup.inc,
     )
 

@@ -394,6 +394,14 @@ CAPTURE_PART_TOKENS = _setting(
     "still runs `STATEBLOCK_CAPTURE_MIN_LANES` lanes at least (dummy ones added)",
     (CAPTURE,), minimum=1, unset="`STATEBLOCK_CAPTURE_COHORT_TOKENS`",
 )  # fmt: skip
+CAPTURE_PART_SMS = _setting(
+    "CAPTURE_PART_SMS", int, None,
+    "on a GPU, the streaming multiprocessors a part of a request over "
+    "`STATEBLOCK_CAPTURE_COHORT_TOKENS` runs on: a CUDA green context of that many, so a "
+    "part's kernels never hold the SMs the cohorts' need (a stream priority only orders "
+    "kernels not yet placed). Needs a torch built with green contexts; ignored off a GPU",
+    (CAPTURE,), minimum=1, unset="every SM, as the cohorts",
+)  # fmt: skip
 CAPTURE_FORWARDS = _setting(
     "CAPTURE_FORWARDS", int, None,
     "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "

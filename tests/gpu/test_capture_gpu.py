@@ -81,6 +81,41 @@ def test_a_part_runs_on_a_low_priority_stream_and_a_cohort_on_a_high_one():
     assert torch.equal(rows[0], rows[1])
 
 
+def test_a_part_in_a_green_context_runs_on_its_stream_and_keeps_the_rows():
+    """`part_sms` (`STATEBLOCK_CAPTURE_PART_SMS`): a part's kernels go on the stream of a
+    green context of that many SMs, a cohort's on its own stream, and the rows are the
+    same bit for bit either way (so a lane's rows do not depend on which ran it)."""
+    from torch.cuda import green_contexts
+
+    from stateblock.model.capture import backbone
+    from stateblock.model.loading import load_base
+
+    if not green_contexts.SUPPORTED:
+        pytest.skip("this torch has no CUDA green contexts")
+    model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=60)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    forward = CohortForward(
+        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE, thread_streams=True,
+        part_sms=sms,
+    )  # fmt: skip
+    seen: list[int] = []
+    backbone(model).register_forward_hook(
+        lambda *_: seen.append(torch.cuda.current_stream().cuda_stream)
+    )
+    ids = [tok(PROMPTS[0])["input_ids"]]
+    rows = []
+    for rid, run in (("cohort", forward), ("part", forward.part), ("part2", forward.part)):
+        layout = envelope.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
+                                      dtype=torch.bfloat16)  # fmt: skip
+        plan = plans.register(rid, layout)
+        run([Pending(plan, ids, None)])
+        rows.append(plans.consume(rid, plan.layout_digest))
+    green = forward._green.Stream().cuda_stream
+    assert seen[1] == seen[2] == green != seen[0]
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[1], rows[2])
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode):
     """Compiled, as the service runs it (padded to lane buckets under CUDA graphs, at its own

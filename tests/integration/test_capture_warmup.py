@@ -123,8 +123,11 @@ def test_warm_shapes_stop_at_what_a_cohort_can_carry():
         {"STATEBLOCK_CAPTURE_COMPILE": "inductor", "STATEBLOCK_CAPTURE_COHORT_LANES": "12"}
     )
     assert config.cohort == CohortLimits(12, 16384) and config.warm_lane_buckets == (2, 4, 8, 12)
-    parts = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_PART_TOKENS": "8192"})
+    parts = CaptureConfig.from_env(
+        {"STATEBLOCK_CAPTURE_PART_TOKENS": "8192", "STATEBLOCK_CAPTURE_PART_SMS": "66"}
+    )
     assert parts.cohort == CohortLimits(32, 16384, 8192)  # parts smaller, cohorts as before
+    assert parts.part_sms == 66 and config.part_sms is None
     assert config.cohort_lane_buckets is None  # no CUDA graphs: cohorts are not padded
     env = {"STATEBLOCK_CAPTURE_COHORT_LANES": "2", "STATEBLOCK_MAX_LANES": "6"}
     assert CaptureConfig.from_env(env).cohort.lanes == 6  # a request's lanes share a forward

@@ -207,6 +207,22 @@ async def test_parts_carry_their_own_token_bound_and_cohorts_keep_theirs():
     assert CohortLimits(8, 32).part_lanes_at(16) == CohortLimits(8, 32).lanes_at(16) == 2
 
 
+def test_a_part_s_green_context_is_left_out_off_a_gpu(serving_model):
+    """`part_sms` asks for a green context only on a CUDA device: on the CPU a part runs
+    as a cohort does, with the same rows (tests/gpu has the green context itself)."""
+    tok = serving_model.tokenizer
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = CohortForward(serving_model.model, plans, pad_id=tok.pad_token_id,
+                            capture_mode=MODE, thread_streams=True, part_sms=8)  # fmt: skip
+    ids = [tok("copy: green")["input_ids"]]
+    rows = []
+    for rid, run in (("cohort", forward), ("part", forward.part)):
+        p = register(plans, rid, [len(ids[0])], serving_model.hidden_size)
+        run([Pending(p, ids, None)])
+        rows.append(plans.consume(rid, p.layout_digest))
+    assert forward._green is None and torch.equal(rows[0], rows[1])
+
+
 async def test_a_split_request_has_the_rows_of_each_lane_alone(serving_model):
     """Lanes of several widths captured a lane a forward (each over the 16-token bound
     but the shortest), and a lone lane over the bound: each lane's rows equal the same
