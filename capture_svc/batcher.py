@@ -257,7 +257,7 @@ class CohortForward:
     def _part_context(self, background: bool) -> Iterator[None]:
         """A part's forward inside the green context of `part_sms` SMs (made on the first
         part): its kernels go on the context's stream, after what the current stream holds,
-        and the current stream waits for them on the way out. Otherwise nothing."""
+        and are done before the context is left. Otherwise nothing."""
         if not background or self._part_sms is None:
             yield
             return
@@ -269,7 +269,8 @@ class CohortForward:
         self._green.set_context()
         try:
             yield
-        finally:
+        finally:  # the rows are read on other streams: done before the context is left
+            torch.cuda.current_stream(self._device).synchronize()
             self._green.pop_context()
 
 
