@@ -160,26 +160,32 @@ async def test_a_request_that_fits_runs_beside_a_part_with_two_forward_threads()
     assert forward.forwards == [[("big", 0, 2)], [("small", 0, 1)], [("big", 2, 1)]]
 
 
-async def test_parts_run_through_the_background_forward_and_cohorts_through_the_other():
-    """The parts of a request over the token bound go to `forward_part` (on a GPU: a stream
-    of the lowest priority, `CohortForward.part`), the cohorts of requests that fit to
-    `forward`; neither sees the other's."""
+async def forwards_of(limits: CohortLimits, *requests: tuple[str, tuple[int, ...]]):
+    """The parts' and the cohorts' forwards when `requests` (id, lane lengths) are submitted
+    together to a batcher of `limits` with two forward threads."""
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
     cohorts, parts = Gated(), Gated()
     cohorts.release.set()
     parts.release.set()
     with ThreadPoolExecutor(2) as pool:
         batcher = ForwardBatcher(
-            cohorts, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32),
-            forward_part=parts,
-        )  # fmt: skip
+            cohorts, pool, window_s=0.0, max_lanes=8, cohort=limits, forward_part=parts
+        )
         async with batcher:
-            await asyncio.gather(
-                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3),
-                batcher.submit(register(plans, "small", (5,)), [[1] * 5]),
-            )
-    assert parts.forwards == [[("big", 0, 2)], [("big", 2, 1)]]
-    assert cohorts.forwards == [[("small", 0, 1)]]
+            await asyncio.gather(*(
+                batcher.submit(register(plans, rid, lengths), [[1] * n for n in lengths])
+                for rid, lengths in requests
+            ))  # fmt: skip
+    return parts.forwards, cohorts.forwards
+
+
+async def test_parts_run_through_the_background_forward_and_cohorts_through_the_other():
+    """The parts of a request over the token bound go to `forward_part` (on a GPU: a stream
+    of the lowest priority, `CohortForward.part`), the cohorts of requests that fit to
+    `forward`; neither sees the other's."""
+    parts, cohorts = await forwards_of(CohortLimits(8, 32), ("big", (9, 9, 9)), ("small", (5,)))
+    assert parts == [[("big", 0, 2)], [("big", 2, 1)]]
+    assert cohorts == [[("small", 0, 1)]]
 
 
 async def test_parts_carry_their_own_token_bound_and_cohorts_keep_theirs():
@@ -187,23 +193,11 @@ async def test_parts_carry_their_own_token_bound_and_cohorts_keep_theirs():
     request over the cohort bound: with 16 tokens a part, 3 lanes x 16 go a lane a part
     (the cohort bound, 32, would make parts of 2 and 1), and a request that fits the
     cohort bound still goes whole."""
-    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    cohorts, parts = Gated(), Gated()
-    cohorts.release.set()
-    parts.release.set()
-    with ThreadPoolExecutor(2) as pool:
-        batcher = ForwardBatcher(
-            cohorts, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32, 16),
-            forward_part=parts,
-        )  # fmt: skip
-        async with batcher:
-            await asyncio.gather(
-                batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3),
-                batcher.submit(register(plans, "fits", (9, 9)), [[1] * 9] * 2),
-            )
-    assert parts.forwards == [[("big", 0, 1)], [("big", 1, 1)], [("big", 2, 1)]]
-    assert cohorts.forwards == [[("fits", 0, 2)]]
-    assert [CohortLimits(8, 32, 16).part_lanes_at(w) for w in (8, 16, 32)] == [2, 1, 1]
+    limits = CohortLimits(8, 32, 16)
+    parts, cohorts = await forwards_of(limits, ("big", (9, 9, 9)), ("fits", (9, 9)))
+    assert parts == [[("big", 0, 1)], [("big", 1, 1)], [("big", 2, 1)]]
+    assert cohorts == [[("fits", 0, 2)]]
+    assert [limits.part_lanes_at(w) for w in (8, 16, 32)] == [2, 1, 1]
     assert CohortLimits(8, 32).part_lanes_at(16) == CohortLimits(8, 32).lanes_at(16) == 2
 
 
