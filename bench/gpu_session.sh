@@ -208,7 +208,7 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
   # served: `default`, unmasked, deterministic kernels; autotuned: inductor's Triton matmul
   # templates timed against cuBLAS, epilogues fused where they win
   # (PARTS=served: one); cudnn, efficient, flash: as served with SDPA pinned to that
-  # kernel family, compiled afresh (PARTS="served flash efficient")
+  # kernel family, compiled afresh (PARTS="served flash")
   for run in ${PARTS:-served autotuned}; do
     flags=(--compile default)
     case "$run" in
