@@ -21,8 +21,8 @@ against on this machine (the 755 TFLOP/s a flag can give is the smoke bench's, o
 
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
         [--compile off|default|reduce-overhead] [--profile-lanes 30] [--gemm-lanes 30] \\
-        [--unmasked] [--sdpa-backend cudnn|efficient|flash|math] [--scale full] \\
-        [--device cuda]
+        [--unmasked] [--rope-table] [--sdpa-backend cudnn|efficient|flash|math] \\
+        [--scale full] [--device cuda]
 
 --sdpa-backend pins the attention's kernel family: which one is fastest for the base's
 grouped key/value heads, and whether the kernel before it (the rotary embedding, and the
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--autotune", action="store_true",
                     help="let inductor time its kernels' configurations (the capture service "
                          "compiles deterministically, without timing them)")  # fmt: skip
+    ap.add_argument("--rope-table", action="store_true",
+                    help="the rotary embedding's cos and sin evaluated once a forward "
+                         "(stateblock.model.capture.use_rope_table), not in every layer")  # fmt: skip
     ap.add_argument("--sdpa-backend", choices=sorted(SDPA_BACKENDS), default=None,
                     help="the one SDPA kernel family the forward may use (default: torch's "
                          "choice), compiled into a fresh compile cache")  # fmt: skip
@@ -251,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
         from stateblock.model.capture import use_unmasked_causal_attention
 
         use_unmasked_causal_attention(model)
+    if args.rope_table:
+        from stateblock.model.capture import use_rope_table
+
+        use_rope_table(model)
     if args.compile != "off":
         from stateblock.model.capture import compile_backbone
 
@@ -266,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
             "attention": model.config._attn_implementation,
             "sdpa_backend": args.sdpa_backend or "torch's choice",
+            "rope_table": args.rope_table,
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip

@@ -207,12 +207,14 @@ elif [ "$STAGE" = lone ]; then  # a request alone as one lane (STATEBLOCK_CAPTUR
 elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotuned
   # served: `default`, unmasked, deterministic kernels; autotuned: inductor's Triton matmul
   # templates timed against cuBLAS, epilogues fused where they win
-  # (PARTS=served: one); cudnn, efficient, flash: as served with SDPA pinned to that
-  # kernel family, compiled afresh (PARTS="served flash")
+  # (PARTS=served: one); rope: as served with the rotary's cos and sin a table evaluated
+  # once a forward; cudnn, efficient, flash: as served with SDPA pinned to that kernel
+  # family, compiled afresh (PARTS="served rope flash")
   for run in ${PARTS:-served autotuned}; do
     flags=(--compile default)
     case "$run" in
       autotuned) flags=(--compile max-autotune-no-cudagraphs --autotune) ;;
+      rope) flags=(--compile default --rope-table) ;;
       cudnn|efficient|flash) flags=(--compile default --sdpa-backend "$run") ;;
     esac
     timeout 280 python3 -m bench.forward_rate --out "$OUT/$run" "${flags[@]}" --unmasked \

@@ -192,6 +192,45 @@ def use_unmasked_causal_attention(model: nn.Module) -> bool:
     return True
 
 
+_MATERIALIZE: list[Callable[[Tensor], Tensor]] = []
+
+
+def _materialize() -> Callable[[Tensor], Tensor]:
+    """`stateblock::materialize`, a copy inductor keeps as its own buffer (defined once)."""
+    if not _MATERIALIZE:
+
+        @torch.library.custom_op("stateblock::materialize", mutates_args=())
+        def materialize(x: Tensor) -> Tensor:
+            return x.clone()
+
+        @materialize.register_fake
+        def _(x: Tensor) -> Tensor:
+            return torch.empty_like(x)
+
+        _MATERIALIZE.append(materialize)
+    return _MATERIALIZE[0]
+
+
+def use_rope_table(model: nn.Module) -> bool:
+    """The rotary embedding's cos and sin computed once a forward. Compiled, inductor fuses
+    them into every layer's rotary kernel, which then evaluates cos and sin again for each
+    element of each head in each layer (float32, the kernel's inputs widened); here they
+    pass through `stateblock::materialize`, so they are a table the layers read. The
+    table holds them in the model's dtype, as eager transformers does, so the compiled rows
+    move by that rounding. Returns whether the model has such an embedding."""
+    rope = getattr(backbone(model), "rotary_emb", None)
+    if rope is None or getattr(rope, "_stateblock_table", False):
+        return rope is not None
+    table, materialize = rope.forward, _materialize()
+
+    def forward(x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = table(x, position_ids)  # (B, P, head_dim) each
+        return materialize(cos), materialize(sin)
+
+    rope.forward, rope._stateblock_table = forward, True
+    return True
+
+
 def compile_as_served(model: nn.Module, backend: str, *, size_oblivious: bool = False) -> None:
     """The backbone compiled as the capture service runs it: SDPA without the causal mask a
     traced forward would build (`use_unmasked_causal_attention`), then `compile_backbone`.

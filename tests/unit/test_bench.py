@@ -383,7 +383,7 @@ def test_a_profile_is_read_as_threads_and_top_frames(tmp_path):
 def test_forward_rate_pins_one_sdpa_kernel_family_and_compiles_it_afresh(tmp_path, monkeypatch):
     """--sdpa-backend lets SDPA use that family alone and points the compile cache at a
     fresh directory (a cached graph would keep the kernel it was traced with); the flags
-    are the process's, so they are put back here."""
+    are the process's, so they are put back here. --rope-table is recorded."""
     import os
 
     import torch
@@ -396,7 +396,8 @@ def test_forward_rate_pins_one_sdpa_kernel_family_and_compiles_it_afresh(tmp_pat
               cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())  # fmt: skip
     try:
         main(["--out", str(tmp_path), "--scale", "tiny", "--device", "cpu", "--lanes", "2",
-              "--width", "16", "--repeats", "1", "--sdpa-backend", "math"])  # fmt: skip
+              "--width", "16", "--repeats", "1", "--sdpa-backend", "math",
+              "--rope-table"])  # fmt: skip
         now = (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
                cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())  # fmt: skip
         assert now == (False, False, False, True)
@@ -406,6 +407,7 @@ def test_forward_rate_pins_one_sdpa_kernel_family_and_compiles_it_afresh(tmp_pat
             enable(on)
     doc = json.loads((tmp_path / "forward_rate.json").read_text())
     assert doc["config"]["sdpa_backend"] == "math" and doc["forwards"][0]["median_ms"] > 0
+    assert doc["config"]["rope_table"] is True
 
 
 def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):

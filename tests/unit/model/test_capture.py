@@ -1,10 +1,13 @@
 """Capture on the shipped reference model and on a tiny hybrid Mamba/attention NemotronH."""
 
+import re
+
 import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from stateblock.model.capture import (
+    backbone,
     capture,
     compile_backbone,
     compile_cache_counts,
@@ -205,6 +208,53 @@ def test_a_lone_lane_runs_the_cohorts_graph_with_grouped_key_value_heads_too():
         assert torch.equal(rows[1], rows[3]) and torch.equal(rows[2], rows[3])
     finally:
         uncompile_backbone(model)
+
+
+def sin_kernel_calls(model, ids) -> int:
+    """How many times the compiled forward's wrapper calls a kernel that evaluates sin."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, codes = run_and_get_code(lambda: capture(model, ids))
+    code = "\n".join(codes)
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(\w+) = async_compile", code, re.M)]
+    call = code[code.index("def call(") :]
+    calls = 0
+    for (start, name), (end, _) in zip(starts, [*starts[1:], (len(code), "")], strict=True):
+        if re.search(r"\bsin\(|\.sin\(", code[start:end]):
+            calls += len(re.findall(rf"\b{name}(?:\.run)?\(", call))
+    return calls
+
+
+def test_a_rope_table_evaluates_cos_and_sin_once_a_forward_not_in_every_layer():
+    """Compiled, inductor fuses the rotary embedding's cos and sin into each of the 3 layers'
+    rotary kernels; with `use_rope_table` they are evaluated by one kernel, once a forward,
+    in one graph. Eager, the embedding gives what it gave."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stateblock.model.capture import use_rope_table
+
+    config = LlamaConfig(vocab_size=96, hidden_size=84, num_hidden_layers=3,
+                         num_attention_heads=21, num_key_value_heads=3, intermediate_size=160)  # fmt: skip
+    ids = torch.randint(4, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    calls = {}
+    for table in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        rope = backbone(model).rotary_emb
+        x, pos = torch.zeros(1, 24, 84), torch.arange(24)[None]
+        before = rope(x, pos)
+        if table:
+            assert use_rope_table(model)
+            assert all(torch.equal(a, b) for a, b in zip(rope(x, pos), before, strict=True))
+        compile_backbone(model, "default")
+        try:
+            counters.clear()
+            calls[table] = sin_kernel_calls(model, ids)
+            assert counters["stats"]["unique_graphs"] == 1
+        finally:
+            uncompile_backbone(model)
+    assert calls == {False: 3, True: 1}
 
 
 def test_unmasked_causal_attention_leaves_out_the_mask_and_keeps_the_rows():
