@@ -214,7 +214,7 @@ def _materialize() -> Callable[[Tensor], Tensor]:
 def use_rope_table(model: nn.Module) -> bool:
     """The rotary embedding's cos and sin computed once a forward. Compiled, inductor fuses
     them into every layer's rotary kernel, which then evaluates cos and sin again for each
-    element of each head in each layer (float32, the kernel's inputs widened); here they
+    element of each head in each layer (in float32); here they
     pass through `stateblock::materialize`, so they are a table the layers read. The
     table holds them in the model's dtype, as eager transformers does, so the compiled rows
     move by that rounding. Returns whether the model has such an embedding."""
