@@ -29,6 +29,7 @@ from stateblock.model.capture import (
     compile_backbone,
     graphs_compiled,
     uncompile_backbone,
+    use_rope_table,
     use_unmasked_causal_attention,
 )
 
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autotune", action="store_true",
                     help="compile with inductor timing its kernels' configurations (the "
                          "service compiles deterministically)")  # fmt: skip
+    ap.add_argument("--rope-table", action="store_true",
+                    help="the rotary embedding's cos and sin evaluated once a forward "
+                         "(stateblock.model.capture.use_rope_table)")  # fmt: skip
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -102,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         model = model.float()
     if args.unmasked and not use_unmasked_causal_attention(model):
         ap.error("--unmasked: the bench model is not on transformers' SDPA attention")
+    if args.rope_table and not use_rope_table(model):
+        ap.error("--rope-table: the bench model has no rotary embedding")
     modes = args.modes.split(",")
     results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m,
                             args.size_oblivious, args.autotune) for m in modes}  # fmt: skip
     alone = results["off"]["rows"].get(1) if "off" in results else None
     report = {"scale": args.scale, "device": args.device, "width": args.width,
               "size_oblivious": args.size_oblivious, "unmasked": args.unmasked,
-              "autotune": args.autotune,
+              "autotune": args.autotune, "rope_table": args.rope_table,
               "modes": {}}  # fmt: skip
     for mode, r in results.items():
         rows = r["rows"]

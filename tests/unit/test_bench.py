@@ -318,11 +318,13 @@ def test_capture_invariance_bench_on_the_cpu(tmp_path):
         assert modes["off"]["vs_own_lanes_1"][lanes]["identical"]
         assert "identical" in modes["aot_eager"]["vs_eager_alone"][lanes]
     assert modes["aot_eager"]["graphs"] == 2  # one lane is a graph of its own
-    proc = subprocess.run([*cmd, "--size-oblivious"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run([*cmd, "--size-oblivious", "--rope-table"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["size_oblivious"] and report["modes"]["aot_eager"]["graphs"] == 1
+    assert report["rope_table"]  # the table keeps a lane's rows the same in any company
+    assert all(v["identical"] for v in report["modes"]["aot_eager"]["vs_own_lanes_1"].values())
 
 
 async def test_regions_bench_frees_every_region_it_wrote(tmp_path):
