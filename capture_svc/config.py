@@ -45,12 +45,16 @@ class CohortLimits:
     def lanes_at(self, width: int) -> int:
         """The most lanes a forward of this bucket width carries: one at least (a lane over
         the token bound runs alone)."""
-        return min(self.lanes, max(1, self.tokens // width))
+        return self._lanes_within(self.tokens, width)
 
     def part_lanes_at(self, width: int) -> int:
         """The most lanes one part of a request over the token bound carries at this width:
         one at least."""
-        tokens = self.tokens if self.part_tokens is None else self.part_tokens
+        return self._lanes_within(
+            self.tokens if self.part_tokens is None else self.part_tokens, width
+        )
+
+    def _lanes_within(self, tokens: int, width: int) -> int:
         return min(self.lanes, max(1, tokens // width))
 
 

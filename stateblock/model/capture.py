@@ -9,6 +9,7 @@ original stash raced under concurrent traffic.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -192,30 +193,26 @@ def use_unmasked_causal_attention(model: nn.Module) -> bool:
     return True
 
 
-_MATERIALIZE: list[Callable[[Tensor], Tensor]] = []
-
-
+@functools.cache
 def _materialize() -> Callable[[Tensor], Tensor]:
     """`stateblock::materialize`, a copy inductor keeps as its own buffer (defined once)."""
-    if not _MATERIALIZE:
 
-        @torch.library.custom_op("stateblock::materialize", mutates_args=())
-        def materialize(x: Tensor) -> Tensor:
-            return x.clone()
+    @torch.library.custom_op("stateblock::materialize", mutates_args=())
+    def materialize(x: Tensor) -> Tensor:
+        return x.clone()
 
-        @materialize.register_fake
-        def _(x: Tensor) -> Tensor:
-            return torch.empty_like(x)
+    @materialize.register_fake
+    def _(x: Tensor) -> Tensor:
+        return torch.empty_like(x)
 
-        _MATERIALIZE.append(materialize)
-    return _MATERIALIZE[0]
+    return materialize
 
 
 def use_rope_table(model: nn.Module) -> bool:
     """The rotary embedding's cos and sin computed once a forward. Compiled, inductor fuses
     them into every layer's rotary kernel, which then evaluates cos and sin again for each
-    element of each head in each layer (in float32); here they
-    pass through `stateblock::materialize`, so they are a table the layers read. The
+    element of each head in each layer (in float32); here they pass through
+    `stateblock::materialize`, so they are a table the layers read. The
     table holds them in the model's dtype, as eager transformers does, so the compiled rows
     move by that rounding. Returns whether the model has such an embedding."""
     rope = getattr(backbone(model), "rotary_emb", None)

@@ -188,17 +188,24 @@ def test_a_lone_lane_runs_the_cohorts_graph_only_when_compiled_size_oblivious(
         uncompile_backbone(model)
 
 
+def grouped_heads_llama(layers: int):
+    """A tiny random Llama of the bench's head shape: 21 query heads over 3 key/value heads
+    (hidden 84, vocabulary 96), the same weights for a given `layers`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=84, num_hidden_layers=layers,
+                         num_attention_heads=21, num_key_value_heads=3, intermediate_size=160)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
 def test_a_lone_lane_runs_the_cohorts_graph_with_grouped_key_value_heads_too():
     """The bench's Llama shape (21 query heads over 3 key/value heads), compiled
     size-oblivious: lanes 3, 1 and 2 run one graph (the lane count is unbacked, so no
     stride rule of the grouped heads guards it) and give a lane the same rows."""
     from torch._dynamo.utils import counters
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=84, num_hidden_layers=2,
-                         num_attention_heads=21, num_key_value_heads=3, intermediate_size=160)  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = grouped_heads_llama(layers=2)
     ids = torch.randint(4, 96, (3, 40))
     compile_backbone(model, "aot_eager", size_oblivious=True)
     try:
@@ -230,17 +237,13 @@ def test_a_rope_table_evaluates_cos_and_sin_once_a_forward_not_in_every_layer():
     rotary kernels; with `use_rope_table` they are evaluated by one kernel, once a forward,
     in one graph. Eager, the embedding gives what it gave."""
     from torch._dynamo.utils import counters
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from stateblock.model.capture import use_rope_table
 
-    config = LlamaConfig(vocab_size=96, hidden_size=84, num_hidden_layers=3,
-                         num_attention_heads=21, num_key_value_heads=3, intermediate_size=160)  # fmt: skip
     ids = torch.randint(4, 96, (2, 24), generator=torch.Generator().manual_seed(0))
     calls = {}
     for table in (False, True):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
+        model = grouped_heads_llama(layers=3)
         rope = backbone(model).rotary_emb
         x, pos = torch.zeros(1, 24, 84), torch.arange(24)[None]
         before = rope(x, pos)
