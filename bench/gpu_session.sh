@@ -41,9 +41,10 @@
 #                                         # on 66 SMs (ARMS="cohort tokens8192 sms66"; 2-4
 #                                         # minutes each)
 #   WHL=.whl-eval bash bench/gpu_session.sh served-eval  # the capture's stream priorities
-#       # (GPU test), the shipped pair's held-out eval (30 a family) on a masked eager
-#       # capture, then on the rows the compiled capture service gives; carry models/ and
-#       # .whl-eval (bench/prepare_wheels.sh: the wheels these import; 2 minutes)
+#       # (GPU test), the shipped pair's held-out eval (30 a family) on the rows the
+#       # compiled capture service gives, fused rotary and table (EVALS="off default table":
+#       # off a masked eager capture); carry models/ and .whl-eval (bench/prepare_wheels.sh:
+#       # the wheels these import; 2 minutes)
 #   bash bench/gpu_session.sh startup [ARGS]  # bench.compile_cache: the compiled capture's
 #                                         # warm-up from nothing, then from its compile cache
 #   bash bench/gpu_session.sh invariance [ARGS]  # bench.capture_invariance: one prompt's
@@ -243,11 +244,14 @@ elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU se
   timeout 90 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k "priority or green" \
     > "$OUT/priority-test.log" 2>&1
   echo "priority test rc=$?"; tail -3 "$OUT/priority-test.log"
-  for mode in off default; do  # a masked eager capture, then the compiled unmasked one
-    timeout 240 python3 -m stateblock.app.cli eval --device cuda --n-each 30 \
-      --capture-compile $mode --json "$OUT/eval-$mode.json" --markdown "$OUT/eval-$mode.md" \
-      > "$OUT/eval-$mode.log" 2>&1
-    echo "eval capture-compile $mode rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-$mode.md" | head -8
+  # EVALS: `off` a masked eager capture, `default` the compiled unmasked one, `table` that
+  # one with the rotary table (STATEBLOCK_CAPTURE_ROPE=table)
+  for mode in ${EVALS:-default table}; do
+    flags=(--capture-compile "$mode")
+    [ "$mode" = table ] && flags=(--capture-compile default --capture-rope table)
+    timeout 240 python3 -m stateblock.app.cli eval --device cuda --n-each 30 "${flags[@]}" \
+      --json "$OUT/eval-$mode.json" --markdown "$OUT/eval-$mode.md" > "$OUT/eval-$mode.log" 2>&1
+    echo "eval $mode rc=$?"; grep -E "^\| [0-9]" "$OUT/eval-$mode.md" | head -8
   done
 elif [ "$STAGE" = startup ]; then  # a compiled capture's warm-up, fresh, then from its cache
   timeout 560 python3 -m bench.compile_cache --scale full --out "$OUT/startup.json" "${@:2}" \

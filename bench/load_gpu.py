@@ -141,6 +141,7 @@ class Level:
         self._lock = threading.Lock()
         # (prompt index, sent, replied, answer text or None, completion tokens, error key)
         self.results: list[tuple[int, float, float, str | None, int, str | None]] = []
+        self.error_examples: dict[str, str] = {}  # error key: its first message
 
     def _client(self, stop_at: float) -> None:
         client = CompletionsClient(self.url, timeout=300.0)
@@ -161,16 +162,18 @@ class Level:
         t0 = time.perf_counter()
         with self._lock:
             self.sent += 1
-        text, tokens, error = None, 0, None
+        text, tokens, error, message = None, 0, None, ""
         try:
             r = client.complete(MODEL_NAME, self.prompts[k], self.depth, self.n)
             text, tokens = r["choices"][0]["text"], r["usage"]["completion_tokens"]
         except CompletionError as e:
-            error = str(e.status)
+            error, message = str(e.status), str(e)
         except Exception as e:  # noqa: BLE001 - counted by kind, the run goes on
-            error = type(e).__name__
+            error, message = type(e).__name__, str(e)[:500]
         with self._lock:
             self.results.append((k, t0, time.perf_counter(), text, tokens, error))
+            if error is not None:
+                self.error_examples.setdefault(error, message)
         return error
 
     def run(self, clients: int, seconds: float) -> tuple[float, float]:
@@ -220,6 +223,7 @@ def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> d
         "n_ok": len(ok),
         "n_errors": sum(errors.values()),
         "errors_by_status": errors,
+        "error_examples": level.error_examples,
         "window_s": round(window, 3),
         "req_per_s": round(req_per_s, 2),
         "tok_per_s": round(tok_per_s, 1),

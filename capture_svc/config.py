@@ -87,6 +87,7 @@ class CaptureConfig(BlocksServiceConfig):
     # lane limit is always one); a forward replaying CUDA graphs pads a cohort up to them
     lane_buckets: tuple[int, ...] = declared(settings.CAPTURE_LANE_BUCKETS)
     min_lanes: int = declared(settings.CAPTURE_MIN_LANES)  # compiled only: the fewest lanes
+    rope: str = declared(settings.CAPTURE_ROPE)  # compiled only: "fused" or "table"
     block_ttl_s: float = declared(settings.BLOCK_TTL_S)
     # the hash the block's forward_state_digest is signed as: "blake3" or "sha256"
     forward_state_digest: str = declared(settings.FORWARD_STATE_DIGEST)
@@ -118,6 +119,11 @@ class CaptureConfig(BlocksServiceConfig):
             object.__setattr__(self, "compile", default_compile(self.device))
         if not self.compile:
             raise runtime.ConfigError("compile must be 'off' or a torch.compile backend name")
+        if self.rope not in settings.CAPTURE_ROPE_MODES:
+            modes = ", ".join(settings.CAPTURE_ROPE_MODES)
+            raise runtime.ConfigError(
+                f"STATEBLOCK_CAPTURE_ROPE={self.rope!r} must be one of {modes}"
+            )
         if not self.lane_buckets or min(self.lane_buckets) < 1:
             raise runtime.ConfigError(
                 f"STATEBLOCK_CAPTURE_LANE_BUCKETS={','.join(map(str, self.lane_buckets))!r} "

@@ -192,7 +192,12 @@ def _forward(
     if config.compile != "off":
         if config.compile_cache is not None:
             use_compile_cache(config.compile_cache)
-        compile_as_served(model.model, config.compile, size_oblivious=config.size_oblivious)
+        compile_as_served(
+            model.model,
+            config.compile,
+            size_oblivious=config.size_oblivious,
+            rope_table=config.rope == "table",
+        )
     return CohortForward(
         model.model,
         plans,

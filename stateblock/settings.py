@@ -420,6 +420,15 @@ CAPTURE_MIN_LANES = _setting(
     "BENCHMARKS.md), and this one is not yet measured there",
     (CAPTURE,), minimum=1, chart="capture.minLanes",
 )  # fmt: skip
+CAPTURE_ROPE_MODES = ("fused", "table")
+CAPTURE_ROPE = _setting(
+    "CAPTURE_ROPE", str, CAPTURE_ROPE_MODES[0],
+    "compiled only: where the rotary embedding's cos and sin are evaluated. `fused`: inductor "
+    "evaluates them in float32 inside every layer's rotary kernel, for each element of each "
+    "head; `table`: once a forward, in the model's dtype as eager transformers does, and "
+    "every layer reads them (fewer transcendental ops a forward; the rows round as eager's)",
+    (CAPTURE,),
+)  # fmt: skip
 CAPTURE_LANE_BUCKETS = _setting(
     "CAPTURE_LANE_BUCKETS", tuple, (1, 2, 4, 8, 16, 32),
     "compiled only: the lane counts the warm-up runs every prompt bucket at before the "

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from stateblock import settings
 from stateblock.runtime import REFERENCE
 
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter  # every flag shows its default
@@ -119,6 +120,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         families=tuple(a.families.split(",")) if a.families else None,
         max_answer=a.max_answer,
         capture_compile=a.capture_compile,
+        capture_rope=a.capture_rope,
     )
     seconds = round(time.perf_counter() - t0, 1)
     for report, d in zip(reports, decoders, strict=True):
@@ -253,6 +255,13 @@ def add_parsers(sub) -> None:
         default="off",
         help="read the rows the compiled capture service gives (a torch.compile backend or "
         "mode, e.g. `default` on a GPU: no mask, SDPA unmasked); `off`: a masked eager capture",
+    )
+    e.add_argument(
+        "--capture-rope",
+        choices=settings.CAPTURE_ROPE_MODES,
+        default=settings.CAPTURE_ROPE.default,
+        help="with --capture-compile: the rotary's cos and sin as the capture's "
+        "STATEBLOCK_CAPTURE_ROPE evaluates them",
     )
     e.add_argument("--json", help="write the JSON report here")
     e.add_argument("--plot", help="write the PNG plot here")

@@ -228,11 +228,16 @@ def use_rope_table(model: nn.Module) -> bool:
     return True
 
 
-def compile_as_served(model: nn.Module, backend: str, *, size_oblivious: bool = False) -> None:
+def compile_as_served(
+    model: nn.Module, backend: str, *, size_oblivious: bool = False, rope_table: bool = False
+) -> None:
     """The backbone compiled as the capture service runs it: SDPA without the causal mask a
-    traced forward would build (`use_unmasked_causal_attention`), then `compile_backbone`.
-    The service and the quality report's served rows both go through here."""
+    traced forward would build (`use_unmasked_causal_attention`), the rotary's cos and sin
+    as a table with `rope_table` (`use_rope_table`), then `compile_backbone`. The service
+    and the quality report's served rows both go through here."""
     use_unmasked_causal_attention(model)
+    if rope_table:
+        use_rope_table(model)
     compile_backbone(model, backend, size_oblivious=size_oblivious)
 
 

@@ -165,6 +165,7 @@ def evaluate(
     families: tuple[str, ...] | None = None,
     max_answer: int | None = None,
     capture_compile: str = "off",
+    capture_rope: str = "fused",
 ) -> dict:
     """The report of one decoder (`evaluate_many` of one)."""
     return evaluate_many(
@@ -176,6 +177,7 @@ def evaluate(
         families=families,
         max_answer=max_answer,
         capture_compile=capture_compile,
+        capture_rope=capture_rope,
     )[0]
 
 
@@ -189,12 +191,14 @@ def evaluate_many(
     families: tuple[str, ...] | None = None,
     max_answer: int | None = None,
     capture_compile: str = "off",
+    capture_rope: str = "fused",
 ) -> list[dict]:
     """One report per decoder, all against one teacher pass on the same prompts: comparing
     decoder arms costs one teacher (most of an eval's time on the CPU) and not one each.
     Every decoder is checked against the base before the teacher runs. `capture_compile`
     (a torch.compile backend or mode, or "off"): the readouts read the rows the compiled
-    capture service gives; the teacher stays the eager greedy answer."""
+    capture service gives (`capture_rope` its STATEBLOCK_CAPTURE_ROPE); the teacher stays
+    the eager greedy answer."""
     if not decoder_dirs:
         raise ValueError("evaluate_many needs at least one decoder")
     base, tok = load_base(base_dir, device)
@@ -215,7 +219,7 @@ def evaluate_many(
     depths = [min(8192, len(t) + 64) for t in teacher]
     served = capture_compile != "off"
     if served:  # after the teacher: its cached decoding stays eager
-        compile_as_served(base, capture_compile)
+        compile_as_served(base, capture_compile, rope_table=capture_rope == "table")
     reports = []
     for decoder, manifest in loaded:
         readouts = read_out(
@@ -230,6 +234,7 @@ def evaluate_many(
             "decoder_digest": manifest["decoder_digest"],
             "max_answer": max_answer,
             "capture_compile": capture_compile,
+            "capture_rope": capture_rope if served else None,
         }
         reports.append(report)
     return reports

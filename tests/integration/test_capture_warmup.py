@@ -29,7 +29,7 @@ from capture_svc.batcher import (
 )
 from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import PlanTable, PlanTableMetrics
-from capture_svc.server import CAPTURE_SERVICE, _warm_up, running_capture
+from capture_svc.server import CAPTURE_SERVICE, _forward, _warm_up, running_capture
 from capture_svc.service import CaptureMetrics
 from gateway.capture_client import never_reached_capture
 from readout_svc.config import ReadoutServiceConfig
@@ -39,7 +39,7 @@ from stateblock.model.rows import block_lanes
 from stateblock.protocol import envelope, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
-from stateblock.runtime import ConfigError
+from stateblock.runtime import REFERENCE_BASE, ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import capture_pb2, capture_pb2_grpc
 from tests.integration.test_capture_service import lane
@@ -86,6 +86,29 @@ def test_the_capture_compiles_by_default_on_a_gpu_and_not_on_the_cpu():
         {"STATEBLOCK_DEVICE": "cuda:1", "STATEBLOCK_CAPTURE_COMPILE": "off"}
     )
     assert eager.compile == "off" and eager.warm_lane_buckets is None
+
+
+@pytest.mark.parametrize("rope", [None, "fused", "table"])
+def test_the_rope_setting_reaches_the_compiled_forward(decoder_dir, rope):
+    """STATEBLOCK_CAPTURE_ROPE=table gives the compiled forward the rotary table
+    (`use_rope_table`); unset or `fused`, the model's own rotary stays; any other value is a
+    start-up error naming the variable."""
+    from stateblock.model.capture import backbone, uncompile_backbone
+    from stateblock.model.loading import load_serving_model
+
+    env = {"STATEBLOCK_CAPTURE_COMPILE": "aot_eager"}
+    config = CaptureConfig.from_env(env | ({"STATEBLOCK_CAPTURE_ROPE": rope} if rope else {}))
+    assert config.rope == (rope or "fused")
+    model = load_serving_model(MODEL, REFERENCE_BASE, decoder_dir)  # its own: patched here
+    reg = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    _forward(model, reg, config, CaptureMetrics(CollectorRegistry()))
+    try:
+        rotary = backbone(model.model).rotary_emb
+        assert getattr(rotary, "_stateblock_table", False) == (rope == "table")
+    finally:
+        uncompile_backbone(model.model)
+    with pytest.raises(ConfigError, match="STATEBLOCK_CAPTURE_ROPE='cached' must be one of"):
+        CaptureConfig.from_env(env | {"STATEBLOCK_CAPTURE_ROPE": "cached"})
 
 
 @pytest.mark.parametrize("prompt_len_max", [1, 16, 17, 24, 100, 512, 4096])
@@ -195,7 +218,6 @@ def test_a_compiled_forward_gives_a_lane_the_rows_of_its_company_alone(tmp_path,
 
     from stateblock.model.capture import compile_backbone, uncompile_backbone
     from stateblock.model.loading import load_base
-    from stateblock.runtime import REFERENCE_BASE
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     config = CaptureConfig.from_env({"STATEBLOCK_CAPTURE_COMPILE": "inductor"})
@@ -232,7 +254,6 @@ def lone_lane_forward():
     """The shipped base behind a CohortForward that runs a lone request as one lane, and the
     list its compiles after the warm-up land in."""
     from stateblock.model.loading import load_base
-    from stateblock.runtime import REFERENCE_BASE
 
     model, tok = load_base(REFERENCE_BASE)
     serving = type("Serving", (), {"tokenizer": tok, "hidden_size": model.config.hidden_size})

@@ -157,6 +157,12 @@ def test_arch_cost_reads_its_arms_and_says_it_needs_a_gpu(tmp_path):
     assert not (tmp_path / "arch_cost.json").exists()
 
 
+def service_logs(work: Path) -> dict[str, str]:
+    """The last lines of each service's log under `work`: why a stack's requests failed."""
+    return {p.name: "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+            for p in sorted(work.rglob("*.log"))}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_load_bench_tiny_end_to_end(tmp_path):
     """`stateblock bench load` at the tiny scale on the CPU: the per-service stack under two
@@ -177,7 +183,8 @@ def test_load_bench_tiny_end_to_end(tmp_path):
     assert doc["setup"]["stack_start_s"] > 0
 
     depth = doc["load"]["16"]
-    assert depth["reference"]["n_ok"] == 3 and depth["reference"]["n_errors"] == 0
+    ref = depth["reference"]
+    assert ref["n_ok"] == 3 and ref["n_errors"] == 0, (ref, service_logs(work))
     assert [level["clients"] for level in depth["levels"]] == [1, 2]
     for level in depth["levels"]:
         assert 0 < level["n_ok"] == level["n"] <= 8 and level["errors_by_status"] == {}

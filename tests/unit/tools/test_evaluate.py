@@ -161,7 +161,8 @@ def test_several_decoders_take_no_plot(tmp_path):
 def test_eval_reads_the_rows_the_compiled_capture_gives(tmp_path):
     """`--capture-compile`: the readouts read the rows of the compiled backbone, unmasked, as
     the capture service runs it on a GPU; on the CPU in float32 those are the eager rows, so
-    the report is the masked eager one's, and it says what it read."""
+    the report is the masked eager one's, with the rotary table too, and it says what it
+    read."""
     common = ["eval", "--base", str(REFERENCE_BASE), "--decoder", str(REFERENCE_DECODER)]
     common += ["--n-each", "2", "--families", "copy,reverse", "--device", "cpu"]
     common += ["--max-answer", "96"]
@@ -169,6 +170,14 @@ def test_eval_reads_the_rows_the_compiled_capture_gives(tmp_path):
     assert main([*common, "--json", str(eager)]) == 0
     assert main([*common, "--capture-compile", "aot_eager", "--json", str(compiled)]) == 0
     a, b = json.loads(eager.read_text()), json.loads(compiled.read_text())
-    assert a["settings"]["capture_compile"] == "off"
+    assert a["settings"]["capture_compile"] == "off" and a["settings"]["capture_rope"] is None
     assert b["settings"]["capture_compile"] == "aot_eager"
+    assert b["settings"]["capture_rope"] == "fused"
     assert b["buckets"] == a["buckets"] and b["misses"] == a["misses"]
+    # the rotary table (STATEBLOCK_CAPTURE_ROPE=table): float32 here, so eager's values again
+    table = tmp_path / "table.json"
+    flags = ["--capture-compile", "aot_eager", "--capture-rope", "table", "--json", str(table)]
+    assert main([*common, *flags]) == 0
+    c = json.loads(table.read_text())
+    assert c["settings"]["capture_rope"] == "table"
+    assert c["buckets"] == a["buckets"] and c["misses"] == a["misses"]
