@@ -24,13 +24,12 @@ import time
 import torch
 
 from bench.models import SCALES, bench_prompt, bench_tokenizer, build_llama, sync
+from bench.variants import add_variant_flags, apply_variants, variant_config
 from stateblock.model.capture import (
     capture,
     compile_backbone,
     graphs_compiled,
     uncompile_backbone,
-    use_rope_table,
-    use_unmasked_causal_attention,
 )
 
 
@@ -85,15 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-oblivious", action="store_true",
                     help="compile as STATEBLOCK_CAPTURE_MIN_LANES=1 does: one lane runs the "
                          "symbolic-lanes graph")  # fmt: skip
-    ap.add_argument("--unmasked", action="store_true",
-                    help="attention without the causal mask a traced forward builds, as the "
-                         "compiled capture service runs it")  # fmt: skip
-    ap.add_argument("--autotune", action="store_true",
-                    help="compile with inductor timing its kernels' configurations (the "
-                         "service compiles deterministically)")  # fmt: skip
-    ap.add_argument("--rope-table", action="store_true",
-                    help="the rotary embedding's cos and sin evaluated once a forward "
-                         "(stateblock.model.capture.use_rope_table)")  # fmt: skip
+    add_variant_flags(ap)
     ap.add_argument("--out", default=None, help="a JSON file for the result")
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -104,17 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     model = build_llama(scale, args.device, seed=0)
     if args.device == "cpu":
         model = model.float()
-    if args.unmasked and not use_unmasked_causal_attention(model):
-        ap.error("--unmasked: the bench model is not on transformers' SDPA attention")
-    if args.rope_table and not use_rope_table(model):
-        ap.error("--rope-table: the bench model has no rotary embedding")
+    apply_variants(model, args, ap)
     modes = args.modes.split(",")
     results = {m: run_mode(model, tok, prompts, lanes, args.width, args.device, m,
                             args.size_oblivious, args.autotune) for m in modes}  # fmt: skip
     alone = results["off"]["rows"].get(1) if "off" in results else None
     report = {"scale": args.scale, "device": args.device, "width": args.width,
-              "size_oblivious": args.size_oblivious, "unmasked": args.unmasked,
-              "autotune": args.autotune, "rope_table": args.rope_table,
+              "size_oblivious": args.size_oblivious, **variant_config(args),
               "modes": {}}  # fmt: skip
     for mode, r in results.items():
         rows = r["rows"]

@@ -39,6 +39,7 @@ import torch
 
 from bench.models import SCALES, build_llama
 from bench.prefill import time_prefill
+from bench.variants import add_variant_flags, apply_variants, variant_config
 
 
 def matmul_params(model) -> int:
@@ -232,14 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gemm-lanes", type=int, default=0,
                     help="time plain matmuls at one layer's shapes on this many lanes")  # fmt: skip
     ap.add_argument("--gemm-square", type=int, default=8192, help="and one n^3 product")
-    ap.add_argument("--unmasked", action="store_true",
-                    help="SDPA without the causal mask transformers builds while compiling")  # fmt: skip
-    ap.add_argument("--autotune", action="store_true",
-                    help="let inductor time its kernels' configurations (the capture service "
-                         "compiles deterministically, without timing them)")  # fmt: skip
-    ap.add_argument("--rope-table", action="store_true",
-                    help="the rotary embedding's cos and sin evaluated once a forward "
-                         "(stateblock.model.capture.use_rope_table), not in every layer")  # fmt: skip
+    add_variant_flags(ap)
     ap.add_argument("--sdpa-backend", choices=sorted(SDPA_BACKENDS), default=None,
                     help="the one SDPA kernel family the forward may use (default: torch's "
                          "choice), compiled into a fresh compile cache")  # fmt: skip
@@ -250,14 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sdpa_backend:
         only_sdpa_backend(args.sdpa_backend)
     model = build_llama(SCALES[args.scale], args.device)
-    if args.unmasked:
-        from stateblock.model.capture import use_unmasked_causal_attention
-
-        use_unmasked_causal_attention(model)
-    if args.rope_table:
-        from stateblock.model.capture import use_rope_table
-
-        use_rope_table(model)
+    apply_variants(model, args, ap)
     if args.compile != "off":
         from stateblock.model.capture import compile_backbone
 
@@ -269,11 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     doc = {
         "config": {
             "scale": args.scale, "width": args.width, "compile": args.compile,
-            "autotune": args.autotune,
+            **variant_config(args),
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
             "attention": model.config._attn_implementation,
             "sdpa_backend": args.sdpa_backend or "torch's choice",
-            "rope_table": args.rope_table,
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip
