@@ -95,7 +95,12 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
     vocab = SCALES[args.scale].vocab_size
     big_prompts = [bench_prompt(rng, shape["prompt_len"], vocab) for _ in range(args.big_clients)]
     alone = Level(url, prompts, depth, args.fairness_requests)
+    time.sleep(0.2)  # the last reference request's stages observed before the phase begins
+    hist0, w0 = stack.scrape(load_probes.FAMILIES), time.perf_counter()
     a0, a1 = alone.run(1, float("inf"))
+    wall = time.perf_counter() - w0
+    time.sleep(0.2)  # a worker observes its stages just after its ack, past the reply
+    stages_alone = load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall)
     alone_row = summarize(alone, 1, a0, a1, refs)
     big = Level(url, big_prompts, shape["max_tokens"], 0, n=shape["n"])
     small, (s0, s1), (g0, g1), stages = beside_big(stack, url, prompts, depth, big, args)
@@ -119,5 +124,6 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
         "p99_ratio": p99,
         "target_p99_ratio": TARGET_P99_RATIO,
         "meets_target": met and beside_row["n_errors"] == 0 and big_row["n_errors"] == 0,
-        "stages_beside": stages,
+        "stages_alone": stages_alone,
+        "stages_beside": stages,  # the big requests' stages counted in
     }

@@ -133,9 +133,18 @@ def fairness_lines(f: dict) -> list[str]:
         lines.append(
             f"Beside: the capture ran {cohort['forwards']} forwards of {cohort['mean_lanes']} "
             f"lanes, {forward['mean_ms']:,.1f} ms a request in its forward stage; the readout "
-            f"{readout['mean_ms']:,.1f} ms a request."
+            f"{readout['mean_ms']:,.1f} ms a request (the big requests' counted in)."
+            + _alone_stages(f.get("stages_alone", {}))
         )
     return lines
+
+
+def _alone_stages(st: dict) -> str:
+    forward, readout = st.get("capture.forward"), st.get("worker.readout")
+    if not (forward and readout):
+        return ""
+    return (f" Alone: {forward['mean_ms']:,.1f} ms in the forward, {readout['mean_ms']:,.1f} "
+            "ms in the readout.")  # fmt: skip
 
 
 def markdown(doc: dict) -> str:

@@ -248,6 +248,9 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     assert f["p99_ratio"] == round(ratio, 2) and f["target_p99_ratio"] == 2.0
     assert f["meets_target"] == (f["p99_ratio"] <= 2.0)
     assert f["stages_beside"]["capture.forward"]["n"] >= 8 + big["n"]
+    alone = f["stages_alone"]
+    assert alone["capture.forward"]["n"] >= 8 and alone["worker.readout"]["n"] >= 8
+    assert "Alone: " in (out / "load.md").read_text()  # the stages alone beside those beside
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
 
