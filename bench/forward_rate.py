@@ -22,11 +22,17 @@ against on this machine (the 755 TFLOP/s a flag can give is the smoke bench's, o
     python -m bench.forward_rate --out OUT [--lanes 1,8,16,30,32] [--width 512] \\
         [--compile off|default|reduce-overhead] [--profile-lanes 30] [--gemm-lanes 30] \\
         [--unmasked] [--rope-table] [--sdpa-backend cudnn|efficient|flash|math] \\
-        [--scale full] [--device cuda]
+        [--gemm-backends TRITON] [--scale full] [--device cuda]
 
 --sdpa-backend pins the attention's kernel family: which one is fastest for the base's
 grouped key/value heads, and whether the kernel before it (the rotary embedding, and the
 keys and values repeated for each query head where the kernel cannot group them) shrinks.
+
+--gemm-backends sets the matmul kernels a `max-autotune` compile chooses among (inductor's
+`max_autotune_gemm_backends`): `TRITON` alone makes every matmul one of inductor's Triton
+templates, into which it can fuse the pointwise kernel after it (the SiLU x up product, the
+residual adds), which cuBLAS cannot take; the forward's time says whether the fusion pays
+for the templates' own rate.
 """
 
 from __future__ import annotations
@@ -234,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="time plain matmuls at one layer's shapes on this many lanes")  # fmt: skip
     ap.add_argument("--gemm-square", type=int, default=8192, help="and one n^3 product")
     add_variant_flags(ap)
+    ap.add_argument("--gemm-backends", default=None,
+                    help="the matmul kernels a max-autotune compile chooses among, e.g. TRITON "
+                         "(inductor's max_autotune_gemm_backends; default: its own)")  # fmt: skip
     ap.add_argument("--sdpa-backend", choices=sorted(SDPA_BACKENDS), default=None,
                     help="the one SDPA kernel family the forward may use (default: torch's "
                          "choice), compiled into a fresh compile cache")  # fmt: skip
@@ -243,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.sdpa_backend:
         only_sdpa_backend(args.sdpa_backend)
+    if args.gemm_backends:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.max_autotune_gemm_backends = args.gemm_backends
     model = build_llama(SCALES[args.scale], args.device)
     apply_variants(model, args, ap)
     if args.compile != "off":
@@ -260,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             "params": params, "peak_tflops": args.peak_tflops, "device_name": device_name,
             "attention": model.config._attn_implementation,
             "sdpa_backend": args.sdpa_backend or "torch's choice",
+            "gemm_backends": args.gemm_backends or "inductor's default",
         },
         "forwards": rates(timed, params, args.peak_tflops),
     }  # fmt: skip

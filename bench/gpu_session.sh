@@ -210,11 +210,13 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
   # templates timed against cuBLAS, epilogues fused where they win
   # (PARTS=served: one); rope: as served with the rotary's cos and sin a table evaluated
   # once a forward; cudnn, efficient, flash: as served with SDPA pinned to that kernel
-  # family, compiled afresh (PARTS="served rope flash")
+  # family, compiled afresh (PARTS="served rope flash"); triton: autotuned among inductor's
+  # Triton matmul templates alone (pointwise epilogues fused into them)
   for run in ${PARTS:-served autotuned}; do
     flags=(--compile default)
     case "$run" in
       autotuned) flags=(--compile max-autotune-no-cudagraphs --autotune) ;;
+      triton) flags=(--compile max-autotune-no-cudagraphs --autotune --gemm-backends TRITON) ;;
       rope) flags=(--compile default --rope-table) ;;
       cudnn|efficient|flash) flags=(--compile default --sdpa-backend "$run") ;;
     esac

@@ -422,6 +422,19 @@ def test_forward_rate_pins_one_sdpa_kernel_family_and_compiles_it_afresh(tmp_pat
     assert doc["config"]["rope_table"] is True
 
 
+def test_forward_rate_gemm_backends_reach_the_compile(tmp_path):
+    """--gemm-backends sets the matmul kernels a max-autotune compile chooses among: on the
+    CPU inductor has no Triton template, so `TRITON` alone leaves it no choice, and it says
+    so (on a GPU the same flag times the Triton templates with their epilogues fused)."""
+    cmd = [sys.executable, "-m", "bench.forward_rate", "--out", str(tmp_path), "--scale", "tiny",
+           "--device", "cpu", "--compile", "max-autotune-no-cudagraphs", "--autotune",
+           "--gemm-backends", "TRITON", "--lanes", "2", "--width", "16", "--repeats", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "NoValidChoicesError" in proc.stderr, proc.stderr[-2000:]
+    assert "max_autotune_gemm_backends" in proc.stderr
+    assert not (tmp_path / "forward_rate.json").exists()
+
+
 def test_forward_rate_times_each_lane_count_and_its_share_of_the_peak(tmp_path):
     """The base forward alone at each lane count (tiny scale, CPU), and the rate arithmetic:
     2 x parameters x lanes x width over the forward's time."""
