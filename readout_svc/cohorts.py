@@ -94,16 +94,20 @@ class ReadoutCohorts:
         *,
         max_lanes: int,
         concurrency: int = 1,
+        overlap_lanes: int | None = None,  # None: max_lanes
         part_positions: int | None = None,  # None: no block is long
         on_cohort=None,  # Callable[[int], None]: blocks per execution, for a histogram
     ) -> None:
         self._engine = engine
         self._executor = executor
         self._max_lanes = max_lanes
+        self._overlap_lanes = max_lanes if overlap_lanes is None else overlap_lanes
         self._part_positions = part_positions
         self._slots = asyncio.Semaphore(concurrency)
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
+        self._queued_lanes = 0  # the lanes of the blocks in _queue
+        self._wake = asyncio.Event()  # a block queued, or a cohort's execution ended
         self._long: asyncio.Queue[_Long] = asyncio.Queue()
         self._rotation: deque[_Long] = deque()  # long blocks being read, in turn
         self._tasks: list[asyncio.Task] = []
@@ -131,7 +135,9 @@ class ReadoutCohorts:
         if self.is_long(lanes):
             await self._long.put(_Long(queued, self.parts(queued)))
         else:
+            self._queued_lanes += len(lanes)
             await self._queue.put(queued)
+            self._wake.set()
         return await future
 
     def is_long(self, lanes: Sequence[LaneRequest]) -> bool:
@@ -163,12 +169,18 @@ class ReadoutCohorts:
             first = await self._queue.get()
             try:  # while every slot runs, blocks queue up together
                 await self._slots.acquire()
+                try:
+                    await self._filled_or_idle()
+                except BaseException:
+                    self._slots.release()
+                    raise
             except BaseException:
                 self._queue.put_nowait(first)  # a stop fails its caller
                 raise
             batch = [first]
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            self._queued_lanes -= sum(len(q.lanes) for q in batch)
             cohorts = self.cohorts([q for q in batch if not q.future.done()])
             for i, cohort in enumerate(cohorts):
                 if i:  # the first cohort holds the slot acquired above
@@ -237,11 +249,25 @@ class ReadoutCohorts:
             out.append(current)
         return out
 
+    async def _filled_or_idle(self) -> None:
+        """Returns at once while no cohort's execution runs; while one does, once the lanes
+        of the blocks queued (the one taken first among them) reach `overlap_lanes` or it
+        ends. An execution of a depth
+        bucket runs its lanes whatever number came (the engine's fixed shape), so a second
+        one beside a running one is worth starting full: under load the executions fill
+        and each block costs less device time; alone, a block never waits. A long block's
+        part is not counted: a cohort never waits for one."""
+        while self._running and self._queued_lanes < self._overlap_lanes:
+            self._wake.clear()
+            await self._wake.wait()
+
     async def _execute(self, cohort: list[_Queued]) -> None:
         try:
             await self._read(cohort)
         finally:
+            self._running.discard(asyncio.current_task())  # before the wake: it is over
             self._slots.release()
+            self._wake.set()
 
     async def _read(self, cohort: list[_Queued]) -> None:
         """One execution of the cohort's lanes, each block's futures given its results; a

@@ -37,6 +37,7 @@ class ReadoutServiceConfig(BlocksServiceConfig):
     workers: int | None = declared(settings.WORKERS)
     # lanes of several blocks in one engine execution (readout_svc.cohorts); 1: block by block
     cohort_lanes: int = declared(settings.READOUT_COHORT_LANES)
+    overlap_lanes: int | None = declared(settings.READOUT_OVERLAP_LANES)  # None: cohort_lanes
     worker_id: str = declared(settings.WORKER_ID)  # default: host-pid-based, set at start-up
     # A live worker renews both every lease_s / 3 (in_progress), so these bound only how long
     # a dead worker holds a block: well inside a request's deadline (60 s by default).

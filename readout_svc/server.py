@@ -154,13 +154,17 @@ async def _engine_threads(
     # every other), the rest queue and go together (an engine without a cohort key reads
     # every block alone: as many at a time as workers); a block of more answer positions than
     # one maximal lane is read in parts, one execution at a time, beside the cohorts
-    concurrency = min(2, loops) if config.combines(engine) else loops
+    # one execution beside another only when full: an execution runs its depth's lanes
+    # however many came (STATEBLOCK_READOUT_OVERLAP_LANES)
+    combines = config.combines(engine)
+    concurrency = min(2, loops) if combines else loops
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
             engine,
             executor,
             max_lanes=config.cohort_lanes,
             concurrency=concurrency,
+            overlap_lanes=config.overlap_lanes if combines else 1,
             part_positions=config.limits.answer_depth_max,
             on_cohort=metrics.cohort_blocks.observe,
         )

@@ -247,6 +247,15 @@ READOUT_COHORT_LANES = _setting(
     "`STATEBLOCK_WORKERS` executions at once. Blocks combine only when more are in hand than "
     "run: the workers' default is twice this for such an engine", (READOUT,), minimum=1,
 )  # fmt: skip
+READOUT_OVERLAP_LANES = _setting(
+    "READOUT_OVERLAP_LANES", int, None,
+    "lanes a cohort needs to start while another cohort's execution runs (an engine that "
+    "combines blocks): it waits for more blocks or for that execution's end. An execution "
+    "at a depth runs a fixed number of lanes however many came, so a full one costs each "
+    "block least device time; 1 starts every cohort at once, two at a time. A block alone "
+    "never waits, and no cohort waits for a long block's part", (READOUT,), minimum=1,
+    unset="`STATEBLOCK_READOUT_COHORT_LANES`: only a full cohort starts beside a running one",
+)  # fmt: skip
 ENGINE = _setting(
     "ENGINE", str, "reference",
     "the readout engine: `reference`, `onnx` or `torch` (an unknown engine, or one that "

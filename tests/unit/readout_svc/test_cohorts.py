@@ -199,3 +199,48 @@ async def test_the_reference_engine_reads_the_same_in_company_with_threaded_matm
     finally:
         torch.set_num_threads(threads)
     assert [results for results, _ in outs] == alone
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "never came"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("overlap", [3, 1])
+async def test_a_cohort_starts_beside_a_running_one_only_when_full(engine, captured, overlap):
+    """Two execution slots. While one cohort's execution runs (held), the next starts only
+    with `overlap_lanes` lanes queued, or once the running one ends; with 1, every cohort
+    starts at once. A block that finds nothing running never waits. Every answer is the
+    block's alone. (`calls` counts an execution once it has run, the held one last.)"""
+    held = Held(engine, held_depth=64)
+    first = lanes_of(captured[:1], [64])
+    short = lanes_of(captured[:1], [16])  # one cohort key: they may go together
+    with ThreadPoolExecutor(3) as pool:
+        async with ReadoutCohorts(
+            held, pool, max_lanes=8, concurrency=2, overlap_lanes=overlap
+        ) as cohorts:
+            reads = [asyncio.ensure_future(cohorts.read(first))]
+            await asyncio.to_thread(held.holding.wait, 10)  # nothing ran: it went at once
+            for n in (1, 2):
+                reads.append(asyncio.ensure_future(cohorts.read(short)))
+                if overlap == 1:  # each goes as it comes, beside the held one
+                    await until(lambda n=n: held.calls == [1] * n)
+                else:  # one execution running and fewer lanes queued than 3: they wait
+                    await asyncio.sleep(0.2)
+                    assert held.calls == []
+            reads.append(asyncio.ensure_future(cohorts.read(short)))
+            await until(lambda: held.calls == ([1, 1, 1] if overlap == 1 else [3]))
+            reads.append(asyncio.ensure_future(cohorts.read(short)))
+            if overlap == 1:
+                await until(lambda: held.calls == [1, 1, 1, 1])
+            else:  # the 3-lane execution is over and the held one runs: one lane waits
+                await asyncio.sleep(0.2)
+                assert held.calls == [3] and not reads[4].done()
+            assert not reads[0].done()
+            held.release.set()
+            outs = await asyncio.wait_for(asyncio.gather(*reads), 30)
+    for (results, _), block in zip(outs, [first, short, short, short, short], strict=True):
+        assert results == engine.readout(block)
+    assert held.calls == ([1] * 5 if overlap == 1 else [3, 1, 1])
