@@ -37,9 +37,9 @@
 #                                         # (max-autotune-no-cudagraphs; about 8 minutes)
 #   bash bench/gpu_session.sh fairness [ARGS]  # one client sending maximal requests beside
 #                                         # one sending small ones, compiled `default`, host
-#                                         # plane: parts at the cohort bound, of 8,192 tokens,
-#                                         # on 66 SMs (ARMS="cohort tokens8192 sms66"; 2-4
-#                                         # minutes each)
+#                                         # plane: parts on 66 SMs, then of 8,192 tokens
+#                                         # (ARMS="sms66 tokens8192"; `cohort`: parts at the
+#                                         # cohort bound; up to 230 s an arm: two a call)
 #   WHL=.whl-eval bash bench/gpu_session.sh served-eval  # the capture's stream priorities
 #       # (GPU test), the shipped pair's held-out eval (30 a family) on the rows the
 #       # compiled capture service gives, fused rotary and table (EVALS="off default table":
@@ -227,7 +227,7 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
   # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
   # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs)
-  for arm in ${ARMS:-cohort tokens8192 sms66}; do
+  for arm in ${ARMS:-sms66 tokens8192}; do  # two fit a call
     env=()
     case "$arm" in
       tokens*) env=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${arm#tokens}") ;;
