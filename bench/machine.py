@@ -104,7 +104,7 @@ def host_costs() -> dict:
     import hashlib
 
     from stateblock.model.rows import rows_to_bytes, rows_view
-    from stateblock.protocol import envelope
+    from stateblock.protocol import envelope, layouts
     from stateblock.protocol.keys import Signer, TrustStore
 
     def ms(fn) -> float:
@@ -114,7 +114,7 @@ def host_costs() -> dict:
     data = rows_to_bytes(rows)
     signer = Signer.generate()
     ident = envelope.ModelIdentity("bench", b"", b"", b"")
-    layout = envelope.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
+    layout = layouts.make_layout("r", [512], [1014], hidden_size=D_BASE, dtype=torch.bfloat16)
 
     def seal():
         return envelope.seal_block(

@@ -29,7 +29,7 @@ from stateblock.model.arena import DeviceArena, ipc_placement, rows_nbytes, shar
 from stateblock.model.rows import rows_view
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool, rows_digest, slot_algorithm
-from stateblock.protocol import envelope, locator
+from stateblock.protocol import envelope, layouts, locator
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.ids import uuid7
 from stateblock.protocol.keys import Signer
@@ -134,7 +134,7 @@ class BusPlane(DataPlane):
 
     async def _place(self, held: None, block_id: str, layout: pb.Layout, rows: Tensor) -> Placed:
         data = memoryview(rows_view(rows)).cast("B")  # a GPU's rows copied to the host once
-        envelope.check_payload_size(data, layout)
+        layouts.check_payload_size(data, layout)
         algorithm = self._sealer.algorithm
         return Placed(envelope.forward_state_digest(data, algorithm), algorithm, data=data)
 

@@ -29,7 +29,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import Tensor
 
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 from stateblock.v1 import block_pb2 as pb
 
 _REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
@@ -165,12 +165,12 @@ class PlanTable:
 
     # -- event-loop side ---------------------------------------------------------------
     def register(self, request_id: str, layout: pb.Layout) -> CapturePlan:
-        envelope.check_layout(layout, request_id)
+        layouts.check_layout(layout, request_id)
         plan = CapturePlan(
             request_id=request_id,
             token=secrets.token_hex(8),
             layout_bytes=layout.SerializeToString(deterministic=True),
-            layout_digest=envelope.layout_digest(layout),
+            layout_digest=layouts.layout_digest(layout),
             lane_lengths=tuple(lane.row_count for lane in layout.lanes),
             answer_depths=tuple(lane.answer_depth for lane in layout.lanes),
             total_rows=layout.total_rows,
@@ -329,7 +329,7 @@ class PlanTable:
             self._fail(request_id, "row_count_mismatch", detail)
             return False
         try:
-            seen = envelope.make_layout(
+            seen = layouts.make_layout(
                 request_id,
                 actual,
                 plan.answer_depths,
@@ -337,8 +337,8 @@ class PlanTable:
                 dtype=packed.dtype,
                 capture_mode=mode,
             )
-            digest_ok = envelope.layout_digest(seen) == plan.layout_digest
-        except envelope.LayoutError:
+            digest_ok = layouts.layout_digest(seen) == plan.layout_digest
+        except layouts.LayoutError:
             digest_ok = False
         if not digest_ok:
             self._m.layout_digest_mismatch.inc()

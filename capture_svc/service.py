@@ -24,7 +24,7 @@ from stateblock.model.loading import ServingModel
 from stateblock.model.prompts import PromptEncoder
 from stateblock.model.rows import check_rows
 from stateblock.model.slots import SlotPoolFull
-from stateblock.protocol import envelope, sampling
+from stateblock.protocol import layouts, sampling
 from stateblock.protocol.ids import uuid7
 from stateblock.protocol.sampling import InvalidSampling
 from stateblock.v1 import block_pb2 as pb
@@ -225,7 +225,7 @@ class CaptureService:
         request_id = request_id or uuid7()
         self._check(model, lanes)
         lane_ids = [self.tokenize(lane, i) for i, lane in enumerate(lanes)]
-        layout = envelope.make_layout(
+        layout = layouts.make_layout(
             request_id,
             [len(ids) for ids in lane_ids],
             [lane.max_tokens for lane in lanes],

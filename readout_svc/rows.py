@@ -25,8 +25,9 @@ from stateblock.model.rows import check_rows
 from stateblock.model.shm import open_region, region_name, unlink_region
 from stateblock.model.slots import SlotPool, SlotVerified
 from stateblock.protocol import envelope, locator, streams
-from stateblock.protocol.envelope import BlockRejected, HeaderVerified, LayoutError, RejectReason
+from stateblock.protocol.envelope import BlockRejected, HeaderVerified, RejectReason
 from stateblock.protocol.keys import TrustStore
+from stateblock.protocol.layouts import LayoutError
 from stateblock.protocol.sampling import Limits
 from stateblock.v1 import block_pb2 as block_pb
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stateblock.protocol import envelope
-from stateblock.protocol.envelope import LayoutError
+from stateblock.protocol import envelope, layouts
+from stateblock.protocol.layouts import LayoutError
 from stateblock.v1 import block_pb2 as pb
 
 _DTYPES: dict[int, torch.dtype] = {
@@ -48,7 +48,7 @@ def check_rows(rows: Tensor, layout: pb.Layout) -> None:
 
 def rows_from_bytes(data: bytes | memoryview, layout: pb.Layout) -> Tensor:
     """The packed rows (total_rows, hidden_size) that rows_to_bytes wrote."""
-    envelope.check_payload_size(data, layout)
+    layouts.check_payload_size(data, layout)
     # bytearray: torch.frombuffer wants a writable buffer, and the tensor must own its copy.
     flat = torch.frombuffer(bytearray(data), dtype=torch_dtype(layout.dtype))
     return flat.view(layout.total_rows, layout.hidden_size)

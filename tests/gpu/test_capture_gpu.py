@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from capture_svc.batcher import CohortForward, Pending
 from capture_svc.plans import PlanTable, PlanTableMetrics
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 from stateblock.runtime import REFERENCE_BASE
 from stateblock.v1 import block_pb2 as pb
 
@@ -35,7 +35,7 @@ def test_two_forward_threads_on_their_own_streams_capture_the_rows_of_each_alone
 
     def run(rid: str, prompts: list[str]) -> torch.Tensor:
         ids = [tok(p)["input_ids"] for p in prompts]
-        layout = envelope.make_layout(
+        layout = layouts.make_layout(
             rid, [len(x) for x in ids], [4] * len(ids), hidden_size=hidden, dtype=torch.bfloat16
         )
         plan = plans.register(rid, layout)
@@ -72,7 +72,7 @@ def test_a_part_runs_on_a_low_priority_stream_and_a_cohort_on_a_high_one():
     ids = [tok(PROMPTS[0])["input_ids"]]
     rows = []
     for rid, run in (("cohort", forward), ("part", forward.part)):
-        layout = envelope.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
+        layout = layouts.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
                                       dtype=torch.bfloat16)  # fmt: skip
         plan = plans.register(rid, layout)
         run([Pending(plan, ids, None)])
@@ -106,7 +106,7 @@ def test_a_part_in_a_green_context_runs_on_its_stream_and_keeps_the_rows():
     ids = [tok(PROMPTS[0])["input_ids"]]
     rows = []
     for rid, run in (("cohort", forward), ("part", forward.part), ("part2", forward.part)):
-        layout = envelope.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
+        layout = layouts.make_layout(rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
                                       dtype=torch.bfloat16)  # fmt: skip
         plan = plans.register(rid, layout)
         run([Pending(plan, ids, None)])
@@ -143,7 +143,7 @@ def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode)
             pending = []
             for i, p in enumerate(prompts):
                 ids = [tok(p)["input_ids"]]
-                layout = envelope.make_layout(
+                layout = layouts.make_layout(
                     f"{tag}{i}", [len(ids[0])], [4], hidden_size=hidden, dtype=torch.bfloat16
                 )
                 pending.append(Pending(plans.register(f"{tag}{i}", layout), ids, None))

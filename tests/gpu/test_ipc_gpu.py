@@ -13,7 +13,7 @@ import torch
 
 from stateblock.model.arena import DeviceArena, ipc_placement, rows_nbytes, share
 from stateblock.model.slots import rows_checksum
-from stateblock.protocol import envelope, locator
+from stateblock.protocol import layouts, locator
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -40,7 +40,7 @@ async def test_another_process_reads_the_rows_of_each_block_from_the_shared_aren
         for seed, (n, width) in enumerate([(512, 2688), (37, 2688)]):
             gen = torch.Generator().manual_seed(seed)
             rows = torch.randn(n, width, generator=gen).to(torch.bfloat16).cuda()
-            layout = envelope.make_layout(
+            layout = layouts.make_layout(
                 f"r{seed}", [n], [8], hidden_size=width, dtype=torch.bfloat16
             )
             offset = await arena.reserve(f"b{seed}", rows_nbytes(layout), time.time() + 60, 1)

@@ -26,7 +26,7 @@ from capture_svc.plans import PlanTable, PlanTableMetrics
 from readout_svc import cohorts, worker
 from stateblock import settings
 from stateblock.app.stack import StackThread, UpConfig
-from stateblock.protocol import envelope, streams
+from stateblock.protocol import layouts, streams
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -47,7 +47,7 @@ class HeldForward:
 
 
 def register(plans: PlanTable, request_id: str, length: int):
-    layout = envelope.make_layout(request_id, [length], [4], hidden_size=8, dtype=torch.float32)
+    layout = layouts.make_layout(request_id, [length], [4], hidden_size=8, dtype=torch.float32)
     return plans.register(request_id, layout)
 
 

@@ -19,7 +19,7 @@ from capture_svc.batcher import CohortForward, ForwardBatcher
 from capture_svc.config import CUDA_GRAPH_MODES, MIN_COMPILED_LANES, CaptureConfig, CohortLimits
 from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
 from stateblock.model.capture import compile_backbone
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 from tests.integration.test_fairness import until
@@ -57,7 +57,7 @@ async def test_the_cohorts_runner_keeps_in_flight_forwards_going_and_no_more(in_
         async with batcher:
             submitted = []
             for i in range(6):
-                layout = envelope.make_layout(f"r{i}", [4], [4], hidden_size=8, dtype=torch.float32)
+                layout = layouts.make_layout(f"r{i}", [4], [4], hidden_size=8, dtype=torch.float32)
                 plan = plans.register(f"r{i}", layout)
                 submitted.append(asyncio.ensure_future(batcher.submit(plan, [[1] * 4])))
             await until(lambda: forward.running == in_flight, f"{in_flight} forwards at once")
@@ -103,7 +103,7 @@ async def test_forwards_in_flight_give_each_request_its_rows_alone(
                 submitted = []
                 for i, prompt in enumerate(prompts):
                     ids = tok(prompt)["input_ids"]
-                    layout = envelope.make_layout(
+                    layout = layouts.make_layout(
                         f"r{i}", [len(ids)], [4], hidden_size=serving_model.hidden_size,
                         dtype=torch.float32,
                     )  # fmt: skip
@@ -146,7 +146,7 @@ def test_rows_going_to_the_host_do_not_hold_the_plan_table(monkeypatch):
     table = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=30, host_rows=True)
 
     def layout(rid: str):
-        return envelope.make_layout(rid, [3], [4], hidden_size=8, dtype=torch.float32)
+        return layouts.make_layout(rid, [3], [4], hidden_size=8, dtype=torch.float32)
 
     plan = table.register("a", layout("a"))
     rows = torch.randn(1, 4, 8)
@@ -179,7 +179,7 @@ async def test_a_stop_fails_the_cohorts_still_waiting_for_a_forward():
         await batcher.__aenter__()
         submitted = []
         for rid, width in (("narrow", 4), ("wide", 20)):  # buckets 16 and 24: two cohorts
-            layout = envelope.make_layout(rid, [width], [4], hidden_size=8, dtype=torch.float32)
+            layout = layouts.make_layout(rid, [width], [4], hidden_size=8, dtype=torch.float32)
             plan = plans.register(rid, layout)
             submitted.append(asyncio.ensure_future(batcher.submit(plan, [[1] * width])))
         await until(lambda: forward.running == 1, "the first cohort's forward")

@@ -27,7 +27,7 @@ from capture_svc.server import running_capture
 from capture_svc.service import CaptureFailed, InvalidCapture
 from stateblock.model.capture import UNMASKED_SDPA
 from stateblock.model.rows import block_lanes
-from stateblock.protocol import envelope, streams
+from stateblock.protocol import envelope, layouts, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.sampling import Limits, sampling_params
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -93,7 +93,7 @@ def count(metrics: CollectorRegistry, name: str) -> float:
 
 
 def plan(reg: PlanTable, rid: str, lengths=(3, 5)):
-    layout = envelope.make_layout(
+    layout = layouts.make_layout(
         rid, lengths, [4] * len(lengths), hidden_size=D, dtype=torch.float32
     )
     return reg.register(rid, layout)
@@ -197,7 +197,7 @@ async def test_batched_cohort_rows_equal_each_request_alone(serving_model, metri
         pending = []
         for p in batch:
             ids = tok(p)["input_ids"]
-            layout = envelope.make_layout(
+            layout = layouts.make_layout(
                 f"{tag}{p}", [len(ids)], [4], hidden_size=serving_model.hidden_size,
                 dtype=torch.float32,
             )  # fmt: skip
@@ -218,7 +218,7 @@ async def test_batcher_groups_concurrent_requests(serving_model, metrics, reg):
 
     async def submit(batcher, rid: str, prompt: str):
         ids = tok(prompt)["input_ids"]
-        layout = envelope.make_layout(
+        layout = layouts.make_layout(
             rid, [len(ids)], [4], hidden_size=serving_model.hidden_size, dtype=torch.float32
         )
         p = reg.register(rid, layout)
@@ -254,7 +254,7 @@ async def test_cohorts_sized_by_lanes_and_tokens(serving_model, cohort, expected
     plans = []
     for i, prompt in enumerate(prompts):
         ids = tok(prompt)["input_ids"]
-        layout = envelope.make_layout(
+        layout = layouts.make_layout(
             f"r{i}", [len(ids)], [4], hidden_size=serving_model.hidden_size, dtype=torch.float32
         )
         plans.append((reg.register(f"r{i}", layout), ids))

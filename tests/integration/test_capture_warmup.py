@@ -36,7 +36,7 @@ from readout_svc.config import ReadoutServiceConfig
 from stateblock.app.nats_server import free_port
 from stateblock.model.capture import WARM_RUNS
 from stateblock.model.rows import block_lanes
-from stateblock.protocol import envelope, streams
+from stateblock.protocol import envelope, layouts, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, ConfigError
@@ -170,7 +170,7 @@ def run_cohort(forward: CohortForward, reg: PlanTable, serving, prompts: list[st
     pending = []
     for i, prompt in enumerate(prompts):
         ids = serving.tokenizer(prompt)["input_ids"]
-        layout = envelope.make_layout(
+        layout = layouts.make_layout(
             f"{tag}{i}", [len(ids)], [4], hidden_size=serving.hidden_size, dtype=torch.float32
         )
         pending.append(Pending(reg.register(f"{tag}{i}", layout), [ids], None))

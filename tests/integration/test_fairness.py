@@ -31,7 +31,7 @@ from capture_svc.server import running_capture
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
 from stateblock.app.nats_server import free_port
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.sampling import Limits
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
@@ -44,7 +44,7 @@ MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
 
 
 def register(plans: PlanTable, rid: str, lengths, hidden: int = D):
-    layout = envelope.make_layout(
+    layout = layouts.make_layout(
         rid, list(lengths), [4] * len(lengths), hidden_size=hidden, dtype=torch.float32
     )
     return plans.register(rid, layout)

@@ -34,7 +34,7 @@ from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
 from stateblock.model.shm import SHM_DIR, host_placement
 from stateblock.model.slots import SlotPool, SlotPoolFull, rows_digest
-from stateblock.protocol import envelope, locator, outcomes, streams
+from stateblock.protocol import envelope, layouts, locator, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, ConfigError
@@ -48,7 +48,7 @@ SIGNER = Signer.generate()
 def captured(serving_model, seed: int, rows_per_lane=(6,)) -> tuple[pb.Layout, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(sum(rows_per_lane), serving_model.hidden_size, generator=gen)
-    layout = envelope.make_layout(
+    layout = layouts.make_layout(
         f"req-{seed}", rows_per_lane, [16] * len(rows_per_lane),
         hidden_size=serving_model.hidden_size, dtype=rows.dtype,
     )  # fmt: skip

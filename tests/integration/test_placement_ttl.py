@@ -12,7 +12,7 @@ import pytest
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from capture_svc.publisher import BlockPublisher
-from stateblock.protocol import envelope, locator, streams
+from stateblock.protocol import envelope, layouts, locator, streams
 from stateblock.protocol.keys import Signer
 from stateblock.v1 import block_pb2 as pb
 
@@ -22,7 +22,7 @@ IDENTITY = envelope.ModelIdentity(MODEL, b"b" * 32, b"h" * 32, b"d" * 32)
 
 
 def header(placement: str, ttl_s: float) -> pb.StateBlockHeader:
-    layout = envelope.make_layout("req-ttl", (3,), (8,), hidden_size=4, dtype="float32")
+    layout = layouts.make_layout("req-ttl", (3,), (8,), hidden_size=4, dtype="float32")
     return envelope.signed_header(
         layout, b"\0" * 32, pb.DIGEST_ALGORITHM_BLAKE3,
         request_id="req-ttl", identity=IDENTITY,

@@ -20,7 +20,7 @@ from readout_svc.server import running_readout
 from registry import Registry
 from stateblock.engines import LaneRequest, UnknownEngine, create_engine, lane_requests
 from stateblock.model.rows import block_lanes, rows_view
-from stateblock.protocol import envelope, outcomes, streams, wire
+from stateblock.protocol import envelope, layouts, outcomes, streams, wire
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import ConfigError
@@ -43,7 +43,7 @@ def make_sealed(
     d = serving_model.hidden_size
     rows = torch.randn(sum(rows_per_lane), d, generator=gen)  # (total_rows, d)
     request_id = f"req-{seed}-{len(rows_per_lane)}"
-    layout = envelope.make_layout(
+    layout = layouts.make_layout(
         request_id, rows_per_lane, [depth] * len(rows_per_lane), hidden_size=d, dtype=rows.dtype
     )
     sampling = [pb.SamplingParams() for _ in rows_per_lane]

@@ -13,7 +13,7 @@ import torch
 from stateblock.model import arena as arenas
 from stateblock.model.arena import ALIGN, ArenaUnreachable, DeviceArena, copy_rows, share
 from stateblock.model.slots import SlotPoolFull
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 from stateblock.v1 import block_pb2 as pb
 
 
@@ -26,7 +26,7 @@ class Clock:
 
 
 def layout_of(rows: torch.Tensor) -> pb.Layout:
-    return envelope.make_layout(
+    return layouts.make_layout(
         "req", [rows.shape[0]], [4], hidden_size=rows.shape[1], dtype=rows.dtype
     )
 

@@ -19,7 +19,7 @@ from stateblock.model.shm import (
     unlink_region,
 )
 from stateblock.model.slots import SlotPoolFull, rows_checksum
-from stateblock.protocol import envelope
+from stateblock.protocol import layouts
 
 
 class Clock:
@@ -31,7 +31,7 @@ class Clock:
 
 
 def layout_of(rows: torch.Tensor):
-    return envelope.make_layout(
+    return layouts.make_layout(
         "req", [rows.shape[0]], [4], hidden_size=rows.shape[1], dtype=rows.dtype
     )
 

@@ -18,8 +18,8 @@ from stateblock.model.rows import (
     rows_to_bytes,
     rows_view,
 )
-from stateblock.protocol import envelope
-from stateblock.protocol.envelope import BlockRejected, LayoutError, RejectReason
+from stateblock.protocol import envelope, layouts
+from stateblock.protocol.envelope import BlockRejected, RejectReason
 from stateblock.protocol.keys import (
     Signer,
     TrustStore,
@@ -27,6 +27,7 @@ from stateblock.protocol.keys import (
     key_id,
     load_or_generate_signer,
 )
+from stateblock.protocol.layouts import LayoutError
 from stateblock.v1 import block_pb2 as pb
 
 NOW = 1_800_000_000.0
@@ -51,7 +52,7 @@ def lanes_of(dtype=torch.float32, counts=(3, 5)) -> list[torch.Tensor]:
 def seal(
     signer: Signer, dtype=torch.float32, counts=(3, 5), depths=(8, 16), **kw
 ) -> envelope.SealedBlock:
-    layout = envelope.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
+    layout = layouts.make_layout("req-1", counts, depths, hidden_size=4, dtype=dtype)
     return envelope.seal_block(
         layout,
         rows_view(torch.cat(lanes_of(dtype, counts))),
@@ -142,7 +143,7 @@ def test_serialisation_is_deterministic(signer):
     block, _ = make_block(signer)
     again = envelope.parse_block(envelope.serialize_block(block))
     assert envelope.serialize_block(again) == envelope.serialize_block(block)
-    assert envelope.layout_digest(again.header.layout) == block.header.layout_digest
+    assert layouts.layout_digest(again.header.layout) == block.header.layout_digest
 
 
 def test_flipped_payload_byte(signer, trust):
@@ -246,20 +247,20 @@ def test_payload_size_that_disagrees_with_a_signed_layout(signer, trust):
 
 
 def test_layout_invariants():
-    layout = envelope.make_layout("r", [2, 3, 4], [1, 1, 1], hidden_size=8, dtype=torch.float16)
+    layout = layouts.make_layout("r", [2, 3, 4], [1, 1, 1], hidden_size=8, dtype=torch.float16)
     assert layout.total_rows == 9 == sum(lane.row_count for lane in layout.lanes)
     assert [lane.row_offset for lane in layout.lanes] == [0, 2, 5]
     layout.total_rows = 10
     with pytest.raises(LayoutError, match="total_rows"):
-        envelope.check_layout(layout)
+        layouts.check_layout(layout)
     with pytest.raises(LayoutError):
-        envelope.make_layout("r", [2, 0], [1, 1], hidden_size=8, dtype=torch.float32)
+        layouts.make_layout("r", [2, 0], [1, 1], hidden_size=8, dtype=torch.float32)
     with pytest.raises(LayoutError):
-        envelope.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
+        layouts.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
 
 
 def test_build_rejects_rows_that_do_not_match_the_layout(signer):
-    layout = envelope.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
+    layout = layouts.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
     sampling = [pb.SamplingParams(), pb.SamplingParams()]
     common = dict(request_id="r", identity=IDENTITY, sampling=sampling, signer=signer, ttl_s=1)
     with pytest.raises(LayoutError, match="payload has 96 bytes, layout needs 80"):

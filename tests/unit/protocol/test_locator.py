@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stateblock.protocol import envelope, locator, streams
+from stateblock.protocol import envelope, layouts, locator, streams
 from stateblock.protocol.envelope import BlockRejected, RejectReason
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
@@ -17,7 +17,7 @@ TRUST = TrustStore([SIGNER.public_key])
 
 
 def header(algorithm=pb.DIGEST_ALGORITHM_SLOT_CHECKSUM, where=None) -> pb.StateBlockHeader:
-    layout = envelope.make_layout("req-1", [3], [8], hidden_size=4, dtype="float32")
+    layout = layouts.make_layout("req-1", [3], [8], hidden_size=4, dtype="float32")
     return envelope.signed_header(
         layout, b"\x07" * 32, algorithm, request_id="req-1", identity=IDENTITY,
         sampling=[pb.SamplingParams()], signer=SIGNER, ttl_s=60.0, now=NOW,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stateblock.model.rows import block_lanes, block_rows, rows_to_bytes, rows_view
-from stateblock.protocol import envelope, wire
+from stateblock.protocol import envelope, layouts, wire
 from stateblock.protocol.envelope import BlockRejected, RejectReason
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.v1 import block_pb2 as pb
@@ -24,7 +24,7 @@ def randn(*shape: int) -> torch.Tensor:
 
 def seal(rows: torch.Tensor, counts: tuple[int, ...] | None = None) -> envelope.SealedBlock:
     counts = counts or (rows.shape[0],)
-    layout = envelope.make_layout(
+    layout = layouts.make_layout(
         "req-1", counts, [8] * len(counts), hidden_size=rows.shape[1], dtype=rows.dtype
     )
     sampling = [pb.SamplingParams(temperature=0.5, seed=i) for i in range(len(counts))]

@@ -18,7 +18,7 @@ from stateblock.model.checkpoint import load_decoder
 from stateblock.model.loading import load_serving_model
 from stateblock.model.rows import block_rows, rows_view
 from stateblock.model.vocab import NO_EOS
-from stateblock.protocol import envelope
+from stateblock.protocol import envelope, layouts
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME
 from stateblock.tools import audit
@@ -294,7 +294,7 @@ def test_classify_is_origin_aware():
 
 def _block(model, prompt: str, signer: Signer, depth: int = 32) -> envelope.VerifiedBlock:
     rows = model.prompt_rows(prompt)
-    layout = envelope.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
+    layout = layouts.make_layout("req-1", [rows.shape[0]], [depth], hidden_size=rows.shape[1],
                              dtype=rows.dtype)  # fmt: skip
     block = envelope.seal_block(
         layout,
