@@ -1,5 +1,6 @@
 """Readout workers against a real nats-server: commits, tampered blocks, duplicates, big
-payloads through the object store, and an unknown engine failing closed."""
+payloads through the object store, leases and deliveries (the service's settings:
+test_readout_config.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,11 @@ from readout_svc.config import ReadoutServiceConfig
 from readout_svc.records import commit_record
 from readout_svc.server import running_readout
 from registry import Registry
-from stateblock.engines import LaneRequest, UnknownEngine, create_engine, lane_requests
+from stateblock.engines import LaneRequest, lane_requests
 from stateblock.model.rows import block_lanes, rows_view
 from stateblock.protocol import envelope, layouts, outcomes, streams, wire
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
-from stateblock.runtime import ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import commit_pb2
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
@@ -301,11 +301,6 @@ async def test_block_over_max_payload_goes_through_the_object_store(
         await nc.close()
 
 
-def test_unknown_engine_fails_closed(serving_model):
-    with pytest.raises(UnknownEngine, match="unknown readout engine 'tensorrt-fast'"):
-        create_engine("tensorrt-fast", serving_model)
-
-
 class SlowEngine:
     """The reference engine behind a readout that outlasts the lease several times over."""
 
@@ -403,42 +398,6 @@ async def test_a_readout_longer_than_the_lease_keeps_its_claim(nc, engine, servi
     assert value(metrics, "stateblock_duplicate_deliveries_dropped_total") == 0
 
 
-def test_blocks_storage_from_env():
-    env = {"STATEBLOCK_BLOCKS_STORAGE": "memory"}
-    assert ReadoutServiceConfig.from_env(env).blocks_storage == "memory"
-    assert ReadoutServiceConfig.from_env({}).blocks_storage == "file"
-    with pytest.raises(ConfigError, match="STATEBLOCK_BLOCKS_STORAGE='Memory'"):
-        ReadoutServiceConfig.from_env({"STATEBLOCK_BLOCKS_STORAGE": "Memory"})
-
-
-def test_torch_engine_settings_from_env(serving_model):
-    """STATEBLOCK_MATMUL_PRECISION / _READOUT_HEAD / _GREEDY_DTYPE reach the torch engine, fail
-    closed on a bad value or on another engine, and the factory refuses unknown settings."""
-    env = {"STATEBLOCK_ENGINE": "torch", "STATEBLOCK_MATMUL_PRECISION": "high",
-           "STATEBLOCK_READOUT_HEAD": "fused", "STATEBLOCK_GREEDY_DTYPE": "bfloat16"}  # fmt: skip
-    config = ReadoutServiceConfig.from_env(env)
-    assert config.engine_options() == {
-        "matmul_precision": "high", "head": "fused", "greedy_dtype": "bfloat16"
-    }  # fmt: skip
-    assert ReadoutServiceConfig.from_env({"STATEBLOCK_ENGINE": "torch"}).engine_options() == {}
-    with pytest.raises(ConfigError, match="MATMUL_PRECISION"):
-        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_MATMUL_PRECISION": "medium"})
-    with pytest.raises(ConfigError, match="READOUT_HEAD"):
-        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_READOUT_HEAD": "logits"})
-    with pytest.raises(ConfigError, match="GREEDY_DTYPE"):
-        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_GREEDY_DTYPE": "int8"})
-    with pytest.raises(ConfigError, match="GREEDY_DTYPE"):  # its norms overflow fp16
-        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_GREEDY_DTYPE": "float16"})
-    with pytest.raises(ConfigError, match="ENGINE=torch only"):
-        ReadoutServiceConfig.from_env({**env, "STATEBLOCK_ENGINE": "reference"})
-    # the CPU engine takes them (its numerics stay the reference's) ...
-    eng = create_engine("torch", serving_model, "cpu", **config.engine_options())
-    assert eng.head == "fused" and eng._greedy[1].dtype == torch.bfloat16
-    # ... and no engine takes a setting it does not know
-    with pytest.raises(ValueError, match="takes no setting"):
-        create_engine("reference", serving_model, "cpu", head="fused")
-
-
 async def test_readout_on_a_memory_blocks_stream_commits(nc, engine, serving_model):
     config = ReadoutServiceConfig(nats_url="unused", workers=1, blocks_storage="memory")
     trust = TrustStore([SIGNER.public_key])
@@ -456,14 +415,6 @@ async def test_readout_on_a_memory_blocks_stream_commits(nc, engine, serving_mod
         await publish(nc, block)
         registry = await Registry.open(nc.jetstream())
         await registry.watch_commit(block.header.block_id, timeout=20)
-
-
-async def test_unknown_engine_refuses_to_start_the_service(monkeypatch):
-    from readout_svc.server import main
-
-    monkeypatch.setenv("STATEBLOCK_ENGINE", "nope")
-    with pytest.raises(UnknownEngine):
-        await main()
 
 
 async def test_a_block_whose_last_delivery_died_ends_signed_rejected(nc, serving_model):
@@ -523,35 +474,3 @@ async def test_a_block_whose_last_delivery_died_ends_signed_rejected(nc, serving
         await psub.unsubscribe()
     finally:
         await sub.unsubscribe()
-
-
-@pytest.mark.parametrize(
-    ("engine_name", "env", "loops"),
-    [
-        ("reference", {}, 2),  # reads every block alone: two at a time
-        ("torch", {}, 16),  # combines blocks: two executions of 8 lanes in hand
-        ("torch", {"STATEBLOCK_READOUT_COHORT_LANES": "4"}, 8),
-        ("torch", {"STATEBLOCK_READOUT_COHORT_LANES": "1"}, 2),  # combining off
-        ("torch", {"STATEBLOCK_WORKERS": "3"}, 3),  # a set value wins
-    ],
-)
-async def test_the_pull_loops_follow_the_engine_unless_set(
-    nc, serving_model, engine_name, env, loops
-):
-    """A process combines only the blocks its pull loops hold: by default an engine that
-    combines gets enough of them to fill the two executions it runs at once."""
-    config = ReadoutServiceConfig.from_env(
-        {"STATEBLOCK_NATS_URL": "unused", "STATEBLOCK_FETCH_TIMEOUT_S": "0.2", **env}
-    )
-    engine = create_engine(engine_name, serving_model, "cpu")
-    async with running_readout(
-        config, nc=nc, engine=engine, trust=TrustStore([SIGNER.public_key]),
-        signer=READOUT_SIGNER, metrics=CollectorRegistry(),
-    ) as running:  # fmt: skip
-        assert len(running.workers) == loops
-
-
-def test_workers_below_one_are_refused():
-    for raw in ("0", "-1"):
-        with pytest.raises(ConfigError, match=f"STATEBLOCK_WORKERS={raw} is below 1"):
-            ReadoutServiceConfig.from_env({"STATEBLOCK_WORKERS": raw})
