@@ -4,7 +4,8 @@ Each worker task reads one block at a time; under load a process holds several (
 task), and reading them one engine call each leaves the device running one small lane at a
 time. `ReadoutCohorts` queues every task's lanes and runs whatever queued while the previous
 executions ran as one execution, at most `max_lanes` lanes (the engine's K_max, which every
-engine reads in one enqueue), as the capture's batcher does for forwards.
+engine reads in one enqueue), as the capture's batcher does for forwards. Beside a running
+execution another starts only with `overlap_lanes` lanes in hand (`_filled_or_idle`).
 
 A request's answer must not depend on its company. Lanes are combined only when the engine
 says they read the same way together as alone: its `cohort_key(lanes)` (the precision path
@@ -252,11 +253,10 @@ class ReadoutCohorts:
     async def _filled_or_idle(self) -> None:
         """Returns at once while no cohort's execution runs; while one does, once the lanes
         of the blocks queued (the one taken first among them) reach `overlap_lanes` or it
-        ends. An execution of a depth
-        bucket runs its lanes whatever number came (the engine's fixed shape), so a second
-        one beside a running one is worth starting full: under load the executions fill
-        and each block costs less device time; alone, a block never waits. A long block's
-        part is not counted: a cohort never waits for one."""
+        ends. An execution of a depth bucket runs its lanes whatever number came (the
+        engine's fixed shape), so a second one beside a running one is worth starting full:
+        under load the executions fill and each block costs less device time; alone, a
+        block never waits. A long block's part is not counted: a cohort never waits for one."""
         while self._running and self._queued_lanes < self._overlap_lanes:
             self._wake.clear()
             await self._wake.wait()
