@@ -1,5 +1,6 @@
 """Paths and small builders shared by tests."""
 
+import asyncio
 from pathlib import Path
 
 # the shipped pair where the package finds it (stateblock/reference, a link to models/reference)
@@ -44,3 +45,13 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
         )
     )
     return cert_path, key_path
+
+
+async def until(check, what: str = "the condition", timeout_s: float = 20.0) -> None:
+    """Returns once `check()` is true, polled on the event loop; AssertionError naming
+    `what` if it is not within timeout_s."""
+    for _ in range(int(timeout_s / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")

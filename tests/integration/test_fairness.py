@@ -36,6 +36,7 @@ from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.protocol.sampling import Limits
 from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.v1 import block_pb2 as pb
+from tests.helpers import until
 from tests.integration.conftest import READOUT_SIGNER
 from tests.integration.test_gateway_errors import gateway_config, gateway_for
 
@@ -102,14 +103,6 @@ class Counted(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-async def until(check, what: str) -> None:
-    for _ in range(1000):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never: {what}")
-
-
 @contextlib.asynccontextmanager
 async def big_part_held(
     pool,
@@ -138,7 +131,7 @@ async def test_a_request_queued_behind_a_part_goes_in_the_next_forward():
                 asyncio.ensure_future(batcher.submit(register(plans, f"s{n}", (n,)), [[1] * n]))
                 for n in (10, 20, 30)  # widths 16, 24, 32: a cohort each
             ]
-            await until(lambda: pool.submitted == 2, "the first small cohort handed over")
+            await until(lambda: pool.submitted == 2, "the first small cohort handed over", 10.0)
             assert not any(s.done() for s in small)
             forward.release.set()
             await asyncio.gather(big, *small)

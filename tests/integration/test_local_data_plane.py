@@ -40,6 +40,7 @@ from stateblock.runtime import DEFAULT_MODEL_NAME as MODEL
 from stateblock.runtime import REFERENCE_BASE, ConfigError
 from stateblock.v1 import block_pb2 as pb
 from stateblock.v1 import capture_pb2, commit_pb2
+from tests.helpers import until
 from tests.integration.conftest import READOUT_SIGNER, READOUT_TRUST
 
 SIGNER = Signer.generate()
@@ -98,14 +99,6 @@ async def readout(nc, engine, pool, **kw):
         signer=READOUT_SIGNER, metrics=metrics, slots=pool,
     ) as running:  # fmt: skip
         yield running, metrics
-
-
-async def until(predicate, timeout_s: float = 20.0) -> None:
-    for _ in range(int(timeout_s / 0.025)):
-        if predicate():
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError("condition not reached")
 
 
 async def outcome(nc, block_id: str):

@@ -13,6 +13,7 @@ import torch
 from readout_svc.cohorts import ReadoutCohorts
 from stateblock.engines import LaneRequest
 from tests.engine_fixtures import lanes_of
+from tests.helpers import until
 
 
 class Counting:
@@ -201,13 +202,6 @@ async def test_the_reference_engine_reads_the_same_in_company_with_threaded_matm
     assert [results for results, _ in outs] == alone
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "never came"
-        await asyncio.sleep(0.005)
-
-
 @pytest.mark.parametrize("overlap", [3, 1])
 async def test_a_cohort_starts_beside_a_running_one_only_when_full(engine, captured, overlap):
     """Two execution slots. While one cohort's execution runs (held), the next starts only
@@ -226,15 +220,17 @@ async def test_a_cohort_starts_beside_a_running_one_only_when_full(engine, captu
             for n in (1, 2):
                 reads.append(asyncio.ensure_future(cohorts.read(short)))
                 if overlap == 1:  # each goes as it comes, beside the held one
-                    await until(lambda n=n: held.calls == [1] * n)
+                    await until(lambda n=n: held.calls == [1] * n, f"{n} executions", 10.0)
                 else:  # one execution running and fewer lanes queued than 3: they wait
                     await asyncio.sleep(0.2)
                     assert held.calls == []
             reads.append(asyncio.ensure_future(cohorts.read(short)))
-            await until(lambda: held.calls == ([1, 1, 1] if overlap == 1 else [3]))
+            await until(
+                lambda: held.calls == ([1, 1, 1] if overlap == 1 else [3]), "the third", 10.0
+            )
             reads.append(asyncio.ensure_future(cohorts.read(short)))
             if overlap == 1:
-                await until(lambda: held.calls == [1, 1, 1, 1])
+                await until(lambda: held.calls == [1, 1, 1, 1], "the fourth", 10.0)
             else:  # the 3-lane execution is over and the held one runs: one lane waits
                 await asyncio.sleep(0.2)
                 assert held.calls == [3] and not reads[4].done()
