@@ -71,20 +71,17 @@ def beside_big(stack, url: str, prompts: list[str], depth: int, big: Level, args
     runner = threading.Thread(
         target=lambda: window.append(big.run(clients, float("inf"))), name="big", daemon=True
     )
-    hist0 = stack.scrape(load_probes.FAMILIES)
-    w0 = time.perf_counter()
-    runner.start()
-    while big.sent < clients and runner.is_alive():  # each big client has its first in flight
-        time.sleep(0.005)
-    small = Level(url, prompts, depth, requests)
-    s0, s1 = small.run(1, float("inf"))
-    s1 = time.perf_counter()
-    big.stop.set()
-    runner.join()  # the big requests in flight finish (each within the client's timeout)
-    wall = time.perf_counter() - w0
-    time.sleep(0.2)  # a worker observes its stages just after its ack, past the reply
-    stages = load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall)
-    return small, (s0, s1), window[0] if window else (w0, w0), stages
+    with load_probes.stage_window(stack) as seen:
+        w0 = time.perf_counter()
+        runner.start()
+        while big.sent < clients and runner.is_alive():  # each big client has one in flight
+            time.sleep(0.005)
+        small = Level(url, prompts, depth, requests)
+        s0, s1 = small.run(1, float("inf"))
+        s1 = time.perf_counter()
+        big.stop.set()
+        runner.join()  # the big requests in flight finish (each within the client's timeout)
+    return small, (s0, s1), window[0] if window else (w0, w0), seen["stages"]
 
 
 def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -> dict:
@@ -96,11 +93,8 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
     big_prompts = [bench_prompt(rng, shape["prompt_len"], vocab) for _ in range(args.big_clients)]
     alone = Level(url, prompts, depth, args.fairness_requests)
     time.sleep(0.2)  # the last reference request's stages observed before the phase begins
-    hist0, w0 = stack.scrape(load_probes.FAMILIES), time.perf_counter()
-    a0, a1 = alone.run(1, float("inf"))
-    wall = time.perf_counter() - w0
-    time.sleep(0.2)  # a worker observes its stages just after its ack, past the reply
-    stages_alone = load_probes.stages(hist0, stack.scrape(load_probes.FAMILIES), wall)
+    with load_probes.stage_window(stack) as seen_alone:
+        a0, a1 = alone.run(1, float("inf"))
     alone_row = summarize(alone, 1, a0, a1, refs)
     big = Level(url, big_prompts, shape["max_tokens"], 0, n=shape["n"])
     small, (s0, s1), (g0, g1), stages = beside_big(stack, url, prompts, depth, big, args)
@@ -124,6 +118,6 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
         "p99_ratio": p99,
         "target_p99_ratio": TARGET_P99_RATIO,
         "meets_target": met and beside_row["n_errors"] == 0 and big_row["n_errors"] == 0,
-        "stages_alone": stages_alone,
+        "stages_alone": seen_alone["stages"],
         "stages_beside": stages,  # the big requests' stages counted in
     }

@@ -17,6 +17,8 @@ import threading
 import time
 import urllib.request
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # what the load bench scrapes: the procs.SCRAPED histograms, the capture's lanes per forward
 # and its forwards that compiled after the warm-up
@@ -152,6 +154,19 @@ def stages(before: dict, after: dict, wall: float) -> dict:
             out[key] = {"n": int(n), "mean_ms": round(1000.0 * total / n, 3),
                         "in_flight": round(total / wall, 3)}  # fmt: skip
     return out
+
+
+@contextmanager
+def stage_window(stack) -> Iterator[dict]:
+    """The services' stages (`stages`) over the block it wraps, in the dict it yields under
+    "stages" once the block is over (a worker observes its stages just after its ack, past
+    the reply: read 0.2 s later)."""
+    seen: dict = {}
+    before, t0 = stack.scrape(FAMILIES), time.perf_counter()
+    yield seen
+    wall = time.perf_counter() - t0
+    time.sleep(0.2)
+    seen["stages"] = stages(before, stack.scrape(FAMILIES), wall)
 
 
 def compiled(before: dict, after: dict) -> int:
