@@ -70,7 +70,9 @@ def space_twins(vocab: dict[str, int]) -> Tensor:
 
 
 class CopyHead(nn.Module):
-    def __init__(self, d_r: int, d_base: int, mode: str, theta: float = 10000.0) -> None:
+    def __init__(
+        self, d_r: int, d_base: int, mode: str, theta: float = 10000.0, bias: float | None = None
+    ) -> None:
         super().__init__()
         self.mode, self.d, self.theta = mode, d_r, theta
         self.q = nn.Linear(d_r, d_r, bias=False)
@@ -79,6 +81,9 @@ class CopyHead(nn.Module):
         self.prev = nn.Linear(d_base, d_r, bias=False)  # the token before it: induction
         if mode == "gate":
             self.gate = nn.Linear(d_r, 1)
+        # joint, twin: a learned offset of every position's score against the vocabulary's
+        # logits, from `bias` (none without one)
+        self.bias = None if bias is None or mode == "gate" else nn.Parameter(torch.tensor(bias))
         if mode == "twin":
             self.q_twin = nn.Linear(d_r, d_r, bias=False)
 
@@ -99,10 +104,13 @@ class CopyHead(nn.Module):
         a = self.scores(self.q(h), key, positions).masked_fill(~valid, NEG)
         if self.mode == "gate":
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), ids)
+        a = a if self.bias is None else a + self.bias
         if self.mode == "joint":
             return ("joint", vocab_logits, a, ids)
         tw = twins[ids]  # (K, P)
-        b = self.scores(self.q_twin(h), key, positions).masked_fill(~valid | (tw < 0)[:, None], NEG)
+        b = (
+            self.scores(self.q_twin(h), key, positions) + (0.0 if self.bias is None else self.bias)
+        ).masked_fill(~valid | (tw < 0)[:, None], NEG)
         return ("joint", vocab_logits, torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1))
 
 
@@ -239,7 +247,7 @@ def train_arm(arm: str, data: dict, args) -> list[dict]:
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
                         **DECODER_CONFIG)  # fmt: skip
     dec = ReadoutDecoder(cfg)
-    copy = None if arm == "base" else CopyHead(cfg.d_r, head.shape[1], arm)
+    copy = None if arm == "base" else CopyHead(cfg.d_r, head.shape[1], arm, bias=args.copy_bias)
     params = [*dec.parameters(), *(copy.parameters() if copy else [])]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     recs, rows = data["train"]
@@ -294,6 +302,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eos-weight", type=float, default=10.0)
     p.add_argument("--eval-every", type=int, default=400)
+    p.add_argument(
+        "--copy-bias",
+        type=float,
+        default=None,
+        help="joint, twin: the position scores get a learned offset, starting here (default: none)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

@@ -20,17 +20,18 @@ def test_space_twins_map_a_leading_space_to_the_bare_spelling():
     assert ca.space_twins(vocab).tolist() == [-1, -1, 1, -1, -1]
 
 
-def _parts(mode: str, k=3, d=5, p=7) -> tuple:
+def _parts(mode: str, k=3, d=5, p=7, bias=0.0, vocab_logits=None) -> tuple:
     torch.manual_seed(0)
     head = torch.randn(V, D_BASE)
     twins = torch.full((V,), -1, dtype=torch.long)
     twins[10:20] = torch.arange(20, 30)
-    copy = ca.CopyHead(32, D_BASE, mode)
+    copy = ca.CopyHead(32, D_BASE, mode, bias=bias)
     ids = torch.randint(3, V, (k, p))
     lens = torch.tensor([p, p - 2, 3])
     positions = torch.arange(d).expand(k, -1)
     h, rows = torch.randn(k, d, 32), torch.randn(k, p, 32)
-    return copy(h, torch.randn(k, d, V), rows, ids, lens, head, positions, twins), ids, lens
+    lv = torch.randn(k, d, V) if vocab_logits is None else vocab_logits
+    return copy(h, lv, rows, ids, lens, head, positions, twins), ids, lens
 
 
 @pytest.mark.parametrize("mode", ["gate", "joint", "twin"])
@@ -45,6 +46,15 @@ def test_each_mixture_is_a_distribution_and_its_loss_is_the_gathered_one(mode):
                                         reduction="none")  # fmt: skip
     w = torch.where(tgt.flatten() == EOS, 10.0, 1.0) * (tgt.flatten() != -100)
     assert torch.allclose(ca.nll(parts, tgt, EOS, 10.0), (want * w).sum() / w.sum(), atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["joint", "twin"])
+def test_a_low_copy_bias_leaves_the_vocabulary_distribution(mode):
+    lv = torch.randn(3, 5, V)
+    parts, _, _ = _parts(mode, bias=-60.0, vocab_logits=lv)
+    assert torch.allclose(ca.log_probs(parts), lv.log_softmax(-1), atol=1e-4)
+    parts, _, _ = _parts(mode, bias=0.0, vocab_logits=lv)
+    assert not torch.allclose(ca.log_probs(parts), lv.log_softmax(-1), atol=1e-2)
 
 
 def test_padding_positions_get_no_copy_mass():
@@ -67,7 +77,7 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
     data = {"head": torch.randn(V, D_BASE), "twins": torch.full((V,), -1), "eos": EOS,
             "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
-                              eval_every=2)  # fmt: skip
+                              eval_every=2, copy_bias=None)  # fmt: skip
     for arm in ("base", "twin"):
         log = ca.train_arm(arm, data, args)
         assert [e["step"] for e in log] == [2]
