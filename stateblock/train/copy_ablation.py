@@ -87,30 +87,33 @@ class CopyHead(nn.Module):
         if mode == "twin":
             self.q_twin = nn.Linear(d_r, d_r, bias=False)
 
-    def scores(self, q: Tensor, key: Tensor, positions: Tensor) -> Tensor:
-        """(K, D, d_r) x (K, P, d_r) -> (K, D, P), both rotated by their own positions."""
-        k, p = key.shape[0], key.shape[1]
-        qc, qs = rope_tables(positions, self.d, self.theta)
-        kc, ks = rope_tables(torch.arange(p, device=key.device).expand(k, -1), self.d, self.theta)
-        return rotate(q, qc, qs) @ rotate(key, kc, ks).transpose(1, 2) / math.sqrt(self.d)
+    def rotated(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (K, N, d_r) rotated by its positions (K, N)."""
+        cos, sin = rope_tables(positions, self.d, self.theta)
+        return rotate(x, cos, sin)
 
     def forward(self, h, vocab_logits, rows, ids, lens, head, positions, twins) -> tuple:
         """One pass's parts: h (K, D, d_r), vocab_logits (K, D, V), rows (K, P, d_r) the
         decoder's projected rows, ids (K, P) the prompt; see `log_probs` and `nll`."""
         emb = head[ids]  # (K, P, d_base)
         prev = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
-        key = self.k(rows) + self.tok(emb) + self.prev(prev)
-        valid = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1) < lens.view(-1, 1, 1)
-        a = self.scores(self.q(h), key, positions).masked_fill(~valid, NEG)
+        k, p = ids.shape
+        key = self.rotated(self.k(rows) + self.tok(emb) + self.prev(prev),
+                           torch.arange(p, device=ids.device).expand(k, -1))  # fmt: skip
+        key = key.transpose(1, 2) / math.sqrt(self.d)  # (K, d_r, P)
+        off = 0.0 if self.bias is None else self.bias
+
+        def scores(q: nn.Linear) -> Tensor:  # (K, D, P), both sides rotated
+            return self.rotated(q(h), positions) @ key + off
+
+        valid = torch.arange(p, device=ids.device).view(1, 1, -1) < lens.view(-1, 1, 1)
+        a = scores(self.q).masked_fill(~valid, NEG)
         if self.mode == "gate":
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), ids)
-        a = a if self.bias is None else a + self.bias
         if self.mode == "joint":
             return ("joint", vocab_logits, a, ids)
         tw = twins[ids]  # (K, P)
-        b = (
-            self.scores(self.q_twin(h), key, positions) + (0.0 if self.bias is None else self.bias)
-        ).masked_fill(~valid | (tw < 0)[:, None], NEG)
+        b = scores(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
         return ("joint", vocab_logits, torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1))
 
 
@@ -282,8 +285,7 @@ def load_data(args) -> dict:
     vocab = json.loads((tuned / "tokenizer.json").read_text())["model"]["vocab"]
     data = {"head": lm_head_weight(base).detach().float(), "twins": space_twins(vocab),
             "eos": base.config.eos_token_id}  # fmt: skip
-    for split, limit in (("train", args.train), ("held", None)):
-        name = "train" if split == "train" else "heldout"
+    for split, name, limit in (("train", "train", args.train), ("held", "heldout", None)):
         recs = load_records(args.pair / "teacher" / f"{name}.jsonl", limit, args.max_answer)
         data[split] = (recs, capture_rows(base, recs))
     return data
