@@ -13,6 +13,7 @@ on both) and the answer token's probability is mixed from the vocabulary's and t
     twin   joint, plus a second score per position for the row's token without its leading
            space (the byte-level BPE spells a word that starts an answer without it: " the"
            in a passage is `the` after `<ans>`), where the vocabulary has that token
+    gatetwin  gate, its position softmax over twin's two scores a position
 
 Arms train the shipped decoder shape (`recipe.DECODER_CONFIG`) on the same rows, batches and
 steps, on the CPU: the rows of a pair's tuned base for its teacher's determined answers (up
@@ -29,6 +30,7 @@ DIR holds `tuned/` (the base, tokenizer beside) and `teacher/{train,heldout}.jso
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -54,7 +56,7 @@ from stateblock.train.prose_tasks import DETERMINED
 from stateblock.train.readout_ddp import answer_loss
 from stateblock.train.recipe import DECODER_CONFIG
 
-ARMS = ("base", "gate", "joint", "twin")
+ARMS = ("base", "gate", "joint", "twin", "gatetwin")
 SPACE = "\u0120"  # the byte-level BPE's mark of a leading space
 NEG = float("-inf")
 
@@ -79,12 +81,13 @@ class CopyHead(nn.Module):
         self.k = nn.Linear(d_r, d_r, bias=False)
         self.tok = nn.Linear(d_base, d_r, bias=False)  # the row's own token
         self.prev = nn.Linear(d_base, d_r, bias=False)  # the token before it: induction
-        if mode == "gate":
+        self.gated, self.twin = mode in ("gate", "gatetwin"), mode in ("twin", "gatetwin")
+        if self.gated:
             self.gate = nn.Linear(d_r, 1)
         # joint, twin: a learned offset of every position's score against the vocabulary's
         # logits, from `bias` (none without one)
-        self.bias = None if bias is None or mode == "gate" else nn.Parameter(torch.tensor(bias))
-        if mode == "twin":
+        self.bias = None if bias is None or self.gated else nn.Parameter(torch.tensor(bias))
+        if self.twin:
             self.q_twin = nn.Linear(d_r, d_r, bias=False)
 
     def rotated(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -108,13 +111,13 @@ class CopyHead(nn.Module):
 
         valid = torch.arange(p, device=ids.device).view(1, 1, -1) < lens.view(-1, 1, 1)
         a = scores(self.q).masked_fill(~valid, NEG)
-        if self.mode == "gate":
+        if self.twin:
+            tw = twins[ids]  # (K, P)
+            b = scores(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
+            a, ids = torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1)
+        if self.gated:
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), ids)
-        if self.mode == "joint":
-            return ("joint", vocab_logits, a, ids)
-        tw = twins[ids]  # (K, P)
-        b = scores(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
-        return ("joint", vocab_logits, torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1))
+        return ("joint", vocab_logits, a, ids)
 
 
 def log_probs(parts: tuple) -> Tensor:
@@ -156,7 +159,7 @@ def nll(parts: tuple, tgt: Tensor, eos: int, eos_weight: float) -> Tensor:
 def passes(dec: ReadoutDecoder, copy: CopyHead | None, batch: tuple, head: Tensor, twins) -> list:
     """Every pass's parts; a refinement reads the previous pass's mixture argmax."""
     rows, ids, lens, tgt = batch
-    positions = torch.arange(tgt.shape[1]).expand(tgt.shape[0], -1)
+    positions = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
     c = dec.context(rows, lens)
     h0 = dec.pos_in(position_features(positions, dec.periods).to(c.lat.dtype))
     mask, rots = PrefixCausal(c.lat.shape[1]), dec._rotations(c, positions)
@@ -198,13 +201,13 @@ def capture_rows(base, recs: list[dict], lanes: int = 64) -> list[Tensor]:
         ids = torch.zeros(len(idx), max(len(recs[i]["prompt_ids"]) for i in idx), dtype=torch.long)
         for r, i in enumerate(idx):
             ids[r, : len(recs[i]["prompt_ids"])] = torch.tensor(recs[i]["prompt_ids"])
-        rows = capture(base, ids)  # right-padded and causal: no mask needed
+        rows = capture(base, ids.to(base.device)).to("cpu", torch.float16)  # causal: no mask
         for r, i in enumerate(idx):
-            out[i] = rows[r, : len(recs[i]["prompt_ids"])].to(torch.float16).clone()
+            out[i] = rows[r, : len(recs[i]["prompt_ids"])].clone()
     return out
 
 
-def make_batch(recs: list[dict], rows: list[Tensor], idx: list[int]) -> tuple:
+def make_batch(recs: list[dict], rows: list[Tensor], idx: list[int], device="cpu") -> tuple:
     """(rows (K, P, d_base), prompt ids (K, P), lens (K,), targets (K, D), -100 past each)."""
     p = max(len(recs[i]["prompt_ids"]) for i in idx)
     d = max(len(recs[i]["answer_ids"]) for i in idx)
@@ -216,7 +219,7 @@ def make_batch(recs: list[dict], rows: list[Tensor], idx: list[int]) -> tuple:
         n = len(recs[i]["prompt_ids"])
         r[j, :n], ids[j, :n] = rows[i].float(), torch.tensor(recs[i]["prompt_ids"])
         tgt[j, : len(recs[i]["answer_ids"])] = torch.tensor(recs[i]["answer_ids"])
-    return r, ids, lens, tgt
+    return tuple(t.to(device) for t in (r, ids, lens, tgt))
 
 
 def greedy(answer: list[int], eos: int) -> list[int]:
@@ -232,7 +235,8 @@ def evaluate(dec, copy, held: tuple, head: Tensor, twins, eos: int) -> dict:
     by: dict[str, list] = {}
     for j in range(0, len(recs), 64):
         idx = list(range(j, min(j + 64, len(recs))))
-        pred = log_probs(passes(dec, copy, make_batch(recs, rows, idx), head, twins)[-1])
+        batch = make_batch(recs, rows, idx, head.device)
+        pred = log_probs(passes(dec, copy, batch, head, twins)[-1])
         for b, i in enumerate(idx):
             want, got = recs[i]["answer_ids"], greedy(pred[b].argmax(-1).tolist(), eos)
             e = by.setdefault(recs[i]["family"], [0, 0, 0.0])
@@ -243,14 +247,15 @@ def evaluate(dec, copy, held: tuple, head: Tensor, twins, eos: int) -> dict:
             for f, (n, x, a) in sorted(by.items())}  # fmt: skip
 
 
-def train_arm(arm: str, data: dict, args) -> list[dict]:
+def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
     """One arm from the same seed, batches and schedule as every other; its evaluations."""
     head, twins, eos = data["head"], data["twins"], data["eos"]
     torch.manual_seed(args.seed)
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
                         **DECODER_CONFIG)  # fmt: skip
-    dec = ReadoutDecoder(cfg)
+    dec = ReadoutDecoder(cfg).to(head.device)
     copy = None if arm == "base" else CopyHead(cfg.d_r, head.shape[1], arm, bias=args.copy_bias)
+    copy = copy.to(head.device) if copy else None
     params = [*dec.parameters(), *(copy.parameters() if copy else [])]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     recs, rows = data["train"]
@@ -260,7 +265,8 @@ def train_arm(arm: str, data: dict, args) -> list[dict]:
     rng, log, t0 = random.Random(args.seed), [], time.perf_counter()
     for step in range(args.steps):
         bucket = rng.choice(buckets)
-        batch = make_batch(recs, rows, rng.sample(bucket, min(args.batch, len(bucket))))
+        idx = rng.sample(bucket, min(args.batch, len(bucket)))
+        batch = make_batch(recs, rows, idx, head.device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         outs = passes(dec, copy, batch, head, twins)
@@ -274,6 +280,8 @@ def train_arm(arm: str, data: dict, args) -> list[dict]:
             log.append({"step": step + 1, "loss": round(loss.item(), 4), "eval": ev,
                         "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
             print(json.dumps({"arm": arm, **log[-1]}), flush=True)
+            if on_eval is not None:
+                on_eval(log)
     return log
 
 
@@ -282,9 +290,10 @@ def load_data(args) -> dict:
 
     tuned = args.pair / "tuned"
     base = AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.float32).eval()
+    base = base.to(args.device)
     vocab = json.loads((tuned / "tokenizer.json").read_text())["model"]["vocab"]
-    data = {"head": lm_head_weight(base).detach().float(), "twins": space_twins(vocab),
-            "eos": base.config.eos_token_id}  # fmt: skip
+    data = {"head": lm_head_weight(base).detach().float(),
+            "twins": space_twins(vocab).to(args.device), "eos": base.config.eos_token_id}  # fmt: skip
     for split, name, limit in (("train", "train", args.train), ("held", "heldout", None)):
         recs = load_records(args.pair / "teacher" / f"{name}.jsonl", limit, args.max_answer)
         data[split] = (recs, capture_rows(base, recs))
@@ -311,6 +320,7 @@ def main() -> None:
         help="joint, twin: the position scores get a learned offset, starting here (default: none)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (rows stay in host memory)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     arms = [a for a in args.arms.split(",") if a]
@@ -322,9 +332,13 @@ def main() -> None:
     result = {"config": {k: str(v) for k, v in vars(args).items()},
               "rows_seconds": round(time.perf_counter() - t0, 1), "arms": {}}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    for arm in arms:
-        result["arms"][arm] = train_arm(arm, data, args)
+
+    def save(arm: str, log: list[dict]) -> None:  # after every evaluation: a cut run keeps it
+        result["arms"][arm] = log
         (args.out / "copy_ablation.json").write_text(json.dumps(result, indent=1))
+
+    for arm in arms:
+        save(arm, train_arm(arm, data, args, on_eval=functools.partial(save, arm)))
 
 
 if __name__ == "__main__":

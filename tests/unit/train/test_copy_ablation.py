@@ -34,7 +34,7 @@ def _parts(mode: str, k=3, d=5, p=7, bias=0.0, vocab_logits=None) -> tuple:
     return copy(h, lv, rows, ids, lens, head, positions, twins), ids, lens
 
 
-@pytest.mark.parametrize("mode", ["gate", "joint", "twin"])
+@pytest.mark.parametrize("mode", ["gate", "joint", "twin", "gatetwin"])
 def test_each_mixture_is_a_distribution_and_its_loss_is_the_gathered_one(mode):
     parts, ids, lens = _parts(mode)
     lp = ca.log_probs(parts)  # (K, D, V)
@@ -78,9 +78,10 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
             "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
                               eval_every=2, copy_bias=None)  # fmt: skip
-    for arm in ("base", "twin"):
-        log = ca.train_arm(arm, data, args)
-        assert [e["step"] for e in log] == [2]
+    for arm in ("base", "twin", "gatetwin"):
+        seen: list[list] = []
+        log = ca.train_arm(arm, data, args, on_eval=seen.append)
+        assert [e["step"] for e in log] == [2] and len(seen) == 1
         ev = log[0]["eval"]
         assert {f: e["n"] for f, e in ev.items()} == {"question": 3, "repeat": 3}
         assert all(0.0 <= e["exact"] <= e["token_agreement"] <= 1.0 for e in ev.values())
