@@ -381,8 +381,8 @@ def check_fused_attention(seed: int = 0) -> dict:
     shapes with ragged query blocks, no prefix, and the decoder's own (8 heads of 32)."""
     import torch.nn.functional as F
 
-    from stateblock.model.decoder import PrefixCausal
     from stateblock.model.kernels.attention import prefix_causal_attention
+    from stateblock.model.layers import PrefixCausal
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     worst = {"ieee": 0.0, "tf32": 0.0}

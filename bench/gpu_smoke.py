@@ -327,8 +327,8 @@ def time_attention() -> dict:
     """The mixer's attention alone at D=8192 (8 heads of 32, 64 latents in front): the fused
     kernel (TF32 and exact dots) against SDPA in fp32 (memory-efficient, no tensor cores)
     and in bf16 (flash), over K=1 and K=8 lanes."""
-    from stateblock.model.decoder import prefix_causal_sdpa
     from stateblock.model.kernels.attention import prefix_causal_attention
+    from stateblock.model.layers import prefix_causal_sdpa
 
     def lanes(k: int) -> dict:
         q = torch.randn(k, 8, 8192, 32, device="cuda")

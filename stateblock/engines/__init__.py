@@ -14,6 +14,7 @@ from stateblock.engines.base import (
     LaneResult,
     ReadoutEngine,
     UnknownEngine,
+    UnservedDecoder,
     lane_requests,
     lane_result,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ReadoutEngine",
     "ReferenceEngine",
     "UnknownEngine",
+    "UnservedDecoder",
     "create_engine",
     "lane_requests",
     "lane_result",
@@ -81,4 +83,11 @@ def create_engine(
     extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
     if extra:
         raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
+    copy = model.manifest.get("decoder_config", {}).get("copy")
+    if copy:  # it points at the prompt's tokens, and a state block carries rows alone
+        raise UnservedDecoder(
+            f"the decoder at {model.decoder_dir} has a copy head (copy={copy!r}), which reads "
+            "the prompt's token ids; state blocks do not carry them, so no readout engine "
+            "serves it (it trains and is evaluated offline: stateblock.train.prose_readout)"
+        )
     return factory(model, device, **options)

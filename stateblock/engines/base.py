@@ -27,6 +27,7 @@ __all__ = [
     "LaneResult",
     "ReadoutEngine",
     "UnknownEngine",
+    "UnservedDecoder",
     "lane_requests",
     "lane_filters",
     "lane_result",
@@ -35,6 +36,10 @@ __all__ = [
 
 class UnknownEngine(ValueError):
     pass
+
+
+class UnservedDecoder(ValueError):
+    """A decoder no readout engine serves (one with a copy head)."""
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ def save_decoder(out_dir: str | Path, decoder: ReadoutDecoder, identity: dict, e
     """identity: base_model_digest, lm_head_digest, tokenizer_digest, data_digest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().to("cpu", torch.bfloat16).contiguous()
+    state = {  # weights in bf16; integer tables (a copy head's twins) as they are
+        k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
         for k, v in decoder.state_dict().items()
     }
     save_file(state, str(out / WEIGHTS))

@@ -23,9 +23,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
+from stateblock.model.copy_head import MODES as COPY_MODES
+from stateblock.model.copy_head import SERVED as COPY_SERVED
+from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk
+from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
+from stateblock.model.rotary import rope_tables, rotate
 from stateblock.model.vocab import (
     NO_EOS,
     TOP_K_SAMPLE,
@@ -38,7 +42,15 @@ from stateblock.model.vocab import (
     gumbel_pick,
 )
 
-__all__ = ["NO_EOS", "ReadoutConfig", "ReadoutDecoder", "ReadoutOut", "position_features"]
+__all__ = [
+    "NO_EOS",
+    "ReadoutConfig",
+    "ReadoutDecoder",
+    "ReadoutOut",
+    "position_features",
+    "rope_tables",
+    "rotate",
+]
 
 
 def _decimal_harmonic_periods() -> tuple[float, ...]:
@@ -66,6 +78,7 @@ class ReadoutConfig:
     n_ref_mixer: int = 0  # layers of the refinement stack; 0 = n_mixer
     rope: bool = False  # rotary (relative) positions in the mixer and row attention
     rope_theta: float = 10000.0
+    copy: str = ""  # a copy head's mode (stateblock.model.copy_head.MODES), "" for none
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -77,6 +90,8 @@ class ReadoutConfig:
             raise ValueError(f"refine={self.refine}, n_ref_mixer={self.n_ref_mixer} must be >= 0")
         if self.rope and (self.head_dim % 2 or self.n_heads < 2):
             raise ValueError("rope needs an even head dimension and at least 2 heads")
+        if self.copy and self.copy not in COPY_MODES:
+            raise ValueError(f"copy={self.copy!r}: choose from {COPY_MODES} or '' for none")
 
     @property
     def head_dim(self) -> int:
@@ -109,151 +124,6 @@ def position_features(positions: Tensor, periods: Tensor) -> Tensor:
     return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
 
 
-Rotation = tuple[Tensor, Tensor, Tensor, Tensor]  # q cos, q sin, k cos, k sin
-
-
-def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin of rotary angles for integer positions. (...,) -> (..., head_dim) each."""
-    half = head_dim // 2
-    inv = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
-    angle = positions.to(torch.float32).unsqueeze(-1) * inv  # (..., half)
-    angle = torch.cat([angle, angle], dim=-1)  # (..., head_dim), the rotate_half layout
-    return torch.cos(angle), torch.sin(angle)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding: x (K, H, N, hd) with cos/sin broadcastable to it."""
-    a, b = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat([-b, a], dim=-1) * sin.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, ratio: int) -> None:
-        super().__init__()
-        hidden = dim * ratio
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-@dataclass(frozen=True)
-class PrefixCausal:
-    """The mixer's mask without its (Nq, n_prefix + Nq) tensor: query t sees the n_prefix
-    leading keys (the latents) and the keys of positions <= t."""
-
-    n_prefix: int
-
-    def dense(self, nq: int, device: torch.device) -> Tensor:
-        causal = torch.ones(nq, nq, dtype=torch.bool, device=device).tril()
-        prefix = torch.ones(nq, self.n_prefix, dtype=torch.bool, device=device)
-        return torch.cat([prefix, causal], dim=1)  # (Nq, n_prefix + Nq)
-
-
-def prefix_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, n_prefix: int) -> Tensor:
-    """SDPA under PrefixCausal as plain causal attention: n_prefix zero queries in front make
-    the problem square, where is_causal means exactly that mask, and are dropped after. The
-    kernels then skip the masked half of the blocks and take no mask tensor (flash in
-    bf16), at the price of n_prefix extra query rows (64 of 8,256 at D=8192)."""
-    q = F.pad(q, (0, 0, n_prefix, 0))  # (K, H, n_prefix + Nq, hd)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, n_prefix:]
-
-
-class Attention(nn.Module):
-    """Multi-head attention with two implementations over the same weights.
-
-    `explicit` is MatMul/Softmax (what the ONNX graph contains, and it builds the full
-    score tensor); `sdpa` is scaled_dot_product_attention, which on the GPU never
-    materialises the (queries x keys) scores: the K=8 x D=8192 memory wall of the seed;
-    `fused` is `sdpa` except for the mixer's PrefixCausal attention, which runs the fp32
-    flash kernel of `stateblock.model.kernels.attention` (CUDA + Triton, fp32 only: SDPA has no
-    tensor-core kernel for fp32).
-    """
-
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def _heads(self, x: Tensor) -> Tensor:
-        k, n, d = x.shape
-        return x.view(k, n, self.n_heads, d // self.n_heads).transpose(1, 2)  # (K, H, n, hd)
-
-    def forward(
-        self,
-        xq: Tensor,
-        xkv: Tensor,
-        mask: Tensor | PrefixCausal | None,
-        impl: str,
-        rot: Rotation | None = None,
-    ) -> Tensor:
-        # xq: (K, Nq, d), xkv: (K, Nk, d), mask: bool broadcastable to (K, 1, Nq, Nk), True = attend
-        # (or, for sdpa, a PrefixCausal standing for it); rot: rotary tables for q and k
-        q, k, v = self._heads(self.wq(xq)), self._heads(self.wk(xkv)), self._heads(self.wv(xkv))
-        if rot is not None:
-            q, k = rotate(q, rot[0], rot[1]), rotate(k, rot[2], rot[3])
-        if impl == "fused" and isinstance(mask, PrefixCausal):
-            from stateblock.model.kernels.attention import prefix_causal_attention
-
-            kk, nq, d = xq.shape
-            out = torch.empty(
-                kk, nq, self.n_heads, d // self.n_heads, dtype=q.dtype, device=q.device
-            )
-            prefix_causal_attention(q, k, v, mask.n_prefix, out=out.transpose(1, 2))
-            return self.wo(out.view(kk, nq, d))  # heads already interleaved: no transpose copy
-        if impl == "sdpa" and isinstance(mask, PrefixCausal):
-            y = prefix_causal_sdpa(q, k, v, mask.n_prefix)
-        elif impl in ("sdpa", "fused"):  # fused: only the mixer's attention has a kernel
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif impl == "explicit":  # a dense mask only: `hidden` builds it once for all layers
-            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (K,H,Nq,Nk)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            y = torch.matmul(torch.softmax(scores, dim=-1), v)
-        else:
-            raise ValueError(f"unknown attention implementation {impl!r}")
-        kk, h, n, hd = y.shape
-        return self.wo(y.transpose(1, 2).reshape(kk, n, h * hd))  # (K, Nq, d)
-
-
-class Block(nn.Module):
-    """Pre-norm attention + MLP; the keys/values are whatever the caller passes."""
-
-    def __init__(self, cfg: ReadoutConfig) -> None:
-        super().__init__()
-        self.norm_q = RMSNorm(cfg.d_r, cfg.norm_eps)
-        self.norm_kv = RMSNorm(cfg.d_r, cfg.norm_eps)
-        self.attn = Attention(cfg.d_r, cfg.n_heads)
-        self.norm_mlp = RMSNorm(cfg.d_r, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_r, cfg.mlp_ratio)
-
-    def forward(
-        self,
-        x: Tensor,
-        kv: Tensor,
-        mask: Tensor | PrefixCausal | None,
-        impl: str,
-        rot: Rotation | None = None,
-    ) -> Tensor:
-        x = x + self.attn(self.norm_q(x), self.norm_kv(kv), mask, impl, rot)
-        return x + self.mlp(self.norm_mlp(x))
-
-
 class Context(NamedTuple):
     """What every answer position reads: the repaired latents and the projected rows."""
 
@@ -261,6 +131,7 @@ class Context(NamedTuple):
     rows: Tensor  # (K, P, d_r) rows in readout width, positions from both ends added
     row_mask: Tensor  # (K, 1, 1, P) bool, True = a real row of the lane's prompt
     prompt_lens: Tensor  # (K,)
+    prompt_ids: Tensor | None = None  # (K, P) the prompt's tokens: a copy head points at them
 
 
 # the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
@@ -299,9 +170,21 @@ class ReadoutDecoder(nn.Module):
             if cfg.row_attn:
                 self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.ref_layers)])
             self.ref_norm = RMSNorm(cfg.d_r, cfg.norm_eps)
+        if cfg.copy:
+            self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta)
+            # each token's spelling without its leading space (copy_head.space_twins, from
+            # the tokenizer when the decoder is made): saved with the weights, so the
+            # decoder's digest binds it
+            self.register_buffer("twins", torch.full((cfg.vocab_size,), -1, dtype=torch.long))
 
     # -- pure stages -------------------------------------------------------------------
-    def context(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Context:
+    def context(
+        self,
+        rows: Tensor,
+        prompt_lens: Tensor,
+        impl: str = "sdpa",
+        prompt_ids: Tensor | None = None,
+    ) -> Context:
         """Captured rows -> repaired latents and projected rows. rows (K, P, d_base), prompt_lens (K,)."""
         k, p, _ = rows.shape
         idx = torch.arange(p, device=rows.device)
@@ -315,7 +198,7 @@ class ReadoutDecoder(nn.Module):
         if self.cfg.row_attn:
             from_end = prompt_lens.unsqueeze(1) - 1 - idx.unsqueeze(0)  # (K, P), < 0 on padding
             ctx = ctx + self.ctx_end(position_features(from_end, self.periods).to(ctx.dtype))
-        return Context(lat, ctx, row_mask, prompt_lens)
+        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids)
 
     def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
         """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
@@ -382,7 +265,12 @@ class ReadoutDecoder(nn.Module):
 
         `guess` maps a pass's states to the embeddings of its argmax tokens (`guess_embed`
         does it against the lm_head); refinement needs one."""
-        c = self.context(rows, prompt_lens, impl)  # latents (K, M, d_r), rows (K, P, d_r)
+        return self.passes_from(self.context(rows, prompt_lens, impl), positions, impl, guess)
+
+    def passes_from(
+        self, c: Context, positions: Tensor, impl: str = "sdpa", guess: GuessFn | None = None
+    ) -> list[Tensor]:
+        """`passes` from a context already made: latents (K, M, d_r), rows (K, P, d_r)."""
         m = c.lat.shape[1]
         d = positions.shape[1]
         h0 = self.pos_in(position_features(positions, self.periods).to(c.lat.dtype))  # (K, D, d_r)
@@ -433,6 +321,69 @@ class ReadoutDecoder(nn.Module):
 
         return guess
 
+    # -- the copy head (cfg.copy) ------------------------------------------------------
+    def copy_topk(
+        self, h: Tensor, c: Context, positions: Tensor, lm_head: Tensor, k: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """A pass's copy mixture: its top-k (values, ids (K, D, k)) and log-sum-exp (K, D)
+        from its normed state h (K, D, d_r); no (K, D, V) tensor is resident."""
+        hv = self.out(h).to(lm_head.dtype)  # (K, D, d_base)
+        top_v, top_i, lse_v = chunked_topk_lse(hv, lm_head, self.cfg.n_chunks, k)
+        a, cand = self.copy_head.scores(
+            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins
+        )  # (K, D, C), (K, C)
+        cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
+        return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k)
+
+    def copy_guess(self, c: Context, positions: Tensor, lm_head: Tensor) -> GuessFn:
+        """The refinement's guess of a copy decoder: the mixture's top-1, embedded."""
+
+        def guess(h: Tensor) -> Tensor:
+            _, ids, _ = self.copy_topk(h, c, positions, lm_head, 1)
+            return self.guess_in(lm_head[ids[..., 0]].to(self.guess_in.weight.dtype))
+
+        return guess
+
+    def _copy_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
+        if prompt_ids is None:
+            raise ValueError("a decoder with a copy head reads the prompt's token ids")
+        if self.cfg.copy not in COPY_SERVED:
+            raise ValueError(f"copy mode {self.cfg.copy!r} trains but is not served")
+        c = self.context(rows, prompt_lens, impl, prompt_ids)
+        guess = self.copy_guess(c, positions, lm_head) if self.cfg.refine else None
+        h = self.passes_from(c, positions, impl, guess)[-1]
+        return self.copy_topk(h, c, positions, lm_head, k)
+
+    def pass_parts(
+        self,
+        rows: Tensor,
+        prompt_lens: Tensor,
+        positions: Tensor,
+        lm_head: Tensor,
+        prompt_ids: Tensor | None = None,
+    ) -> list[tuple]:
+        """Every pass's distribution for training, as copy_head parts: [("base", (K, D, V))]
+        without a copy head. A refinement reads the previous pass's mixture argmax."""
+        if not self.cfg.copy:
+            return [("base", lg) for lg in self.pass_logits(rows, prompt_lens, positions, lm_head)]
+        if prompt_ids is None:
+            raise ValueError("a decoder with a copy head reads the prompt's token ids")
+        head = lm_head.to(self.out.weight.dtype)
+        c = self.context(rows, prompt_lens, "sdpa", prompt_ids)
+
+        def parts(h: Tensor) -> tuple:
+            lv = self.out(h) @ head.t()  # (K, D, V)
+            return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
+                                  self.twins)  # fmt: skip
+
+        def guess(h: Tensor) -> Tensor:
+            with torch.no_grad():
+                ids = log_probs(parts(h)).argmax(-1)  # (K, D), trained on its own guesses
+            return self.guess_in(head[ids])
+
+        states = self.passes_from(c, positions, "sdpa", guess if self.cfg.refine else None)
+        return [parts(h) for h in states]
+
     def forward(
         self,
         rows: Tensor,  # (K, P, d_base), lanes padded to the longest prompt
@@ -445,11 +396,17 @@ class ReadoutDecoder(nn.Module):
         noise: Tensor | None = None,  # (K, D, TOP_K_SAMPLE) Gumbel noise for sampling
         impl: str = "sdpa",
         filters: Filters | None = None,  # top_k / top_p / min_p / min_tokens, with temperature
+        prompt_ids: Tensor | None = None,  # (K, P) the prompts' tokens: a copy head's candidates
     ) -> ReadoutOut:
-        guess = self.guess_embed(lm_head) if self.cfg.refine else None
-        h = self.hidden(rows, prompt_lens, positions, impl, guess).to(lm_head.dtype)
         k_top = 2 if temperature is None else TOP_K_SAMPLE
-        top_v, top_i, lse = chunked_topk_lse(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
+        if self.cfg.copy:
+            top_v, top_i, lse = self._copy_top(
+                rows, prompt_lens, positions, lm_head, prompt_ids, impl, k_top
+            )
+        else:
+            guess = self.guess_embed(lm_head) if self.cfg.refine else None
+            h = self.hidden(rows, prompt_lens, positions, impl, guess).to(lm_head.dtype)
+            top_v, top_i, lse = chunked_topk_lse(h, lm_head, self.cfg.n_chunks, k_top)  # (K, D, k)
         margin = (top_v[..., 0] - top_v[..., 1]).float()
         tokens, chosen = top_i[..., 0], top_v[..., 0]
         eos = self.cfg.eos_token_id if eos_token_id is None else eos_token_id

@@ -17,10 +17,11 @@ from tqdm import tqdm
 
 from stateblock.model import checkpoint as ckpt
 from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.copy_head import space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
 from stateblock.train.batching import budget_batches
-from stateblock.train.readout_ddp import answer_loss
+from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.reference import StepPlan, lr_at
 from stateblock.train.teacher import greedy_answers, load_cache, save_cache
 
@@ -106,7 +107,10 @@ def new_decoder(base, tok, lm_head: torch.Tensor, cfg: DistillConfig, device) ->
         **cfg.decoder,
     )
     torch.manual_seed(cfg.seed)
-    return ReadoutDecoder(dcfg).to(device)
+    decoder = ReadoutDecoder(dcfg)
+    if dcfg.copy:  # the copy head's twin spellings, from this base's tokenizer
+        decoder.twins.copy_(space_twins(tok.get_vocab(), dcfg.vocab_size))
+    return decoder.to(device)
 
 
 def resume_state(resume: Path, decoder: ReadoutDecoder, opt, steps: int, device) -> tuple:
@@ -147,9 +151,9 @@ def train_step(
     for g in opt.param_groups:
         g["lr"] = lr
     with amp:
-        passes = decoder.pass_logits(rows, lens, pos, lm_head)  # [(K, D, V)]
+        passes = decoder.pass_parts(rows, lens, pos, lm_head, ids)  # [(K, D, V) or a mixture]
     eos = decoder.cfg.eos_token_id
-    loss = sum(answer_loss(lg, tgt, eos, eos_weight) for lg in passes) / len(passes)
+    loss = sum(parts_loss(p, tgt, eos, eos_weight) for p in passes) / len(passes)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)

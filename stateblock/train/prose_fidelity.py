@@ -94,7 +94,8 @@ def readout_answers(base, decoder, records: list[dict], cap: int, pad: int, devi
         rows = capture(base, ids.to(device))  # right-padded: causal rows need no mask
         pos = torch.arange(cap, device=device).expand(len(batch), -1)
         depth = torch.full((len(batch),), cap, device=device)
-        got = decoder(rows, lens.to(device), pos, depth, lm_head).tokens.cpu().tolist()
+        out_ = decoder(rows, lens.to(device), pos, depth, lm_head, prompt_ids=ids.to(device))
+        got = out_.tokens.cpu().tolist()
         for i, tokens in zip(batch, got, strict=True):
             out[i] = tokens
     return out

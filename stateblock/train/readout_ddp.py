@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from stateblock.model import checkpoint as ckpt
 from stateblock.model.capture import backbone
+from stateblock.model.copy_head import target_log_probs
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train import ddp, tasks
 from stateblock.train.base_ddp import FastEnc, Stream
@@ -101,6 +102,16 @@ def answer_loss(
     if extra is not None:  # (B, D) per-position weights, e.g. near_end_weights
         w = w * extra.flatten()
     return (ce * w).sum() / w.sum().clamp_min(1.0)
+
+
+def parts_loss(parts: tuple, target: Tensor, eos: int, eos_weight: float = 1.0) -> Tensor:
+    """`answer_loss` of one pass's distribution (`ReadoutDecoder.pass_parts`): its logits',
+    or a copy mixture's log-probabilities gathered at the targets (no (B, D, V) mixture)."""
+    if parts[0] == "base":
+        return answer_loss(parts[1], target, eos, eos_weight)
+    lp = target_log_probs(parts, target)  # (B, D)
+    w = torch.where(target == eos, eos_weight, 1.0) * (target != -100)
+    return -(lp * w).sum() / w.sum().clamp_min(1.0)
 
 
 def near_end_weights(

@@ -4,13 +4,15 @@ runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from readout_svc.config import ReadoutServiceConfig
 from readout_svc.server import running_readout
-from stateblock.engines import UnknownEngine, create_engine
+from stateblock.engines import UnknownEngine, UnservedDecoder, create_engine
 from stateblock.protocol.keys import Signer, TrustStore
 from stateblock.runtime import ConfigError
 from tests.integration.conftest import READOUT_SIGNER
@@ -21,6 +23,17 @@ SIGNER = Signer.generate()
 def test_unknown_engine_fails_closed(serving_model):
     with pytest.raises(UnknownEngine, match="unknown readout engine 'tensorrt-fast'"):
         create_engine("tensorrt-fast", serving_model)
+
+
+@pytest.mark.parametrize("name", ["reference", "onnx", "torch"])
+def test_a_decoder_with_a_copy_head_is_refused_by_every_engine(serving_model, name):
+    """Its copy head reads the prompt's token ids, which no state block carries: the worker
+    fails at start-up with the reason, never at a request."""
+    manifest = {**serving_model.manifest}
+    manifest["decoder_config"] = {**manifest["decoder_config"], "copy": "twin"}
+    copying = dataclasses.replace(serving_model, manifest=manifest)
+    with pytest.raises(UnservedDecoder, match="copy head .* no readout engine serves it"):
+        create_engine(name, copying, "cpu")
 
 
 def test_blocks_storage_from_env():

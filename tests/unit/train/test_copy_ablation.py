@@ -1,6 +1,6 @@
-"""The copy-head ablation's pieces: the space-less twins of a byte-level vocabulary, each
-mixture a distribution whose training loss is the one its full log-probabilities give, and an
-arm that trains and evaluates end to end on a small copy task."""
+"""The copy head's training side: each mixture a distribution whose training loss
+(`parts_loss`) is the one its full log-probabilities give, and an ablation arm that trains and
+evaluates end to end on a small copy task."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import random
 import pytest
 import torch
 
+from stateblock.model.copy_head import CopyHead, log_probs
 from stateblock.train import copy_ablation as ca
+from stateblock.train.readout_ddp import parts_loss
 
 V, D_BASE, EOS = 40, 16, 2
-
-
-def test_space_twins_map_a_leading_space_to_the_bare_spelling():
-    vocab = {"<pad>": 0, "the": 1, "\u0120the": 2, "\u0120cat": 3, "cat\u0120": 4}
-    assert ca.space_twins(vocab).tolist() == [-1, -1, 1, -1, -1]
 
 
 def _parts(mode: str, k=3, d=5, p=7, bias=0.0, vocab_logits=None) -> tuple:
@@ -25,7 +22,7 @@ def _parts(mode: str, k=3, d=5, p=7, bias=0.0, vocab_logits=None) -> tuple:
     head = torch.randn(V, D_BASE)
     twins = torch.full((V,), -1, dtype=torch.long)
     twins[10:20] = torch.arange(20, 30)
-    copy = ca.CopyHead(32, D_BASE, mode, bias=bias)
+    copy = CopyHead(32, D_BASE, mode, bias=bias)
     ids = torch.randint(3, V, (k, p))
     lens = torch.tensor([p, p - 2, 3])
     positions = torch.arange(d).expand(k, -1)
@@ -37,7 +34,7 @@ def _parts(mode: str, k=3, d=5, p=7, bias=0.0, vocab_logits=None) -> tuple:
 @pytest.mark.parametrize("mode", ["gate", "joint", "twin", "gatetwin"])
 def test_each_mixture_is_a_distribution_and_its_loss_is_the_gathered_one(mode):
     parts, ids, lens = _parts(mode)
-    lp = ca.log_probs(parts)  # (K, D, V)
+    lp = log_probs(parts)  # (K, D, V)
     assert torch.allclose(lp.exp().sum(-1), torch.ones(lp.shape[:2]), atol=1e-5)
     tgt = torch.randint(3, V, (3, 5))
     tgt[0, :2] = ids[0, :2]  # targets the prompt holds: the copy's share counts
@@ -45,16 +42,16 @@ def test_each_mixture_is_a_distribution_and_its_loss_is_the_gathered_one(mode):
     want = torch.nn.functional.nll_loss(lp.flatten(0, 1), tgt.flatten(), ignore_index=-100,
                                         reduction="none")  # fmt: skip
     w = torch.where(tgt.flatten() == EOS, 10.0, 1.0) * (tgt.flatten() != -100)
-    assert torch.allclose(ca.nll(parts, tgt, EOS, 10.0), (want * w).sum() / w.sum(), atol=1e-4)
+    assert torch.allclose(parts_loss(parts, tgt, EOS, 10.0), (want * w).sum() / w.sum(), atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["joint", "twin"])
 def test_a_low_copy_bias_leaves_the_vocabulary_distribution(mode):
     lv = torch.randn(3, 5, V)
     parts, _, _ = _parts(mode, bias=-60.0, vocab_logits=lv)
-    assert torch.allclose(ca.log_probs(parts), lv.log_softmax(-1), atol=1e-4)
+    assert torch.allclose(log_probs(parts), lv.log_softmax(-1), atol=1e-4)
     parts, _, _ = _parts(mode, bias=0.0, vocab_logits=lv)
-    assert not torch.allclose(ca.log_probs(parts), lv.log_softmax(-1), atol=1e-2)
+    assert not torch.allclose(log_probs(parts), lv.log_softmax(-1), atol=1e-2)
 
 
 def test_padding_positions_get_no_copy_mass():

@@ -1,0 +1,170 @@
+"""The readout's copy head: answer tokens pointed at in the prompt, beside the vocabulary.
+
+A readout reaches a prompt token only through a captured row, whose final hidden state is the
+base's guess at the token after it, so answers that repeat a span of the prompt are spelled
+badly. The copy head scores every prompt position for every answer position (queries from the
+readout's state, keys from the decoder's projected row plus the lm_head rows of the row's
+token and of the one before it, rotary positions on both sides) and mixes:
+
+    gate      g * softmax(vocab) + (1 - g) * softmax(positions), g a learned sigmoid
+    joint     one softmax over [vocab logits ; position scores]: a token's positions add up
+    twin      joint, plus a second score per position for the row's token without its leading
+              space (a byte-level BPE spells a word that starts an answer without it: " the"
+              in a passage is `the` after `<ans>`), where the vocabulary has that spelling
+    gatetwin  gate, its position softmax over twin's two scores a position
+
+A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
+g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
+candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
+`nll` gathers the loss at the targets without it; `mixture_topk` serves the joint mixtures'
+top-k from the vocabulary's chunked top-k and log-sum-exp, so no (K, D, V) tensor is resident.
+docs/QUALITY.md has the ablation that chose `twin`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from stateblock.model.rotary import rope_tables, rotate
+
+MODES = ("gate", "joint", "twin", "gatetwin")
+SERVED = ("joint", "twin")  # the modes `mixture_topk` serves
+SPACE = "\u0120"  # the byte-level BPE's mark of a leading space
+NEG = float("-inf")
+
+
+def space_twins(vocab: dict[str, int], size: int | None = None) -> Tensor:
+    """(V,) the id of each token's spelling without its leading space, -1 where the token has
+    no leading space or the vocabulary lacks the shorter spelling."""
+    twins = torch.full((size or max(vocab.values()) + 1,), -1, dtype=torch.long)
+    for text, i in vocab.items():
+        if text.startswith(SPACE) and text[1:] in vocab and i < twins.shape[0]:
+            twins[i] = vocab[text[1:]]
+    return twins
+
+
+def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """x (K, N, d) rotated by integer positions (K, N)."""
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    return rotate(x, cos, sin)
+
+
+class CopyHead(nn.Module):
+    def __init__(
+        self, d_r: int, d_base: int, mode: str, theta: float = 10000.0, bias: float | None = None
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"copy mode {mode!r}: choose from {MODES}")
+        self.mode, self.d, self.theta = mode, d_r, theta
+        self.gated, self.twin = mode in ("gate", "gatetwin"), mode in ("twin", "gatetwin")
+        self.q = nn.Linear(d_r, d_r, bias=False)
+        self.k = nn.Linear(d_r, d_r, bias=False)
+        self.tok = nn.Linear(d_base, d_r, bias=False)  # the row's own token
+        self.prev = nn.Linear(d_base, d_r, bias=False)  # the token before it: induction
+        if self.gated:
+            self.gate = nn.Linear(d_r, 1)
+        # joint, twin: a learned offset of every position's score against the vocabulary's
+        # logits, from `bias` (none without one)
+        self.bias = None if bias is None or self.gated else nn.Parameter(torch.tensor(bias))
+        if self.twin:
+            self.q_twin = nn.Linear(d_r, d_r, bias=False)
+
+    def scores(self, h, rows, ids, lens, head, positions, twins) -> tuple[Tensor, Tensor]:
+        """(scores (K, D, C), candidate ids (K, C)): h (K, D, d_r) the pass's normed state,
+        rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
+        lens (K,)), head (V, d_base), positions (K, D), twins (V,). C is P, or 2P with twins;
+        a padding position or a missing twin scores -inf (its id is then 0)."""
+        emb = head[ids].to(h.dtype)  # (K, P, d_base)
+        prev = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
+        k, p = ids.shape
+        idx = torch.arange(p, device=ids.device)
+        key = rope(self.k(rows.to(h.dtype)) + self.tok(emb) + self.prev(prev),
+                   idx.expand(k, -1), self.theta)  # fmt: skip
+        key = key.transpose(1, 2) / math.sqrt(self.d)  # (K, d_r, P)
+        off = 0.0 if self.bias is None else self.bias
+
+        def score(q: nn.Linear) -> Tensor:  # (K, D, P), both sides rotated
+            return rope(q(h), positions, self.theta) @ key + off
+
+        valid = (idx.view(1, -1) < lens.view(-1, 1))[:, None]  # (K, 1, P)
+        a = score(self.q).masked_fill(~valid, NEG)
+        if not self.twin:
+            return a, ids
+        tw = twins[ids]  # (K, P)
+        b = score(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
+        return torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1)
+
+    def forward(self, h, vocab_logits, rows, ids, lens, head, positions, twins) -> tuple:
+        """One pass's parts (see the module's doc) from its vocabulary logits (K, D, V)."""
+        a, cand = self.scores(h, rows, ids, lens, head, positions, twins)
+        if self.gated:
+            return ("gate", vocab_logits, self.gate(h), a.softmax(-1), cand)
+        return ("joint", vocab_logits, a, cand)
+
+
+def log_probs(parts: tuple) -> Tensor:
+    """The mixture's log-probabilities over the vocabulary (K, D, V)."""
+    if parts[0] == "base":
+        return parts[1].log_softmax(-1)
+    if parts[0] == "gate":
+        _, lv, g, attn, ids = parts
+        copy = torch.zeros_like(lv).scatter_add(-1, ids[:, None].expand_as(attn), attn)
+        mix = torch.sigmoid(g) * lv.softmax(-1) + torch.sigmoid(-g) * copy
+        return mix.clamp_min(1e-30).log()
+    _, lv, a, ids = parts
+    lse = torch.logsumexp(torch.cat([lv, a], -1), -1, keepdim=True)
+    copy = torch.zeros_like(lv).scatter_add(-1, ids[:, None].expand_as(a), (a - lse).exp())
+    return ((lv - lse).exp() + copy).clamp_min(1e-30).log()
+
+
+def target_log_probs(parts: tuple, tgt: Tensor) -> Tensor:
+    """log p(target) of a copy mixture (K, D), gathered: no (K, D, V) mixture built."""
+    t = tgt.clamp_min(0)
+    lv, ids = parts[1], parts[-1]
+    hit = ids[:, None, :] == t[..., None]  # (K, D, C): the candidates standing for the target
+    if parts[0] == "gate":
+        g, attn = parts[2].squeeze(-1), parts[3]
+        lvt = lv.log_softmax(-1).gather(-1, t[..., None]).squeeze(-1)
+        ct = (attn * hit).sum(-1).clamp_min(1e-30).log()
+        return torch.logaddexp(F.logsigmoid(g) + lvt, F.logsigmoid(-g) + ct)
+    a = parts[2]
+    lse = torch.logsumexp(torch.cat([lv, a], -1), -1)
+    at = a.masked_fill(~hit, NEG)
+    return torch.logsumexp(torch.cat([lv.gather(-1, t[..., None]), at], -1), -1) - lse
+
+
+def mixture_topk(
+    top_v: Tensor, top_i: Tensor, lse_v: Tensor, cand_v: Tensor, a: Tensor, cand: Tensor, k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The joint mixture's top-k (values (K, D, k) as logits against `lse`, ids) and its
+    log-sum-exp (K, D), from the vocabulary's top-k (top_v, top_i (K, D, k)) and log-sum-exp
+    lse_v (K, D), the vocabulary logits of the candidates cand_v (K, D, C), their scores a
+    (K, D, C) and ids cand (K, C).
+
+    A token outside the candidates keeps its vocabulary logit, so the mixture's top-k lies in
+    the vocabulary's top-k and the candidates; a token's mixture logit is logaddexp(its
+    vocabulary logit, the log-sum-exp of its candidates' scores). Candidates repeating an
+    earlier one or a vocabulary top-k id are dropped before the top-k (ties: vocabulary ids
+    first, then the earlier position)."""
+    a = a.float()
+    amax = a.amax(-1, keepdim=True).clamp_min(-1e30)  # all -inf (no prompt): keep it finite
+    ea = torch.exp(a - amax)  # (K, D, C)
+    same = (cand[:, :, None] == cand[:, None, :]).to(ea.dtype)  # (K, C, C)
+    mass = torch.log(ea @ same) + amax  # (K, D, C): each candidate's token's whole copy mass
+    cand_mix = torch.logaddexp(cand_v.float(), mass)
+    in_top = top_i[..., :, None] == cand[:, None, None, :]  # (K, D, k, C)
+    top_mass = torch.log((in_top * ea[:, :, None, :]).sum(-1)) + amax  # (K, D, k)
+    top_mix = torch.logaddexp(top_v.float(), top_mass)
+    earlier = torch.ones_like(same, dtype=torch.bool).tril(-1)  # [p, p']: p' < p
+    dup = ((same > 0) & earlier).any(-1)[:, None].expand_as(a) | in_top.any(-2)  # (K, D, C)
+    vals = torch.cat([top_mix, cand_mix.masked_fill(dup, NEG)], -1)
+    ids = torch.cat([top_i, cand[:, None].expand_as(a)], -1)
+    v, sel = torch.topk(vals, k, dim=-1)
+    lse = torch.logaddexp(lse_v.float(), torch.log(ea.sum(-1)) + amax.squeeze(-1))
+    return v, torch.gather(ids, -1, sel), lse

@@ -1,0 +1,142 @@
+"""The readout's copy head: the served top-k of the mixture is the dense one, the served answer
+is the training mixture's argmax pass by pass, and the head's table travels with the weights."""
+
+import pytest
+import torch
+
+from stateblock.model import checkpoint as ckpt
+from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk, space_twins
+from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.vocab import chunked_topk_lse
+
+D_BASE, VOCAB, EOS = 24, 97, 2
+
+
+def test_space_twins_map_a_leading_space_to_the_bare_spelling():
+    vocab = {"<pad>": 0, "the": 1, "\u0120the": 2, "\u0120cat": 3, "cat\u0120": 4}
+    assert space_twins(vocab).tolist() == [-1, -1, 1, -1, -1]
+    assert space_twins(vocab, size=7).tolist() == [-1, -1, 1, -1, -1, -1, -1]
+
+
+def _joint(mode: str, k=3, d=6, p=9, seed=0):
+    """One joint mixture's parts over prompts with repeated tokens and padding."""
+    torch.manual_seed(seed)
+    head = torch.randn(VOCAB, D_BASE)
+    twins = torch.full((VOCAB,), -1, dtype=torch.long)
+    twins[10:40] = torch.arange(40, 70)
+    ids = torch.randint(5, 30, (k, p))  # a small range: tokens repeat within a prompt
+    lens = torch.tensor([p, p - 3, 1])[:k]
+    h, rows = torch.randn(k, d, 16), torch.randn(k, p, 16)
+    copy = CopyHead(16, D_BASE, mode)
+    with torch.no_grad():
+        for w in copy.parameters():
+            w.normal_(0, 0.5)
+    lv = torch.randn(k, d, VOCAB) * 2
+    positions = torch.arange(d).expand(k, -1)
+    return copy(h, lv, rows, ids, lens, head, positions, twins)
+
+
+@pytest.mark.parametrize("mode", ["joint", "twin"])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_the_served_topk_is_the_dense_mixtures(mode, k):
+    _, lv, a, cand = parts = _joint(mode)
+    dense = log_probs(parts)  # (K, D, V)
+    want_v, want_i = dense.topk(k, dim=-1)
+    top_v, top_i = lv.topk(k, dim=-1)
+    lse_v = lv.logsumexp(-1)
+    cand_v = lv.gather(-1, cand[:, None].expand_as(a))
+    v, i, lse = mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k)
+    assert torch.equal(i, want_i)
+    assert torch.allclose(v - lse[..., None], want_v, atol=1e-5)
+    assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
+
+
+def make(copy: str, refine: int = 1, seed: int = 0) -> tuple[ReadoutDecoder, torch.Tensor]:
+    torch.manual_seed(seed)
+    cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
+                        n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy)  # fmt: skip
+    dec = ReadoutDecoder(cfg).eval()
+    with torch.no_grad():
+        for w in dec.parameters():
+            w.normal_(0, 0.3)
+        if copy:
+            dec.twins[10:40] = torch.arange(40, 70)
+    return dec, torch.randn(VOCAB, D_BASE)
+
+
+def _lanes(k=3, p=8, d=7):
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(k, p, D_BASE, generator=g)
+    lens = torch.tensor([p, 5, 2])[:k]
+    ids = torch.randint(5, 45, (k, p), generator=g)
+    return rows, lens, ids, torch.arange(d).expand(k, -1)
+
+
+@pytest.mark.parametrize("refine", [0, 1])
+def test_the_served_answer_is_the_training_mixtures_argmax(refine):
+    dec, head = make("twin", refine)
+    rows, lens, ids, pos = _lanes()
+    depth = torch.full((3,), pos.shape[1])
+    with torch.no_grad():
+        parts = dec.pass_parts(rows, lens, pos, head, ids)
+        out = dec(rows, lens, pos, depth, head, prompt_ids=ids)
+    assert len(parts) == 1 + refine
+    lp = log_probs(parts[-1])
+    assert torch.equal(out.tokens, lp.argmax(-1))
+    assert torch.allclose(out.top1_logprob, lp.max(-1).values, atol=1e-4)
+    copied = torch.isin(out.tokens, torch.cat([ids, dec.twins[ids]], -1))
+    assert copied.any()  # the weights are random: some answer token is a copy's, not all
+    shallow = dec(rows, lens, pos[:, :4], torch.full((3,), 4), head, prompt_ids=ids)
+    assert torch.equal(shallow.tokens, out.tokens[:, :4])  # prefix-causal with the copy head
+
+
+def test_the_copy_head_needs_the_prompt_ids_and_a_served_mode():
+    dec, head = make("twin")
+    rows, lens, ids, pos = _lanes()
+    depth = torch.full((3,), pos.shape[1])
+    with pytest.raises(ValueError, match="token ids"):
+        dec(rows, lens, pos, depth, head)
+    with pytest.raises(ValueError, match="token ids"):
+        dec.pass_parts(rows, lens, pos, head)
+    gated, _ = make("gatetwin")
+    with pytest.raises(ValueError, match="not served"):
+        gated(rows, lens, pos, depth, head, prompt_ids=ids)
+    assert gated.pass_parts(rows, lens, pos, head, ids)[-1][0] == "gate"  # it trains
+    with pytest.raises(ValueError, match="copy='pointer'"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="pointer")
+
+
+def test_without_a_copy_head_the_parts_are_the_logits():
+    dec, head = make("")
+    rows, lens, ids, pos = _lanes()
+    with torch.no_grad():
+        parts = dec.pass_parts(rows, lens, pos, head, ids)
+        logits = dec.pass_logits(rows, lens, pos, head)
+    assert [p[0] for p in parts] == ["base", "base"]
+    assert all(torch.equal(p[1], lg) for p, lg in zip(parts, logits, strict=True))
+    assert not hasattr(dec, "twins") and "copy_head.q.weight" not in dec.state_dict()
+
+
+def test_the_twins_table_is_saved_and_digested_with_the_weights(tmp_path):
+    dec, head = make("twin")
+    ckpt.save_decoder(tmp_path, dec, {"base_model_digest": "b"}, {})
+    manifest = ckpt.read_manifest(tmp_path)
+    back = ckpt.build_decoder(tmp_path, manifest)
+    assert back.cfg.copy == "twin" and torch.equal(back.twins, dec.twins)
+    assert back.twins.dtype == torch.long and int(dec.twins.max()) == 69
+    dec.twins[50] = 3
+    ckpt.save_decoder(tmp_path / "other", dec, {"base_model_digest": "b"}, {})
+    assert ckpt.read_manifest(tmp_path / "other")["decoder_digest"] != manifest["decoder_digest"]
+
+
+def test_a_config_saved_before_the_copy_head_loads_without_one():
+    d = ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1).to_dict()
+    del d["copy"]
+    assert ReadoutConfig.from_dict(d).copy == ""
+
+
+def test_chunked_lse_is_the_vocabularys_for_the_mixture():
+    """mixture_topk folds the vocabulary's chunked lse: the served decoder's inputs agree."""
+    h, head = torch.randn(2, 5, D_BASE), torch.randn(VOCAB, D_BASE)
+    _, _, lse = chunked_topk_lse(h, head, 4, 2)
+    assert torch.allclose(lse, (h @ head.t()).logsumexp(-1), atol=1e-4)
