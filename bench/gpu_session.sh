@@ -72,6 +72,10 @@
 #       # carrying .whl-prose alone: the last decoder goes on distilling MINUTES (default 7;
 #       # ARGS to prose_readout, e.g. --distill-lr 3e-4) and is evaluated;
 #       # the pair comes back as prose-readout's does (pair.tar.xz.NN), for bench.prose_api
+#   bash bench/gpu_session.sh prose-arms [DATA [ARGS]]  # on the same warm machine after
+#       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
+#       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin) on
+#       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
 # compiled model for the eager AR) and hung in the stack's stop (the capture service freeing
@@ -79,10 +83,10 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, lone, startup, invariance, prose, prose-readout, prose-chain, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, lone, startup, invariance, prose, prose-readout, prose-chain, prose-arms, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
-  prose-readout|prose-chain|prose-more)
+  prose-readout|prose-chain|prose-arms|prose-more)
     if [ -d "${WHL:-.whl}" ]; then source bench/gpu_env.sh || exit 1; fi ;;
   *) source bench/gpu_env.sh || exit 1 ;;
 esac
@@ -288,6 +292,23 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
   pack_pair "$DATA/readout"  # the pair comes back even when no prose-more call follows
   grep '^\[prose\]' "$OUT/prose-readout.log"; cat "$OUT/summary.md" 2>/dev/null
+elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tuned base+teacher
+  DATA=${2:-.gpu_prose}; W="$DATA/readout"; t0=$SECONDS
+  [ -f "$W/teacher/train.jsonl" ] || { echo "no teacher in $W (run prose-chain first)"; exit 1; }
+  read -r -a arms <<< "${ARMS:-plain twin}"
+  for arm in "${arms[@]}"; do  # plain: no copy head; any other: prose_readout --copy ARM
+    A="$DATA/arm-$arm"; rm -rf "$A"; mkdir -p "$A" "$OUT/$arm"
+    cp -rl "$W/tuned" "$W/teacher" "$A/"
+    copy=(); [ "$arm" = plain ] || copy=(--copy "$arm")
+    timeout $(( (570 - SECONDS + t0) / ${#arms[@]} + 5 )) python3 -m stateblock.train.prose_readout \
+      --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$A" --scale "${SCALE:-bench}" \
+      --device "${DEVICE:-cuda}" --distill-minutes "${MINUTES:-3}" "${copy[@]}" "${@:3}" \
+      > "$OUT/$arm/prose-readout.log" 2>&1
+    echo "arm $arm rc=$? ($((SECONDS - t0)) s)"
+    cp "$A/summary.json" "$A/summary.md" "$OUT/$arm/" 2>/dev/null
+    grep '^\[prose\]' "$OUT/$arm/prose-readout.log" | tail -4; cat "$OUT/$arm/summary.md"
+    arms=("${arms[@]:1}")
+  done
 elif [ "$STAGE" = prose-more ]; then  # the last decoder distilled on, from this machine's DATA
   DATA=${2:-.gpu_prose}; W="$DATA/readout"
   [ -f "$W/decoder/manifest.json" ] || { echo "no decoder in $W (run prose-chain first)"; exit 1; }
