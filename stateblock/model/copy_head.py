@@ -114,10 +114,12 @@ def log_probs(parts: tuple) -> Tensor:
         return parts[1].log_softmax(-1)
     if parts[0] == "gate":
         _, lv, g, attn, ids = parts
+        lv, g, attn = lv.float(), g.float(), attn.float()
         copy = torch.zeros_like(lv).scatter_add(-1, ids[:, None].expand_as(attn), attn)
         mix = torch.sigmoid(g) * lv.softmax(-1) + torch.sigmoid(-g) * copy
         return mix.clamp_min(1e-30).log()
     _, lv, a, ids = parts
+    lv, a = lv.float(), a.float()
     lse = torch.logsumexp(torch.cat([lv, a], -1), -1, keepdim=True)
     copy = torch.zeros_like(lv).scatter_add(-1, ids[:, None].expand_as(a), (a - lse).exp())
     return ((lv - lse).exp() + copy).clamp_min(1e-30).log()
@@ -126,14 +128,14 @@ def log_probs(parts: tuple) -> Tensor:
 def target_log_probs(parts: tuple, tgt: Tensor) -> Tensor:
     """log p(target) of a copy mixture (K, D), gathered: no (K, D, V) mixture built."""
     t = tgt.clamp_min(0)
-    lv, ids = parts[1], parts[-1]
+    lv, ids = parts[1].float(), parts[-1]  # a bf16 autocast's logits: the loss in fp32
     hit = ids[:, None, :] == t[..., None]  # (K, D, C): the candidates standing for the target
     if parts[0] == "gate":
-        g, attn = parts[2].squeeze(-1), parts[3]
+        g, attn = parts[2].squeeze(-1).float(), parts[3].float()
         lvt = lv.log_softmax(-1).gather(-1, t[..., None]).squeeze(-1)
         ct = (attn * hit).sum(-1).clamp_min(1e-30).log()
         return torch.logaddexp(F.logsigmoid(g) + lvt, F.logsigmoid(-g) + ct)
-    a = parts[2]
+    a = parts[2].float()
     lse = torch.logsumexp(torch.cat([lv, a], -1), -1)
     at = a.masked_fill(~hit, NEG)
     return torch.logsumexp(torch.cat([lv.gather(-1, t[..., None]), at], -1), -1) - lse

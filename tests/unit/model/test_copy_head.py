@@ -140,3 +140,16 @@ def test_chunked_lse_is_the_vocabularys_for_the_mixture():
     h, head = torch.randn(2, 5, D_BASE), torch.randn(VOCAB, D_BASE)
     _, _, lse = chunked_topk_lse(h, head, 4, 2)
     assert torch.allclose(lse, (h @ head.t()).logsumexp(-1), atol=1e-4)
+
+
+def test_the_loss_of_bf16_parts_is_computed_in_fp32():
+    """Under the trainer's bf16 autocast the mixture's parts are bf16; its loss is not."""
+    from stateblock.train.readout_ddp import parts_loss
+
+    _, lv, a, cand = _joint("twin")
+    tgt = torch.randint(5, 60, lv.shape[:2])
+    half = ("joint", lv.bfloat16(), a.bfloat16(), cand)
+    want = parts_loss(("joint", lv.bfloat16().float(), a.bfloat16().float(), cand), tgt, EOS)
+    got = parts_loss(half, tgt, EOS)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
+    assert log_probs(half).dtype == torch.float32
