@@ -408,7 +408,9 @@ CAPTURE_PART_SMS = _setting(
     "on a GPU, the streaming multiprocessors a part of a request over "
     "`STATEBLOCK_CAPTURE_COHORT_TOKENS` runs on: a CUDA green context of that many, so a "
     "part's kernels never hold the SMs the cohorts' need (a stream priority only orders "
-    "kernels not yet placed). Needs a torch built with green contexts; ignored off a GPU",
+    "kernels not yet placed). Needs a torch built with green contexts; ignored off a GPU. "
+    "Measured failing on torch 2.11 with the compiled capture: the part's requests get a "
+    "503 (a CUDA context assert when the green context is left; docs/BENCHMARKS.md)",
     (CAPTURE,), minimum=1, unset="every SM, as the cohorts",
 )  # fmt: skip
 CAPTURE_FORWARDS = _setting(
