@@ -16,7 +16,7 @@ token and of the one before it, rotary positions on both sides) and mixes:
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
-`nll` gathers the loss at the targets without it; `mixture_topk` serves the joint mixtures'
+`target_log_probs` gathers the loss's terms without it; `mixture_topk` serves a mixture's
 top-k from the vocabulary's chunked top-k and log-sum-exp, so no (K, D, V) tensor is resident.
 docs/QUALITY.md has the ablation that chose `twin`.
 """
@@ -33,7 +33,6 @@ from torch import Tensor
 from stateblock.model.rotary import rope_tables, rotate
 
 MODES = ("gate", "joint", "twin", "gatetwin")
-SERVED = ("joint", "twin")  # the modes `mixture_topk` serves
 SPACE = "\u0120"  # the byte-level BPE's mark of a leading space
 NEG = float("-inf")
 
@@ -142,31 +141,44 @@ def target_log_probs(parts: tuple, tgt: Tensor) -> Tensor:
 
 
 def mixture_topk(
-    top_v: Tensor, top_i: Tensor, lse_v: Tensor, cand_v: Tensor, a: Tensor, cand: Tensor, k: int
+    top_v: Tensor,
+    top_i: Tensor,
+    lse_v: Tensor,
+    cand_v: Tensor,
+    a: Tensor,
+    cand: Tensor,
+    k: int,
+    gate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The joint mixture's top-k (values (K, D, k) as logits against `lse`, ids) and its
+    """A copy mixture's top-k (values (K, D, k) as logits against `lse`, ids) and its
     log-sum-exp (K, D), from the vocabulary's top-k (top_v, top_i (K, D, k)) and log-sum-exp
     lse_v (K, D), the vocabulary logits of the candidates cand_v (K, D, C), their scores a
-    (K, D, C) and ids cand (K, C).
+    (K, D, C) and ids cand (K, C); for a gated mixture, its gate logit (K, D, 1) (the values
+    are then log-probabilities and lse 0).
 
-    A token outside the candidates keeps its vocabulary logit, so the mixture's top-k lies in
-    the vocabulary's top-k and the candidates; a token's mixture logit is logaddexp(its
-    vocabulary logit, the log-sum-exp of its candidates' scores). Candidates repeating an
-    earlier one or a vocabulary top-k id are dropped before the top-k (ties: vocabulary ids
-    first, then the earlier position)."""
-    a = a.float()
+    A token outside the candidates keeps its vocabulary term, monotone in its logit, so the
+    mixture's top-k lies in the vocabulary's top-k and the candidates; a token's value is
+    logaddexp(its vocabulary term, the log-sum-exp of its candidates' copy terms). Candidates
+    repeating an earlier one or a vocabulary top-k id are dropped before the top-k (ties:
+    vocabulary ids first, then the earlier position)."""
+    top_v, cand_v, a = top_v.float(), cand_v.float(), a.float()
+    if gate is None:  # joint: one softmax over [vocabulary ; candidates]
+        lse = torch.logaddexp(lse_v.float(), torch.logsumexp(a, -1))
+    else:  # g * softmax(vocabulary) + (1 - g) * softmax(candidates), in log space
+        on, off = F.logsigmoid(gate.float()), F.logsigmoid(-gate.float())
+        top_v, cand_v = on + top_v - lse_v[..., None], on + cand_v - lse_v[..., None]
+        a, lse = off + a.log_softmax(-1), torch.zeros_like(lse_v, dtype=torch.float32)
     amax = a.amax(-1, keepdim=True).clamp_min(-1e30)  # all -inf (no prompt): keep it finite
     ea = torch.exp(a - amax)  # (K, D, C)
     same = (cand[:, :, None] == cand[:, None, :]).to(ea.dtype)  # (K, C, C)
     mass = torch.log(ea @ same) + amax  # (K, D, C): each candidate's token's whole copy mass
-    cand_mix = torch.logaddexp(cand_v.float(), mass)
+    cand_mix = torch.logaddexp(cand_v, mass)
     in_top = top_i[..., :, None] == cand[:, None, None, :]  # (K, D, k, C)
     top_mass = torch.log((in_top * ea[:, :, None, :]).sum(-1)) + amax  # (K, D, k)
-    top_mix = torch.logaddexp(top_v.float(), top_mass)
+    top_mix = torch.logaddexp(top_v, top_mass)
     earlier = torch.ones_like(same, dtype=torch.bool).tril(-1)  # [p, p']: p' < p
     dup = ((same > 0) & earlier).any(-1)[:, None].expand_as(a) | in_top.any(-2)  # (K, D, C)
     vals = torch.cat([top_mix, cand_mix.masked_fill(dup, NEG)], -1)
     ids = torch.cat([top_i, cand[:, None].expand_as(a)], -1)
     v, sel = torch.topk(vals, k, dim=-1)
-    lse = torch.logaddexp(lse_v.float(), torch.log(ea.sum(-1)) + amax.squeeze(-1))
     return v, torch.gather(ids, -1, sel), lse

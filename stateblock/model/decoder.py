@@ -26,7 +26,6 @@ import torch.nn as nn
 from torch import Tensor
 
 from stateblock.model.copy_head import MODES as COPY_MODES
-from stateblock.model.copy_head import SERVED as COPY_SERVED
 from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk
 from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
 from stateblock.model.rotary import rope_tables, rotate
@@ -333,7 +332,8 @@ class ReadoutDecoder(nn.Module):
             h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins
         )  # (K, D, C), (K, C)
         cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
-        return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k)
+        gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
+        return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
 
     def copy_guess(self, c: Context, positions: Tensor, lm_head: Tensor) -> GuessFn:
         """The refinement's guess of a copy decoder: the mixture's top-1, embedded."""
@@ -347,8 +347,6 @@ class ReadoutDecoder(nn.Module):
     def _copy_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
         if prompt_ids is None:
             raise ValueError("a decoder with a copy head reads the prompt's token ids")
-        if self.cfg.copy not in COPY_SERVED:
-            raise ValueError(f"copy mode {self.cfg.copy!r} trains but is not served")
         c = self.context(rows, prompt_lens, impl, prompt_ids)
         guess = self.copy_guess(c, positions, lm_head) if self.cfg.refine else None
         h = self.passes_from(c, positions, impl, guess)[-1]

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.copy_head import MODES as COPY_MODES
-from stateblock.model.copy_head import SERVED as COPY_SERVED
 from stateblock.model.copy_head import CopyHead, log_probs, space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train.ddp import lr_at
@@ -51,7 +50,7 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)
-        if bias is not None and arm in COPY_SERVED:  # a learned offset of the position scores
+        if bias is not None:  # joint, twin: a learned offset of the position scores
             dec.copy_head = CopyHead(cfg.d_r, cfg.d_base, arm, cfg.rope_theta, bias=bias)
     return dec.to(head.device)
 

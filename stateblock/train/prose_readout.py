@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from stateblock.model.copy_head import SERVED as COPY_SERVED
+from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.train import prose_fidelity, prose_tasks, prose_tokenizer, prose_tune, recipe
 from stateblock.train.corpus import read_documents
 from stateblock.train.distill import DistillConfig
@@ -362,7 +362,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--distill-lr", type=float, default=0.0,
         help="the readout's peak learning rate (0: the scale's; a run from --distill-init may "
              "want less: a fresh optimizer at the full rate can diverge)")  # fmt: skip
-    add("--copy", choices=("", *COPY_SERVED), default="",
+    add("--copy", choices=("", *COPY_MODES), default="",
         help="the readout's copy head (stateblock.model.copy_head; default none)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",
         help="tasks: write WORK/tasks and stop (what a GPU call carries)")  # fmt: skip

@@ -19,7 +19,7 @@ def test_space_twins_map_a_leading_space_to_the_bare_spelling():
 
 
 def _joint(mode: str, k=3, d=6, p=9, seed=0):
-    """One joint mixture's parts over prompts with repeated tokens and padding."""
+    """One mixture's parts over prompts with repeated tokens and padding."""
     torch.manual_seed(seed)
     head = torch.randn(VOCAB, D_BASE)
     twins = torch.full((VOCAB,), -1, dtype=torch.long)
@@ -36,16 +36,21 @@ def _joint(mode: str, k=3, d=6, p=9, seed=0):
     return copy(h, lv, rows, ids, lens, head, positions, twins)
 
 
-@pytest.mark.parametrize("mode", ["joint", "twin"])
+@pytest.mark.parametrize("mode", ["joint", "twin", "gate", "gatetwin"])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_the_served_topk_is_the_dense_mixtures(mode, k):
-    _, lv, a, cand = parts = _joint(mode)
+    parts = _joint(mode)
+    lv, cand = parts[1], parts[-1]
     dense = log_probs(parts)  # (K, D, V)
     want_v, want_i = dense.topk(k, dim=-1)
     top_v, top_i = lv.topk(k, dim=-1)
     lse_v = lv.logsumexp(-1)
+    if parts[0] == "gate":  # its parts hold the positions' softmax; the served path the scores
+        gate, a = parts[2], parts[3].log()
+    else:
+        gate, a = None, parts[2]
     cand_v = lv.gather(-1, cand[:, None].expand_as(a))
-    v, i, lse = mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k)
+    v, i, lse = mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
     assert torch.equal(i, want_i)
     assert torch.allclose(v - lse[..., None], want_v, atol=1e-5)
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
@@ -72,9 +77,9 @@ def _lanes(k=3, p=8, d=7):
     return rows, lens, ids, torch.arange(d).expand(k, -1)
 
 
-@pytest.mark.parametrize("refine", [0, 1])
-def test_the_served_answer_is_the_training_mixtures_argmax(refine):
-    dec, head = make("twin", refine)
+@pytest.mark.parametrize(("mode", "refine"), [("twin", 0), ("twin", 1), ("gatetwin", 1)])
+def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine):
+    dec, head = make(mode, refine)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -90,7 +95,7 @@ def test_the_served_answer_is_the_training_mixtures_argmax(refine):
     assert torch.equal(shallow.tokens, out.tokens[:, :4])  # prefix-causal with the copy head
 
 
-def test_the_copy_head_needs_the_prompt_ids_and_a_served_mode():
+def test_the_copy_head_needs_the_prompt_ids():
     dec, head = make("twin")
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
@@ -98,10 +103,6 @@ def test_the_copy_head_needs_the_prompt_ids_and_a_served_mode():
         dec(rows, lens, pos, depth, head)
     with pytest.raises(ValueError, match="token ids"):
         dec.pass_parts(rows, lens, pos, head)
-    gated, _ = make("gatetwin")
-    with pytest.raises(ValueError, match="not served"):
-        gated(rows, lens, pos, depth, head, prompt_ids=ids)
-    assert gated.pass_parts(rows, lens, pos, head, ids)[-1][0] == "gate"  # it trains
     with pytest.raises(ValueError, match="copy='pointer'"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="pointer")
 
