@@ -233,7 +233,8 @@ class CohortForward:
     @contextmanager
     def _thread_stream(self, background: bool) -> Iterator[None]:
         """This thread's own CUDA stream around a forward, of the lowest priority for a
-        background forward and of the highest otherwise (without `thread_streams`, or off
+        background forward (or its green context's, with `part_sms`) and of the highest
+        otherwise (without `thread_streams`, or off
         CUDA, the current stream). The forward's rows are consumed on other threads'
         streams, so the forward is synchronised before it returns: whatever reads its rows
         next finds them written, and nothing still in flight reads a freed block's memory
@@ -244,34 +245,30 @@ class CohortForward:
         name = "background" if background else "foreground"
         stream = getattr(self._streams, name, None)
         if stream is None:
-            stream = torch.cuda.Stream(self._device, priority=stream_priority(background))
+            stream = self._part_stream(background) or torch.cuda.Stream(
+                self._device, priority=stream_priority(background)
+            )
             setattr(self._streams, name, stream)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         try:
-            with torch.cuda.stream(stream), self._part_context(background):
+            with torch.cuda.stream(stream):
                 yield
         finally:
             stream.synchronize()
 
-    @contextmanager
-    def _part_context(self, background: bool) -> Iterator[None]:
-        """A part's forward inside the green context of `part_sms` SMs (made on the first
-        part): its kernels go on the context's stream, after what the current stream holds,
-        and are done before the context is left. Otherwise nothing."""
+    def _part_stream(self, background: bool) -> torch.cuda.Stream | None:
+        """A part's stream in a green context of `part_sms` SMs, or None (no `part_sms`, or
+        not a part). Work on a green context's stream runs on its SMs whatever context is
+        current, so the context is never pushed: pushed around a compiled forward, torch
+        2.11's pop found another context current and asserted (docs/BENCHMARKS.md)."""
         if not background or self._part_sms is None:
-            yield
-            return
+            return None
         if self._green is None:  # parts run on one thread: no race to make it
             from torch.cuda.green_contexts import GreenContext
 
             index = self._device.index if self._device.index is not None else 0
             self._green = GreenContext.create(num_sms=self._part_sms, device_id=index)
-        self._green.set_context()
-        try:
-            yield
-        finally:  # the rows are read on other streams: done before the context is left
-            torch.cuda.current_stream(self._device).synchronize()
-            self._green.pop_context()
+        return self._green.Stream()
 
 
 def stream_priority(background: bool) -> int:

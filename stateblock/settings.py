@@ -408,9 +408,9 @@ CAPTURE_PART_SMS = _setting(
     "on a GPU, the streaming multiprocessors a part of a request over "
     "`STATEBLOCK_CAPTURE_COHORT_TOKENS` runs on: a CUDA green context of that many, so a "
     "part's kernels never hold the SMs the cohorts' need (a stream priority only orders "
-    "kernels not yet placed). Needs a torch built with green contexts; ignored off a GPU. "
-    "Measured failing on torch 2.11 with the compiled capture: the part's requests get a "
-    "503 (a CUDA context assert when the green context is left; docs/BENCHMARKS.md)",
+    "kernels not yet placed; the part runs on the green context's stream). Needs a torch "
+    "built with green contexts; ignored off a GPU. Not yet measured working: pushing the "
+    "context instead failed on torch 2.11 (docs/BENCHMARKS.md)",
     (CAPTURE,), minimum=1, unset="every SM, as the cohorts",
 )  # fmt: skip
 CAPTURE_FORWARDS = _setting(
