@@ -83,11 +83,12 @@ def create_engine(
     extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
     if extra:
         raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
-    copy = model.manifest.get("decoder_config", {}).get("copy")
-    if copy:  # it points at the prompt's tokens, and a state block carries rows alone
+    cfg = model.manifest.get("decoder_config", {})
+    if cfg.get("copy") or cfg.get("row_tokens"):  # a state block carries rows alone
         raise UnservedDecoder(
-            f"the decoder at {model.decoder_dir} has a copy head (copy={copy!r}), which reads "
-            "the prompt's token ids; state blocks do not carry them, so no readout engine "
-            "serves it (it trains and is evaluated offline: stateblock.train.prose_readout)"
+            f"the decoder at {model.decoder_dir} reads the prompt's token ids (a copy head: "
+            f"copy={cfg.get('copy', '')!r}, row_tokens={cfg.get('row_tokens', False)}); state "
+            "blocks do not carry them, so no readout engine serves it (it trains and is "
+            "evaluated offline: stateblock.train.prose_readout)"
         )
     return factory(model, device, **options)

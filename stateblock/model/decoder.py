@@ -78,6 +78,7 @@ class ReadoutConfig:
     rope: bool = False  # rotary (relative) positions in the mixer and row attention
     rope_theta: float = 10000.0
     copy: str = ""  # a copy head's mode (stateblock.model.copy_head.MODES), "" for none
+    row_tokens: bool = False  # each row also carries its own token and the one before it
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -169,6 +170,9 @@ class ReadoutDecoder(nn.Module):
             if cfg.row_attn:
                 self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.ref_layers)])
             self.ref_norm = RMSNorm(cfg.d_r, cfg.norm_eps)
+        if cfg.row_tokens:  # the lm_head rows of a row's token and of the token before it
+            self.row_tok = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
+            self.row_prev = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
         if cfg.copy:
             self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta)
             # each token's spelling without its leading space (copy_head.space_twins, from
@@ -183,12 +187,18 @@ class ReadoutDecoder(nn.Module):
         prompt_lens: Tensor,
         impl: str = "sdpa",
         prompt_ids: Tensor | None = None,
+        lm_head: Tensor | None = None,
     ) -> Context:
-        """Captured rows -> repaired latents and projected rows. rows (K, P, d_base), prompt_lens (K,)."""
+        """Captured rows -> repaired latents and projected rows. rows (K, P, d_base), prompt_lens (K,);
+        with row_tokens, prompt_ids (K, P) and the lm_head (V, d_base) that spells them."""
         k, p, _ = rows.shape
         idx = torch.arange(p, device=rows.device)
         ctx = self.ctx_in(rows.to(self.ctx_in.weight.dtype))  # (K, P, d_r)
         ctx = ctx + self.ctx_pos(position_features(idx, self.periods).to(ctx.dtype))
+        if self.cfg.row_tokens:  # a row is the base's guess at the next token: add its own
+            emb = lm_head[prompt_ids].to(ctx.dtype)  # (K, P, d_base)
+            prev = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
+            ctx = ctx + self.row_tok(emb) + self.row_prev(prev)
         row_mask = (idx.unsqueeze(0) < prompt_lens.unsqueeze(1)).view(k, 1, 1, p)
         lat = self.latent.unsqueeze(0).expand(k, -1, -1)  # (K, M, d_r)
         lat = self.pool(lat, ctx, row_mask, impl)
@@ -320,14 +330,20 @@ class ReadoutDecoder(nn.Module):
 
         return guess
 
-    # -- the copy head (cfg.copy) ------------------------------------------------------
-    def copy_topk(
+    # -- decoders that read the prompt's token ids (cfg.copy, cfg.row_tokens) ------------
+    @property
+    def reads_ids(self) -> bool:
+        return bool(self.cfg.copy or self.cfg.row_tokens)
+
+    def read_topk(
         self, h: Tensor, c: Context, positions: Tensor, lm_head: Tensor, k: int
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """A pass's copy mixture: its top-k (values, ids (K, D, k)) and log-sum-exp (K, D)
-        from its normed state h (K, D, d_r); no (K, D, V) tensor is resident."""
+        """A pass's top-k (values, ids (K, D, k)) and log-sum-exp (K, D) from its normed state
+        h (K, D, d_r): the vocabulary's, or the copy mixture's; no (K, D, V) tensor."""
         hv = self.out(h).to(lm_head.dtype)  # (K, D, d_base)
         top_v, top_i, lse_v = chunked_topk_lse(hv, lm_head, self.cfg.n_chunks, k)
+        if not self.cfg.copy:
+            return top_v, top_i, lse_v
         a, cand = self.copy_head.scores(
             h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins
         )  # (K, D, C), (K, C)
@@ -335,22 +351,27 @@ class ReadoutDecoder(nn.Module):
         gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
         return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
 
-    def copy_guess(self, c: Context, positions: Tensor, lm_head: Tensor) -> GuessFn:
-        """The refinement's guess of a copy decoder: the mixture's top-1, embedded."""
+    def read_guess(self, c: Context, positions: Tensor, lm_head: Tensor) -> GuessFn:
+        """The refinement's guess: the pass's top-1 (`read_topk`), embedded."""
 
         def guess(h: Tensor) -> Tensor:
-            _, ids, _ = self.copy_topk(h, c, positions, lm_head, 1)
+            _, ids, _ = self.read_topk(h, c, positions, lm_head, 1)
             return self.guess_in(lm_head[ids[..., 0]].to(self.guess_in.weight.dtype))
 
         return guess
 
-    def _copy_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
+    def _id_context(self, rows, prompt_lens, impl, prompt_ids, lm_head) -> Context:
         if prompt_ids is None:
-            raise ValueError("a decoder with a copy head reads the prompt's token ids")
-        c = self.context(rows, prompt_lens, impl, prompt_ids)
-        guess = self.copy_guess(c, positions, lm_head) if self.cfg.refine else None
+            raise ValueError(
+                "this decoder (a copy head or row tokens) reads the prompt's token ids"
+            )
+        return self.context(rows, prompt_lens, impl, prompt_ids, lm_head)
+
+    def _read_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
+        c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head)
+        guess = self.read_guess(c, positions, lm_head) if self.cfg.refine else None
         h = self.passes_from(c, positions, impl, guess)[-1]
-        return self.copy_topk(h, c, positions, lm_head, k)
+        return self.read_topk(h, c, positions, lm_head, k)
 
     def pass_parts(
         self,
@@ -361,16 +382,16 @@ class ReadoutDecoder(nn.Module):
         prompt_ids: Tensor | None = None,
     ) -> list[tuple]:
         """Every pass's distribution for training, as copy_head parts: [("base", (K, D, V))]
-        without a copy head. A refinement reads the previous pass's mixture argmax."""
-        if not self.cfg.copy:
+        without a copy head. A refinement reads the previous pass's argmax."""
+        if not self.reads_ids:
             return [("base", lg) for lg in self.pass_logits(rows, prompt_lens, positions, lm_head)]
-        if prompt_ids is None:
-            raise ValueError("a decoder with a copy head reads the prompt's token ids")
         head = lm_head.to(self.out.weight.dtype)
-        c = self.context(rows, prompt_lens, "sdpa", prompt_ids)
+        c = self._id_context(rows, prompt_lens, "sdpa", prompt_ids, head)
 
         def parts(h: Tensor) -> tuple:
             lv = self.out(h) @ head.t()  # (K, D, V)
+            if not self.cfg.copy:
+                return ("base", lv)
             return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
                                   self.twins)  # fmt: skip
 
@@ -397,8 +418,8 @@ class ReadoutDecoder(nn.Module):
         prompt_ids: Tensor | None = None,  # (K, P) the prompts' tokens: a copy head's candidates
     ) -> ReadoutOut:
         k_top = 2 if temperature is None else TOP_K_SAMPLE
-        if self.cfg.copy:
-            top_v, top_i, lse = self._copy_top(
+        if self.reads_ids:
+            top_v, top_i, lse = self._read_top(
                 rows, prompt_lens, positions, lm_head, prompt_ids, impl, k_top
             )
         else:

@@ -40,13 +40,15 @@ from stateblock.train.prose_tasks import DETERMINED
 from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.recipe import DECODER_CONFIG
 
-ARMS = ("base", *COPY_MODES)
+ARMS = ("base", "tokens", *COPY_MODES)  # tokens: row_tokens, no copy head
 
 
 def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None):
-    """The shipped decoder's shape with the arm's copy head (none for `base`)."""
+    """The shipped decoder's shape with the arm's copy head (none for `base` and `tokens`;
+    `tokens` gives every row its own token instead: ReadoutConfig.row_tokens)."""
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
-                        **DECODER_CONFIG, copy="" if arm == "base" else arm)  # fmt: skip
+                        **DECODER_CONFIG, copy="" if arm in ("base", "tokens") else arm,
+                        row_tokens=arm == "tokens")  # fmt: skip
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)

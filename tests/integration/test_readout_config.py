@@ -26,13 +26,14 @@ def test_unknown_engine_fails_closed(serving_model):
 
 
 @pytest.mark.parametrize("name", ["reference", "onnx", "torch"])
-def test_a_decoder_with_a_copy_head_is_refused_by_every_engine(serving_model, name):
-    """Its copy head reads the prompt's token ids, which no state block carries: the worker
-    fails at start-up with the reason, never at a request."""
+@pytest.mark.parametrize("reads", [{"copy": "twin"}, {"row_tokens": True}])
+def test_a_decoder_that_reads_token_ids_is_refused_by_every_engine(serving_model, name, reads):
+    """A copy head or row tokens read the prompt's token ids, which no state block carries:
+    the worker fails at start-up with the reason, never at a request."""
     manifest = {**serving_model.manifest}
-    manifest["decoder_config"] = {**manifest["decoder_config"], "copy": "twin"}
+    manifest["decoder_config"] = {**manifest["decoder_config"], **reads}
     copying = dataclasses.replace(serving_model, manifest=manifest)
-    with pytest.raises(UnservedDecoder, match="copy head .* no readout engine serves it"):
+    with pytest.raises(UnservedDecoder, match="token ids .* no readout engine serves it"):
         create_engine(name, copying, "cpu")
 
 

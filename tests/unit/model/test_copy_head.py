@@ -56,10 +56,11 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy: str, refine: int = 1, seed: int = 0) -> tuple[ReadoutDecoder, torch.Tensor]:
+def make(copy: str, refine: int = 1, seed: int = 0, row_tokens: bool = False):
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
-                        n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy)  # fmt: skip
+                        n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
+                        row_tokens=row_tokens)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -77,9 +78,12 @@ def _lanes(k=3, p=8, d=7):
     return rows, lens, ids, torch.arange(d).expand(k, -1)
 
 
-@pytest.mark.parametrize(("mode", "refine"), [("twin", 0), ("twin", 1), ("gatetwin", 1)])
-def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine):
-    dec, head = make(mode, refine)
+@pytest.mark.parametrize(
+    ("mode", "refine", "row_tokens"),
+    [("twin", 0, False), ("twin", 1, False), ("gatetwin", 1, False), ("twin", 1, True)],
+)
+def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens):
+    dec, head = make(mode, refine, row_tokens=row_tokens)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -154,3 +158,20 @@ def test_the_loss_of_bf16_parts_is_computed_in_fp32():
     got = parts_loss(half, tgt, EOS)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5)
     assert log_probs(half).dtype == torch.float32
+
+
+def test_row_tokens_read_the_prompt_ids_and_serve_the_training_argmax():
+    """`row_tokens` without a copy head: the rows carry their tokens (so the answer depends
+    on them), the served tokens are the training logits' argmax, and the ids are required."""
+    dec, head = make("", refine=1, row_tokens=True)
+    rows, lens, ids, pos = _lanes()
+    depth = torch.full((3,), pos.shape[1])
+    with torch.no_grad():
+        parts = dec.pass_parts(rows, lens, pos, head, ids)
+        out = dec(rows, lens, pos, depth, head, prompt_ids=ids)
+        other = dec(rows, lens, pos, depth, head, prompt_ids=(ids + 7) % VOCAB)
+    assert [p[0] for p in parts] == ["base", "base"]
+    assert torch.equal(out.tokens, parts[-1][1].argmax(-1))
+    assert not torch.equal(out.tokens, other.tokens)
+    with pytest.raises(ValueError, match="token ids"):
+        dec(rows, lens, pos, depth, head)
