@@ -168,25 +168,33 @@ def test_a_call_that_distils_alone_goes_on_from_another_call_s_decoder(built, tm
     assert not (again / "tasks" / "train.jsonl.gz").exists()  # no prompts were made
 
 
-def test_a_readout_with_a_copy_head_distils_and_is_evaluated(built, tmp_path):
+@pytest.mark.parametrize("option", ["--copy=twin", "--row-tokens"])
+def test_a_readout_that_reads_token_ids_distils_and_is_evaluated(built, tmp_path, option):
     """`--copy twin`: the decoder trains through the copy mixture, carries its tokenizer's
-    twin spellings in its weights, and the evaluation reads it with the prompts' ids."""
+    twin spellings in its weights, and the evaluation reads it with the prompts' ids;
+    `--row-tokens` the same with the tokens on the rows."""
     import shutil
 
     work, again = built / "work", tmp_path / "work"
     for stage in ("tuned", "teacher"):
         shutil.copytree(work / stage, again / stage)
-    assert prose_readout.main(["--work", str(again), "--scale", "tiny", "--copy", "twin",
+    assert prose_readout.main(["--work", str(again), "--scale", "tiny", option,
                                "--base-weights", str(tmp_path / "no-such-base"),
                                "--distill-minutes", "0.1"]) == 0  # fmt: skip
     base, tok = load_base(again / "tuned")
     dec, manifest = load_decoder(again / "decoder", base_dir=again / "tuned",
                                  lm_head=lm_head_weight(base))  # fmt: skip
-    assert manifest["decoder_config"]["copy"] == "twin"
-    vocab = tok.get_vocab()
-    the = vocab.get("\u0120the")
-    assert the is not None and int(dec.twins[the]) == vocab["the"]
+    want = (
+        {"copy": "twin", "row_tokens": False}
+        if "copy" in option
+        else {"copy": "", "row_tokens": True}
+    )
+    assert {k: manifest["decoder_config"][k] for k in want} == want
+    if want["copy"]:
+        vocab = tok.get_vocab()
+        the = vocab.get("\u0120the")
+        assert the is not None and int(dec.twins[the]) == vocab["the"]
     summary = json.loads((again / "summary.json").read_text())
-    assert summary["decoder"]["config"]["decoder"]["copy"] == "twin"
+    assert {k: summary["decoder"]["config"]["decoder"][k] for k in want} == want
     assert summary["readout"]["family"]["all"]["n"] == TINY.heldout_prompts
     assert 0.0 < summary["readout"]["family"]["all"]["token_agreement"] <= 1.0
