@@ -12,6 +12,12 @@ in-graph passes in which the first guess re-enters as token embeddings (the lm_h
 of the guessed ids, projected) and a second mixer stack (`n_ref_mixer` layers, by default
 as many as the first) corrects it. Both keep the prefix-causal contract: position t's token
 depends on positions <= t only.
+
+Two more read the prompt's token ids beside its rows: `copy`, a copy head over the prompt's
+positions mixed with the vocabulary (`stateblock.model.copy_head`), and `row_tokens`, each row
+given its own token and the one before it. They train and are evaluated offline
+(`pass_parts`, `forward(..., prompt_ids=)`); a state block carries no ids, so no engine
+serves them yet.
 """
 
 from __future__ import annotations

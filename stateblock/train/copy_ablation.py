@@ -4,8 +4,9 @@ one that must spell every answer token through the base's lm_head.
 Three of the four determined prose families copy a span of the prompt (repeat, next_sentence,
 question), and the readout copies badly: it reaches a prompt token only through a captured
 row, whose final hidden state is the base's guess at the token after it. The arms are the
-decoder without a copy head (`base`) and with each of `stateblock.model.copy_head`'s mixtures
-(gate, joint, twin, gatetwin; that module says what each mixes).
+decoder without a copy head (`base`), with rows that also carry their own tokens (`tokens`:
+ReadoutConfig.row_tokens), and with each of `stateblock.model.copy_head`'s mixtures (gate,
+joint, twin, gatetwin; that module says what each mixes).
 
 Arms train the shipped decoder shape (`recipe.DECODER_CONFIG`) on the same rows, batches and
 steps (on the CPU, or --device cuda): the rows of a pair's tuned base for its teacher's determined answers (up
