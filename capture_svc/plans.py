@@ -128,6 +128,8 @@ class CapturePlan:
     dtype: int
     capture_mode: int
     expires_at: float
+    # each lane's prompt ids where the layout carries them (a decoder that reads them)
+    prompt_ids: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def layout(self) -> pb.Layout:
@@ -178,6 +180,9 @@ class PlanTable:
             dtype=layout.dtype,
             capture_mode=layout.capture_mode,
             expires_at=self._clock() + self._ttl,
+            prompt_ids=tuple(tuple(lane.prompt_token_ids) for lane in layout.lanes)
+            if layout.lanes[0].prompt_token_ids
+            else None,
         )
         with self._lock:
             self._sweep_locked()
@@ -336,6 +341,7 @@ class PlanTable:
                 hidden_size=packed.shape[1],
                 dtype=packed.dtype,
                 capture_mode=mode,
+                prompt_ids=plan.prompt_ids,
             )
             digest_ok = layouts.layout_digest(seen) == plan.layout_digest
         except layouts.LayoutError:

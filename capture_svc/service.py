@@ -232,6 +232,7 @@ class CaptureService:
             hidden_size=self._model.hidden_size,
             dtype=self._model.dtype,
             capture_mode=CAPTURE_MODE,
+            prompt_ids=lane_ids if self._model.reads_prompt_ids else None,
         )
         try:
             plan = self._plans.register(request_id, layout)

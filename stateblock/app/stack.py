@@ -110,7 +110,8 @@ class UpConfig:
         if on_gpu:  # a GPU's dtype, unless the settings say one
             values[settings.CAPTURE_DTYPE] = "bfloat16"
         if self.engine == "auto":  # the GPU's fast path there, the reference on the CPU
-            values[settings.ENGINE] = "torch" if on_gpu else "reference"
+            fast = on_gpu and not self._reads_prompt_ids()  # which the torch engine does not
+            values[settings.ENGINE] = "torch" if fast else "reference"
         values.update(self.service_settings)
         return StackPlan(
             data_dir=self.data_dir.resolve(),
@@ -121,6 +122,12 @@ class UpConfig:
             ports=Ports(http=self.http_port, grpc=self.grpc_port, capture=(self.capture_port,)),
             values=values,
         )
+
+    def _reads_prompt_ids(self) -> bool:
+        from stateblock.protocol.manifest import MANIFEST, read_manifest, reads_prompt_ids
+
+        found = (Path(self.decoder_dir) / MANIFEST).exists()  # a missing one fails later, clearly
+        return found and reads_prompt_ids(read_manifest(self.decoder_dir))
 
     def check(self) -> StackPlan:
         """The plan, with every service's config read from it as the service will read it

@@ -75,6 +75,12 @@ ENGINE_OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
+# The engines that serve a decoder reading the prompt's token ids beside its rows (a copy
+# head, rows that carry their tokens: the blocks then carry the ids); the torch engine's
+# fused head and CUDA graphs and the ONNX graph take rows alone.
+READS_PROMPT_IDS = frozenset({"reference"})
+
+
 def create_engine(
     name: str, model: ServingModel, device: str = "cpu", **options: object
 ) -> ReadoutEngine:
@@ -83,12 +89,11 @@ def create_engine(
     extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
     if extra:
         raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
-    cfg = model.manifest.get("decoder_config", {})
-    if cfg.get("copy") or cfg.get("row_tokens"):  # a state block carries rows alone
+    if model.reads_prompt_ids and name not in READS_PROMPT_IDS:
+        cfg = model.manifest["decoder_config"]
         raise UnservedDecoder(
-            f"the decoder at {model.decoder_dir} reads the prompt's token ids (a copy head: "
-            f"copy={cfg.get('copy', '')!r}, row_tokens={cfg.get('row_tokens', False)}); state "
-            "blocks do not carry them, so no readout engine serves it (it trains and is "
-            "evaluated offline: stateblock.train.prose_readout)"
+            f"the decoder at {model.decoder_dir} reads the prompt's token ids (copy="
+            f"{cfg.get('copy', '')!r}, row_tokens={cfg.get('row_tokens', False)}), which "
+            f"readout engine {name!r} does not serve; engines that do: {sorted(READS_PROMPT_IDS)}"
         )
     return factory(model, device, **options)

@@ -48,6 +48,8 @@ class LaneRequest:
     depth: int  # answer positions to read (the lane's answer_depth, the request's max_tokens)
     # the one sampling type (stateblock.protocol.sampling), as the signed header carries it
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # (P,) int64: the prompt's token ids, where the block carries them (Lane.prompt_token_ids)
+    prompt_ids: Tensor | None = None
 
     @property
     def temperature(self) -> float:
@@ -142,6 +144,13 @@ def lane_requests(
     else:
         lanes = block_lanes(block)
     return [
-        LaneRequest(rows=rows, depth=lane.answer_depth, sampling=s)
+        LaneRequest(
+            rows=rows,
+            depth=lane.answer_depth,
+            sampling=s,
+            prompt_ids=torch.tensor(lane.prompt_token_ids, dtype=torch.int64)
+            if lane.prompt_token_ids
+            else None,
+        )
         for rows, lane, s in zip(lanes, header.layout.lanes, header.sampling, strict=True)
     ]

@@ -63,7 +63,21 @@ class ReferenceEngine:
     def warm_up(self) -> None:
         """One throwaway readout at start-up, not on the first request."""
         rows = torch.zeros(4, self._lm_head.shape[1], dtype=self._act)
-        self.readout([LaneRequest(rows=rows, depth=16)])
+        ids = torch.zeros(4, dtype=torch.int64) if self._decoder.reads_ids else None
+        self.readout([LaneRequest(rows=rows, depth=16, prompt_ids=ids)])
+
+    def _prompt_ids(self, lanes: Sequence[LaneRequest], width: int) -> Tensor | None:
+        """(K, width) the lanes' prompt ids, right-padded, for a decoder that reads them."""
+        if not self._decoder.reads_ids:
+            return None
+        ids = torch.zeros(len(lanes), width, dtype=torch.int64)
+        for i, lane in enumerate(lanes):
+            if lane.prompt_ids is None or lane.prompt_ids.numel() != lane.rows.shape[0]:
+                raise ValueError(f"lane {i}: the decoder reads the prompt's token ids, one a row")
+            ids[i, : lane.prompt_ids.numel()] = lane.prompt_ids
+        if int(ids.max()) >= self._lm_head.shape[0]:
+            raise ValueError("a prompt id is past the vocabulary")
+        return ids.to(self._device)
 
     @torch.inference_mode()
     def readout(self, lanes: Sequence[LaneRequest]) -> list[LaneResult]:
@@ -90,6 +104,7 @@ class ReferenceEngine:
             temperature=temperature,
             noise=noise,
             filters=filters,
+            prompt_ids=self._prompt_ids(lanes, rows.shape[1]),
         )
         tokens = out.tokens.cpu().tolist()
         margins = out.margin.float().cpu().tolist()

@@ -15,9 +15,9 @@ depends on positions <= t only.
 
 Two more read the prompt's token ids beside its rows: `copy`, a copy head over the prompt's
 positions mixed with the vocabulary (`stateblock.model.copy_head`), and `row_tokens`, each row
-given its own token and the one before it. They train and are evaluated offline
-(`pass_parts`, `forward(..., prompt_ids=)`); a state block carries no ids, so no engine
-serves them yet.
+given its own token and the one before it (`pass_parts` trains them, `forward(...,
+prompt_ids=)` serves them). Their blocks carry the ids (Lane.prompt_token_ids); the reference
+engine serves them, the torch and ONNX engines refuse them at start-up.
 """
 
 from __future__ import annotations

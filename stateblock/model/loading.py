@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.checkpoint import DecoderError, check_identity
 from stateblock.protocol.envelope import ModelIdentity
-from stateblock.protocol.manifest import decoder_manifest
+from stateblock.protocol.manifest import decoder_manifest, reads_prompt_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +44,12 @@ class ServingModel:
     @property
     def hidden_size(self) -> int:
         return int(self.lm_head.shape[1])
+
+    @property
+    def reads_prompt_ids(self) -> bool:
+        """Whether the decoder reads the prompt's token ids beside its rows: its blocks then
+        carry them (Lane.prompt_token_ids)."""
+        return reads_prompt_ids(self.manifest)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -53,10 +53,14 @@ def make_layout(
     hidden_size: int,
     dtype: object,  # a name or a torch dtype, see dtype_code
     capture_mode: int = pb.CAPTURE_MODE_FINAL_HIDDEN,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
 ) -> pb.Layout:
-    """One lane per row count, offsets as the cumulative sum, in lane order."""
+    """One lane per row count, offsets as the cumulative sum, in lane order; with
+    `prompt_ids`, each lane's prompt tokens (a decoder that reads them)."""
     if len(row_counts) != len(answer_depths):
         raise LayoutError(f"{len(row_counts)} row counts but {len(answer_depths)} answer depths")
+    if prompt_ids is not None and len(prompt_ids) != len(row_counts):
+        raise LayoutError(f"{len(row_counts)} row counts but {len(prompt_ids)} prompts' ids")
     layout = pb.Layout(hidden_size=hidden_size, dtype=dtype_code(dtype), capture_mode=capture_mode)
     offset = 0
     for i, (count, depth) in enumerate(zip(row_counts, answer_depths, strict=True)):
@@ -66,6 +70,7 @@ def make_layout(
             row_offset=offset,
             row_count=count,
             answer_depth=depth,
+            prompt_token_ids=() if prompt_ids is None else prompt_ids[i],
         )
         offset += count
     layout.total_rows = offset
@@ -92,6 +97,12 @@ def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
             raise LayoutError(f"lane {i} has row_count {lane.row_count}, depth {lane.answer_depth}")
         if lane.row_offset != offset:
             raise LayoutError(f"lane {i} row_offset {lane.row_offset} != cumulative {offset}")
+        if len(lane.prompt_token_ids) not in (0, lane.row_count):
+            raise LayoutError(
+                f"lane {i} has {len(lane.prompt_token_ids)} prompt ids for {lane.row_count} rows"
+            )
+        if bool(lane.prompt_token_ids) != bool(layout.lanes[0].prompt_token_ids):
+            raise LayoutError(f"lane {i} differs from lane 0 in carrying its prompt ids")
         offset += lane.row_count
     if layout.total_rows != offset:
         raise LayoutError(f"total_rows {layout.total_rows} != sum(row_count) {offset}")

@@ -78,6 +78,13 @@ def decoder_manifest(decoder_dir: str | Path) -> dict:
     return read_manifest(decoder_dir)
 
 
+def reads_prompt_ids(manifest: dict) -> bool:
+    """Whether the decoder reads the prompt's token ids beside its rows (a copy head, or rows
+    that carry their tokens): its blocks then carry them, and only some engines serve it."""
+    cfg = manifest.get("decoder_config", {})
+    return bool(cfg.get("copy") or cfg.get("row_tokens"))
+
+
 def default_max_tokens(manifest: dict, answer_depth_max: int) -> int:
     """The depth read when a request does not say: what the decoder was trained to serve."""
     trained = manifest.get("training", {}).get("config", {}).get("max_answer")

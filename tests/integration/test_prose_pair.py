@@ -198,3 +198,27 @@ def test_a_readout_that_reads_token_ids_distils_and_is_evaluated(built, tmp_path
     assert {k: summary["decoder"]["config"]["decoder"][k] for k in want} == want
     assert summary["readout"]["family"]["all"]["n"] == TINY.heldout_prompts
     assert 0.0 < summary["readout"]["family"]["all"]["token_agreement"] <= 1.0
+    _served_as_offline(again, dec.eval(), base, tok, tmp_path / "stack")
+
+
+def _served_as_offline(work: Path, dec, base, tok, data_dir: Path) -> None:
+    """`stateblock up` with the decoder (the reference engine: blocks carry the prompts'
+    ids) answers held-out prompts through the openai client as the decoder does here."""
+    held = read_records(work / "teacher" / "heldout.jsonl")[:3]
+    mine = prose_fidelity.readout_answers(base, dec, held, TINY.max_answer, tok.pad_token_id,
+                                          "cpu")  # fmt: skip
+    config = UpConfig(data_dir=data_dir, http_port=0, grpc_port=0, workers=1,
+                      base_dir=work / "tuned", decoder_dir=work / "decoder",
+                      request_timeout_s=60.0)  # fmt: skip
+    runner = StackThread(config)
+    urls = runner.start(timeout=120)
+    try:
+        client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="-", max_retries=0)
+        for record, tokens in zip(held, mine, strict=True):
+            want = prose_fidelity.cut(tokens, tok.eos_token_id)
+            got = client.completions.create(model=config.model_name, prompt=record["prompt"],
+                                            max_tokens=TINY.max_answer, temperature=0)  # fmt: skip
+            text = tok.decode([t for t in want if t != tok.eos_token_id], skip_special_tokens=True)
+            assert got.choices[0].text == text
+    finally:
+        runner.stop()

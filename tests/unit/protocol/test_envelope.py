@@ -259,6 +259,43 @@ def test_layout_invariants():
         layouts.make_layout("r", [2], [1], hidden_size=8, dtype=torch.int64)
 
 
+def test_a_layout_carries_its_prompts_ids_signed_and_checked(signer, trust):
+    """Lane.prompt_token_ids (a decoder that reads the prompt's ids): one a row, on every
+    lane or none, in the layout's digest, and handed to the engine with the rows."""
+    from stateblock.engines.base import lane_requests
+
+    plain = layouts.make_layout("r", [2, 3], [4, 4], hidden_size=8, dtype=torch.float32)
+    ids = [[5, 6], [7, 8, 9]]
+    layout = layouts.make_layout("r", [2, 3], [4, 4], hidden_size=8, dtype=torch.float32,
+                                 prompt_ids=ids)  # fmt: skip
+    assert [list(lane.prompt_token_ids) for lane in layout.lanes] == ids
+    assert layouts.layout_digest(layout) != layouts.layout_digest(plain)
+    short = pb.Layout()
+    short.CopyFrom(layout)
+    del short.lanes[1].prompt_token_ids[-1]
+    with pytest.raises(LayoutError, match="2 prompt ids for 3 rows"):
+        layouts.check_layout(short)
+    del short.lanes[1].prompt_token_ids[:]
+    with pytest.raises(LayoutError, match="carrying its prompt ids"):
+        layouts.check_layout(short)
+    with pytest.raises(LayoutError, match="prompts' ids"):
+        layouts.make_layout("r", [2, 3], [4, 4], hidden_size=8, dtype=torch.float32,
+                            prompt_ids=ids[:1])  # fmt: skip
+    rows = [torch.randn(2, 8), torch.randn(3, 8)]
+
+    def verified(lay: pb.Layout):
+        sealed = envelope.seal_block(lay, rows_view(torch.cat(rows)), request_id="r",
+                                     identity=IDENTITY, signer=signer, ttl_s=30, now=NOW,
+                                     sampling=[pb.SamplingParams() for _ in rows])  # fmt: skip
+        wire = envelope.serialize_block(sealed.message())
+        return envelope.verify(envelope.parse_block(wire), trust, NOW + 1)
+
+    got = lane_requests(verified(layout))
+    assert [r.prompt_ids.tolist() for r in got] == ids
+    assert all(torch.equal(r.rows, w) for r, w in zip(got, rows, strict=True))
+    assert all(r.prompt_ids is None for r in lane_requests(verified(plain)))
+
+
 def test_build_rejects_rows_that_do_not_match_the_layout(signer):
     layout = layouts.make_layout("r", [2, 3], [4, 4], hidden_size=4, dtype=torch.float32)
     sampling = [pb.SamplingParams(), pb.SamplingParams()]
