@@ -74,7 +74,8 @@
 #       # the pair comes back as prose-readout's does (pair.tar.xz.NN), for bench.prose_api
 #   bash bench/gpu_session.sh prose-arms [DATA [ARGS]]  # on the same warm machine after
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
-#       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin) on
+#       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
+#       # `tokens`: --row-tokens) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
@@ -296,10 +297,10 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
   DATA=${2:-.gpu_prose}; W="$DATA/readout"; t0=$SECONDS
   [ -f "$W/teacher/train.jsonl" ] || { echo "no teacher in $W (run prose-chain first)"; exit 1; }
   read -r -a arms <<< "${ARMS:-plain twin}"
-  for arm in "${arms[@]}"; do  # plain: no copy head; any other: prose_readout --copy ARM
+  for arm in "${arms[@]}"; do  # plain: none; tokens: --row-tokens; any other: --copy ARM
     A="$DATA/arm-$arm"; rm -rf "$A"; mkdir -p "$A" "$OUT/$arm"
     cp -rl "$W/tuned" "$W/teacher" "$A/"
-    copy=(); [ "$arm" = plain ] || copy=(--copy "$arm")
+    case "$arm" in plain) copy=() ;; tokens) copy=(--row-tokens) ;; *) copy=(--copy "$arm") ;; esac
     timeout $(( (570 - SECONDS + t0) / ${#arms[@]} + 5 )) python3 -m stateblock.train.prose_readout \
       --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$A" --scale "${SCALE:-bench}" \
       --device "${DEVICE:-cuda}" --distill-minutes "${MINUTES:-3}" "${copy[@]}" "${@:3}" \
