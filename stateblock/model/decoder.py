@@ -176,9 +176,12 @@ class ReadoutDecoder(nn.Module):
             if cfg.row_attn:
                 self.ref_cross = nn.ModuleList([Block(cfg) for _ in range(cfg.ref_layers)])
             self.ref_norm = RMSNorm(cfg.d_r, cfg.norm_eps)
-        if cfg.row_tokens:  # the lm_head rows of a row's token and of the token before it
+        if cfg.row_tokens:  # the lm_head rows of a row's token and of the token before it,
+            # from zero: the decoder starts as it would without them and learns to read them
             self.row_tok = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
             self.row_prev = nn.Linear(cfg.d_base, cfg.d_r, bias=False)
+            nn.init.zeros_(self.row_tok.weight)
+            nn.init.zeros_(self.row_prev.weight)
         if cfg.copy:
             self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta)
             # each token's spelling without its leading space (copy_head.space_twins, from
