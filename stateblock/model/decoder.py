@@ -283,6 +283,8 @@ class ReadoutDecoder(nn.Module):
 
         `guess` maps a pass's states to the embeddings of its argmax tokens (`guess_embed`
         does it against the lm_head); refinement needs one."""
+        if self.reads_ids:  # rows alone would silently drop what it was trained to read
+            raise ValueError("this decoder reads the prompt's token ids: forward or pass_parts")
         return self.passes_from(self.context(rows, prompt_lens, impl), positions, impl, guess)
 
     def passes_from(

@@ -107,6 +107,8 @@ def test_the_copy_head_needs_the_prompt_ids():
         dec(rows, lens, pos, depth, head)
     with pytest.raises(ValueError, match="token ids"):
         dec.pass_parts(rows, lens, pos, head)
+    with pytest.raises(ValueError, match="token ids"):  # the paths that take rows alone
+        dec.pass_logits(rows, lens, pos, head)
     with pytest.raises(ValueError, match="copy='pointer'"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="pointer")
 
