@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -93,13 +94,7 @@ def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
     readouts = read_records(work / "readouts.jsonl")
     held = read_records(work / "teacher" / "heldout.jsonl")
     _, tok = load_base(pair / "base")
-    config = UpConfig(data_dir=tmp_path / "stack", http_port=0, grpc_port=0, workers=2,
-                      base_dir=pair / "base", decoder_dir=pair / "decoder",
-                      request_timeout_s=60.0)  # fmt: skip
-    runner = StackThread(config)
-    urls = runner.start(timeout=120)
-    try:
-        client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="-", max_retries=0)
+    with _up(pair / "base", pair / "decoder", tmp_path / "stack", workers=2) as (config, client):
         for k in (0, 1, 2):
             want = readouts[k]
             got = client.completions.create(model=config.model_name, prompt=held[k]["prompt"],
@@ -110,6 +105,17 @@ def test_up_serves_the_pair_with_the_readouts_answers(built, tmp_path):
                 "stop" if tok.eos_token_id in want else "length"
             )
             assert any(c.isalpha() for c in text)  # words, from a 1,024-token BPE
+
+
+@contextmanager
+def _up(base_dir: Path, decoder_dir: Path, data_dir: Path, workers: int):
+    """`stateblock up` in this process with the pair: (its config, an openai client of it)."""
+    config = UpConfig(data_dir=data_dir, http_port=0, grpc_port=0, workers=workers,
+                      base_dir=base_dir, decoder_dir=decoder_dir, request_timeout_s=60.0)  # fmt: skip
+    runner = StackThread(config)
+    urls = runner.start(timeout=120)
+    try:
+        yield config, openai.OpenAI(base_url=f"{urls.http}/v1", api_key="-", max_retries=0)
     finally:
         runner.stop()
 
@@ -207,18 +213,10 @@ def _served_as_offline(work: Path, dec, base, tok, data_dir: Path) -> None:
     held = read_records(work / "teacher" / "heldout.jsonl")[:3]
     mine = prose_fidelity.readout_answers(base, dec, held, TINY.max_answer, tok.pad_token_id,
                                           "cpu")  # fmt: skip
-    config = UpConfig(data_dir=data_dir, http_port=0, grpc_port=0, workers=1,
-                      base_dir=work / "tuned", decoder_dir=work / "decoder",
-                      request_timeout_s=60.0)  # fmt: skip
-    runner = StackThread(config)
-    urls = runner.start(timeout=120)
-    try:
-        client = openai.OpenAI(base_url=f"{urls.http}/v1", api_key="-", max_retries=0)
+    with _up(work / "tuned", work / "decoder", data_dir, workers=1) as (config, client):
         for record, tokens in zip(held, mine, strict=True):
             want = prose_fidelity.cut(tokens, tok.eos_token_id)
             got = client.completions.create(model=config.model_name, prompt=record["prompt"],
                                             max_tokens=TINY.max_answer, temperature=0)  # fmt: skip
             text = tok.decode([t for t in want if t != tok.eos_token_id], skip_special_tokens=True)
             assert got.choices[0].text == text
-    finally:
-        runner.stop()
