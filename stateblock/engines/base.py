@@ -39,7 +39,8 @@ class UnknownEngine(ValueError):
 
 
 class UnservedDecoder(ValueError):
-    """A decoder no readout engine serves (one with a copy head)."""
+    """A decoder the named readout engine does not serve (one that reads the prompt's
+    token ids, where the engine takes rows alone)."""
 
 
 @dataclass(frozen=True)

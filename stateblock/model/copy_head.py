@@ -47,6 +47,13 @@ def space_twins(vocab: dict[str, int], size: int | None = None) -> Tensor:
     return twins
 
 
+def token_pairs(head: Tensor, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The lm_head rows of each prompt token and of the token before it (zeros before the
+    first), in `dtype`: ids (K, P) -> (K, P, d_base) each."""
+    emb = head[ids].to(dtype)
+    return emb, torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -79,8 +86,7 @@ class CopyHead(nn.Module):
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
         lens (K,)), head (V, d_base), positions (K, D), twins (V,). C is P, or 2P with twins;
         a padding position or a missing twin scores -inf (its id is then 0)."""
-        emb = head[ids].to(h.dtype)  # (K, P, d_base)
-        prev = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
+        emb, prev = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
         idx = torch.arange(p, device=ids.device)
         key = rope(self.k(rows.to(h.dtype)) + self.tok(emb) + self.prev(prev),

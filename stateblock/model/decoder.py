@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from stateblock.model.copy_head import MODES as COPY_MODES
-from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk
+from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk, token_pairs
 from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
 from stateblock.model.rotary import rope_tables, rotate
 from stateblock.model.vocab import (
@@ -205,8 +205,7 @@ class ReadoutDecoder(nn.Module):
         ctx = self.ctx_in(rows.to(self.ctx_in.weight.dtype))  # (K, P, d_r)
         ctx = ctx + self.ctx_pos(position_features(idx, self.periods).to(ctx.dtype))
         if self.cfg.row_tokens:  # a row is the base's guess at the next token: add its own
-            emb = lm_head[prompt_ids].to(ctx.dtype)  # (K, P, d_base)
-            prev = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
+            emb, prev = token_pairs(lm_head, prompt_ids, ctx.dtype)  # (K, P, d_base) each
             ctx = ctx + self.row_tok(emb) + self.row_prev(prev)
         row_mask = (idx.unsqueeze(0) < prompt_lens.unsqueeze(1)).view(k, 1, 1, p)
         lat = self.latent.unsqueeze(0).expand(k, -1, -1)  # (K, M, d_r)
