@@ -234,10 +234,10 @@ class CohortForward:
     def _thread_stream(self, background: bool) -> Iterator[None]:
         """This thread's own CUDA stream around a forward, of the lowest priority for a
         background forward (or its green context's, with `part_sms`) and of the highest
-        otherwise (without `thread_streams`, or off CUDA, the current stream). The forward's rows are consumed on other threads'
-        streams, so the forward is synchronised before it returns: whatever reads its rows
-        next finds them written, and nothing still in flight reads a freed block's memory
-        when the allocator hands it to this stream again."""
+        otherwise (without `thread_streams`, or off CUDA, the current stream). The forward's
+        rows are consumed on other threads' streams, so the forward is synchronised before it
+        returns: whatever reads its rows next finds them written, and nothing still in flight
+        reads a freed block's memory when the allocator hands it to this stream again."""
         if self._streams is None:
             yield
             return
