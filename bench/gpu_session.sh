@@ -75,7 +75,7 @@
 #   bash bench/gpu_session.sh prose-arms [DATA [ARGS]]  # on the same warm machine after
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
 #       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
-#       # `tokens`: --row-tokens) on
+#       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
@@ -232,12 +232,15 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
   # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
   # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs)
+  # (joined by +: sms66+tokens8192 sets both)
   for arm in ${ARMS:-sms66 tokens8192}; do  # two fit a call
     env=()
-    case "$arm" in
-      tokens*) env=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${arm#tokens}") ;;
-      sms*) env=(--env "STATEBLOCK_CAPTURE_PART_SMS=${arm#sms}") ;;
-    esac
+    for part in ${arm//+/ }; do
+      case "$part" in
+        tokens*) env+=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${part#tokens}") ;;
+        sms*) env+=(--env "STATEBLOCK_CAPTURE_PART_SMS=${part#sms}") ;;
+      esac
+    done
     timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$arm" --levels '' --depths 256 \
       --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
       --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
@@ -300,7 +303,12 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
   for arm in "${arms[@]}"; do  # plain: none; tokens: --row-tokens; any other: --copy ARM
     A="$DATA/arm-$arm"; rm -rf "$A"; mkdir -p "$A" "$OUT/$arm"
     cp -rl "$W/tuned" "$W/teacher" "$A/"
-    case "$arm" in plain) copy=() ;; tokens) copy=(--row-tokens) ;; *) copy=(--copy "$arm") ;; esac
+    case "$arm" in
+      plain) copy=() ;;
+      tokens) copy=(--row-tokens) ;;
+      *+guess) copy=(--copy "${arm%+guess}" --copy-guess 4) ;;
+      *) copy=(--copy "$arm") ;;
+    esac
     timeout $(( (570 - SECONDS + t0) / ${#arms[@]} + 5 )) python3 -m stateblock.train.prose_readout \
       --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$A" --scale "${SCALE:-bench}" \
       --device "${DEVICE:-cuda}" --distill-minutes "${MINUTES:-3}" "${copy[@]}" "${@:3}" \

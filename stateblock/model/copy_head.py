@@ -13,6 +13,12 @@ token and of the one before it, rotary positions on both sides) and mixes:
               in a passage is `the` after `<ans>`), where the vocabulary has that spelling
     gatetwin  gate, its position softmax over twin's two scores a position
 
+With `guess` G > 0, the base's own G likeliest first answer tokens (its last row through the
+lm_head: the teacher's greedy answer starts with the first of them) join the candidates, each
+scored from the readout's state, the token's lm_head row and the last row, plus a learned
+multiple of the base's log-probability of it; their key sits at position 0, so the rotary
+query learns at which answer positions the base's guess applies.
+
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
@@ -54,6 +60,14 @@ def token_pairs(head: Tensor, ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, 
     return emb, torch.cat([torch.zeros_like(emb[:, :1]), emb[:, :-1]], dim=1)
 
 
+def base_guess(last: Tensor, head: Tensor, g: int) -> tuple[Tensor, Tensor]:
+    """The base's top-g first answer tokens and their log-probabilities, in fp32: last
+    (K, d_base) the prompt's last row -> ids (K, g), log-probs (K, g)."""
+    lp = (last.float() @ head.float().t()).log_softmax(-1)  # (K, V)
+    v, i = lp.topk(g, dim=-1)
+    return i, v
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -62,7 +76,13 @@ def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 
 class CopyHead(nn.Module):
     def __init__(
-        self, d_r: int, d_base: int, mode: str, theta: float = 10000.0, bias: float | None = None
+        self,
+        d_r: int,
+        d_base: int,
+        mode: str,
+        theta: float = 10000.0,
+        bias: float | None = None,
+        guess: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -80,12 +100,21 @@ class CopyHead(nn.Module):
         self.bias = None if bias is None or self.gated else nn.Parameter(torch.tensor(bias))
         if self.twin:
             self.q_twin = nn.Linear(d_r, d_r, bias=False)
+        self.n_guess = guess
+        if guess:  # the base's own top-G first tokens as candidates
+            self.q_guess = nn.Linear(d_r, d_r, bias=False)
+            self.g_row = nn.Linear(d_r, d_r, bias=False)  # the prompt's last row
+            self.g_lp = nn.Parameter(torch.tensor(1.0))  # weight of the base's log-prob
 
-    def scores(self, h, rows, ids, lens, head, positions, twins) -> tuple[Tensor, Tensor]:
+    def scores(
+        self, h, rows, ids, lens, head, positions, twins, guess=None
+    ) -> tuple[Tensor, Tensor]:
         """(scores (K, D, C), candidate ids (K, C)): h (K, D, d_r) the pass's normed state,
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
-        lens (K,)), head (V, d_base), positions (K, D), twins (V,). C is P, or 2P with twins;
-        a padding position or a missing twin scores -inf (its id is then 0)."""
+        lens (K,)), head (V, d_base), positions (K, D), twins (V,), guess the base's guess
+        (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess). C is
+        P, 2P with twins, plus G; a padding position or a missing twin scores -inf (its id
+        is then 0)."""
         emb, prev = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
         idx = torch.arange(p, device=ids.device)
@@ -98,16 +127,28 @@ class CopyHead(nn.Module):
             return rope(q(h), positions, self.theta) @ key + off
 
         valid = (idx.view(1, -1) < lens.view(-1, 1))[:, None]  # (K, 1, P)
-        a = score(self.q).masked_fill(~valid, NEG)
-        if not self.twin:
-            return a, ids
-        tw = twins[ids]  # (K, P)
-        b = score(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
-        return torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1)
+        a, cand = score(self.q).masked_fill(~valid, NEG), ids
+        if self.twin:
+            tw = twins[ids]  # (K, P)
+            b = score(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
+            a, cand = torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1)
+        if self.n_guess:
+            if guess is None:
+                raise ValueError("this copy head scores the base's guess: pass `guess`")
+            g = self.guess_scores(h, head, positions, *guess) + off
+            a, cand = torch.cat([a, g], -1), torch.cat([cand, guess[0]], -1)
+        return a, cand
 
-    def forward(self, h, vocab_logits, rows, ids, lens, head, positions, twins) -> tuple:
+    def guess_scores(self, h, head, positions, gids, glp, last) -> Tensor:
+        """(K, D, G): the base's guesses gids (K, G) scored at every answer position; the key
+        unrotated (position 0), so the query's rotation alone says how far into the answer."""
+        key = self.g_row(last.to(h.dtype))[:, None] + self.tok(head[gids].to(h.dtype))
+        q = rope(self.q_guess(h), positions, self.theta)  # (K, D, d_r)
+        return q @ key.transpose(1, 2) / math.sqrt(self.d) + self.g_lp * glp[:, None].to(q.dtype)
+
+    def forward(self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None):
         """One pass's parts (see the module's doc) from its vocabulary logits (K, D, V)."""
-        a, cand = self.scores(h, rows, ids, lens, head, positions, twins)
+        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess)
         if self.gated:
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), cand)
         return ("joint", vocab_logits, a, cand)

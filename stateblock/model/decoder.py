@@ -32,7 +32,13 @@ import torch.nn as nn
 from torch import Tensor
 
 from stateblock.model.copy_head import MODES as COPY_MODES
-from stateblock.model.copy_head import CopyHead, log_probs, mixture_topk, token_pairs
+from stateblock.model.copy_head import (
+    CopyHead,
+    base_guess,
+    log_probs,
+    mixture_topk,
+    token_pairs,
+)
 from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
 from stateblock.model.rotary import rope_tables, rotate
 from stateblock.model.vocab import (
@@ -85,6 +91,7 @@ class ReadoutConfig:
     rope_theta: float = 10000.0
     copy: str = ""  # a copy head's mode (stateblock.model.copy_head.MODES), "" for none
     row_tokens: bool = False  # each row also carries its own token and the one before it
+    copy_guess: int = 0  # the base's top-G first tokens join the copy head's candidates
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -98,6 +105,8 @@ class ReadoutConfig:
             raise ValueError("rope needs an even head dimension and at least 2 heads")
         if self.copy and self.copy not in COPY_MODES:
             raise ValueError(f"copy={self.copy!r}: choose from {COPY_MODES} or '' for none")
+        if self.copy_guess < 0 or (self.copy_guess and not self.copy):
+            raise ValueError(f"copy_guess={self.copy_guess} needs a copy head and must be >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -138,6 +147,7 @@ class Context(NamedTuple):
     row_mask: Tensor  # (K, 1, 1, P) bool, True = a real row of the lane's prompt
     prompt_lens: Tensor  # (K,)
     prompt_ids: Tensor | None = None  # (K, P) the prompt's tokens: a copy head points at them
+    guess: tuple | None = None  # the base's top-G first tokens (copy_head.base_guess) + last row
 
 
 # the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
@@ -183,7 +193,9 @@ class ReadoutDecoder(nn.Module):
             nn.init.zeros_(self.row_tok.weight)
             nn.init.zeros_(self.row_prev.weight)
         if cfg.copy:
-            self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta)
+            self.copy_head = CopyHead(
+                cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta, guess=cfg.copy_guess
+            )
             # each token's spelling without its leading space (copy_head.space_twins, from
             # the tokenizer when the decoder is made): saved with the weights, so the
             # decoder's digest binds it
@@ -215,7 +227,12 @@ class ReadoutDecoder(nn.Module):
         if self.cfg.row_attn:
             from_end = prompt_lens.unsqueeze(1) - 1 - idx.unsqueeze(0)  # (K, P), < 0 on padding
             ctx = ctx + self.ctx_end(position_features(from_end, self.periods).to(ctx.dtype))
-        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids)
+        guess = None
+        if self.cfg.copy_guess:  # the base's own first-token guess, from its last row
+            last = torch.arange(k, device=rows.device), prompt_lens - 1
+            gids, glp = base_guess(rows[last], lm_head, self.cfg.copy_guess)
+            guess = (gids, glp, ctx[last])
+        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids, guess)
 
     def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
         """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
@@ -355,7 +372,7 @@ class ReadoutDecoder(nn.Module):
         if not self.cfg.copy:
             return top_v, top_i, lse_v
         a, cand = self.copy_head.scores(
-            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins
+            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins, c.guess
         )  # (K, D, C), (K, C)
         cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
         gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
@@ -403,7 +420,7 @@ class ReadoutDecoder(nn.Module):
             if not self.cfg.copy:
                 return ("base", lv)
             return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
-                                  self.twins)  # fmt: skip
+                                  self.twins, c.guess)  # fmt: skip
 
         def guess(h: Tensor) -> Tensor:
             with torch.no_grad():

@@ -174,26 +174,27 @@ def test_a_call_that_distils_alone_goes_on_from_another_call_s_decoder(built, tm
     assert not (again / "tasks" / "train.jsonl.gz").exists()  # no prompts were made
 
 
-@pytest.mark.parametrize("option", ["--copy=twin", "--row-tokens"])
+@pytest.mark.parametrize("option", [("--copy=twin", "--copy-guess=2"), ("--row-tokens",)])
 def test_a_readout_that_reads_token_ids_distils_and_is_evaluated(built, tmp_path, option):
-    """`--copy twin`: the decoder trains through the copy mixture, carries its tokenizer's
-    twin spellings in its weights, and the evaluation reads it with the prompts' ids;
-    `--row-tokens` the same with the tokens on the rows."""
+    """`--copy twin`: the decoder trains through the copy mixture (the base's two likeliest
+    first tokens among its candidates), carries its tokenizer's twin spellings in its
+    weights, and the evaluation reads it with the prompts' ids; `--row-tokens` the same with
+    the tokens on the rows."""
     import shutil
 
     work, again = built / "work", tmp_path / "work"
     for stage in ("tuned", "teacher"):
         shutil.copytree(work / stage, again / stage)
-    assert prose_readout.main(["--work", str(again), "--scale", "tiny", option,
+    assert prose_readout.main(["--work", str(again), "--scale", "tiny", *option,
                                "--base-weights", str(tmp_path / "no-such-base"),
                                "--distill-minutes", "0.1"]) == 0  # fmt: skip
     base, tok = load_base(again / "tuned")
     dec, manifest = load_decoder(again / "decoder", base_dir=again / "tuned",
                                  lm_head=lm_head_weight(base))  # fmt: skip
     want = (
-        {"copy": "twin", "row_tokens": False}
-        if "copy" in option
-        else {"copy": "", "row_tokens": True}
+        {"copy": "twin", "row_tokens": False, "copy_guess": 2}
+        if "--copy=twin" in option
+        else {"copy": "", "row_tokens": True, "copy_guess": 0}
     )
     assert {k: manifest["decoder_config"][k] for k in want} == want
     if want["copy"]:

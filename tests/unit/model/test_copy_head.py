@@ -56,11 +56,11 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy: str, refine: int = 1, seed: int = 0, row_tokens: bool = False):
+def make(copy: str, refine: int = 1, seed: int = 0, row_tokens: bool = False, guess: int = 0):
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
                         n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
-                        row_tokens=row_tokens)  # fmt: skip
+                        row_tokens=row_tokens, copy_guess=guess)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -79,11 +79,12 @@ def _lanes(k=3, p=8, d=7):
 
 
 @pytest.mark.parametrize(
-    ("mode", "refine", "row_tokens"),
-    [("twin", 0, False), ("twin", 1, False), ("gatetwin", 1, False), ("twin", 1, True)],
-)
-def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens):
-    dec, head = make(mode, refine, row_tokens=row_tokens)
+    ("mode", "refine", "row_tokens", "guess"),
+    [("twin", 0, False, 0), ("twin", 1, False, 0), ("gatetwin", 1, False, 0),
+     ("twin", 1, True, 0), ("twin", 1, False, 3), ("gate", 0, False, 2)],
+)  # fmt: skip
+def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess):
+    dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -177,3 +178,32 @@ def test_row_tokens_read_the_prompt_ids_and_serve_the_training_argmax():
     assert not torch.equal(out.tokens, other.tokens)
     with pytest.raises(ValueError, match="token ids"):
         dec(rows, lens, pos, depth, head)
+
+
+def test_the_base_guess_candidates_are_the_last_rows_top_tokens():
+    dec, head = make("twin", guess=3)
+    rows, lens, ids, pos = _lanes()
+    c = dec.context(rows, lens, prompt_ids=ids, lm_head=head)
+    gids, glp, last = c.guess
+    base = (rows[torch.arange(3), lens - 1] @ head.t()).log_softmax(-1)  # (K, V)
+    assert torch.equal(gids[:, 0], base.argmax(-1))  # the teacher's greedy first token
+    assert torch.allclose(glp, base.gather(-1, gids), atol=1e-5)
+    assert torch.equal(last, c.rows[torch.arange(3), lens - 1])
+    with torch.no_grad():
+        parts = dec.pass_parts(rows, lens, pos, head, ids)
+    cand = parts[-1][-1]
+    assert cand.shape[1] == 2 * ids.shape[1] + 3 and torch.equal(cand[:, -3:], gids)
+    # the base's log-probability enters each guess's score: a large weight ranks them as the
+    # base does
+    h = torch.randn(3, pos.shape[1], 32)
+    with torch.no_grad():
+        dec.copy_head.g_lp.fill_(1e4)
+        g = dec.copy_head.guess_scores(h, head, pos, gids, glp, last)  # (K, D, G)
+    assert torch.equal(g.argsort(-1, descending=True), torch.arange(3).expand(3, pos.shape[1], 3))
+
+
+def test_copy_guess_needs_a_copy_head():
+    with pytest.raises(ValueError, match="copy_guess=2 needs a copy head"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy_guess=2)
+    with pytest.raises(ValueError, match="copy_guess=-1"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_guess=-1)
