@@ -75,7 +75,8 @@
 #   bash bench/gpu_session.sh prose-arms [DATA [ARGS]]  # on the same warm machine after
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
 #       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
-#       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4) on
+#       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4,
+#       # `MODE+guess+follow` also --copy-follow) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
@@ -306,6 +307,7 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
     case "$arm" in
       plain) copy=() ;;
       tokens) copy=(--row-tokens) ;;
+      *+guess+follow) copy=(--copy "${arm%%+*}" --copy-guess 4 --copy-follow) ;;
       *+guess) copy=(--copy "${arm%+guess}" --copy-guess 4) ;;
       *) copy=(--copy "$arm") ;;
     esac

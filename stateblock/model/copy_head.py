@@ -19,6 +19,12 @@ scored from the readout's state, the token's lm_head row and the last row, plus 
 multiple of the base's log-probability of it; their key sits at position 0, so the rotary
 query learns at which answer positions the base's guess applies.
 
+With `follow`, a refinement pass's position scores gain two learned bonuses: where the prompt
+token before a position is the previous pass's token one answer position back (or its twin),
+and where the two tokens before it match the previous pass's two; an induction head made
+explicit, so a span once entered is followed token by token. Position t reads the previous
+pass at t-1 and t-2 only: prefix-causal still holds.
+
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
@@ -83,6 +89,7 @@ class CopyHead(nn.Module):
         theta: float = 10000.0,
         bias: float | None = None,
         guess: int = 0,
+        follow: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -105,20 +112,24 @@ class CopyHead(nn.Module):
             self.q_guess = nn.Linear(d_r, d_r, bias=False)
             self.g_row = nn.Linear(d_r, d_r, bias=False)  # the prompt's last row
             self.g_lp = nn.Parameter(torch.tensor(1.0))  # weight of the base's log-prob
+        self.follow = follow
+        if follow:  # bonuses of a one-token and a two-token match with the previous pass
+            self.w_follow = nn.Parameter(torch.tensor([2.0, 2.0]))
 
     def scores(
-        self, h, rows, ids, lens, head, positions, twins, guess=None
+        self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None
     ) -> tuple[Tensor, Tensor]:
         """(scores (K, D, C), candidate ids (K, C)): h (K, D, d_r) the pass's normed state,
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
         lens (K,)), head (V, d_base), positions (K, D), twins (V,), guess the base's guess
-        (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess). C is
-        P, 2P with twins, plus G; a padding position or a missing twin scores -inf (its id
-        is then 0)."""
-        emb, prev = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
+        (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess), prev
+        (K, D) the previous pass's tokens (with follow; None in the first pass). C is P, 2P
+        with twins, plus G; a padding position or a missing twin scores -inf (its id is
+        then 0)."""
+        emb, before = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
         idx = torch.arange(p, device=ids.device)
-        key = rope(self.k(rows.to(h.dtype)) + self.tok(emb) + self.prev(prev),
+        key = rope(self.k(rows.to(h.dtype)) + self.tok(emb) + self.prev(before),
                    idx.expand(k, -1), self.theta)  # fmt: skip
         key = key.transpose(1, 2) / math.sqrt(self.d)  # (K, d_r, P)
         off = 0.0 if self.bias is None else self.bias
@@ -128,6 +139,8 @@ class CopyHead(nn.Module):
 
         valid = (idx.view(1, -1) < lens.view(-1, 1))[:, None]  # (K, 1, P)
         a, cand = score(self.q).masked_fill(~valid, NEG), ids
+        if self.follow and prev is not None:
+            a = a + self.follow_bonus(ids, twins, prev).to(a.dtype)
         if self.twin:
             tw = twins[ids]  # (K, P)
             b = score(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
@@ -139,6 +152,22 @@ class CopyHead(nn.Module):
             a, cand = torch.cat([a, g], -1), torch.cat([cand, guess[0]], -1)
         return a, cand
 
+    def follow_bonus(self, ids: Tensor, twins: Tensor, prev: Tensor) -> Tensor:
+        """(K, D, P): w0 where the prompt token before position p is the previous pass's
+        token at t-1 (as spelled, or its twin), plus w1 where the two before p are its two at
+        t-1 and t-2. ids (K, P) the prompt, prev (K, D)."""
+
+        def back(x: Tensor, n: int, fill: int) -> Tensor:  # x shifted n along its last dim
+            return torch.cat([torch.full_like(x[:, :n], fill), x[:, :-n]], -1)
+
+        def match(n: int) -> Tensor:  # prompt token at p-n vs the pass's token at t-n
+            p, t = back(ids, n, -1), back(prev, n, -2)[..., None]  # (K, P), (K, D, 1)
+            return (p[:, None] == t) | (back(twins[ids], n, -1)[:, None] == t)
+
+        one = match(1)
+        two = one & match(2)
+        return self.w_follow[0] * one + self.w_follow[1] * two
+
     def guess_scores(self, h, head, positions, gids, glp, last) -> Tensor:
         """(K, D, G): the base's guesses gids (K, G) scored at every answer position; the key
         unrotated (position 0), so the query's rotation alone says how far into the answer."""
@@ -146,9 +175,11 @@ class CopyHead(nn.Module):
         q = rope(self.q_guess(h), positions, self.theta)  # (K, D, d_r)
         return q @ key.transpose(1, 2) / math.sqrt(self.d) + self.g_lp * glp[:, None].to(q.dtype)
 
-    def forward(self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None):
+    def forward(
+        self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None, prev=None
+    ):
         """One pass's parts (see the module's doc) from its vocabulary logits (K, D, V)."""
-        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess)
+        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess, prev)
         if self.gated:
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), cand)
         return ("joint", vocab_logits, a, cand)

@@ -92,6 +92,7 @@ class ReadoutConfig:
     copy: str = ""  # a copy head's mode (stateblock.model.copy_head.MODES), "" for none
     row_tokens: bool = False  # each row also carries its own token and the one before it
     copy_guess: int = 0  # the base's top-G first tokens join the copy head's candidates
+    copy_follow: bool = False  # a refinement's copy scores follow the previous pass's span
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -107,6 +108,8 @@ class ReadoutConfig:
             raise ValueError(f"copy={self.copy!r}: choose from {COPY_MODES} or '' for none")
         if self.copy_guess < 0 or (self.copy_guess and not self.copy):
             raise ValueError(f"copy_guess={self.copy_guess} needs a copy head and must be >= 0")
+        if self.copy_follow and not (self.copy and self.refine):
+            raise ValueError("copy_follow needs a copy head and a refinement pass")
 
     @property
     def head_dim(self) -> int:
@@ -193,9 +196,8 @@ class ReadoutDecoder(nn.Module):
             nn.init.zeros_(self.row_tok.weight)
             nn.init.zeros_(self.row_prev.weight)
         if cfg.copy:
-            self.copy_head = CopyHead(
-                cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta, guess=cfg.copy_guess
-            )
+            self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta,
+                                      guess=cfg.copy_guess, follow=cfg.copy_follow)  # fmt: skip
             # each token's spelling without its leading space (copy_head.space_twins, from
             # the tokenizer when the decoder is made): saved with the weights, so the
             # decoder's digest binds it
@@ -363,26 +365,29 @@ class ReadoutDecoder(nn.Module):
         return bool(self.cfg.copy or self.cfg.row_tokens)
 
     def read_topk(
-        self, h: Tensor, c: Context, positions: Tensor, lm_head: Tensor, k: int
+        self, h: Tensor, c: Context, positions: Tensor, lm_head: Tensor, k: int, prev=None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """A pass's top-k (values, ids (K, D, k)) and log-sum-exp (K, D) from its normed state
-        h (K, D, d_r): the vocabulary's, or the copy mixture's; no (K, D, V) tensor."""
+        h (K, D, d_r): the vocabulary's, or the copy mixture's (prev (K, D): the previous
+        pass's tokens, for copy_follow); no (K, D, V) tensor."""
         hv = self.out(h).to(lm_head.dtype)  # (K, D, d_base)
         top_v, top_i, lse_v = chunked_topk_lse(hv, lm_head, self.cfg.n_chunks, k)
         if not self.cfg.copy:
             return top_v, top_i, lse_v
         a, cand = self.copy_head.scores(
-            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins, c.guess
+            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins, c.guess, prev
         )  # (K, D, C), (K, C)
         cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
         gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
         return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
 
-    def read_guess(self, c: Context, positions: Tensor, lm_head: Tensor) -> GuessFn:
-        """The refinement's guess: the pass's top-1 (`read_topk`), embedded."""
+    def read_guess(self, c: Context, positions: Tensor, lm_head: Tensor, seen: list) -> GuessFn:
+        """The refinement's guess: the pass's top-1 (`read_topk`), embedded; each pass's
+        tokens appended to `seen` (the next pass's copy_follow reads them)."""
 
         def guess(h: Tensor) -> Tensor:
-            _, ids, _ = self.read_topk(h, c, positions, lm_head, 1)
+            _, ids, _ = self.read_topk(h, c, positions, lm_head, 1, seen[-1] if seen else None)
+            seen.append(ids[..., 0])
             return self.guess_in(lm_head[ids[..., 0]].to(self.guess_in.weight.dtype))
 
         return guess
@@ -396,9 +401,10 @@ class ReadoutDecoder(nn.Module):
 
     def _read_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
         c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head)
-        guess = self.read_guess(c, positions, lm_head) if self.cfg.refine else None
+        seen: list[Tensor] = []
+        guess = self.read_guess(c, positions, lm_head, seen) if self.cfg.refine else None
         h = self.passes_from(c, positions, impl, guess)[-1]
-        return self.read_topk(h, c, positions, lm_head, k)
+        return self.read_topk(h, c, positions, lm_head, k, seen[-1] if seen else None)
 
     def pass_parts(
         self,
@@ -415,20 +421,22 @@ class ReadoutDecoder(nn.Module):
         head = lm_head.to(self.out.weight.dtype)
         c = self._id_context(rows, prompt_lens, "sdpa", prompt_ids, head)
 
-        def parts(h: Tensor) -> tuple:
+        def parts(h: Tensor, prev: Tensor | None) -> tuple:
             lv = self.out(h) @ head.t()  # (K, D, V)
             if not self.cfg.copy:
                 return ("base", lv)
             return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
-                                  self.twins, c.guess)  # fmt: skip
+                                  self.twins, c.guess, prev)  # fmt: skip
+
+        seen: list[Tensor] = []  # each pass's tokens, read by the next (copy_follow)
 
         def guess(h: Tensor) -> Tensor:
-            with torch.no_grad():
-                ids = log_probs(parts(h)).argmax(-1)  # (K, D), trained on its own guesses
-            return self.guess_in(head[ids])
+            with torch.no_grad():  # (K, D), trained on its own guesses
+                seen.append(log_probs(parts(h, seen[-1] if seen else None)).argmax(-1))
+            return self.guess_in(head[seen[-1]])
 
         states = self.passes_from(c, positions, "sdpa", guess if self.cfg.refine else None)
-        return [parts(h) for h in states]
+        return [parts(h, seen[i - 1] if i else None) for i, h in enumerate(states)]
 
     def forward(
         self,

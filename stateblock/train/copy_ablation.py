@@ -42,24 +42,27 @@ from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.recipe import DECODER_CONFIG
 
 # tokens: row_tokens, no copy head; MODE+guess: that copy head with the base's top-4 first
-# tokens among its candidates (ReadoutConfig.copy_guess)
-ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES))
+# tokens among its candidates (ReadoutConfig.copy_guess); +follow: its refinement follows the
+# previous pass's span (ReadoutConfig.copy_follow)
+ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
+        *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow")  # fmt: skip
 GUESS = 4
 
 
 def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None):
     """The shipped decoder's shape with the arm's copy head (none for `base` and `tokens`;
     `tokens` gives every row its own token instead: ReadoutConfig.row_tokens)."""
-    mode, _, guess = arm.partition("+")
+    mode, *flags = arm.split("+")
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
                         **DECODER_CONFIG, copy="" if arm in ("base", "tokens") else mode,
-                        row_tokens=arm == "tokens", copy_guess=GUESS if guess else 0)  # fmt: skip
+                        row_tokens=arm == "tokens", copy_guess=GUESS if "guess" in flags else 0,
+                        copy_follow="follow" in flags)  # fmt: skip
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)
         if bias is not None:  # joint, twin: a learned offset of the position scores
             dec.copy_head = CopyHead(cfg.d_r, cfg.d_base, mode, cfg.rope_theta, bias=bias,
-                                     guess=cfg.copy_guess)  # fmt: skip
+                                     guess=cfg.copy_guess, follow=cfg.copy_follow)  # fmt: skip
     return dec.to(head.device)
 
 

@@ -239,7 +239,8 @@ def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Pat
     identity["data_digest"] = ckpt.sha_files([teacher / "train.jsonl"])
     cfg = replace(scale.distill, seed=a.seed)
     if a.copy or a.row_tokens:
-        ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess}
+        ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess,
+               "copy_follow": a.copy_follow}  # fmt: skip
         cfg = replace(cfg, decoder={**cfg.decoder, **ids})
     stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
                         a.device)  # fmt: skip
@@ -367,6 +368,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="the readout's copy head (stateblock.model.copy_head; default none)")  # fmt: skip
     add("--copy-guess", type=int, default=0,
         help="with --copy: the base's top-N first tokens join the copy head's candidates")  # fmt: skip
+    add("--copy-follow", action="store_true",
+        help="with --copy: the refinement's copy scores follow the previous pass's span")  # fmt: skip
     add("--row-tokens", action="store_true",
         help="the readout's rows also carry their own tokens (ReadoutConfig.row_tokens)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",

@@ -56,11 +56,11 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy: str, refine: int = 1, seed: int = 0, row_tokens: bool = False, guess: int = 0):
+def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False):
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
                         n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
-                        row_tokens=row_tokens, copy_guess=guess)  # fmt: skip
+                        row_tokens=row_tokens, copy_guess=guess, copy_follow=follow)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -79,12 +79,13 @@ def _lanes(k=3, p=8, d=7):
 
 
 @pytest.mark.parametrize(
-    ("mode", "refine", "row_tokens", "guess"),
-    [("twin", 0, False, 0), ("twin", 1, False, 0), ("gatetwin", 1, False, 0),
-     ("twin", 1, True, 0), ("twin", 1, False, 3), ("gate", 0, False, 2)],
+    ("mode", "refine", "row_tokens", "guess", "follow"),
+    [("twin", 0, False, 0, False), ("twin", 1, False, 0, False), ("gatetwin", 1, False, 0, False),
+     ("twin", 1, True, 0, False), ("twin", 1, False, 3, False), ("gate", 0, False, 2, False),
+     ("twin", 1, False, 3, True), ("joint", 2, False, 0, True)],
 )  # fmt: skip
-def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess):
-    dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess)
+def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess, follow):
+    dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess, follow=follow)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -207,3 +208,23 @@ def test_copy_guess_needs_a_copy_head():
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy_guess=2)
     with pytest.raises(ValueError, match="copy_guess=-1"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_guess=-1)
+
+
+def test_follow_rewards_the_position_after_the_previous_passs_tokens():
+    dec, _ = make("twin", follow=True)
+    w0, w1 = dec.copy_head.w_follow.tolist()
+    ids = torch.tensor([[7, 8, 9, 7, 8, 5]])  # (1, P)
+    prev = torch.tensor([[7, 8, 42]])  # the previous pass's tokens (1, D)
+    twins = torch.full((VOCAB,), -1, dtype=torch.long)
+    twins[9] = 42  # 42 is 9 spelled without its leading space
+    with torch.no_grad():
+        b = dec.copy_head.follow_bonus(ids, twins, prev)[0]  # (D, P)
+    # t=0 reads nothing before it; t=1 follows a 7 (positions 1 and 4); t=2 follows a 7 8
+    # (positions 2 and 5, both tokens matching) and nothing follows a 42 at t=3
+    assert b[0].tolist() == [0.0] * 6
+    assert b[1].tolist() == pytest.approx([0, w0, 0, 0, w0, 0])
+    assert b[2].tolist() == pytest.approx([0, 0, w0 + w1, 0, 0, w0 + w1])
+    b2 = dec.copy_head.follow_bonus(ids, twins, torch.tensor([[0, 42, 1]]))[0]
+    assert b2[2].tolist() == pytest.approx([0, 0, 0, w0, 0, 0])  # 42 matches 9 by its twin
+    with pytest.raises(ValueError, match="copy_follow needs"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_follow=True)

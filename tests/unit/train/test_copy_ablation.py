@@ -75,7 +75,7 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
             "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
                               eval_every=2, copy_bias=None)  # fmt: skip
-    for arm in ("base", "tokens", "twin", "gatetwin", "twin+guess"):
+    for arm in ("base", "tokens", "twin", "gatetwin", "twin+guess", "twin+guess+follow"):
         seen: list[list] = []
         log = ca.train_arm(arm, data, args, on_eval=seen.append)
         assert [e["step"] for e in log] == [2] and len(seen) == 1
