@@ -242,12 +242,13 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
         sms*) env+=(--env "STATEBLOCK_CAPTURE_PART_SMS=${part#sms}") ;;
       esac
     done
-    timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$arm" --levels '' --depths 256 \
+    tag=${arm//+/_}  # a name with + does not come back from a device call
+    timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$tag" --levels '' --depths 256 \
       --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
       --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
-      "${env[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$arm.log" 2>&1
+      "${env[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$tag.log" 2>&1
     echo "fairness, $arm: rc=$?"
-    grep -A6 '^\*\*Fairness' "$OUT/fair-$arm/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$arm/load.md"
+    grep -A6 '^\*\*Fairness' "$OUT/fair-$tag/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$tag/load.md"
   done
 elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
   # the capture's stream priorities and a part's green context (GPU tests; they load the
@@ -302,7 +303,8 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
   [ -f "$W/teacher/train.jsonl" ] || { echo "no teacher in $W (run prose-chain first)"; exit 1; }
   read -r -a arms <<< "${ARMS:-plain twin}"
   for arm in "${arms[@]}"; do  # plain: none; tokens: --row-tokens; any other: --copy ARM
-    A="$DATA/arm-$arm"; rm -rf "$A"; mkdir -p "$A" "$OUT/$arm"
+    tag=${arm//+/_}  # a name with + does not come back from a device call
+    A="$DATA/arm-$tag"; rm -rf "$A"; mkdir -p "$A" "$OUT/$tag"
     cp -rl "$W/tuned" "$W/teacher" "$A/"
     case "$arm" in
       plain) copy=() ;;
@@ -314,10 +316,10 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
     timeout $(( (570 - SECONDS + t0) / ${#arms[@]} + 5 )) python3 -m stateblock.train.prose_readout \
       --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$A" --scale "${SCALE:-bench}" \
       --device "${DEVICE:-cuda}" --distill-minutes "${MINUTES:-3}" "${copy[@]}" "${@:3}" \
-      > "$OUT/$arm/prose-readout.log" 2>&1
+      > "$OUT/$tag/prose-readout.log" 2>&1
     echo "arm $arm rc=$? ($((SECONDS - t0)) s)"
-    cp "$A/summary.json" "$A/summary.md" "$OUT/$arm/" 2>/dev/null
-    grep '^\[prose\]' "$OUT/$arm/prose-readout.log" | tail -4; cat "$OUT/$arm/summary.md"
+    cp "$A/summary.json" "$A/summary.md" "$OUT/$tag/" 2>/dev/null
+    grep '^\[prose\]' "$OUT/$tag/prose-readout.log" | tail -4; cat "$OUT/$tag/summary.md"
     arms=("${arms[@]:1}")
   done
 elif [ "$STAGE" = prose-more ]; then  # the last decoder distilled on, from this machine's DATA

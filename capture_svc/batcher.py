@@ -266,8 +266,10 @@ class CohortForward:
             from torch.cuda.green_contexts import GreenContext
 
             index = self._device.index if self._device.index is not None else 0
-            self._green = GreenContext.create(num_sms=self._part_sms, device_id=index)
-        return self._green.Stream()
+            green = GreenContext.create(num_sms=self._part_sms, device_id=index)
+            # one stream for every part: Stream() makes a new one at each call
+            self._green = (green, green.Stream())
+        return self._green[1]
 
 
 def stream_priority(background: bool) -> int:

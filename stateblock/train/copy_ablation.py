@@ -43,9 +43,10 @@ from stateblock.train.recipe import DECODER_CONFIG
 
 # tokens: row_tokens, no copy head; MODE+guess: that copy head with the base's top-4 first
 # tokens among its candidates (ReadoutConfig.copy_guess); +follow: its refinement follows the
-# previous pass's span (ReadoutConfig.copy_follow)
+# previous pass's span (ReadoutConfig.copy_follow); +ref2: two refinement passes, not one
 ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
-        *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow")  # fmt: skip
+        *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow",
+        "twin+guess+follow+ref2")  # fmt: skip
 GUESS = 4
 
 
@@ -53,8 +54,9 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
     """The shipped decoder's shape with the arm's copy head (none for `base` and `tokens`;
     `tokens` gives every row its own token instead: ReadoutConfig.row_tokens)."""
     mode, *flags = arm.split("+")
+    shape = {**DECODER_CONFIG, "refine": 2} if "ref2" in flags else DECODER_CONFIG
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
-                        **DECODER_CONFIG, copy="" if arm in ("base", "tokens") else mode,
+                        **shape, copy="" if arm in ("base", "tokens") else mode,
                         row_tokens=arm == "tokens", copy_guess=GUESS if "guess" in flags else 0,
                         copy_follow="follow" in flags)  # fmt: skip
     dec = ReadoutDecoder(cfg)

@@ -111,7 +111,7 @@ def test_a_part_in_a_green_context_runs_on_its_stream_and_keeps_the_rows():
         plan = plans.register(rid, layout)
         run([Pending(plan, ids, None)])
         rows.append(plans.consume(rid, plan.layout_digest))
-    green = forward._green.Stream().cuda_stream
+    green = forward._green[1].cuda_stream
     assert seen[1] == seen[2] == green != seen[0]
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[1], rows[2])
 
