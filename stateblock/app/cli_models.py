@@ -58,7 +58,7 @@ def _build_prose(a: argparse.Namespace) -> int:
     vars(args).update(
         corpus=a.corpus, work=a.work_dir or "runs/prose", out=a.out,
         scale=a.scale, tokenizer=a.tokenizer, base=a.base, base_weights=a.base_weights,
-        device=device_of(a.device), seed=a.seed,
+        device=device_of(a.device), seed=a.seed, copy=a.copy, copy_guess=a.copy_guess,
     )  # fmt: skip
     if a.dry_run:
         print(json.dumps(vars(args)))
@@ -200,6 +200,12 @@ def _build_reference_parser(sub) -> None:
     b.add_argument("--base-weights", default="", help="prose: a prose_stage weights prefix")
     b.add_argument("--device", default="auto", help="prose: cuda, cpu, or auto")
     b.add_argument("--seed", type=int, default=0, help="prose: tasks, tuning, readout")
+    b.add_argument("--copy", choices=["", "twin", "joint", "gate", "gatetwin"], default="",
+                   help="prose: the readout's copy head (none by default; served by the "
+                        "reference engine only)")  # fmt: skip
+    b.add_argument("--copy-guess", type=int, default=0,
+                   help="prose, with --copy: the base's top-N first tokens among the copy "
+                        "head's candidates (docs/QUALITY.md: twin with 4 reads best)")  # fmt: skip
 
 
 def add_parsers(sub) -> None:

@@ -103,6 +103,15 @@ def test_the_prose_recipe_needs_its_corpus_and_an_out_of_its_own(capsys):
     assert cli.main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["work"] == "runs/prose" and plan["scale"] == "tiny" and plan["out"] == "o"
+    assert plan["copy"] == "" and plan["copy_guess"] == 0
+    assert cli.main([*argv, "--copy", "twin", "--copy-guess", "4"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["copy"] == "twin" and plan["copy_guess"] == 4
+    from stateblock.model.copy_head import MODES  # the CLI lists them without importing torch
+
+    for mode in MODES:
+        assert cli.main([*argv, "--copy", mode]) == 0
+    capsys.readouterr()
 
 
 def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
