@@ -25,6 +25,12 @@ and where the two tokens before it match the previous pass's two; an induction h
 explicit, so a span once entered is followed token by token. Position t reads the previous
 pass at t-1 and t-2 only: prefix-causal still holds.
 
+With `span`, a refinement pass's position scores also gain a learned multiple of the previous
+pass's consensus on where a copied span starts: each answer position t' <= t votes for the
+start p' - t' with its copy probability of position p', and position p at t gets the mean
+vote for start p - t. An answer that copies one contiguous span then points at the same
+diagonal from every position, however common its tokens; prefix-causal still holds.
+
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
@@ -74,6 +80,28 @@ def base_guess(last: Tensor, head: Tensor, g: int) -> tuple[Tensor, Tensor]:
     return i, v
 
 
+def position_probs(a: Tensor, p: int, twin: bool) -> Tensor:
+    """A pass's copy probabilities over its P prompt positions (K, D, P), from its candidate
+    scores a (K, D, C): a softmax over the positions' scores (both spellings with twins,
+    folded), vocabulary and guesses left out."""
+    pr = a[..., : 2 * p if twin else p].float().softmax(-1)
+    return pr[..., :p] + pr[..., p:] if twin else pr
+
+
+def span_vote(pos: Tensor) -> Tensor:
+    """(K, D, P): at answer position t and prompt position p, the mean over t' <= t of the
+    copy probability pos (K, D, P) that position t' gave to p - t + t' (the start p - t, 0
+    where p < t or p - t + t' is past the prompt)."""
+    _, d, p = pos.shape
+    t = torch.arange(d, device=pos.device).view(-1, 1)
+    start = torch.arange(p, device=pos.device).view(1, -1)
+    at = start + t  # (D, P): position t' reads start s at s + t'
+    on_start = pos.gather(-1, at.clamp_max(p - 1).expand_as(pos)) * (at < p)  # (K, D, S)
+    mean = on_start.cumsum(1) / (t + 1)  # (K, D, S): the vote of positions 0..t
+    back = start - t  # (D, P): position p at t is start p - t
+    return mean.gather(-1, back.clamp_min(0).expand_as(mean)) * (back >= 0)
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -90,6 +118,7 @@ class CopyHead(nn.Module):
         bias: float | None = None,
         guess: int = 0,
         follow: bool = False,
+        span: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -115,6 +144,9 @@ class CopyHead(nn.Module):
         self.follow = follow
         if follow:  # bonuses of a one-token and a two-token match with the previous pass
             self.w_follow = nn.Parameter(torch.tensor([2.0, 2.0]))
+        self.span = span
+        if span:  # the weight of the previous pass's vote on a span's start
+            self.w_span = nn.Parameter(torch.tensor(4.0))
 
     def scores(
         self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None
@@ -123,9 +155,9 @@ class CopyHead(nn.Module):
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
         lens (K,)), head (V, d_base), positions (K, D), twins (V,), guess the base's guess
         (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess), prev
-        (K, D) the previous pass's tokens (with follow; None in the first pass). C is P, 2P
-        with twins, plus G; a padding position or a missing twin scores -inf (its id is
-        then 0)."""
+        what the previous pass read (tokens (K, D), position probabilities (K, D, P) or None;
+        with follow or span; None in the first pass). C is P, 2P with twins, plus G; a padding
+        position or a missing twin scores -inf (its id is then 0)."""
         emb, before = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
         idx = torch.arange(p, device=ids.device)
@@ -140,10 +172,15 @@ class CopyHead(nn.Module):
         valid = (idx.view(1, -1) < lens.view(-1, 1))[:, None]  # (K, 1, P)
         a, cand = score(self.q).masked_fill(~valid, NEG), ids
         if self.follow and prev is not None:
-            a = a + self.follow_bonus(ids, twins, prev).to(a.dtype)
+            a = a + self.follow_bonus(ids, twins, prev[0]).to(a.dtype)
+        vote = None
+        if self.span and prev is not None:
+            vote = self.w_span * span_vote(prev[1]).to(a.dtype)  # (K, D, P)
+            a = a + vote
         if self.twin:
             tw = twins[ids]  # (K, P)
             b = score(self.q_twin).masked_fill(~valid | (tw < 0)[:, None], NEG)
+            b = b if vote is None else b + vote
             a, cand = torch.cat([a, b], -1), torch.cat([ids, tw.clamp_min(0)], -1)
         if self.n_guess:
             if guess is None:

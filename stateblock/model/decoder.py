@@ -16,8 +16,9 @@ depends on positions <= t only.
 Two more read the prompt's token ids beside its rows: `copy`, a copy head over the prompt's
 positions mixed with the vocabulary (`stateblock.model.copy_head`), and `row_tokens`, each row
 given its own token and the one before it (`pass_parts` trains them, `forward(...,
-prompt_ids=)` serves them). Their blocks carry the ids (Lane.prompt_token_ids); the reference
-engine serves them, the torch and ONNX engines refuse them at start-up.
+prompt_ids=)` serves them; `stateblock.model.id_reading` holds those paths). Their blocks
+carry the ids (Lane.prompt_token_ids); the reference engine serves them, the torch and ONNX
+engines refuse them at start-up.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.model.copy_head import (
     CopyHead,
     base_guess,
-    log_probs,
-    mixture_topk,
     token_pairs,
 )
+from stateblock.model.id_reading import IdReading
 from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
 from stateblock.model.rotary import rope_tables, rotate
 from stateblock.model.vocab import (
@@ -92,7 +92,8 @@ class ReadoutConfig:
     copy: str = ""  # a copy head's mode (stateblock.model.copy_head.MODES), "" for none
     row_tokens: bool = False  # each row also carries its own token and the one before it
     copy_guess: int = 0  # the base's top-G first tokens join the copy head's candidates
-    copy_follow: bool = False  # a refinement's copy scores follow the previous pass's span
+    copy_follow: bool = False  # a refinement's copy scores follow the previous pass's tokens
+    copy_span: bool = False  # ... and its vote on where a copied span starts
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -108,8 +109,8 @@ class ReadoutConfig:
             raise ValueError(f"copy={self.copy!r}: choose from {COPY_MODES} or '' for none")
         if self.copy_guess < 0 or (self.copy_guess and not self.copy):
             raise ValueError(f"copy_guess={self.copy_guess} needs a copy head and must be >= 0")
-        if self.copy_follow and not (self.copy and self.refine):
-            raise ValueError("copy_follow needs a copy head and a refinement pass")
+        if (self.copy_follow or self.copy_span) and not (self.copy and self.refine):
+            raise ValueError("copy_follow and copy_span need a copy head and a refinement pass")
 
     @property
     def head_dim(self) -> int:
@@ -157,7 +158,7 @@ class Context(NamedTuple):
 GuessFn = Callable[[Tensor], Tensor]
 
 
-class ReadoutDecoder(nn.Module):
+class ReadoutDecoder(IdReading, nn.Module):
     def __init__(self, cfg: ReadoutConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -197,7 +198,8 @@ class ReadoutDecoder(nn.Module):
             nn.init.zeros_(self.row_prev.weight)
         if cfg.copy:
             self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta,
-                                      guess=cfg.copy_guess, follow=cfg.copy_follow)  # fmt: skip
+                                      guess=cfg.copy_guess, follow=cfg.copy_follow,
+                                      span=cfg.copy_span)  # fmt: skip
             # each token's spelling without its leading space (copy_head.space_twins, from
             # the tokenizer when the decoder is made): saved with the weights, so the
             # decoder's digest binds it
@@ -358,85 +360,6 @@ class ReadoutDecoder(nn.Module):
             return self.guess_in(emb.to(self.guess_in.weight.dtype))
 
         return guess
-
-    # -- decoders that read the prompt's token ids (cfg.copy, cfg.row_tokens) ------------
-    @property
-    def reads_ids(self) -> bool:
-        return bool(self.cfg.copy or self.cfg.row_tokens)
-
-    def read_topk(
-        self, h: Tensor, c: Context, positions: Tensor, lm_head: Tensor, k: int, prev=None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """A pass's top-k (values, ids (K, D, k)) and log-sum-exp (K, D) from its normed state
-        h (K, D, d_r): the vocabulary's, or the copy mixture's (prev (K, D): the previous
-        pass's tokens, for copy_follow); no (K, D, V) tensor."""
-        hv = self.out(h).to(lm_head.dtype)  # (K, D, d_base)
-        top_v, top_i, lse_v = chunked_topk_lse(hv, lm_head, self.cfg.n_chunks, k)
-        if not self.cfg.copy:
-            return top_v, top_i, lse_v
-        a, cand = self.copy_head.scores(
-            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins, c.guess, prev
-        )  # (K, D, C), (K, C)
-        cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
-        gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
-        return mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
-
-    def read_guess(self, c: Context, positions: Tensor, lm_head: Tensor, seen: list) -> GuessFn:
-        """The refinement's guess: the pass's top-1 (`read_topk`), embedded; each pass's
-        tokens appended to `seen` (the next pass's copy_follow reads them)."""
-
-        def guess(h: Tensor) -> Tensor:
-            _, ids, _ = self.read_topk(h, c, positions, lm_head, 1, seen[-1] if seen else None)
-            seen.append(ids[..., 0])
-            return self.guess_in(lm_head[ids[..., 0]].to(self.guess_in.weight.dtype))
-
-        return guess
-
-    def _id_context(self, rows, prompt_lens, impl, prompt_ids, lm_head) -> Context:
-        if prompt_ids is None:
-            raise ValueError(
-                "this decoder (a copy head or row tokens) reads the prompt's token ids"
-            )
-        return self.context(rows, prompt_lens, impl, prompt_ids, lm_head)
-
-    def _read_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
-        c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head)
-        seen: list[Tensor] = []
-        guess = self.read_guess(c, positions, lm_head, seen) if self.cfg.refine else None
-        h = self.passes_from(c, positions, impl, guess)[-1]
-        return self.read_topk(h, c, positions, lm_head, k, seen[-1] if seen else None)
-
-    def pass_parts(
-        self,
-        rows: Tensor,
-        prompt_lens: Tensor,
-        positions: Tensor,
-        lm_head: Tensor,
-        prompt_ids: Tensor | None = None,
-    ) -> list[tuple]:
-        """Every pass's distribution for training, as copy_head parts: [("base", (K, D, V))]
-        without a copy head. A refinement reads the previous pass's argmax."""
-        if not self.reads_ids:
-            return [("base", lg) for lg in self.pass_logits(rows, prompt_lens, positions, lm_head)]
-        head = lm_head.to(self.out.weight.dtype)
-        c = self._id_context(rows, prompt_lens, "sdpa", prompt_ids, head)
-
-        def parts(h: Tensor, prev: Tensor | None) -> tuple:
-            lv = self.out(h) @ head.t()  # (K, D, V)
-            if not self.cfg.copy:
-                return ("base", lv)
-            return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
-                                  self.twins, c.guess, prev)  # fmt: skip
-
-        seen: list[Tensor] = []  # each pass's tokens, read by the next (copy_follow)
-
-        def guess(h: Tensor) -> Tensor:
-            with torch.no_grad():  # (K, D), trained on its own guesses
-                seen.append(log_probs(parts(h, seen[-1] if seen else None)).argmax(-1))
-            return self.guess_in(head[seen[-1]])
-
-        states = self.passes_from(c, positions, "sdpa", guess if self.cfg.refine else None)
-        return [parts(h, seen[i - 1] if i else None) for i, h in enumerate(states)]
 
     def forward(
         self,

@@ -56,11 +56,12 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False):
+def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False, span=False):
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
                         n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
-                        row_tokens=row_tokens, copy_guess=guess, copy_follow=follow)  # fmt: skip
+                        row_tokens=row_tokens, copy_guess=guess, copy_follow=follow,
+                        copy_span=span)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -82,10 +83,16 @@ def _lanes(k=3, p=8, d=7):
     ("mode", "refine", "row_tokens", "guess", "follow"),
     [("twin", 0, False, 0, False), ("twin", 1, False, 0, False), ("gatetwin", 1, False, 0, False),
      ("twin", 1, True, 0, False), ("twin", 1, False, 3, False), ("gate", 0, False, 2, False),
-     ("twin", 1, False, 3, True), ("joint", 2, False, 0, True)],
+     ("twin", 1, False, 3, True), ("joint", 2, False, 0, True), ("twin", 1, False, 3, "span"),
+     ("gatetwin", 2, False, 2, "span")],
 )  # fmt: skip
 def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess, follow):
-    dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess, follow=follow)
+    span = follow == "span"
+    dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess, follow=follow is True,
+                     span=span)  # fmt: skip
+    if span:
+        with torch.no_grad():
+            dec.copy_head.w_span.fill_(30.0)  # the vote decides: it must reach both paths
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -226,5 +233,19 @@ def test_follow_rewards_the_position_after_the_previous_passs_tokens():
     assert b[2].tolist() == pytest.approx([0, 0, w0 + w1, 0, 0, w0 + w1])
     b2 = dec.copy_head.follow_bonus(ids, twins, torch.tensor([[0, 42, 1]]))[0]
     assert b2[2].tolist() == pytest.approx([0, 0, 0, w0, 0, 0])  # 42 matches 9 by its twin
-    with pytest.raises(ValueError, match="copy_follow needs"):
+    with pytest.raises(ValueError, match="copy_follow and copy_span need"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_follow=True)
+
+
+def test_the_span_vote_is_the_mean_diagonal_of_the_previous_pass():
+    from stateblock.model.copy_head import span_vote
+
+    pos = torch.zeros(1, 3, 6)  # (K, D, P): a pass copying the span starting at position 2
+    pos[0, 0, 2], pos[0, 1, 3], pos[0, 2, 1] = 1.0, 1.0, 1.0  # ... but t=2 strays to 1
+    v = span_vote(pos)[0]  # (D, P)
+    assert v[0].tolist() == [0, 0, 1, 0, 0, 0]  # t=0: start 2 at position 2
+    assert v[1].tolist() == [0, 0, 0, 1, 0, 0]  # t=1: both voted start 2 -> position 3
+    # t=2: starts 2 (two votes) and -1 (past the prompt's start, dropped): position 4
+    assert v[2].tolist() == pytest.approx([0, 0, 0, 0, 2 / 3, 0])
+    with pytest.raises(ValueError, match="copy_span need"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_span=True)
