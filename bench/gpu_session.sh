@@ -76,7 +76,7 @@
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
 #       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
 #       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4,
-#       # `MODE+guess+follow` also --copy-follow) on
+#       # `+follow` --copy-follow, `+span` --copy-span, joined: twin+guess+span) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
 # --greedy-dtype bfloat16. In one process with them the bench has died (a SIGSEGV: reusing the
@@ -309,9 +309,15 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
     case "$arm" in
       plain) copy=() ;;
       tokens) copy=(--row-tokens) ;;
-      *+guess+follow) copy=(--copy "${arm%%+*}" --copy-guess 4 --copy-follow) ;;
-      *+guess) copy=(--copy "${arm%+guess}" --copy-guess 4) ;;
-      *) copy=(--copy "$arm") ;;
+      *) copy=(--copy "${arm%%+*}")
+         for flag in $(tr + ' ' <<< "${arm#*+}"); do  # MODE+guess+follow+span
+           [ "$arm" = "${arm%%+*}" ] && break
+           case "$flag" in
+             guess) copy+=(--copy-guess 4) ;;
+             follow) copy+=(--copy-follow) ;;
+             span) copy+=(--copy-span) ;;
+           esac
+         done ;;
     esac
     timeout $(( (570 - SECONDS + t0) / ${#arms[@]} + 5 )) python3 -m stateblock.train.prose_readout \
       --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$A" --scale "${SCALE:-bench}" \

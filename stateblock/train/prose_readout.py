@@ -240,7 +240,7 @@ def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Pat
     cfg = replace(scale.distill, seed=a.seed)
     if a.copy or a.row_tokens:
         ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess,
-               "copy_follow": a.copy_follow}  # fmt: skip
+               "copy_follow": a.copy_follow, "copy_span": a.copy_span}  # fmt: skip
         cfg = replace(cfg, decoder={**cfg.decoder, **ids})
     stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
                         a.device)  # fmt: skip
@@ -370,6 +370,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="with --copy: the base's top-N first tokens join the copy head's candidates")  # fmt: skip
     add("--copy-follow", action="store_true",
         help="with --copy: the refinement's copy scores follow the previous pass's span")  # fmt: skip
+    add("--copy-span", action="store_true",
+        help="with --copy: the refinement's copy scores take the previous pass's vote on "
+             "where a copied span starts")  # fmt: skip
     add("--row-tokens", action="store_true",
         help="the readout's rows also carry their own tokens (ReadoutConfig.row_tokens)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",
