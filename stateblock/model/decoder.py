@@ -24,7 +24,6 @@ engines refuse them at start-up.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -38,7 +37,7 @@ from stateblock.model.copy_head import (
     base_guess,
     token_pairs,
 )
-from stateblock.model.id_reading import IdReading
+from stateblock.model.id_reading import GuessFn, IdReading
 from stateblock.model.layers import Block, PrefixCausal, RMSNorm, Rotation
 from stateblock.model.rotary import rope_tables, rotate
 from stateblock.model.vocab import (
@@ -152,10 +151,6 @@ class Context(NamedTuple):
     prompt_lens: Tensor  # (K,)
     prompt_ids: Tensor | None = None  # (K, P) the prompt's tokens: a copy head points at them
     guess: tuple | None = None  # the base's top-G first tokens (copy_head.base_guess) + last row
-
-
-# the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
-GuessFn = Callable[[Tensor], Tensor]
 
 
 class ReadoutDecoder(IdReading, nn.Module):

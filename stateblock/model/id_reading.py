@@ -18,6 +18,7 @@ from stateblock.model.vocab import chunked_topk_lse
 if TYPE_CHECKING:
     from stateblock.model.decoder import Context
 
+# the refinement's input: normed states (K, D, d_r) -> the guessed tokens' embeddings (K, D, d_r)
 GuessFn = Callable[[Tensor], Tensor]
 
 
@@ -61,8 +62,8 @@ class IdReading:
         return ids, position_probs(a, p, self.copy_head.twin)
 
     def read_guess(self, c: Context, positions: Tensor, lm_head: Tensor, seen: list) -> GuessFn:
-        """The refinement's guess: the pass's top-1 (`read_topk`), embedded; each pass's
-        tokens appended to `seen` (the next pass's copy_follow reads them)."""
+        """The refinement's guess: the pass's top-1 (`read_topk`), embedded; what each pass
+        read appended to `seen` (the next pass's copy_follow and copy_span read it)."""
 
         def guess(h: Tensor) -> Tensor:
             prev = seen[-1] if seen else None
@@ -80,7 +81,7 @@ class IdReading:
 
     def _read_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
         c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head)
-        seen: list[Tensor] = []
+        seen: list[tuple] = []  # what each pass read, for the next (copy_follow, copy_span)
         guess = self.read_guess(c, positions, lm_head, seen) if self.cfg.refine else None
         h = self.passes_from(c, positions, impl, guess)[-1]
         return self.read_topk(h, c, positions, lm_head, k, seen[-1] if seen else None)

@@ -369,7 +369,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--copy-guess", type=int, default=0,
         help="with --copy: the base's top-N first tokens join the copy head's candidates")  # fmt: skip
     add("--copy-follow", action="store_true",
-        help="with --copy: the refinement's copy scores follow the previous pass's span")  # fmt: skip
+        help="with --copy: the refinement's copy scores follow the previous pass's tokens")  # fmt: skip
     add("--copy-span", action="store_true",
         help="with --copy: the refinement's copy scores take the previous pass's vote on "
              "where a copied span starts")  # fmt: skip
