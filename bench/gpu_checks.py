@@ -316,6 +316,34 @@ def check_company_invariance(served, rows: list[torch.Tensor], device: str = "cu
     return {"shapes": shapes}
 
 
+def check_beside(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
+    """`beside()` reads every lane as its engine does, bit for bit, while both run at once
+    from two threads: long lanes (a maximal block's parts) on the view, short cohorts on the
+    engine, the view's graphs its own and its work on its own stream."""
+    import threading
+
+    from stateblock.engines import LaneRequest
+
+    graphed, _ = shipped_engines(served, device)
+    other = graphed.beside()
+    long = [LaneRequest(rows=rows[i % 3], depth=8000 - i) for i in range(2)]
+    short = [[LaneRequest(rows=rows[1 + i % 3], depth=200 - i)] for i in range(24)]
+    want_long = graphed.readout(long)
+    want_short = [graphed.readout(block) for block in short]
+    got_long: list = []
+    worker = threading.Thread(target=lambda: got_long.extend(other.readout(long)))
+    worker.start()
+    got_short = [graphed.readout(block) for block in short]
+    worker.join(60)
+    assert not worker.is_alive(), "the view's readout never ended"
+    assert got_long == want_long, "a long lane read on beside() differs from the engine's"
+    assert got_short == want_short, "a short block read beside a long one differs"
+    assert other._stream is not None and other._stream != torch.cuda.current_stream()
+    assert other._graphs is not graphed._graphs and other._static is not graphed._static
+    assert other.recorded, "the view recorded no graph of its own"
+    return {"long_shape": str(graphed._shape(long)[0]), "recorded_beside": len(other.recorded)}
+
+
 def check_logprob_precision(served, rows: list[torch.Tensor], device: str = "cuda") -> dict:
     """A cohort with a lane asking for log-probabilities runs on exact fp32 dots (its own
     graph) and meets the audit's 1e-3-nat gate; one without runs on the plain path's."""

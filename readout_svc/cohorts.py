@@ -19,12 +19,16 @@ blocks one execution at a time, beside the cohorts, one part of each in turn. A 
 many of the block's lanes as fit `part_positions` (one at least), and a block is read in
 parts only when each part has the whole block's `cohort_key` (it then reads the same apart
 as together); otherwise it is read whole, still by that runner. Its caller gets the
-block's results once its last part is read.
+block's results once its last part is read. With `long_engine` (an engine's `beside()`: the
+same weights with its own graphs, lock and a low-priority stream) the parts are read on it
+and take no execution slot, so a cohort never waits for a part's execution to end; without
+one, a part holds one of the slots as a cohort's execution does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -85,8 +89,8 @@ class DirectReadouts:
 class ReadoutCohorts:
     """`read(lanes)` -> (the lanes' results, the seconds of the executions that read them).
     At most `concurrency` executions run at once (the executor's threads), one of them at
-    most a long block's (module docstring); blocks that arrive meanwhile wait and are read
-    together."""
+    most a long block's part, or that part besides them on a `long_engine` (module
+    docstring); blocks that arrive meanwhile wait and are read together."""
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class ReadoutCohorts:
         concurrency: int = 1,
         overlap_lanes: int | None = None,  # None: max_lanes
         part_positions: int | None = None,  # None: no block is long
+        long_engine: ReadoutEngine | None = None,  # None: parts read on `engine`
         on_cohort=None,  # Callable[[int], None]: blocks per execution, for a histogram
     ) -> None:
         self._engine = engine
@@ -105,6 +110,11 @@ class ReadoutCohorts:
         self._overlap_lanes = max_lanes if overlap_lanes is None else overlap_lanes
         self._part_positions = part_positions
         self._slots = asyncio.Semaphore(concurrency)
+        self._long_engine = long_engine or engine
+        # what a part holds while it reads: an execution slot on the cohorts' engine;
+        # nothing on an engine of its own (its runner reads one part at a time)
+        own = long_engine is not None and long_engine is not engine
+        self._part_slot = contextlib.nullcontext() if own else self._slots
         self._on_cohort = on_cohort
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._queued_lanes = 0  # the lanes of the blocks in _queue
@@ -201,7 +211,7 @@ class ReadoutCohorts:
             while not self._long.empty():
                 self._rotation.append(self._long.get_nowait())
             block = self._rotation[0]  # kept there while it reads: a stop fails its caller
-            async with self._slots:
+            async with self._part_slot:
                 going = not block.queued.future.done() and await self._read_part(block)
             self._rotation.popleft()
             if going and block.parts:
@@ -216,7 +226,7 @@ class ReadoutCohorts:
         loop = asyncio.get_running_loop()
         try:
             results, seconds = await loop.run_in_executor(
-                self._executor, _timed, self._engine, part
+                self._executor, _timed, self._long_engine, part
             )
         except Exception as e:
             if not block.queued.future.done():

@@ -147,7 +147,8 @@ async def _engine_threads(
     """The readout threads, the digest threads (the rows' hash runs beside the claim and
     the readout, not after them) and the cohorts that read the `loops` pull loops' blocks,
     the engine warmed up first."""
-    executor = stack.enter_context(ThreadPoolExecutor(loops, thread_name_prefix="readout"))
+    # a thread a pull loop, and one for the long blocks' parts (readout_svc.cohorts)
+    executor = stack.enter_context(ThreadPoolExecutor(loops + 1, thread_name_prefix="readout"))
     digests = stack.enter_context(ThreadPoolExecutor(loops, thread_name_prefix="readout-digest"))
     await asyncio.get_running_loop().run_in_executor(executor, engine.warm_up)
     # combining needs blocks in hand: two executions at a time (a long one never holds up
@@ -158,6 +159,12 @@ async def _engine_threads(
     # however many came (STATEBLOCK_READOUT_OVERLAP_LANES)
     combines = config.combines(engine)
     concurrency = min(2, loops) if combines else loops
+    # long blocks' parts on a second set of the engine's graphs and its own stream, so a
+    # cohort never waits for a part (an engine without `beside` reads them in a slot)
+    beside = getattr(engine, "beside", None) if combines else None
+    long_engine = beside() if beside is not None else None
+    if long_engine is not None:
+        await asyncio.get_running_loop().run_in_executor(executor, long_engine.warm_up)
     readouts = await stack.enter_async_context(
         ReadoutCohorts(
             engine,
@@ -166,6 +173,7 @@ async def _engine_threads(
             concurrency=concurrency,
             overlap_lanes=config.overlap_lanes if combines else 1,
             part_positions=config.limits.answer_depth_max,
+            long_engine=long_engine,
             on_cohort=metrics.cohort_blocks.observe,
         )
     )

@@ -14,7 +14,9 @@ Graphs. Captured lazily on the first cohort of a shape, and for the common shape
 depth bucket's execution lanes, prompt bucket 512) in warm_up(). Every graph reads one set of
 static input buffers (views of one allocation sized for the largest bucket) and all share
 one memory pool, which is safe because replays never overlap (one lock) and each
-replay's outputs are read before the next replay starts.
+replay's outputs are read before the next replay starts. `beside()` is a second such set
+(graphs, buffers, pool, lock) over the same weights, on a stream of its own: the readout
+service reads long blocks' parts on it, beside the cohorts.
 
 Greedy fast path (`greedy_dtype`: bf16 by default on a GPU, audited with the shipped
 decoders, docs/PARITY.md; "float32" turns it off; off on the CPU). A cohort whose lanes all
@@ -35,6 +37,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
 
@@ -61,9 +64,11 @@ from stateblock.engines.torch_options import (
 from stateblock.engines.torch_step import (
     MATMUL_PRECISIONS,
     fused_head,
+    greedy_path,
     matmul_precision,
     readout_step,
     sample_lanes,
+    stage_lanes,
 )
 from stateblock.model.checkpoint import build_decoder
 from stateblock.model.decoder import ReadoutDecoder
@@ -89,8 +94,6 @@ __all__ = [
 
 
 GREEDY = "greedy"  # the graphs' precision key of the greedy fast path
-GREEDY_DTYPES = {"bfloat16": torch.bfloat16}  # fp16: see "Greedy fast path" above
-GREEDY_OFF = "float32"  # greedy_dtype that keeps every cohort on the exact path
 
 
 class TorchEngine:
@@ -123,6 +126,29 @@ class TorchEngine:
         self._static: dict[str, Tensor] = {}
         self._pool = None
         self._lock = threading.Lock()  # workers call readout from a thread pool
+        self._stream: torch.cuda.Stream | None = None  # beside()'s: its executions' stream
+
+    def beside(self) -> TorchEngine:
+        """This engine's decoder and heads with graphs, buffers and a lock of their own and,
+        on CUDA, a stream of the lowest priority: a long block's parts read on it while the
+        cohorts read on this engine (readout_svc.cohorts), neither waiting for the other's
+        execution to end. Its graphs record the same kernels at the same shapes, so it reads
+        every lane as this engine does."""
+        other = copy.copy(self)
+        other._graphs, other._static, other._pool = {}, {}, None
+        other._lock = threading.Lock()
+        if self._device.type == "cuda":
+            other._stream = torch.cuda.Stream(self._device, priority=0)
+        return other
+
+    def _on_stream(self) -> AbstractContextManager:
+        """Around an execution: this engine's stream (beside()'s), after the work the
+        caller's stream has queued (the rows it wrote); the execution's copies to the host
+        synchronise it before readout returns."""
+        if self._stream is None:
+            return nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        return torch.cuda.stream(self._stream)
 
     def _set_precisions(self, opts: TorchEngineOptions, dev: torch.device) -> None:
         """The decoder's dtype, matmul and kernel-dot precisions, and its attention."""
@@ -202,8 +228,11 @@ class TorchEngine:
         # GPU default since its audit (bf16: exact at every depth, docs/PARITY.md; 1.11x the
         # lm_head floor at D=8192 against 1.97x exact); the CPU keeps the reference's numerics
         greedy = opts.greedy_dtype
-        self._greedy = self._greedy_path(
-            greedy if greedy is not None else ("bfloat16" if on_gpu else None)
+        self._greedy = greedy_path(
+            self._decoder,
+            self._lm_head,
+            fused=self.head == "fused",
+            dtype=greedy if greedy is not None else ("bfloat16" if on_gpu else None),
         )
 
     def _set_shapes(self, opts: TorchEngineOptions, on_gpu: bool) -> None:
@@ -247,27 +276,6 @@ class TorchEngine:
                 n_chunks=self._n_chunks,
                 cfg=top2_config or default_tiles(dev, self._greedy[1].dtype),
             )
-
-    def _greedy_path(self, dtype: torch.dtype | str | None):
-        if dtype is None or dtype in (GREEDY_OFF, torch.float32):
-            return None
-        dtype = GREEDY_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if dtype not in GREEDY_DTYPES.values():
-            raise ValueError(
-                f"greedy_dtype must be one of {sorted(GREEDY_DTYPES)} or {GREEDY_OFF!r}, "
-                f"not {dtype}"
-            )
-        dec = self._decoder
-        fast = copy.deepcopy(dec).to(dtype)
-        head = (
-            fused_head(self._lm_head, dec.out.weight, dtype)
-            if self.head == "fused"
-            else self._lm_head.to(dtype)
-        )
-        table = (
-            fused_head(self._lm_head, dec.guess_in.weight.t(), dtype) if dec.cfg.refine else None
-        )
-        return fast, head, table
 
     @classmethod
     def load(cls, model: ServingModel, device: str = "cpu", **options) -> TorchEngine:
@@ -320,22 +328,6 @@ class TorchEngine:
         if self._greedy is not None and not any(x.selects for x in lanes):
             return GREEDY
         return self._kernel_precision
-
-    def _stage(
-        self, lanes: Sequence[LaneRequest], rows: Tensor, lens: Tensor, depths: Tensor
-    ) -> None:
-        """Copy the lanes into (K, P, d) / (K,) buffers; filler rows and lanes are zeros."""
-        d_base = self._lm_head.shape[1]
-        for lane in lanes:
-            if lane.rows.dim() != 2 or lane.rows.shape[1] != d_base:
-                raise ValueError(f"lane rows {tuple(lane.rows.shape)} are not (P, {d_base})")
-        rows.zero_()
-        for i, lane in enumerate(lanes):  # over the bus in the block's dtype, widened on device
-            rows[i, : lane.rows.shape[0]].copy_(lane.rows.to(rows.device))
-        lens.fill_(1)  # a filler lane reads one zero row: no empty softmax, no NaN
-        lens[: len(lanes)].copy_(torch.tensor([lane.rows.shape[0] for lane in lanes]))
-        depths.zero_()
-        depths[: len(lanes)].copy_(torch.tensor([lane.depth for lane in lanes]))
 
     def _buffers(self, shape: Shape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Static (rows, lens, positions, depths) views for `shape`, all graphs sharing them."""
@@ -407,7 +399,7 @@ class TorchEngine:
     ) -> tuple[Tensor, ...]:
         graph, out = self._graphs.get((shape, precision)) or self._record(shape, precision)
         rows, lens, _, depths = self._buffers(shape)
-        self._stage(lanes, rows, lens, depths)
+        stage_lanes(lanes, rows, lens, depths)
         graph.replay()
         return out
 
@@ -418,7 +410,7 @@ class TorchEngine:
         rows = torch.zeros(k, shape.prompt, self._lm_head.shape[1], dtype=self._act, device=dev)
         lens = torch.ones(k, dtype=torch.int64, device=dev)
         depths = torch.zeros(k, dtype=torch.int64, device=dev)
-        self._stage(lanes, rows, lens, depths)
+        stage_lanes(lanes, rows, lens, depths)
         positions = torch.arange(shape.depth, device=dev).expand(k, shape.depth)
         return self._step(precision, rows, lens, positions, depths)
 
@@ -426,7 +418,7 @@ class TorchEngine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture the common shapes at start-up (CPU: one throwaway readout)."""
-        with self._lock:
+        with self._lock, self._on_stream():
             if self._use_graphs:
                 warm = [self._kernel_precision] + ([GREEDY] if self._greedy else [])
                 for shape in self._warm:
@@ -446,8 +438,9 @@ class TorchEngine:
             raise ValueError("every lane must read at least one position")
         shape, bucketed = self._shape(lanes)
         results: list[LaneResult] = []
-        for lo in range(0, len(lanes), shape.lanes):  # one enqueue each, all of one shape
-            results += self._cohort(lanes[lo : lo + shape.lanes], shape, bucketed)
+        with self._on_stream():
+            for lo in range(0, len(lanes), shape.lanes):  # one enqueue each, all of one shape
+                results += self._cohort(lanes[lo : lo + shape.lanes], shape, bucketed)
         return results
 
     def _cohort(

@@ -6,6 +6,7 @@ engine around them (buckets, graphs, staging)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -51,6 +52,42 @@ def fused_head(lm_head: Tensor, out_weight: Tensor, dtype: torch.dtype, chunk: i
     over V so the fp64 temporary stays a few hundred MB at the full scale (start-up only)."""
     w = out_weight.double()
     return torch.cat([(c.double() @ w).to(dtype) for c in lm_head.split(chunk)])
+
+
+GREEDY_DTYPES = {"bfloat16": torch.bfloat16}  # fp16: torch_engine's "Greedy fast path"
+GREEDY_OFF = "float32"  # greedy_dtype that keeps every cohort on the exact path
+
+
+def greedy_path(
+    decoder: ReadoutDecoder, lm_head: Tensor, *, fused: bool, dtype: torch.dtype | str | None
+) -> tuple[ReadoutDecoder, Tensor, Tensor | None] | None:
+    """The greedy fast path's (decoder, head, guess table) in `dtype`, or None (off)."""
+    if dtype is None or dtype in (GREEDY_OFF, torch.float32):
+        return None
+    dtype = GREEDY_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in GREEDY_DTYPES.values():
+        raise ValueError(
+            f"greedy_dtype must be one of {sorted(GREEDY_DTYPES)} or {GREEDY_OFF!r}, not {dtype}"
+        )
+    fast = copy.deepcopy(decoder).to(dtype)
+    head = fused_head(lm_head, decoder.out.weight, dtype) if fused else lm_head.to(dtype)
+    table = fused_head(lm_head, decoder.guess_in.weight.t(), dtype) if decoder.cfg.refine else None
+    return fast, head, table
+
+
+def stage_lanes(lanes: Sequence[LaneRequest], rows: Tensor, lens: Tensor, depths: Tensor) -> None:
+    """Copy the lanes into (K, P, d) / (K,) buffers; filler rows and lanes are zeros."""
+    d_base = rows.shape[-1]
+    for lane in lanes:
+        if lane.rows.dim() != 2 or lane.rows.shape[1] != d_base:
+            raise ValueError(f"lane rows {tuple(lane.rows.shape)} are not (P, {d_base})")
+    rows.zero_()
+    for i, lane in enumerate(lanes):  # over the bus in the block's dtype, widened on device
+        rows[i, : lane.rows.shape[0]].copy_(lane.rows.to(rows.device))
+    lens.fill_(1)  # a filler lane reads one zero row: no empty softmax, no NaN
+    lens[: len(lanes)].copy_(torch.tensor([lane.rows.shape[0] for lane in lanes]))
+    depths.zero_()
+    depths[: len(lanes)].copy_(torch.tensor([lane.depth for lane in lanes]))
 
 
 def readout_step(

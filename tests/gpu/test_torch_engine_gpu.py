@@ -113,3 +113,10 @@ def test_gpu_logprob_lanes_run_exact_dots_within_the_gate(served, captured):
     from bench.gpu_checks import check_logprob_precision
 
     check_logprob_precision(served, captured)
+
+
+@needs_cuda
+def test_gpu_beside_reads_as_its_engine_while_both_run(served, captured):
+    from bench.gpu_checks import check_beside
+
+    check_beside(served, captured)

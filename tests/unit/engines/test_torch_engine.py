@@ -124,6 +124,24 @@ def test_a_lanes_shape_and_answer_do_not_depend_on_its_company(served, captured)
         )
 
 
+def test_beside_reads_as_its_engine_while_both_run(engine, captured):
+    """`beside()` shares the weights, not the lock: it reads a long block while the engine
+    reads short ones from another thread, each answer bit for bit the engine's alone."""
+    import threading
+
+    other = engine.beside()
+    assert other._lock is not engine._lock and other._graphs is not engine._graphs
+    long = lanes_of(captured[:3], [300, 299, 298])
+    shorts = [lanes_of(captured[i : i + 1], [24 + i]) for i in range(4)]
+    want_long, want_shorts = engine.readout(long), [engine.readout(b) for b in shorts]
+    got: list = []
+    worker = threading.Thread(target=lambda: got.extend(other.readout(long)))
+    worker.start()
+    got_shorts = [engine.readout(b) for b in shorts]
+    worker.join(60)
+    assert got == want_long and got_shorts == want_shorts
+
+
 def test_mixer_is_prefix_causal(engine, captured):
     """Positions < D do not depend on positions added after them: the padding argument."""
     dec = engine._decoder

@@ -240,3 +240,27 @@ async def test_a_cohort_starts_beside_a_running_one_only_when_full(engine, captu
     for (results, _), block in zip(outs, [first, short, short, short, short], strict=True):
         assert results == engine.readout(block)
     assert held.calls == ([1] * 5 if overlap == 1 else [3, 1, 1])
+
+
+async def test_parts_on_an_engine_of_their_own_take_no_slot(engine, captured):
+    """One execution slot. A long block's part held on the engine's `beside()` view leaves
+    the slot to the cohorts: short blocks are read while it waits (on a shared engine they
+    would wait for it), and every answer is the block's alone."""
+    held = Held(engine.beside(), held_depth=64)
+    long = lanes_of(captured[:1], [64] * 3)
+    shorts = [lanes_of(captured[i : i + 1], [16 + i]) for i in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        async with ReadoutCohorts(
+            engine, pool, max_lanes=8, concurrency=1, part_positions=64, long_engine=held
+        ) as cohorts:
+            long_read = asyncio.ensure_future(cohorts.read(long))
+            await asyncio.to_thread(held.holding.wait, 10)
+            short_outs = await asyncio.wait_for(
+                asyncio.gather(*(cohorts.read(b) for b in shorts)), 30
+            )
+            assert not long_read.done()
+            held.release.set()
+            long_out = await asyncio.wait_for(long_read, 30)
+    for (results, _), block in zip([*short_outs, long_out], [*shorts, long], strict=True):
+        assert results == engine.readout(block)
+    assert held.calls == [1, 1, 1]  # every part on the view, a lane a part
