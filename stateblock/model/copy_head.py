@@ -31,6 +31,13 @@ start p' - t' with its copy probability of position p', and position p at t gets
 vote for start p - t. An answer that copies one contiguous span then points at the same
 diagonal from every position, however common its tokens; prefix-causal still holds.
 
+With `match`, every pass's position scores gain learned bonuses by how long a run of tokens
+just before the span's start repeats elsewhere in the prompt (`repeat_runs`): at answer
+position t, position p reads the runs ending one and two tokens before p - t. A passage
+quoted in the instruction marks where it ends in the passage, and the text after it there is
+what `next_sentence` copies; the quote's own last token may merge with its closing mark, so
+the run ending two tokens back counts too. A function of the prompt and t alone.
+
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
@@ -102,6 +109,23 @@ def span_vote(pos: Tensor) -> Tensor:
     return mean.gather(-1, back.clamp_min(0).expand_as(mean)) * (back >= 0)
 
 
+def repeat_runs(ids: Tensor, lens: Tensor, most: int) -> Tensor:
+    """(K, P): at each position p, how many tokens just before p (at most `most`) also stand,
+    in order, just before some other position q of the prompt: ids (K, P), lens (K,)."""
+    k, p = ids.shape
+    valid = torch.arange(p, device=ids.device).view(1, -1) < lens.view(-1, 1)  # (K, P)
+    eq = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+    eq &= ~torch.eye(p, dtype=torch.bool, device=ids.device)  # (K, P, Q), never p itself
+    alive = torch.ones_like(eq)
+    runs = torch.zeros(k, p, dtype=torch.long, device=ids.device)
+    for n in range(1, min(most, p) + 1):  # alive[p, q]: the n tokens before p and q agree
+        shifted = torch.zeros_like(eq)
+        shifted[:, n:, n:] = eq[:, :-n, :-n]
+        alive &= shifted
+        runs += alive.any(-1)  # the longest run over q is >= n
+    return runs
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -119,6 +143,7 @@ class CopyHead(nn.Module):
         guess: int = 0,
         follow: bool = False,
         span: bool = False,
+        match: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -147,6 +172,9 @@ class CopyHead(nn.Module):
         self.span = span
         if span:  # the weight of the previous pass's vote on a span's start
             self.w_span = nn.Parameter(torch.tensor(4.0))
+        self.match = match
+        if match:  # a bonus by repeated run length (0..match), ending 1 and 2 tokens back
+            self.w_match = nn.Parameter(torch.zeros(2, match + 1))
 
     def scores(
         self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None
@@ -173,9 +201,13 @@ class CopyHead(nn.Module):
         a, cand = score(self.q).masked_fill(~valid, NEG), ids
         if self.follow and prev is not None:
             a = a + self.follow_bonus(ids, twins, prev[0]).to(a.dtype)
-        vote = None
+        vote = None  # what both spellings of a position gain
         if self.span and prev is not None:
             vote = self.w_span * span_vote(prev[1]).to(a.dtype)  # (K, D, P)
+        if self.match:
+            m = self.match_bonus(ids, lens, positions).to(a.dtype)
+            vote = m if vote is None else vote + m
+        if vote is not None:
             a = a + vote
         if self.twin:
             tw = twins[ids]  # (K, P)
@@ -204,6 +236,16 @@ class CopyHead(nn.Module):
         one = match(1)
         two = one & match(2)
         return self.w_follow[0] * one + self.w_follow[1] * two
+
+    def match_bonus(self, ids: Tensor, lens: Tensor, positions: Tensor) -> Tensor:
+        """(K, D, P): at answer position t, w[0][run ending at p - t - 1] + w[1][run ending
+        at p - t - 2] (`repeat_runs`; 0 where p - t is before the prompt)."""
+        runs = repeat_runs(ids, lens, self.match)  # (K, P): the run ending at p - 1
+        two = torch.cat([torch.zeros_like(runs[:, :1]), runs[:, :-1]], -1)  # ending at p - 2
+        per = self.w_match[0][runs] + self.w_match[1][two]  # (K, P)
+        start = torch.arange(ids.shape[1], device=ids.device) - positions[..., None]  # (K,D,P)
+        got = per[:, None].expand(-1, positions.shape[1], -1).gather(-1, start.clamp_min(0))
+        return got * (start >= 0)
 
     def guess_scores(self, h, head, positions, gids, glp, last) -> Tensor:
         """(K, D, G): the base's guesses gids (K, G) scored at every answer position; the key

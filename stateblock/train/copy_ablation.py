@@ -44,11 +44,13 @@ from stateblock.train.recipe import DECODER_CONFIG
 # tokens: row_tokens, no copy head; MODE+guess: that copy head with the base's top-4 first
 # tokens among its candidates (ReadoutConfig.copy_guess); +follow: its refinement follows the
 # previous pass's tokens (ReadoutConfig.copy_follow); +span: its vote on a copied span's start
-# (ReadoutConfig.copy_span); +ref2: two refinement passes, not one
+# (ReadoutConfig.copy_span); +match: a bonus by the prompt's repeated runs before a span's
+# start (ReadoutConfig.copy_match, runs up to MATCH); +ref2: two refinement passes, not one
 ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
         *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow", "twin+guess+span",
-        "twin+guess+follow+span", "twin+guess+follow+ref2")  # fmt: skip
-GUESS = 4
+        "twin+guess+follow+span", "twin+guess+follow+ref2", "twin+guess+match",
+        "twin+guess+match+follow")  # fmt: skip
+GUESS, MATCH = 4, 16
 
 
 def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None):
@@ -59,14 +61,15 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
     cfg = ReadoutConfig(d_base=head.shape[1], vocab_size=head.shape[0], eos_token_id=eos,
                         **shape, copy="" if arm in ("base", "tokens") else mode,
                         row_tokens=arm == "tokens", copy_guess=GUESS if "guess" in flags else 0,
-                        copy_follow="follow" in flags, copy_span="span" in flags)  # fmt: skip
+                        copy_follow="follow" in flags, copy_span="span" in flags,
+                        copy_match=MATCH if "match" in flags else 0)  # fmt: skip
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)
         if bias is not None:  # joint, twin: a learned offset of the position scores
             dec.copy_head = CopyHead(cfg.d_r, cfg.d_base, mode, cfg.rope_theta, bias=bias,
                                      guess=cfg.copy_guess, follow=cfg.copy_follow,
-                                     span=cfg.copy_span)  # fmt: skip
+                                     span=cfg.copy_span, match=cfg.copy_match)  # fmt: skip
     return dec.to(head.device)
 
 

@@ -240,7 +240,8 @@ def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Pat
     cfg = replace(scale.distill, seed=a.seed)
     if a.copy or a.row_tokens:
         ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess,
-               "copy_follow": a.copy_follow, "copy_span": a.copy_span}  # fmt: skip
+               "copy_follow": a.copy_follow, "copy_span": a.copy_span,
+               "copy_match": a.copy_match}  # fmt: skip
         cfg = replace(cfg, decoder={**cfg.decoder, **ids})
     stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
                         a.device)  # fmt: skip
@@ -373,6 +374,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--copy-span", action="store_true",
         help="with --copy: the refinement's copy scores take the previous pass's vote on "
              "where a copied span starts")  # fmt: skip
+    add("--copy-match", type=int, default=0,
+        help="with --copy: copy scores gain a bonus by how long a run of tokens before a "
+             "span's start repeats in the prompt (runs up to N counted)")  # fmt: skip
     add("--row-tokens", action="store_true",
         help="the readout's rows also carry their own tokens (ReadoutConfig.row_tokens)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",

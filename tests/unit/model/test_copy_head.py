@@ -56,12 +56,12 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False, span=False):
+def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False, span=False, match=0):
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
                         n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
                         row_tokens=row_tokens, copy_guess=guess, copy_follow=follow,
-                        copy_span=span)  # fmt: skip
+                        copy_span=span, copy_match=match)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -84,15 +84,19 @@ def _lanes(k=3, p=8, d=7):
     [("twin", 0, False, 0, False), ("twin", 1, False, 0, False), ("gatetwin", 1, False, 0, False),
      ("twin", 1, True, 0, False), ("twin", 1, False, 3, False), ("gate", 0, False, 2, False),
      ("twin", 1, False, 3, True), ("joint", 2, False, 0, True), ("twin", 1, False, 3, "span"),
-     ("gatetwin", 2, False, 2, "span")],
+     ("gatetwin", 2, False, 2, "span"), ("twin", 0, False, 3, "match"),
+     ("gate", 1, False, 0, "match")],
 )  # fmt: skip
 def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess, follow):
-    span = follow == "span"
+    span, match = follow == "span", 4 if follow == "match" else 0
     dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess, follow=follow is True,
-                     span=span)  # fmt: skip
+                     span=span, match=match)  # fmt: skip
     if span:
         with torch.no_grad():
             dec.copy_head.w_span.fill_(30.0)  # the vote decides: it must reach both paths
+    if match:
+        with torch.no_grad():  # the runs decide: they must reach both paths
+            dec.copy_head.w_match.copy_(torch.arange(10.0).view(2, 5) * 6)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -249,3 +253,35 @@ def test_the_span_vote_is_the_mean_diagonal_of_the_previous_pass():
     assert v[2].tolist() == pytest.approx([0, 0, 0, 0, 2 / 3, 0])
     with pytest.raises(ValueError, match="copy_span need"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_span=True)
+
+
+def test_repeat_runs_count_the_tokens_before_a_position_that_recur_together():
+    from stateblock.model.copy_head import repeat_runs
+
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 8]] * 3)
+    runs = repeat_runs(ids, torch.tensor([8, 8, 6]), most=16)
+    assert runs[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert runs[2].tolist() == [0, 1, 2, 0, 0, 1, 2, 0]  # past lens: no token recurs
+    assert repeat_runs(ids, torch.tensor([8, 8, 8]), most=2)[0].tolist() == [0, 1, 2, 2, 0, 1, 2, 2]
+
+
+def test_the_match_bonus_reads_the_runs_before_each_answer_positions_span_start():
+    """At answer position t, prompt position p gains w[0][run before p - t] + w[1][run
+    before p - t - 1], nothing where p - t is before the prompt."""
+    from stateblock.model.copy_head import repeat_runs
+
+    dec, _ = make("twin", match=3)
+    w = torch.arange(8.0).view(2, 4)
+    with torch.no_grad():
+        dec.copy_head.w_match.copy_(w)
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 8]])
+    lens, pos = torch.tensor([8]), torch.arange(4).view(1, -1)
+    got = dec.copy_head.match_bonus(ids, lens, pos)[0]  # (D, P)
+    runs = repeat_runs(ids, lens, 3)[0].tolist()
+    for t in range(4):
+        for p in range(8):
+            s = p - t
+            want = 0.0 if s < 0 else w[0, runs[s]] + (w[1, runs[s - 1]] if s > 0 else w[1, 0])
+            assert got[t, p] == want, (t, p)
+    with pytest.raises(ValueError, match="copy_match=2 needs a copy head"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy_match=2)
