@@ -252,9 +252,10 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
     grep -A6 '^\*\*Fairness' "$OUT/fair-$tag/load.md"; grep -E '^p99|^Beside' "$OUT/fair-$tag/load.md"
   done
 elif [ "$STAGE" = served-eval ]; then  # the shipped pair on the rows the GPU service gives
-  # the capture's stream priorities and a part's green context (GPU tests; they load the
-  # shipped base)
-  timeout 90 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py -k "priority or green" \
+  # the capture's stream priorities and a part's green context, the readout's beside() view
+  # (GPU tests; they load the shipped pair)
+  timeout 120 python3 -m pytest -q -rs tests/gpu/test_capture_gpu.py \
+    tests/gpu/test_torch_engine_gpu.py -k "priority or green or beside" \
     > "$OUT/priority-test.log" 2>&1
   echo "priority test rc=$?"; tail -3 "$OUT/priority-test.log"
   # EVALS: `off` a masked eager capture, `default` the compiled unmasked one, `table` that
