@@ -23,6 +23,7 @@ from contextlib import contextmanager
 # what the load bench scrapes: the procs.SCRAPED histograms, the capture's lanes per forward
 # and its forwards that compiled after the warm-up
 COMPILED = "stateblock_capture_compiled_after_warmup"
+ALLOCATOR = "stateblock_capture_cuda_allocator"  # its events: capture_svc.service.AllocatorEvents
 FAMILIES = (
     "stateblock_capture_seconds",
     "stateblock_capture_stage_seconds",
@@ -30,6 +31,7 @@ FAMILIES = (
     "stateblock_readout_stage_seconds",
     "stateblock_readout_cohort_blocks",
     COMPILED,
+    ALLOCATOR,
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -136,6 +138,9 @@ def stages(before: dict, after: dict, wall: float) -> dict:
     (n) and mean lanes per forward instead."""
     out: dict[str, dict] = {}
     for (name, stage), value in after.items():
+        if name == ALLOCATOR + "_total":  # the capture's allocator events over the level
+            n = value - before.get((name, stage), 0.0)
+            out.setdefault("capture.allocator", {})[stage] = int(n)
         if not name.endswith("_sum"):
             continue
         count_key = (name.removesuffix("_sum") + "_count", stage)

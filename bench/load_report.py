@@ -53,6 +53,9 @@ def saturation(row: dict) -> list[str]:
         lines.append(
             f"Capture: {cohort['forwards_per_s']} forwards/s, {cohort['mean_lanes']} lanes each."
         )
+    alloc = row["stages"].get("capture.allocator")
+    if alloc:
+        lines.append(f"Capture's CUDA allocator over the level: {_events(alloc)}.")
     reads = row["stages"].get("worker.cohort_blocks")
     if reads:
         lines.append(
@@ -136,7 +139,13 @@ def fairness_lines(f: dict) -> list[str]:
             f"{readout['mean_ms']:,.1f} ms a request (the big requests' counted in)."
             + _alone_stages(f.get("stages_alone", {}))
         )
+    if st.get("capture.allocator"):
+        lines.append(f"Capture's CUDA allocator beside: {_events(st['capture.allocator'])}.")
     return lines
+
+
+def _events(alloc: dict) -> str:
+    return ", ".join(f"{n:,} {event}" for event, n in sorted(alloc.items()))
 
 
 def _alone_stages(st: dict) -> str:

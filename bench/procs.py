@@ -256,7 +256,7 @@ class ProcStack:
                     continue
                 for s in family.samples:
                     if s.name.endswith(("_sum", "_count", "_total")):  # summed over the processes
-                        key = (s.name, s.labels.get("stage", ""))
+                        key = (s.name, s.labels.get("stage", s.labels.get("event", "")))
                         out[key] = out.get(key, 0.0) + s.value
         return out
 

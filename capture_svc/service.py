@@ -70,8 +70,37 @@ class Captured:
     via_object_store: bool
 
 
+class AllocatorEvents:
+    """`stateblock_capture_cuda_allocator_total{event}`, read from torch's CUDA caching
+    allocator at each scrape: `retry` (an allocation that freed the cache and tried again),
+    `device_sync` (a synchronisation of every stream: what a retry or a cudaFree costs, and
+    a forward beside another then waits for the other's kernels), `cuda_malloc`, `cuda_free`
+    and `oom`. Nothing where CUDA was never initialised (the CPU)."""
+
+    STATS = {"retry": "num_alloc_retries", "device_sync": "num_sync_all_streams",
+             "cuda_malloc": "num_device_alloc", "cuda_free": "num_device_free",
+             "oom": "num_ooms"}  # fmt: skip
+
+    def collect(self):
+        import torch
+        from prometheus_client.core import CounterMetricFamily
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        family = CounterMetricFamily(
+            "stateblock_capture_cuda_allocator",
+            "CUDA caching allocator events of this process (see AllocatorEvents).",
+            labels=["event"],
+        )
+        stats = torch.cuda.memory_stats()
+        for event, key in self.STATS.items():
+            family.add_metric([event], float(stats.get(key, 0)))
+        yield family
+
+
 class CaptureMetrics:
     def __init__(self, metrics: CollectorRegistry) -> None:
+        metrics.register(AllocatorEvents())
         self.capture_seconds = Histogram(
             "stateblock_capture_seconds",
             "Capture request latency: tokenise, forward, sign, publish.",

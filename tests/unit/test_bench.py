@@ -494,3 +494,19 @@ def test_an_mps_daemon_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
     assert not mps_daemon_running()
     (tmp_path / "control").touch()  # the daemon's named pipe, as `-d` leaves it
     assert mps_daemon_running()
+
+
+def test_the_captures_allocator_events_over_a_level_are_reported():
+    """bench.load_probes.stages: the capture's CUDA allocator counters (scraped with their
+    `event` label) become the level's deltas, and the report says them."""
+    from bench.load_probes import ALLOCATOR, stages
+    from bench.load_report import saturation
+
+    name = ALLOCATOR + "_total"
+    before = {(name, "retry"): 2.0, (name, "device_sync"): 5.0}
+    after = {(name, "retry"): 3.0, (name, "device_sync"): 9.0, (name, "oom"): 0.0}
+    got = stages(before, after, wall=1.0)
+    assert got == {"capture.allocator": {"retry": 1, "device_sync": 4, "oom": 0}}
+    row = {"clients": 4, "req_per_s": 1.0, "gpu_busy_pct": None, "cpu_cores": {}, "nats": {},
+           "stages": got}  # fmt: skip
+    assert "4 device_sync, 0 oom, 1 retry" in "\n".join(saturation(row))
