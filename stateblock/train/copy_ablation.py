@@ -49,7 +49,7 @@ from stateblock.train.recipe import DECODER_CONFIG
 ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
         *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow", "twin+guess+span",
         "twin+guess+follow+span", "twin+guess+follow+ref2", "twin+guess+match",
-        "twin+guess+match+follow")  # fmt: skip
+        "twin+guess+match+follow", "twin+guess+match+follow+span")  # fmt: skip
 GUESS, MATCH = 4, 16
 
 
