@@ -89,7 +89,7 @@ class DirectReadouts:
 class ReadoutCohorts:
     """`read(lanes)` -> (the lanes' results, the seconds of the executions that read them).
     At most `concurrency` executions run at once (the executor's threads), one of them at
-    most a long block's part, or that part besides them on a `long_engine` (module
+    most a long block's part, or that part beside them on a `long_engine` (module
     docstring); blocks that arrive meanwhile wait and are read together."""
 
     def __init__(
