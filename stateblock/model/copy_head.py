@@ -119,9 +119,9 @@ def repeat_runs(ids: Tensor, lens: Tensor, most: int) -> Tensor:
     alive = torch.ones_like(eq)
     runs = torch.zeros(k, p, dtype=torch.long, device=ids.device)
     for n in range(1, min(most, p) + 1):  # alive[p, q]: the n tokens before p and q agree
-        shifted = torch.zeros_like(eq)
-        shifted[:, n:, n:] = eq[:, :-n, :-n]
-        alive &= shifted
+        alive[:, n:, n:] &= eq[:, :-n, :-n]
+        alive[:, n - 1, :] = False  # fewer than n tokens before p or q
+        alive[:, :, n - 1] = False
         runs += alive.any(-1)  # the longest run over q is >= n
     return runs
 
@@ -177,15 +177,16 @@ class CopyHead(nn.Module):
             self.w_match = nn.Parameter(torch.zeros(2, match + 1))
 
     def scores(
-        self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None
+        self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None, runs=None
     ) -> tuple[Tensor, Tensor]:
         """(scores (K, D, C), candidate ids (K, C)): h (K, D, d_r) the pass's normed state,
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
         lens (K,)), head (V, d_base), positions (K, D), twins (V,), guess the base's guess
         (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess), prev
         what the previous pass read (tokens (K, D), position probabilities (K, D, P) or None;
-        with follow or span; None in the first pass). C is P, 2P with twins, plus G; a padding
-        position or a missing twin scores -inf (its id is then 0)."""
+        with follow or span; None in the first pass), runs the prompt's `repeat_runs` (K, P)
+        (with match; the same for every pass, so computed once a forward). C is P, 2P with
+        twins, plus G; a padding position or a missing twin scores -inf (its id is then 0)."""
         emb, before = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
         idx = torch.arange(p, device=ids.device)
@@ -205,7 +206,9 @@ class CopyHead(nn.Module):
         if self.span and prev is not None:
             vote = self.w_span * span_vote(prev[1]).to(a.dtype)  # (K, D, P)
         if self.match:
-            m = self.match_bonus(ids, lens, positions).to(a.dtype)
+            if runs is None:
+                raise ValueError("this copy head reads the prompt's repeated runs: pass `runs`")
+            m = self.match_bonus(runs, positions).to(a.dtype)
             vote = m if vote is None else vote + m
         if vote is not None:
             a = a + vote
@@ -237,13 +240,13 @@ class CopyHead(nn.Module):
         two = one & match(2)
         return self.w_follow[0] * one + self.w_follow[1] * two
 
-    def match_bonus(self, ids: Tensor, lens: Tensor, positions: Tensor) -> Tensor:
+    def match_bonus(self, runs: Tensor, positions: Tensor) -> Tensor:
         """(K, D, P): at answer position t, w[0][run ending at p - t - 1] + w[1][run ending
-        at p - t - 2] (`repeat_runs`; 0 where p - t is before the prompt)."""
-        runs = repeat_runs(ids, lens, self.match)  # (K, P): the run ending at p - 1
+        at p - t - 2] (runs (K, P): `repeat_runs`, the run ending at p - 1; 0 where p - t is
+        before the prompt)."""
         two = torch.cat([torch.zeros_like(runs[:, :1]), runs[:, :-1]], -1)  # ending at p - 2
         per = self.w_match[0][runs] + self.w_match[1][two]  # (K, P)
-        start = torch.arange(ids.shape[1], device=ids.device) - positions[..., None]  # (K,D,P)
+        start = torch.arange(runs.shape[1], device=runs.device) - positions[..., None]  # (K,D,P)
         got = per[:, None].expand(-1, positions.shape[1], -1).gather(-1, start.clamp_min(0))
         return got * (start >= 0)
 
@@ -255,10 +258,11 @@ class CopyHead(nn.Module):
         return q @ key.transpose(1, 2) / math.sqrt(self.d) + self.g_lp * glp[:, None].to(q.dtype)
 
     def forward(
-        self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None, prev=None
-    ):
+        self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None, prev=None,
+        runs=None,
+    ):  # fmt: skip
         """One pass's parts (see the module's doc) from its vocabulary logits (K, D, V)."""
-        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess, prev)
+        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess, prev, runs)
         if self.gated:
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), cand)
         return ("joint", vocab_logits, a, cand)

@@ -35,6 +35,7 @@ from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.model.copy_head import (
     CopyHead,
     base_guess,
+    repeat_runs,
     token_pairs,
 )
 from stateblock.model.id_reading import GuessFn, IdReading
@@ -154,6 +155,7 @@ class Context(NamedTuple):
     prompt_lens: Tensor  # (K,)
     prompt_ids: Tensor | None = None  # (K, P) the prompt's tokens: a copy head points at them
     guess: tuple | None = None  # the base's top-G first tokens (copy_head.base_guess) + last row
+    runs: Tensor | None = None  # (K, P) with copy_match: the prompt's copy_head.repeat_runs
 
 
 class ReadoutDecoder(IdReading, nn.Module):
@@ -234,7 +236,10 @@ class ReadoutDecoder(IdReading, nn.Module):
             last = torch.arange(k, device=rows.device), prompt_lens - 1
             gids, glp = base_guess(rows[last], lm_head, self.cfg.copy_guess)
             guess = (gids, glp, ctx[last])
-        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids, guess)
+        runs = None
+        if self.cfg.copy_match:  # the prompt's repeated runs, read by every pass's copy head
+            runs = repeat_runs(prompt_ids, prompt_lens, self.cfg.copy_match)
+        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids, guess, runs)
 
     def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
         """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""

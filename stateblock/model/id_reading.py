@@ -44,9 +44,9 @@ class IdReading:
         top_v, top_i, lse_v = chunked_topk_lse(hv, lm_head, self.cfg.n_chunks, k)
         if not self.cfg.copy:
             return top_v, top_i, lse_v
-        a, cand = self.copy_head.scores(
-            h, c.rows, c.prompt_ids, c.prompt_lens, lm_head, positions, self.twins, c.guess, prev
-        )  # (K, D, C), (K, C)
+        # the candidates' scores a (K, D, C) and ids cand (K, C)
+        a, cand = self.copy_head.scores(h, c.rows, c.prompt_ids, c.prompt_lens, lm_head,
+                                        positions, self.twins, c.guess, prev, c.runs)  # fmt: skip
         cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
         gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
         out = mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
@@ -106,7 +106,7 @@ class IdReading:
             if not self.cfg.copy:
                 return ("base", lv)
             return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
-                                  self.twins, c.guess, prev)  # fmt: skip
+                                  self.twins, c.guess, prev, c.runs)  # fmt: skip
 
         seen: list[tuple] = []  # what each pass read, for the next (copy_follow, copy_span)
 

@@ -276,7 +276,7 @@ def test_the_match_bonus_reads_the_runs_before_each_answer_positions_span_start(
         dec.copy_head.w_match.copy_(w)
     ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 8]])
     lens, pos = torch.tensor([8]), torch.arange(4).view(1, -1)
-    got = dec.copy_head.match_bonus(ids, lens, pos)[0]  # (D, P)
+    got = dec.copy_head.match_bonus(repeat_runs(ids, lens, 3), pos)[0]  # (D, P)
     runs = repeat_runs(ids, lens, 3)[0].tolist()
     for t in range(4):
         for p in range(8):
