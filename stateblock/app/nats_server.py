@@ -14,6 +14,7 @@ JetStream finds everything it had stored; one that cannot be started again ends 
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import signal
 import socket
@@ -44,8 +45,40 @@ def nats_server_binary() -> str:
     return found
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000  # below it sit well-known services' ports
+_GIVEN: set[int] = set()  # this process never hands out a port twice
+
+
+def _outside_ephemeral() -> list[range]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return [r for r in (range(_LOWEST, low), range(high + 1, 65536)) if len(r) > 0]
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, outside the kernel's ephemeral range. A server stopped and started
+    again on its port must find it free: in the ephemeral range an outgoing connection (a
+    client probing or reconnecting to that very port among them) may take it meanwhile."""
+    ranges = _outside_ephemeral()
+    if ranges:
+        for _ in range(200):
+            port = random.choice(random.choices(ranges, weights=[len(r) for r in ranges])[0])
+            if port not in _GIVEN and _bindable(host, port):
+                _GIVEN.add(port)
+                return port
+    with socket.socket() as s:  # no room outside it: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
