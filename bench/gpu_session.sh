@@ -76,7 +76,8 @@
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
 #       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
 #       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4,
-#       # `+follow` --copy-follow, `+span` --copy-span, `+match` --copy-match 16,
+#       # `+follow` --copy-follow, `+span` --copy-span, `+match` --copy-match 16, `+ends`
+#       # --copy-match-ends,
 #       # joined: twin+guess+span) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
@@ -319,6 +320,7 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
              follow) copy+=(--copy-follow) ;;
              span) copy+=(--copy-span) ;;
              match) copy+=(--copy-match 16) ;;
+             ends) copy+=(--copy-match-ends) ;;
            esac
          done ;;
     esac

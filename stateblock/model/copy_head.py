@@ -36,7 +36,10 @@ just before the span's start repeats elsewhere in the prompt (`repeat_runs`): at
 position t, position p reads the runs ending one and two tokens before p - t. A passage
 quoted in the instruction marks where it ends in the passage, and the text after it there is
 what `next_sentence` copies; the quote's own last token may merge with its closing mark, so
-the run ending two tokens back counts too. A function of the prompt and t alone.
+the run ending two tokens back counts too. A function of the prompt and t alone. With
+`match_ends`, a run that stops there (the next position's run is no longer: `run_ends`)
+gets bonuses of its own: a quote longer than `match` tokens saturates the run over its last
+stretch, and only its end is followed by the copied text.
 
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
@@ -126,6 +129,14 @@ def repeat_runs(ids: Tensor, lens: Tensor, most: int) -> Tensor:
     return runs
 
 
+def run_ends(runs: Tensor, most: int) -> Tensor:
+    """(K, P) bool: a run ends at p - 1 and goes no further (the run ending at p is not
+    longer, nor are both `most`); runs (K, P) from `repeat_runs`; one at the last position
+    ends there."""
+    nxt = torch.cat([runs[:, 1:], torch.zeros_like(runs[:, :1])], -1)
+    return (runs > 0) & ~((nxt > runs) | ((runs == most) & (nxt == most)))
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -144,6 +155,7 @@ class CopyHead(nn.Module):
         follow: bool = False,
         span: bool = False,
         match: int = 0,
+        match_ends: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -172,9 +184,10 @@ class CopyHead(nn.Module):
         self.span = span
         if span:  # the weight of the previous pass's vote on a span's start
             self.w_span = nn.Parameter(torch.tensor(4.0))
-        self.match = match
-        if match:  # a bonus by repeated run length (0..match), ending 1 and 2 tokens back
-            self.w_match = nn.Parameter(torch.zeros(2, match + 1))
+        self.match, self.match_ends = match, match_ends
+        if match:  # a bonus by repeated run length (0..match), ending 1 and 2 tokens back;
+            # with match_ends, a second row of them for the runs that stop there
+            self.w_match = nn.Parameter(torch.zeros(2, (1 + match_ends) * (match + 1)))
 
     def scores(
         self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None, runs=None
@@ -244,8 +257,11 @@ class CopyHead(nn.Module):
         """(K, D, P): at answer position t, w[0][run ending at p - t - 1] + w[1][run ending
         at p - t - 2] (runs (K, P): `repeat_runs`, the run ending at p - 1; 0 where p - t is
         before the prompt)."""
-        two = torch.cat([torch.zeros_like(runs[:, :1]), runs[:, :-1]], -1)  # ending at p - 2
-        per = self.w_match[0][runs] + self.w_match[1][two]  # (K, P)
+        idx = runs
+        if self.match_ends:  # runs that stop there index their own bonuses
+            idx = runs + (self.match + 1) * run_ends(runs, self.match).long()
+        two = torch.cat([torch.zeros_like(idx[:, :1]), idx[:, :-1]], -1)  # ending at p - 2
+        per = self.w_match[0][idx] + self.w_match[1][two]  # (K, P)
         start = torch.arange(runs.shape[1], device=runs.device) - positions[..., None]  # (K,D,P)
         got = per[:, None].expand(-1, positions.shape[1], -1).gather(-1, start.clamp_min(0))
         return got * (start >= 0)

@@ -95,6 +95,7 @@ class ReadoutConfig:
     copy_follow: bool = False  # a refinement's copy scores follow the previous pass's tokens
     copy_span: bool = False  # ... and its vote on where a copied span starts
     copy_match: int = 0  # copy scores gain a bonus by repeated runs up to this long; 0: none
+    copy_match_ends: bool = False  # ... and one of their own for runs that stop there
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -112,6 +113,8 @@ class ReadoutConfig:
             raise ValueError(f"copy_guess={self.copy_guess} needs a copy head and must be >= 0")
         if self.copy_match < 0 or (self.copy_match and not self.copy):
             raise ValueError(f"copy_match={self.copy_match} needs a copy head and must be >= 0")
+        if self.copy_match_ends and not self.copy_match:
+            raise ValueError("copy_match_ends needs copy_match")
         if (self.copy_follow or self.copy_span) and not (self.copy and self.refine):
             raise ValueError("copy_follow and copy_span need a copy head and a refinement pass")
 
@@ -199,7 +202,8 @@ class ReadoutDecoder(IdReading, nn.Module):
         if cfg.copy:
             self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta,
                                       guess=cfg.copy_guess, follow=cfg.copy_follow,
-                                      span=cfg.copy_span, match=cfg.copy_match)  # fmt: skip
+                                      span=cfg.copy_span, match=cfg.copy_match,
+                                      match_ends=cfg.copy_match_ends)  # fmt: skip
             # each token's spelling without its leading space (copy_head.space_twins, from
             # the tokenizer when the decoder is made): saved with the weights, so the
             # decoder's digest binds it

@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.copy_head import MODES as COPY_MODES
-from stateblock.model.copy_head import CopyHead, log_probs, space_twins
+from stateblock.model.copy_head import log_probs, space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train.ddp import lr_at
 from stateblock.train.prose_tasks import DETERMINED
@@ -45,11 +45,13 @@ from stateblock.train.recipe import DECODER_CONFIG
 # tokens among its candidates (ReadoutConfig.copy_guess); +follow: its refinement follows the
 # previous pass's tokens (ReadoutConfig.copy_follow); +span: its vote on a copied span's start
 # (ReadoutConfig.copy_span); +match: a bonus by the prompt's repeated runs before a span's
-# start (ReadoutConfig.copy_match, runs up to MATCH); +ref2: two refinement passes, not one
+# start (ReadoutConfig.copy_match, runs up to MATCH), +ends: and their own for runs that stop
+# there (ReadoutConfig.copy_match_ends); +ref2: two refinement passes, not one
 ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
         *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow", "twin+guess+span",
         "twin+guess+follow+span", "twin+guess+follow+ref2", "twin+guess+match",
-        "twin+guess+match+follow", "twin+guess+match+follow+span")  # fmt: skip
+        "twin+guess+match+follow", "twin+guess+match+follow+span",
+        "twin+guess+match+ends+follow+span")  # fmt: skip
 GUESS, MATCH = 4, 16
 
 
@@ -62,14 +64,13 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
                         **shape, copy="" if arm in ("base", "tokens") else mode,
                         row_tokens=arm == "tokens", copy_guess=GUESS if "guess" in flags else 0,
                         copy_follow="follow" in flags, copy_span="span" in flags,
-                        copy_match=MATCH if "match" in flags else 0)  # fmt: skip
+                        copy_match=MATCH if "match" in flags else 0,
+                        copy_match_ends="ends" in flags)  # fmt: skip
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)
-        if bias is not None:  # joint, twin: a learned offset of the position scores
-            dec.copy_head = CopyHead(cfg.d_r, cfg.d_base, mode, cfg.rope_theta, bias=bias,
-                                     guess=cfg.copy_guess, follow=cfg.copy_follow,
-                                     span=cfg.copy_span, match=cfg.copy_match)  # fmt: skip
+        if bias is not None and not dec.copy_head.gated:  # a learned offset of the scores
+            dec.copy_head.bias = nn.Parameter(torch.tensor(bias))
     return dec.to(head.device)
 
 
@@ -125,9 +126,22 @@ def greedy(answer: list[int], eos: int) -> list[int]:
     return answer[: answer.index(eos) + 1] if eos in answer else answer
 
 
+MISSES = ("start", "early", "late", "end")
+
+
+def first_miss(got: list[int], want: list[int], eos: int) -> str | None:
+    """Where an answer first departs from the teacher's: None (it does not), `end` (there
+    one of them stops), `start` (its first token), `early` (tokens 1-7) or `late`."""
+    for t, (x, y) in enumerate(zip(got, want, strict=False)):
+        if x != y:
+            return "end" if eos in (x, y) else "start" if t == 0 else "early" if t < 8 else "late"
+    return None if len(got) == len(want) else "end"
+
+
 @torch.no_grad()
 def evaluate(dec: ReadoutDecoder, held: tuple, head: Tensor, eos: int) -> dict:
-    """{family: {n, exact, token_agreement}} against the teacher's answers."""
+    """{family: {n, exact, token_agreement, first_miss: {where: share of answers}}} against
+    the teacher's answers (`first_miss`: where the answers that differ first do)."""
     recs, rows = held
     dec.eval()
     by: dict[str, list] = {}
@@ -137,12 +151,15 @@ def evaluate(dec: ReadoutDecoder, held: tuple, head: Tensor, eos: int) -> dict:
         pred = log_probs(passes(dec, batch, head)[-1])
         for b, i in enumerate(idx):
             want, got = recs[i]["answer_ids"], greedy(pred[b].argmax(-1).tolist(), eos)
-            e = by.setdefault(recs[i]["family"], [0, 0, 0.0])
+            e = by.setdefault(recs[i]["family"], [0, 0, 0.0, dict.fromkeys(MISSES, 0)])
             e[0], e[1] = e[0] + 1, e[1] + (got == want)
             e[2] += sum(x == y for x, y in zip(got, want, strict=False)) / len(want)
+            if (miss := first_miss(got, want, eos)) is not None:
+                e[3][miss] += 1
     dec.train()
-    return {f: {"n": n, "exact": round(x / n, 3), "token_agreement": round(a / n, 3)}
-            for f, (n, x, a) in sorted(by.items())}  # fmt: skip
+    return {f: {"n": n, "exact": round(x / n, 3), "token_agreement": round(a / n, 3),
+                "first_miss": {w: round(c / n, 3) for w, c in m.items()}}
+            for f, (n, x, a, m) in sorted(by.items())}  # fmt: skip
 
 
 def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:

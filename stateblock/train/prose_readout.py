@@ -241,7 +241,7 @@ def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Pat
     if a.copy or a.row_tokens:
         ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess,
                "copy_follow": a.copy_follow, "copy_span": a.copy_span,
-               "copy_match": a.copy_match}  # fmt: skip
+               "copy_match": a.copy_match, "copy_match_ends": a.copy_match_ends}  # fmt: skip
         cfg = replace(cfg, decoder={**cfg.decoder, **ids})
     stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
                         a.device)  # fmt: skip
@@ -377,6 +377,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--copy-match", type=int, default=0,
         help="with --copy: copy scores gain a bonus by how long a run of tokens before a "
              "span's start repeats in the prompt (runs up to N counted)")  # fmt: skip
+    add("--copy-match-ends", action="store_true",
+        help="with --copy-match: runs that stop before a span's start get bonuses of their own")  # fmt: skip
     add("--row-tokens", action="store_true",
         help="the readout's rows also carry their own tokens (ReadoutConfig.row_tokens)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",

@@ -1,6 +1,8 @@
 """The readout's copy head: the served top-k of the mixture is the dense one, the served answer
 is the training mixture's argmax pass by pass, and the head's table travels with the weights."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -56,12 +58,13 @@ def test_the_served_topk_is_the_dense_mixtures(mode, k):
     assert len(set(i[0, 0].tolist())) == k  # a token is one candidate, however often it recurs
 
 
-def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False, span=False, match=0):
+def make(copy, refine=1, seed=0, row_tokens=False, guess=0, follow=False, span=False, match=0,
+         ends=False):  # fmt: skip
     torch.manual_seed(seed)
     cfg = ReadoutConfig(d_base=D_BASE, vocab_size=VOCAB, eos_token_id=EOS, d_r=32, n_latent=4,
                         n_heads=4, row_attn=True, refine=refine, rope=True, copy=copy,
                         row_tokens=row_tokens, copy_guess=guess, copy_follow=follow,
-                        copy_span=span, copy_match=match)  # fmt: skip
+                        copy_span=span, copy_match=match, copy_match_ends=ends)  # fmt: skip
     dec = ReadoutDecoder(cfg).eval()
     with torch.no_grad():
         for w in dec.parameters():
@@ -85,18 +88,19 @@ def _lanes(k=3, p=8, d=7):
      ("twin", 1, True, 0, False), ("twin", 1, False, 3, False), ("gate", 0, False, 2, False),
      ("twin", 1, False, 3, True), ("joint", 2, False, 0, True), ("twin", 1, False, 3, "span"),
      ("gatetwin", 2, False, 2, "span"), ("twin", 0, False, 3, "match"),
-     ("gate", 1, False, 0, "match")],
+     ("gate", 1, False, 0, "match"), ("twin", 1, False, 3, "ends")],
 )  # fmt: skip
 def test_the_served_answer_is_the_training_mixtures_argmax(mode, refine, row_tokens, guess, follow):
-    span, match = follow == "span", 4 if follow == "match" else 0
+    span, match, ends = follow == "span", 4 if follow in ("match", "ends") else 0, follow == "ends"
     dec, head = make(mode, refine, row_tokens=row_tokens, guess=guess, follow=follow is True,
-                     span=span, match=match)  # fmt: skip
+                     span=span, match=match, ends=ends)  # fmt: skip
     if span:
         with torch.no_grad():
             dec.copy_head.w_span.fill_(30.0)  # the vote decides: it must reach both paths
     if match:
         with torch.no_grad():  # the runs decide: they must reach both paths
-            dec.copy_head.w_match.copy_(torch.arange(10.0).view(2, 5) * 6)
+            w = dec.copy_head.w_match
+            w.copy_(torch.arange(float(w.numel())).view_as(w) * 6)
     rows, lens, ids, pos = _lanes()
     depth = torch.full((3,), pos.shape[1])
     with torch.no_grad():
@@ -285,3 +289,34 @@ def test_the_match_bonus_reads_the_runs_before_each_answer_positions_span_start(
             assert got[t, p] == want, (t, p)
     with pytest.raises(ValueError, match="copy_match=2 needs a copy head"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy_match=2)
+
+
+def test_run_ends_mark_where_a_repeated_run_stops():
+    from stateblock.model.copy_head import repeat_runs, run_ends
+
+    ids = torch.tensor([[5, 6, 7, 9, 5, 6, 7, 8]])
+    runs = repeat_runs(ids, torch.tensor([8]), most=16)  # [0, 1, 2, 3, 0, 1, 2, 3]
+    assert run_ends(runs, 16)[0].tolist() == [False, False, False, True, False, False, False, True]
+    runs = repeat_runs(ids, torch.tensor([8]), most=2)  # saturated: [0, 1, 2, 2, 0, 1, 2, 2]
+    assert run_ends(runs, 2)[0].tolist() == [False, False, False, True, False, False, False, True]
+
+
+def test_with_match_ends_a_saturated_quote_scores_its_end_alone():
+    """A quote longer than `match` has the longest run over its last stretch; the runs that
+    stop there, at its end, index bonuses of their own."""
+    from stateblock.model.copy_head import repeat_runs
+
+    quote = list(range(10, 16))  # six tokens, runs saturate at 3
+    ids = torch.tensor([[*quote, 20, 21, 22, 30, 31, *quote, 40]])
+    lens, pos = torch.tensor([ids.shape[1]]), torch.zeros(1, 1, dtype=torch.long)
+    dec, _ = make("twin", match=3)
+    cfg = replace(dec.cfg, copy_match_ends=True)
+    ends = ReadoutDecoder(cfg).copy_head
+    assert ends.w_match.shape == (2, 8)
+    with torch.no_grad():
+        ends.w_match.zero_()
+        ends.w_match[0, 4 + 3] = 5.0  # a run of 3 that stops here
+    got = ends.match_bonus(repeat_runs(ids, lens, 3), pos)[0, 0]  # (P,) at t = 0
+    assert got.nonzero().flatten().tolist() == [6, 17]  # after each copy of the quote
+    with pytest.raises(ValueError, match="copy_match_ends needs copy_match"):
+        ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_match_ends=True)

@@ -75,10 +75,32 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
             "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
                               eval_every=2, copy_bias=None)  # fmt: skip
-    for arm in ("base", "tokens", "twin", "gatetwin", "twin+guess", "twin+guess+follow"):
+    arms = ("base", "tokens", "twin", "gatetwin", "twin+guess", "twin+guess+follow",
+            "twin+guess+match+ends+follow+span")  # fmt: skip
+    for arm in arms:
         seen: list[list] = []
         log = ca.train_arm(arm, data, args, on_eval=seen.append)
         assert [e["step"] for e in log] == [2] and len(seen) == 1
         ev = log[0]["eval"]
         assert {f: e["n"] for f, e in ev.items()} == {"question": 3, "repeat": 3}
         assert all(0.0 <= e["exact"] <= e["token_agreement"] <= 1.0 for e in ev.values())
+        for e in ev.values():  # every answer that differs, counted once where it first does
+            assert sum(e["first_miss"].values()) == pytest.approx(1.0 - e["exact"], abs=2e-3)
+
+
+def test_first_miss_says_where_an_answer_departs_from_the_teachers():
+    want = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS]
+    assert ca.first_miss(want, want, EOS) is None
+    assert ca.first_miss([4, *want[1:]], want, EOS) == "start"
+    assert ca.first_miss([*want[:3], 4, *want[4:]], want, EOS) == "early"
+    assert ca.first_miss([*want[:9], 4, EOS], want, EOS) == "late"
+    assert ca.first_miss([*want[:5], EOS], want, EOS) == "end"  # stopped too soon
+    assert ca.first_miss(want[:-1], want, EOS) == "end"  # ran to the cap
+
+
+def test_the_bias_option_gives_the_copy_head_a_learned_offset():
+    head, twins = torch.randn(V, D_BASE), torch.full((V,), -1)
+    dec = ca.new_decoder("twin+guess+match+ends", head, twins, EOS, bias=-2.0)
+    assert dec.copy_head.bias.item() == -2.0 and dec.copy_head.bias.requires_grad
+    assert dec.cfg.copy_match == ca.MATCH and dec.cfg.copy_match_ends
+    assert ca.new_decoder("gatetwin", head, twins, EOS, bias=-2.0).copy_head.bias is None
