@@ -162,13 +162,35 @@ def evaluate(dec: ReadoutDecoder, held: tuple, head: Tensor, eos: int) -> dict:
             for f, (n, x, a, m) in sorted(by.items())}  # fmt: skip
 
 
+def _is_bonus(name: str) -> bool:
+    return name.startswith("copy_head.w_")  # the copy head's learned bonuses (few scalars)
+
+
+def param_groups(dec: ReadoutDecoder, bonus_lr: float) -> list[dict]:
+    """The decoder's parameters, the copy head's bonuses apart at `bonus_lr` times the rate:
+    scalars that start at 0 and move about the rate a step would need thousands of steps to
+    reach a decisive few nats."""
+    named = list(dec.named_parameters())
+    groups = [{"params": [p for n, p in named if not _is_bonus(n)], "lr_scale": 1.0}]
+    if bonus := [p for n, p in named if _is_bonus(n)]:
+        groups.append({"params": bonus, "lr_scale": bonus_lr})
+    return groups
+
+
+def bonuses(dec: ReadoutDecoder) -> dict:
+    """The copy head's bonuses as they stand (rounded), for the log."""
+    return {n.removeprefix("copy_head."): [round(v, 3) for v in p.detach().flatten().tolist()]
+            for n, p in dec.named_parameters() if _is_bonus(n)}  # fmt: skip
+
+
 def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
     """One arm from the same seed, batches and schedule as every other; its evaluations."""
     head, twins, eos = data["head"], data["twins"], data["eos"]
     torch.manual_seed(args.seed)
     dec = new_decoder(arm, head, twins, eos, args.copy_bias)
     params = list(dec.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(param_groups(dec, args.bonus_lr), lr=args.lr, weight_decay=0.01,
+                            betas=(0.9, 0.95))  # fmt: skip
     recs, rows = data["train"]
     # batches of like answer length: padding is most of a step's cost otherwise
     order = sorted(range(len(recs)), key=lambda i: len(recs[i]["answer_ids"]))
@@ -179,7 +201,7 @@ def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
         idx = rng.sample(bucket, min(args.batch, len(bucket)))
         batch = make_batch(recs, rows, idx, head.device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup) * g["lr_scale"]
         outs = passes(dec, batch, head)
         loss = sum(parts_loss(o, batch[3], eos, args.eos_weight) for o in outs) / len(outs)
         opt.zero_grad(set_to_none=True)
@@ -189,6 +211,7 @@ def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             ev = evaluate(dec, data["held"], head, eos)
             log.append({"step": step + 1, "loss": round(loss.item(), 4), "eval": ev,
+                        "bonuses": bonuses(dec),
                         "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
             print(json.dumps({"arm": arm, **log[-1]}), flush=True)
             if on_eval is not None:
@@ -223,6 +246,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--eos-weight", type=float, default=10.0)
+    p.add_argument("--bonus-lr", type=float, default=1.0,
+                   help="the copy head's bonuses learn at this multiple of the rate")  # fmt: skip
     p.add_argument("--eval-every", type=int, default=400)
     p.add_argument(
         "--copy-bias",

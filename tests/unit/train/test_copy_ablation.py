@@ -74,7 +74,7 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
     data = {"head": torch.randn(V, D_BASE), "twins": torch.full((V,), -1), "eos": EOS,
             "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
-                              eval_every=2, copy_bias=None)  # fmt: skip
+                              eval_every=2, copy_bias=None, bonus_lr=1.0)  # fmt: skip
     arms = ("base", "tokens", "twin", "gatetwin", "twin+guess", "twin+guess+follow",
             "twin+guess+match+ends+follow+span")  # fmt: skip
     for arm in arms:
@@ -104,3 +104,16 @@ def test_the_bias_option_gives_the_copy_head_a_learned_offset():
     assert dec.copy_head.bias.item() == -2.0 and dec.copy_head.bias.requires_grad
     assert dec.cfg.copy_match == ca.MATCH and dec.cfg.copy_match_ends
     assert ca.new_decoder("gatetwin", head, twins, EOS, bias=-2.0).copy_head.bias is None
+
+
+def test_the_copy_heads_bonuses_learn_at_their_own_rate():
+    head, twins = torch.randn(V, D_BASE), torch.full((V,), -1)
+    dec = ca.new_decoder("twin+guess+match+ends+follow+span", head, twins, EOS, bias=None)
+    rest, bonus = ca.param_groups(dec, 30.0)
+    assert bonus["lr_scale"] == 30.0 and rest["lr_scale"] == 1.0
+    names = {id(p): n for n, p in dec.named_parameters()}
+    assert sorted(names[id(p)] for p in bonus["params"]) == [
+        "copy_head.w_follow", "copy_head.w_match", "copy_head.w_span"]  # fmt: skip
+    assert len(rest["params"]) + 3 == len(list(dec.parameters()))
+    assert set(ca.bonuses(dec)) == {"w_follow", "w_match", "w_span"}
+    assert len(ca.param_groups(ca.new_decoder("base", head, twins, EOS, None), 30.0)) == 1
