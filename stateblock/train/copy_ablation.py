@@ -37,6 +37,7 @@ from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.model.copy_head import log_probs, space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.train.ddp import lr_at
+from stateblock.train.distill import bonuses, param_groups
 from stateblock.train.prose_tasks import DETERMINED
 from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.recipe import DECODER_CONFIG
@@ -160,27 +161,6 @@ def evaluate(dec: ReadoutDecoder, held: tuple, head: Tensor, eos: int) -> dict:
     return {f: {"n": n, "exact": round(x / n, 3), "token_agreement": round(a / n, 3),
                 "first_miss": {w: round(c / n, 3) for w, c in m.items()}}
             for f, (n, x, a, m) in sorted(by.items())}  # fmt: skip
-
-
-def _is_bonus(name: str) -> bool:
-    return name.startswith("copy_head.w_")  # the copy head's learned bonuses (few scalars)
-
-
-def param_groups(dec: ReadoutDecoder, bonus_lr: float) -> list[dict]:
-    """The decoder's parameters, the copy head's bonuses apart at `bonus_lr` times the rate:
-    scalars that start at 0 and move about the rate a step would need thousands of steps to
-    reach a decisive few nats."""
-    named = list(dec.named_parameters())
-    groups = [{"params": [p for n, p in named if not _is_bonus(n)], "lr_scale": 1.0}]
-    if bonus := [p for n, p in named if _is_bonus(n)]:
-        groups.append({"params": bonus, "lr_scale": bonus_lr})
-    return groups
-
-
-def bonuses(dec: ReadoutDecoder) -> dict:
-    """The copy head's bonuses as they stand (rounded), for the log."""
-    return {n.removeprefix("copy_head."): [round(v, 3) for v in p.detach().flatten().tolist()]
-            for n, p in dec.named_parameters() if _is_bonus(n)}  # fmt: skip
 
 
 def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from stateblock.model import checkpoint as ckpt
@@ -37,6 +38,9 @@ class DistillConfig:
     decode_limit: int | None = None  # at most this many prompts decoded step by step
     decode_budget: int | None = None  # tokens per step-by-step decode batch
     lr: float = 1e-3
+    # the copy head's bonuses (a few scalars from 0) at this multiple of the rate: at the
+    # rate itself they stay too small to decide anything (docs/QUALITY.md)
+    bonus_lr: float = 30.0
     warmup: int = 200
     seed: int = 0
     ckpt_every: int = 500
@@ -138,6 +142,27 @@ def start_from(decoder: ReadoutDecoder, init: Path, identity: dict, device) -> N
         raise ValueError(f"{init}: not this config's decoder shape ({e})") from e
 
 
+def _is_bonus(name: str) -> bool:
+    return name.startswith("copy_head.w_")  # the copy head's learned bonuses (few scalars)
+
+
+def param_groups(decoder: nn.Module, bonus_lr: float) -> list[dict]:
+    """The decoder's parameters for the optimizer, the copy head's bonuses apart at
+    `bonus_lr` times the rate (`lr_scale`): scalars that start at 0 and move about the rate a
+    step would take thousands of steps to reach a decisive few nats."""
+    named = list(decoder.named_parameters())
+    groups = [{"params": [p for n, p in named if not _is_bonus(n)], "lr_scale": 1.0}]
+    if bonus := [p for n, p in named if _is_bonus(n)]:
+        groups.append({"params": bonus, "lr_scale": bonus_lr})
+    return groups
+
+
+def bonuses(decoder: nn.Module) -> dict:
+    """The copy head's bonuses as they stand, rounded (for logs)."""
+    return {n.removeprefix("copy_head."): [round(v, 3) for v in p.detach().flatten().tolist()]
+            for n, p in decoder.named_parameters() if _is_bonus(n)}  # fmt: skip
+
+
 def train_step(
     decoder, opt, base, lm_head, batch: tuple, lr: float, amp, eos_weight: float = 1.0
 ) -> tuple[torch.Tensor, bool]:
@@ -149,7 +174,7 @@ def train_step(
     rows = capture(base, ids, mask)  # (K, P, d_base), frozen
     pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)
     with amp:
         passes = decoder.pass_parts(rows, lens, pos, lm_head, ids)  # [(K, D, V) or a mixture]
     eos = decoder.cfg.eos_token_id
@@ -210,7 +235,8 @@ def fit(
     out.mkdir(parents=True, exist_ok=True)
     lm_head = lm_head_weight(base)
     decoder = new_decoder(base, tok, lm_head, cfg, device)
-    opt = torch.optim.AdamW(decoder.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(param_groups(decoder, cfg.bonus_lr), lr=cfg.lr, weight_decay=0.01,
+                            betas=(0.9, 0.95))  # fmt: skip
     resume = out / "ckpt.pt"
     if cfg.init and not resume.exists():
         start_from(decoder, Path(cfg.init), identity, device)
@@ -251,6 +277,7 @@ def fit(
         "device": device,
         "examples": len(records),
         "params": sum(p.numel() for p in decoder.parameters()),
+        **({"bonuses": b} if (b := bonuses(decoder)) else {}),
     }
     ckpt.save_decoder(out, decoder.eval(), identity, {"training": {**stats, "config": asdict(cfg)}})
     resume.unlink(missing_ok=True)

@@ -303,6 +303,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
         scale = replace(scale, distill=replace(scale.distill, init=a.distill_init))
     if a.distill_lr:
         scale = replace(scale, distill=replace(scale.distill, lr=a.distill_lr))
+    if a.bonus_lr:
+        scale = replace(scale, distill=replace(scale.distill, bonus_lr=a.bonus_lr))
     return scale
 
 
@@ -365,6 +367,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--distill-lr", type=float, default=0.0,
         help="the readout's peak learning rate (0: the scale's; a run from --distill-init may "
              "want less: a fresh optimizer at the full rate can diverge)")  # fmt: skip
+    add("--bonus-lr", type=float, default=0.0,
+        help="the copy head's bonuses learn at this multiple of the rate (0: DistillConfig's)")  # fmt: skip
     add("--copy", choices=("", *COPY_MODES), default="",
         help="the readout's copy head (stateblock.model.copy_head; default none)")  # fmt: skip
     add("--copy-guess", type=int, default=0,

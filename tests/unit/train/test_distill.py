@@ -149,3 +149,26 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_the_weights_stay_fin
     after = decoder.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in after)
     assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_a_step_moves_the_copy_heads_bonuses_at_their_own_rate():
+    """AdamW's first step moves a weight by about the rate: the copy head's bonuses (few
+    scalars from 0) by `bonus_lr` times it, every other weight by the rate at most."""
+    from contextlib import nullcontext
+
+    from stateblock.train.distill import _batch, bonuses, new_decoder, param_groups, train_step
+
+    base, tok = load_base(REFERENCE_BASE)
+    lm_head = lm_head_weight(base)
+    copy = {"copy": "twin", "refine": 1, "copy_follow": True, "copy_match": 4}
+    decoder = new_decoder(base, tok, lm_head, DistillConfig(decoder={**TINY, **copy}), "cpu")
+    opt = torch.optim.AdamW(param_groups(decoder, 30.0), lr=1e-3, weight_decay=0.0)
+    records = [{"prompt_ids": tok.encode("copy: abcab"), "answer_ids": tok.encode("abcab")}] * 2
+    before = {n: p.detach().clone() for n, p in decoder.named_parameters()}
+    _, stepped = train_step(decoder, opt, base, lm_head, _batch(records, [0, 1], "cpu",
+                            tok.pad_token_id), 1e-3, nullcontext())  # fmt: skip
+    assert stepped
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in decoder.named_parameters()}
+    assert max(v for n, v in moved.items() if not n.startswith("copy_head.w_")) < 1.01e-3
+    assert moved["copy_head.w_follow"] > 0.02 and moved["copy_head.w_match"] > 0.02
+    assert set(bonuses(decoder)) == {"w_follow", "w_match"}
