@@ -74,7 +74,7 @@
 #       # the pair comes back as prose-readout's does (pair.tar.xz.NN), for bench.prose_api
 #   bash bench/gpu_session.sh prose-arms [DATA [ARGS]]  # on the same warm machine after
 #       # prose-chain, carrying .whl-prose alone: a readout distilled MINUTES (default 3) per
-#       # arm of ARMS (default "plain twin": no copy head, then prose_readout --copy twin;
+#       # arm of ARMS (default "plain twin": --copy none, then prose_readout --copy twin;
 #       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4,
 #       # `+follow` --copy-follow, `+span` --copy-span, `+match` --copy-match 16, `+ends`
 #       # --copy-match-ends,
@@ -305,12 +305,12 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
   DATA=${2:-.gpu_prose}; W="$DATA/readout"; t0=$SECONDS
   [ -f "$W/teacher/train.jsonl" ] || { echo "no teacher in $W (run prose-chain first)"; exit 1; }
   read -r -a arms <<< "${ARMS:-plain twin}"
-  for arm in "${arms[@]}"; do  # plain: none; tokens: --row-tokens; any other: --copy ARM
+  for arm in "${arms[@]}"; do  # plain: --copy none; tokens: --row-tokens; else --copy ARM
     tag=${arm//+/_}  # a name with + does not come back from a device call
     A="$DATA/arm-$tag"; rm -rf "$A"; mkdir -p "$A" "$OUT/$tag"
     cp -rl "$W/tuned" "$W/teacher" "$A/"
     case "$arm" in
-      plain) copy=() ;;
+      plain) copy=(--copy none) ;;
       tokens) copy=(--row-tokens) ;;
       *) copy=(--copy "${arm%%+*}")
          for flag in $(tr + ' ' <<< "${arm#*+}"); do  # MODE+guess+follow+span

@@ -135,9 +135,9 @@ def fairness_lines(f: dict) -> list[str]:
     if cohort and forward and readout:
         lines.append(
             f"Beside: the capture ran {cohort['forwards']} forwards of {cohort['mean_lanes']} "
-            f"lanes, {forward['mean_ms']:,.1f} ms a request in its forward stage; the readout "
-            f"{readout['mean_ms']:,.1f} ms a request (the big requests' counted in)."
-            + _alone_stages(f.get("stages_alone", {}))
+            f"lanes, {forward['mean_ms']:,.1f} ms a request in its forward stage"
+            f"{_forward_split(st)}; the readout {readout['mean_ms']:,.1f} ms a request (the big "
+            f"requests' counted in)." + _alone_stages(f.get("stages_alone", {}))
         )
     if st.get("capture.allocator"):
         lines.append(f"Capture's CUDA allocator beside: {_events(st['capture.allocator'])}.")
@@ -148,12 +148,21 @@ def _events(alloc: dict) -> str:
     return ", ".join(f"{n:,} {event}" for event, n in sorted(alloc.items()))
 
 
+def _forward_split(st: dict) -> str:
+    """The forward stage's parts: until a request's first forward began on a thread, and
+    its forwards' own time there (the big requests' counted in)."""
+    wait, run = st.get("capture.forward_wait"), st.get("capture.forward_run")
+    if not (wait and run):
+        return ""
+    return f" ({wait['mean_ms']:,.1f} waiting for a forward, {run['mean_ms']:,.1f} in forwards)"
+
+
 def _alone_stages(st: dict) -> str:
     forward, readout = st.get("capture.forward"), st.get("worker.readout")
     if not (forward and readout):
         return ""
-    return (f" Alone: {forward['mean_ms']:,.1f} ms in the forward, {readout['mean_ms']:,.1f} "
-            "ms in the readout.")  # fmt: skip
+    return (f" Alone: {forward['mean_ms']:,.1f} ms in the forward{_forward_split(st)}, "
+            f"{readout['mean_ms']:,.1f} ms in the readout.")  # fmt: skip
 
 
 def markdown(doc: dict) -> str:

@@ -113,6 +113,25 @@ class Dropped(Exception):
 
 
 @dataclass
+class ForwardTiming:
+    """Where a request's time in the batcher went: `waited`, from its submit until its first
+    forward began on an executor thread (behind other forwards, or for a thread); `ran`, its
+    forwards' time on their threads (a part's each, summed)."""
+
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    ran: float = 0.0
+
+    @property
+    def waited(self) -> float:
+        return 0.0 if self.started is None else self.started - self.submitted
+
+    def forward(self, started: float, seconds: float) -> None:
+        self.started = started if self.started is None else self.started
+        self.ran += seconds
+
+
+@dataclass
 class Pending:
     """Lanes of one request for a forward: all of them, or a part (lanes `first_lane` on)."""
 
@@ -120,6 +139,7 @@ class Pending:
     lane_ids: Sequence[Sequence[int]]
     future: asyncio.Future = field(repr=False)
     first_lane: int = 0
+    timing: ForwardTiming = field(default_factory=ForwardTiming, repr=False)  # its parts' too
 
     @property
     def bucket(self) -> int:
@@ -129,7 +149,7 @@ class Pending:
         """This request as parts of at most `lanes` lanes (at least one), in lane order."""
         step = max(1, lanes)
         return [
-            Pending(self.plan, self.lane_ids[i : i + step], self.future, i)
+            Pending(self.plan, self.lane_ids[i : i + step], self.future, i, self.timing)
             for i in range(0, len(self.lane_ids), step)
         ]
 
@@ -342,7 +362,8 @@ class ForwardBatcher:
         width = bucket_width(max(len(ids) for ids in lane_ids))
         return len(lane_ids) * width > self._cohort.tokens
 
-    async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> None:
+    async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> ForwardTiming:
+        """Resolves once the forwards that carried the request have recorded its rows."""
         if len(lane_ids) > self._max_lanes:
             raise ValueError(
                 f"{len(lane_ids)} lanes exceed the per-request limit {self._max_lanes}"
@@ -355,6 +376,7 @@ class ForwardBatcher:
             await future
         finally:
             self._unstarted.pop(plan.request_id, None)
+        return pending.timing
 
     def drop(self, request_id: str) -> bool:
         """Take back a request whose forward has not started: its `submit` raises Dropped
@@ -465,14 +487,24 @@ class ForwardBatcher:
         for p in cohort:  # from here on `drop` cannot take it back
             self._unstarted.pop(p.plan.request_id, None)
         forward = self._forward_part if part else self._forward
+
+        def timed() -> tuple[float, float]:
+            started = time.perf_counter()
+            forward(cohort)
+            return started, time.perf_counter() - started
+
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, forward, cohort)
+            started, seconds = await asyncio.get_running_loop().run_in_executor(
+                self._executor, timed
+            )
         except Exception as e:  # the forward failed: every request in it fails
             log.exception("cohort forward failed", lanes=sum(len(p.lane_ids) for p in cohort))
             for p in cohort:
                 if not p.future.done():
                     p.future.set_exception(e)
             return False
+        for p in cohort:
+            p.timing.forward(started, seconds)
         if self._on_cohort is not None:
             self._on_cohort(sum(len(p.lane_ids) for p in cohort))
         return True

@@ -111,7 +111,9 @@ class CaptureMetrics:
         self.stage_seconds = runtime.stage_histogram(
             "stateblock_capture_stage_seconds",
             "Capture time by stage: tokenize, forward (queue + base forward + rows to host, "
-            "but for a local data plane's), reserve (a place for the rows: a slot or region, "
+            "but for a local data plane's; of it forward_wait, until its first forward began "
+            "on a thread, and forward_run, its forwards' time there), reserve (a place for "
+            "the rows: a slot or region, "
             "waited for while every one is held; none on the bus), sign (digest + signature), "
             "publish (JetStream ack).",
             metrics,
@@ -271,7 +273,7 @@ class CaptureService:
         t1 = time.perf_counter()
         stage.labels("tokenize").observe(t1 - t0)
         try:
-            await self._batcher.submit(plan, lane_ids)
+            timing = await self._batcher.submit(plan, lane_ids)
             rows = self._plans.consume(request_id, plan.layout_digest)
         except Dropped as e:
             raise CaptureDropped(str(e)) from e
@@ -282,6 +284,8 @@ class CaptureService:
             self._plans.discard(request_id)  # no-op once consumed
         t2 = time.perf_counter()
         stage.labels("forward").observe(t2 - t1)
+        stage.labels("forward_wait").observe(timing.waited)
+        stage.labels("forward_run").observe(timing.ran)
         check_rows(rows, layout)
         try:
             delivered = await self._plane.deliver(

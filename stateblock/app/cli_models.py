@@ -200,9 +200,10 @@ def _build_reference_parser(sub) -> None:
     b.add_argument("--base-weights", default="", help="prose: a prose_stage weights prefix")
     b.add_argument("--device", default="auto", help="prose: cuda, cpu, or auto")
     b.add_argument("--seed", type=int, default=0, help="prose: tasks, tuning, readout")
-    b.add_argument("--copy", choices=["", "twin", "joint", "gate", "gatetwin"], default="",
-                   help="prose: the readout's copy head (none by default; served by the "
-                        "reference engine only)")  # fmt: skip
+    b.add_argument("--copy", choices=["", "none", "twin", "joint", "gate", "gatetwin"], default="",
+                   help="prose: the readout's copy head, or none (default: the scale's: at "
+                        "bench the ablations' best, at tiny none; served by the reference "
+                        "engine only)")  # fmt: skip
     b.add_argument("--copy-guess", type=int, default=0,
                    help="prose, with --copy: the base's top-N first tokens among the copy "
                         "head's candidates (docs/QUALITY.md: twin with 4 reads best)")  # fmt: skip

@@ -66,7 +66,10 @@ class Scale:
         return max(self.train_prompts, self.tune_prompts)
 
 
-# the readout's shape: recipe.DECODER_CONFIG (the shipped synthetic decoder's)
+# the readout's shape: recipe.DECODER_CONFIG (the shipped synthetic decoder's); at the bench
+# scale with the copy head the ablations made best (docs/QUALITY.md; `--copy none`: without)
+PROSE_COPY = {"copy": "twin", "copy_guess": 4, "copy_follow": True, "copy_span": True,
+              "copy_match": 16, "copy_match_ends": True}  # fmt: skip
 SCALES = {
     "tiny": Scale(recipe.PROSE_TINY, 5.0, 200, 1024, 1200, 60, 24,
                   TuneConfig(steps=200, token_budget=3072, lr=3e-3, warmup=10),
@@ -80,7 +83,7 @@ SCALES = {
                               max_minutes=1.5),
                    DistillConfig(steps=6000, token_budget=49152, lr=1e-3, warmup=200,
                                  max_answer=256, eos_weight=10.0, max_minutes=3.0,
-                                 decoder=dict(recipe.DECODER_CONFIG)),
+                                 decoder={**recipe.DECODER_CONFIG, **PROSE_COPY}),
                    weights={"continue": 2.5}),  # 2.5x draws, as they fail more often: a fifth
 }  # fmt: skip
 
@@ -237,16 +240,22 @@ def stage_distil(a, work: Path, scale: Scale, tuned: Path, teacher: Path) -> Pat
     base, tok = load_base(tuned, a.device)
     identity = distill.base_identity(tuned, lm_head_weight(base))
     identity["data_digest"] = ckpt.sha_files([teacher / "train.jsonl"])
-    cfg = replace(scale.distill, seed=a.seed)
-    if a.copy or a.row_tokens:
-        ids = {"copy": a.copy, "row_tokens": a.row_tokens, "copy_guess": a.copy_guess,
-               "copy_follow": a.copy_follow, "copy_span": a.copy_span,
-               "copy_match": a.copy_match, "copy_match_ends": a.copy_match_ends}  # fmt: skip
-        cfg = replace(cfg, decoder={**cfg.decoder, **ids})
-    stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out, cfg,
-                        a.device)  # fmt: skip
+    stats = distill.fit(base, tok, read_records(teacher / "train.jsonl"), identity, out,
+                        distill_config(a, scale), a.device)  # fmt: skip
     log("distil:", json.dumps(stats))
     return out
+
+
+def distill_config(a, scale: Scale) -> DistillConfig:
+    """The scale's distillation; the readout's copy head and row tokens as the flags say
+    when they say anything (`--copy none`: no copy head), else the scale's."""
+    cfg = replace(scale.distill, seed=a.seed)
+    if not (a.copy or a.row_tokens):
+        return cfg
+    ids = {"copy": "" if a.copy == "none" else a.copy, "row_tokens": a.row_tokens,
+           "copy_guess": a.copy_guess, "copy_follow": a.copy_follow, "copy_span": a.copy_span,
+           "copy_match": a.copy_match, "copy_match_ends": a.copy_match_ends}  # fmt: skip
+    return replace(cfg, decoder={**cfg.decoder, **ids})
 
 
 def stage_eval(a, work: Path, scale: Scale, tuned: Path, teacher: Path, decoder: Path) -> dict:
@@ -369,8 +378,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
              "want less: a fresh optimizer at the full rate can diverge)")  # fmt: skip
     add("--bonus-lr", type=float, default=0.0,
         help="the copy head's bonuses learn at this multiple of the rate (0: DistillConfig's)")  # fmt: skip
-    add("--copy", choices=("", *COPY_MODES), default="",
-        help="the readout's copy head (stateblock.model.copy_head; default none)")  # fmt: skip
+    add("--copy", choices=("", "none", *COPY_MODES), default="",
+        help="the readout's copy head (stateblock.model.copy_head) with the --copy-* options "
+             "given, or none; default: the scale's (bench: PROSE_COPY, tiny: none)")  # fmt: skip
     add("--copy-guess", type=int, default=0,
         help="with --copy: the base's top-N first tokens join the copy head's candidates")  # fmt: skip
     add("--copy-follow", action="store_true",

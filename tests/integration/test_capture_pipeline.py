@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from capture_svc import plans as plan_table
-from capture_svc.batcher import CohortForward, ForwardBatcher
+from capture_svc.batcher import CohortForward, ForwardBatcher, Pending
 from capture_svc.config import CUDA_GRAPH_MODES, MIN_COMPILED_LANES, CaptureConfig, CohortLimits
 from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
 from stateblock.model.capture import compile_backbone
@@ -66,6 +66,25 @@ async def test_the_cohorts_runner_keeps_in_flight_forwards_going_and_no_more(in_
             forward.release.set()
             await asyncio.wait_for(asyncio.gather(*submitted), 30)
     assert forward.peak == in_flight and forward.lanes == [1] * 6
+    timings = [f.result() for f in submitted]  # the forwards held 0.2 s at least
+    assert all(t.ran >= 0.2 for t in timings[:in_flight])
+    assert all(t.waited >= 0.2 for t in timings[in_flight:])  # behind the held ones
+    assert all(t.started is not None and t.waited <= 30 for t in timings)
+
+
+def test_a_requests_parts_share_its_timing():
+    layout = layouts.make_layout("r", [4] * 4, [4] * 4, hidden_size=8, dtype=torch.float32)
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    loop = asyncio.new_event_loop()
+    try:
+        whole = Pending(plans.register("r", layout), [[1] * 4] * 4, loop.create_future())
+    finally:
+        loop.close()
+    parts = whole.parts(1)
+    for i, part in enumerate(parts):
+        part.timing.forward(10.0 + i, 0.5)
+    assert whole.timing.ran == 2.0 and whole.timing.started == 10.0
+    assert whole.timing.waited == 10.0 - whole.timing.submitted
 
 
 @pytest.fixture(scope="module")
@@ -190,5 +209,5 @@ async def test_a_stop_fails_the_cohorts_still_waiting_for_a_forward():
         narrow, wide = await asyncio.wait_for(
             asyncio.gather(*submitted, return_exceptions=True), 10
         )
-    assert narrow is None and forward.lanes == [1]
+    assert narrow.ran >= 0.1 and forward.lanes == [1]  # answered, its forward timed
     assert isinstance(wide, RuntimeError) and "shutting down" in str(wide)

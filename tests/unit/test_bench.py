@@ -251,6 +251,10 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     alone = f["stages_alone"]
     assert alone["capture.forward"]["n"] >= 8 and alone["worker.readout"]["n"] >= 8
     assert "Alone: " in (out / "load.md").read_text()  # the stages alone beside those beside
+    for st in (f["stages_beside"], alone):  # the forward stage's parts, a request each
+        assert st["capture.forward_wait"]["n"] == st["capture.forward_run"]["n"] > 0
+        assert st["capture.forward_run"]["mean_ms"] <= st["capture.forward"]["mean_ms"]
+    assert "waiting for a forward" in (out / "load.md").read_text()
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from stateblock.model.checkpoint import load_decoder
+from stateblock.model.decoder import ReadoutConfig
 from stateblock.model.loading import load_base
 from stateblock.train import recipe
 
@@ -109,9 +110,25 @@ def test_the_prose_recipe_needs_its_corpus_and_an_out_of_its_own(capsys):
     assert plan["copy"] == "twin" and plan["copy_guess"] == 4
     from stateblock.model.copy_head import MODES  # the CLI lists them without importing torch
 
-    for mode in MODES:
+    for mode in (*MODES, "none"):
         assert cli.main([*argv, "--copy", mode]) == 0
     capsys.readouterr()
+
+
+def test_the_bench_scale_reads_with_the_best_copy_head_unless_told_otherwise():
+    from stateblock.train import prose_readout as pr
+
+    ap, bench = pr.parser(), pr.SCALES["bench"]
+    cfg = pr.distill_config(ap.parse_args(["--work", "w"]), bench).decoder
+    assert {k: cfg[k] for k in pr.PROSE_COPY} == pr.PROSE_COPY
+    ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, **cfg)  # a valid decoder
+    cfg = pr.distill_config(ap.parse_args(["--work", "w", "--copy", "none"]), bench).decoder
+    assert cfg["copy"] == "" and not cfg["copy_match"] and not cfg["copy_match_ends"]
+    cfg = pr.distill_config(ap.parse_args(["--work", "w", "--copy", "joint"]), bench).decoder
+    assert cfg["copy"] == "joint" and cfg["copy_guess"] == 0 and not cfg["copy_follow"]
+    assert (
+        "copy" not in pr.distill_config(ap.parse_args(["--work", "w"]), pr.SCALES["tiny"]).decoder
+    )
 
 
 def test_an_arm_overrides_the_scale_s_sizes_and_nothing_else():
