@@ -77,7 +77,7 @@
 #       # arm of ARMS (default "plain twin": --copy none, then prose_readout --copy twin;
 #       # `tokens`: --row-tokens; `MODE+guess`: --copy MODE --copy-guess 4,
 #       # `+follow` --copy-follow, `+span` --copy-span, `+match` --copy-match 16, `+ends`
-#       # --copy-match-ends,
+#       # --copy-match-ends, `+point` --copy-point,
 #       # joined: twin+guess+span) on
 #       # the chain's tuned base and teacher, each evaluated; summaries in $OUT/ARM/
 # The headline e2e flags: --capture-compile reduce-overhead --blocks-storage memory
@@ -321,6 +321,7 @@ elif [ "$STAGE" = prose-arms ]; then  # readouts side by side on the chain's tun
              span) copy+=(--copy-span) ;;
              match) copy+=(--copy-match 16) ;;
              ends) copy+=(--copy-match-ends) ;;
+             point) copy+=(--copy-point) ;;
            esac
          done ;;
     esac

@@ -41,6 +41,12 @@ the run ending two tokens back counts too. A function of the prompt and t alone.
 gets bonuses of its own: a quote longer than `match` tokens saturates the run over its last
 stretch, and only its end is followed by the copied text.
 
+With `point` A > 0, every pass's position scores gain a learned mix of where the base itself
+looks as it starts its answer: A maps of its attention from the prompt's last position (one a
+head, `stateblock.model.pointer`), read as log-probabilities at the span's start p - t and the token
+before it. A head that copies attends where its copy begins; on the prose base one head finds
+the span of `repeat` and `next_sentence` in 0.96 of held-out prompts.
+
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
 candidate stands for. `log_probs` builds the (K, D, V) mixture (training, small vocabularies);
@@ -137,6 +143,14 @@ def run_ends(runs: Tensor, most: int) -> Tensor:
     return (runs > 0) & ~((nxt > runs) | ((runs == most) & (nxt == most)))
 
 
+def along_span(per: Tensor, positions: Tensor) -> Tensor:
+    """(K, D, P): per (K, P) read at each answer position t for position p at p - t, the
+    start of a span that reaches p at t; 0 where p - t is before the prompt."""
+    start = torch.arange(per.shape[1], device=per.device) - positions[..., None]  # (K, D, P)
+    got = per[:, None].expand(-1, positions.shape[1], -1).gather(-1, start.clamp_min(0))
+    return got * (start >= 0)
+
+
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """x (K, N, d) rotated by integer positions (K, N)."""
     cos, sin = rope_tables(positions, x.shape[-1], theta)
@@ -156,6 +170,7 @@ class CopyHead(nn.Module):
         span: bool = False,
         match: int = 0,
         match_ends: bool = False,
+        point: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -188,17 +203,22 @@ class CopyHead(nn.Module):
         if match:  # a bonus by repeated run length (0..match), ending 1 and 2 tokens back;
             # with match_ends, a second row of them for the runs that stop there
             self.w_match = nn.Parameter(torch.zeros(2, (1 + match_ends) * (match + 1)))
+        self.n_point = point
+        if point:  # the weight of each attention map at a span's start and the token before
+            self.w_point = nn.Parameter(torch.zeros(2, point))
 
     def scores(
-        self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None, runs=None
-    ) -> tuple[Tensor, Tensor]:
+        self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None, runs=None,
+        point=None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(scores (K, D, C), candidate ids (K, C)): h (K, D, d_r) the pass's normed state,
         rows (K, P, d_r) the decoder's projected rows, ids (K, P) the prompt (padding past
         lens (K,)), head (V, d_base), positions (K, D), twins (V,), guess the base's guess
         (ids (K, G), log-probs (K, G), the last projected row (K, d_r); with n_guess), prev
         what the previous pass read (tokens (K, D), position probabilities (K, D, P) or None;
         with follow or span; None in the first pass), runs the prompt's `repeat_runs` (K, P)
-        (with match; the same for every pass, so computed once a forward). C is P, 2P with
+        (with match; the same for every pass, so computed once a forward), point the base's
+        attention maps (K, A, P) (with n_point: `pointer.capture_pointing`). C is P, 2P with
         twins, plus G; a padding position or a missing twin scores -inf (its id is then 0)."""
         emb, before = token_pairs(head, ids, h.dtype)  # (K, P, d_base) each
         k, p = ids.shape
@@ -222,6 +242,11 @@ class CopyHead(nn.Module):
             if runs is None:
                 raise ValueError("this copy head reads the prompt's repeated runs: pass `runs`")
             m = self.match_bonus(runs, positions).to(a.dtype)
+            vote = m if vote is None else vote + m
+        if self.n_point:
+            if point is None:
+                raise ValueError("this copy head reads the base's attention maps: pass `point`")
+            m = self.point_bonus(point, positions).to(a.dtype)
             vote = m if vote is None else vote + m
         if vote is not None:
             a = a + vote
@@ -261,10 +286,16 @@ class CopyHead(nn.Module):
         if self.match_ends:  # runs that stop there index their own bonuses
             idx = runs + (self.match + 1) * run_ends(runs, self.match).long()
         two = torch.cat([torch.zeros_like(idx[:, :1]), idx[:, :-1]], -1)  # ending at p - 2
-        per = self.w_match[0][idx] + self.w_match[1][two]  # (K, P)
-        start = torch.arange(runs.shape[1], device=runs.device) - positions[..., None]  # (K,D,P)
-        got = per[:, None].expand(-1, positions.shape[1], -1).gather(-1, start.clamp_min(0))
-        return got * (start >= 0)
+        return along_span(self.w_match[0][idx] + self.w_match[1][two], positions)
+
+    def point_bonus(self, point: Tensor, positions: Tensor) -> Tensor:
+        """(K, D, P): at answer position t, sum_a w[0, a] log A_a(p - t) + w[1, a] log
+        A_a(p - t - 1): the base's attention maps point (K, A, P) read at the span's start."""
+        logp = point.float().clamp_min(1e-6).log()  # (K, A, P)
+        before = torch.cat([torch.full_like(logp[..., :1], math.log(1e-6)), logp[..., :-1]], -1)
+        per = torch.einsum("a,kap->kp", self.w_point[0], logp)
+        per = per + torch.einsum("a,kap->kp", self.w_point[1], before)
+        return along_span(per, positions)
 
     def guess_scores(self, h, head, positions, gids, glp, last) -> Tensor:
         """(K, D, G): the base's guesses gids (K, G) scored at every answer position; the key
@@ -275,10 +306,11 @@ class CopyHead(nn.Module):
 
     def forward(
         self, h, vocab_logits, rows, ids, lens, head, positions, twins, guess=None, prev=None,
-        runs=None,
+        runs=None, point=None,
     ):  # fmt: skip
         """One pass's parts (see the module's doc) from its vocabulary logits (K, D, V)."""
-        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess, prev, runs)
+        a, cand = self.scores(h, rows, ids, lens, head, positions, twins, guess, prev, runs,
+                              point)  # fmt: skip
         if self.gated:
             return ("gate", vocab_logits, self.gate(h), a.softmax(-1), cand)
         return ("joint", vocab_logits, a, cand)

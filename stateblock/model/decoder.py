@@ -96,6 +96,7 @@ class ReadoutConfig:
     copy_span: bool = False  # ... and its vote on where a copied span starts
     copy_match: int = 0  # copy scores gain a bonus by repeated runs up to this long; 0: none
     copy_match_ends: bool = False  # ... and one of their own for runs that stop there
+    copy_point: int = 0  # copy scores gain a mix of this many of the base's attention maps
 
     def __post_init__(self) -> None:
         self.pos_periods = tuple(float(p) for p in self.pos_periods)
@@ -115,6 +116,8 @@ class ReadoutConfig:
             raise ValueError(f"copy_match={self.copy_match} needs a copy head and must be >= 0")
         if self.copy_match_ends and not self.copy_match:
             raise ValueError("copy_match_ends needs copy_match")
+        if self.copy_point < 0 or (self.copy_point and not self.copy):
+            raise ValueError(f"copy_point={self.copy_point} needs a copy head and must be >= 0")
         if (self.copy_follow or self.copy_span) and not (self.copy and self.refine):
             raise ValueError("copy_follow and copy_span need a copy head and a refinement pass")
 
@@ -159,6 +162,7 @@ class Context(NamedTuple):
     prompt_ids: Tensor | None = None  # (K, P) the prompt's tokens: a copy head points at them
     guess: tuple | None = None  # the base's top-G first tokens (copy_head.base_guess) + last row
     runs: Tensor | None = None  # (K, P) with copy_match: the prompt's copy_head.repeat_runs
+    point: Tensor | None = None  # (K, A, P) with copy_point: pointer.capture_pointing's maps
 
 
 class ReadoutDecoder(IdReading, nn.Module):
@@ -203,7 +207,8 @@ class ReadoutDecoder(IdReading, nn.Module):
             self.copy_head = CopyHead(cfg.d_r, cfg.d_base, cfg.copy, cfg.rope_theta,
                                       guess=cfg.copy_guess, follow=cfg.copy_follow,
                                       span=cfg.copy_span, match=cfg.copy_match,
-                                      match_ends=cfg.copy_match_ends)  # fmt: skip
+                                      match_ends=cfg.copy_match_ends,
+                                      point=cfg.copy_point)  # fmt: skip
             # each token's spelling without its leading space (copy_head.space_twins, from
             # the tokenizer when the decoder is made): saved with the weights, so the
             # decoder's digest binds it
@@ -217,9 +222,15 @@ class ReadoutDecoder(IdReading, nn.Module):
         impl: str = "sdpa",
         prompt_ids: Tensor | None = None,
         lm_head: Tensor | None = None,
+        point: Tensor | None = None,
     ) -> Context:
         """Captured rows -> repaired latents and projected rows. rows (K, P, d_base), prompt_lens (K,);
-        with row_tokens, prompt_ids (K, P) and the lm_head (V, d_base) that spells them."""
+        with row_tokens, prompt_ids (K, P) and the lm_head (V, d_base) that spells them; with
+        copy_point, the base's attention maps point (K, A, P)."""
+        if self.cfg.copy_point and (point is None or point.shape[1] != self.cfg.copy_point):
+            got = None if point is None else tuple(point.shape)
+            raise ValueError(f"this decoder reads {self.cfg.copy_point} of the base's attention "
+                             f"maps from the prompt's last position (K, A, P); got {got}")  # fmt: skip
         k, p, _ = rows.shape
         idx = torch.arange(p, device=rows.device)
         ctx = self.ctx_in(rows.to(self.ctx_in.weight.dtype))  # (K, P, d_r)
@@ -243,7 +254,7 @@ class ReadoutDecoder(IdReading, nn.Module):
         runs = None
         if self.cfg.copy_match:  # the prompt's repeated runs, read by every pass's copy head
             runs = repeat_runs(prompt_ids, prompt_lens, self.cfg.copy_match)
-        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids, guess, runs)
+        return Context(lat, ctx, row_mask, prompt_lens, prompt_ids, guess, runs, point)
 
     def encode(self, rows: Tensor, prompt_lens: Tensor, impl: str = "sdpa") -> Tensor:
         """Captured rows -> repaired latent. rows (K, P, d_base), prompt_lens (K,) -> (K, M, d_r)."""
@@ -381,11 +392,12 @@ class ReadoutDecoder(IdReading, nn.Module):
         impl: str = "sdpa",
         filters: Filters | None = None,  # top_k / top_p / min_p / min_tokens, with temperature
         prompt_ids: Tensor | None = None,  # (K, P) the prompts' tokens: a copy head's candidates
+        point: Tensor | None = None,  # (K, A, P) the base's attention maps, with copy_point
     ) -> ReadoutOut:
         k_top = 2 if temperature is None else TOP_K_SAMPLE
         if self.reads_ids:
             top_v, top_i, lse = self._read_top(
-                rows, prompt_lens, positions, lm_head, prompt_ids, impl, k_top
+                rows, prompt_lens, positions, lm_head, prompt_ids, impl, k_top, point
             )
         else:
             guess = self.guess_embed(lm_head) if self.cfg.refine else None

@@ -46,7 +46,8 @@ class IdReading:
             return top_v, top_i, lse_v
         # the candidates' scores a (K, D, C) and ids cand (K, C)
         a, cand = self.copy_head.scores(h, c.rows, c.prompt_ids, c.prompt_lens, lm_head,
-                                        positions, self.twins, c.guess, prev, c.runs)  # fmt: skip
+                                        positions, self.twins, c.guess, prev, c.runs,
+                                        c.point)  # fmt: skip
         cand_v = torch.matmul(hv, lm_head[cand].transpose(1, 2))  # (K, D, C)
         gate = self.copy_head.gate(h) if self.copy_head.gated else None  # (K, D, 1)
         out = mixture_topk(top_v, top_i, lse_v, cand_v, a, cand, k, gate)
@@ -72,15 +73,17 @@ class IdReading:
 
         return guess
 
-    def _id_context(self, rows, prompt_lens, impl, prompt_ids, lm_head) -> Context:
+    def _id_context(self, rows, prompt_lens, impl, prompt_ids, lm_head, point=None) -> Context:
         if prompt_ids is None:
             raise ValueError(
                 "this decoder (a copy head or row tokens) reads the prompt's token ids"
             )
-        return self.context(rows, prompt_lens, impl, prompt_ids, lm_head)
+        return self.context(rows, prompt_lens, impl, prompt_ids, lm_head, point)
 
-    def _read_top(self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int):
-        c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head)
+    def _read_top(
+        self, rows, prompt_lens, positions, lm_head, prompt_ids, impl: str, k: int, point=None
+    ):
+        c = self._id_context(rows, prompt_lens, impl, prompt_ids, lm_head, point)
         seen: list[tuple] = []  # what each pass read, for the next (copy_follow, copy_span)
         guess = self.read_guess(c, positions, lm_head, seen) if self.cfg.refine else None
         h = self.passes_from(c, positions, impl, guess)[-1]
@@ -93,20 +96,22 @@ class IdReading:
         positions: Tensor,
         lm_head: Tensor,
         prompt_ids: Tensor | None = None,
+        point: Tensor | None = None,
     ) -> list[tuple]:
         """Every pass's distribution for training, as copy_head parts: [("base", (K, D, V))]
-        without a copy head. A refinement reads the previous pass's argmax."""
+        without a copy head. A refinement reads the previous pass's argmax. point: the base's
+        attention maps (K, A, P), with copy_point."""
         if not self.reads_ids:
             return [("base", lg) for lg in self.pass_logits(rows, prompt_lens, positions, lm_head)]
         head = lm_head.to(self.out.weight.dtype)
-        c = self._id_context(rows, prompt_lens, "sdpa", prompt_ids, head)
+        c = self._id_context(rows, prompt_lens, "sdpa", prompt_ids, head, point)
 
         def parts(h: Tensor, prev: Tensor | None) -> tuple:
             lv = self.out(h) @ head.t()  # (K, D, V)
             if not self.cfg.copy:
                 return ("base", lv)
             return self.copy_head(h, lv, c.rows, prompt_ids, prompt_lens, head, positions,
-                                  self.twins, c.guess, prev, c.runs)  # fmt: skip
+                                  self.twins, c.guess, prev, c.runs, c.point)  # fmt: skip
 
         seen: list[tuple] = []  # what each pass read, for the next (copy_follow, copy_span)
 

@@ -36,6 +36,7 @@ from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.model.copy_head import log_probs, space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
+from stateblock.model.pointer import capture_pointing
 from stateblock.train.ddp import lr_at
 from stateblock.train.distill import bonuses, param_groups
 from stateblock.train.prose_tasks import DETERMINED
@@ -47,16 +48,19 @@ from stateblock.train.recipe import DECODER_CONFIG
 # previous pass's tokens (ReadoutConfig.copy_follow); +span: its vote on a copied span's start
 # (ReadoutConfig.copy_span); +match: a bonus by the prompt's repeated runs before a span's
 # start (ReadoutConfig.copy_match, runs up to MATCH), +ends: and their own for runs that stop
-# there (ReadoutConfig.copy_match_ends); +ref2: two refinement passes, not one
+# there (ReadoutConfig.copy_match_ends); +point: a mix of the base's attention maps from the
+# prompt's last position, every layer's heads (ReadoutConfig.copy_point); +ref2: two
+# refinement passes, not one
 ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
         *(f"{m}+guess+follow" for m in COPY_MODES), "twin+follow", "twin+guess+span",
         "twin+guess+follow+span", "twin+guess+follow+ref2", "twin+guess+match",
         "twin+guess+match+follow", "twin+guess+match+follow+span",
-        "twin+guess+match+ends+follow+span")  # fmt: skip
+        "twin+guess+match+ends+follow+span", "twin+guess+point+follow+span",
+        "twin+guess+match+point+follow+span")  # fmt: skip
 GUESS, MATCH = 4, 16
 
 
-def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None):
+def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None, maps: int = 0):
     """The shipped decoder's shape with the arm's copy head (none for `base` and `tokens`;
     `tokens` gives every row its own token instead: ReadoutConfig.row_tokens)."""
     mode, *flags = arm.split("+")
@@ -66,7 +70,8 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
                         row_tokens=arm == "tokens", copy_guess=GUESS if "guess" in flags else 0,
                         copy_follow="follow" in flags, copy_span="span" in flags,
                         copy_match=MATCH if "match" in flags else 0,
-                        copy_match_ends="ends" in flags)  # fmt: skip
+                        copy_match_ends="ends" in flags,
+                        copy_point=maps if "point" in flags else 0)  # fmt: skip
     dec = ReadoutDecoder(cfg)
     if cfg.copy:
         dec.twins.copy_(twins)
@@ -76,9 +81,9 @@ def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | N
 
 
 def passes(dec: ReadoutDecoder, batch: tuple, head: Tensor) -> list[tuple]:
-    rows, ids, lens, tgt = batch
+    rows, ids, lens, tgt, point = batch
     positions = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
-    return dec.pass_parts(rows, lens, positions, head, ids)
+    return dec.pass_parts(rows, lens, positions, head, ids, point if dec.cfg.copy_point else None)
 
 
 def load_records(path: Path, limit: int | None, max_answer: int, seed: int = 0) -> list[dict]:
@@ -92,34 +97,54 @@ def load_records(path: Path, limit: int | None, max_answer: int, seed: int = 0) 
 
 
 @torch.no_grad()
-def capture_rows(base, recs: list[dict], lanes: int = 64) -> list[Tensor]:
-    """Each record's rows (P, d_base) in float16, forwards of `lanes` prompts of like length."""
+def capture_rows(
+    base, recs: list[dict], lanes: int = 64, point: bool = False
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Each record's rows (P, d_base) in float16, forwards of `lanes` prompts of like length;
+    with `point`, also its attention maps from its prompt's last position (L * H, P) in
+    float16 (`pointer.capture_pointing`), else None."""
     order = sorted(range(len(recs)), key=lambda i: len(recs[i]["prompt_ids"]))
     out: list[Tensor] = [torch.empty(0)] * len(recs)
+    maps: list[Tensor] = [torch.empty(0)] * len(recs)
     for j in range(0, len(order), lanes):
         idx = order[j : j + lanes]
-        ids = torch.zeros(len(idx), max(len(recs[i]["prompt_ids"]) for i in idx), dtype=torch.long)
+        lens = torch.tensor([len(recs[i]["prompt_ids"]) for i in idx])
+        ids = torch.zeros(len(idx), int(lens.max()), dtype=torch.long)
         for r, i in enumerate(idx):
-            ids[r, : len(recs[i]["prompt_ids"])] = torch.tensor(recs[i]["prompt_ids"])
-        rows = capture(base, ids.to(base.device)).to("cpu", torch.float16)  # causal: no mask
+            ids[r, : lens[r]] = torch.tensor(recs[i]["prompt_ids"])
+        ids = ids.to(base.device)
+        if point:  # causal: right padding needs no mask
+            rows, att = capture_pointing(base, ids, lens.to(base.device))
+            att = att.to("cpu", torch.float16)
+        else:
+            rows, att = capture(base, ids), None
+        rows = rows.to("cpu", torch.float16)
         for r, i in enumerate(idx):
-            out[i] = rows[r, : len(recs[i]["prompt_ids"])].clone()
-    return out
+            out[i] = rows[r, : lens[r]].clone()
+            if att is not None:
+                maps[i] = att[r, :, : lens[r]].clone()
+    return out, maps if point else None
 
 
-def make_batch(recs: list[dict], rows: list[Tensor], idx: list[int], device="cpu") -> tuple:
-    """(rows (K, P, d_base), prompt ids (K, P), lens (K,), targets (K, D), -100 past each)."""
+def make_batch(recs: list[dict], rows: list[Tensor], idx: list[int], device="cpu",
+               maps: list[Tensor] | None = None) -> tuple:  # fmt: skip
+    """(rows (K, P, d_base), prompt ids (K, P), lens (K,), targets (K, D), -100 past each,
+    the base's attention maps (K, A, P) or None)."""
     p = max(len(recs[i]["prompt_ids"]) for i in idx)
     d = max(len(recs[i]["answer_ids"]) for i in idx)
     r = torch.zeros(len(idx), p, rows[idx[0]].shape[1])
     ids = torch.zeros(len(idx), p, dtype=torch.long)
     tgt = torch.full((len(idx), d), -100, dtype=torch.long)
     lens = torch.tensor([len(recs[i]["prompt_ids"]) for i in idx])
+    point = None if maps is None else torch.zeros(len(idx), maps[idx[0]].shape[0], p)
     for j, i in enumerate(idx):
         n = len(recs[i]["prompt_ids"])
         r[j, :n], ids[j, :n] = rows[i].float(), torch.tensor(recs[i]["prompt_ids"])
         tgt[j, : len(recs[i]["answer_ids"])] = torch.tensor(recs[i]["answer_ids"])
-    return tuple(t.to(device) for t in (r, ids, lens, tgt))
+        if point is not None:
+            point[j, :, :n] = maps[i].float()
+    out = tuple(t.to(device) for t in (r, ids, lens, tgt))
+    return (*out, None if point is None else point.to(device))
 
 
 def greedy(answer: list[int], eos: int) -> list[int]:
@@ -143,12 +168,12 @@ def first_miss(got: list[int], want: list[int], eos: int) -> str | None:
 def evaluate(dec: ReadoutDecoder, held: tuple, head: Tensor, eos: int) -> dict:
     """{family: {n, exact, token_agreement, first_miss: {where: share of answers}}} against
     the teacher's answers (`first_miss`: where the answers that differ first do)."""
-    recs, rows = held
+    recs, rows, maps = held
     dec.eval()
     by: dict[str, list] = {}
     for j in range(0, len(recs), 64):
         idx = list(range(j, min(j + 64, len(recs))))
-        batch = make_batch(recs, rows, idx, head.device)
+        batch = make_batch(recs, rows, idx, head.device, maps)
         pred = log_probs(passes(dec, batch, head)[-1])
         for b, i in enumerate(idx):
             want, got = recs[i]["answer_ids"], greedy(pred[b].argmax(-1).tolist(), eos)
@@ -167,11 +192,11 @@ def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
     """One arm from the same seed, batches and schedule as every other; its evaluations."""
     head, twins, eos = data["head"], data["twins"], data["eos"]
     torch.manual_seed(args.seed)
-    dec = new_decoder(arm, head, twins, eos, args.copy_bias)
+    recs, rows, maps = data["train"]
+    dec = new_decoder(arm, head, twins, eos, args.copy_bias, 0 if maps is None else len(maps[0]))
     params = list(dec.parameters())
     opt = torch.optim.AdamW(param_groups(dec, args.bonus_lr), lr=args.lr, weight_decay=0.01,
                             betas=(0.9, 0.95))  # fmt: skip
-    recs, rows = data["train"]
     # batches of like answer length: padding is most of a step's cost otherwise
     order = sorted(range(len(recs)), key=lambda i: len(recs[i]["answer_ids"]))
     buckets = [order[j : j + 8 * args.batch] for j in range(0, len(order), 8 * args.batch)]
@@ -179,7 +204,7 @@ def train_arm(arm: str, data: dict, args, on_eval=None) -> list[dict]:
     for step in range(args.steps):
         bucket = rng.choice(buckets)
         idx = rng.sample(bucket, min(args.batch, len(bucket)))
-        batch = make_batch(recs, rows, idx, head.device)
+        batch = make_batch(recs, rows, idx, head.device, maps)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup) * g["lr_scale"]
         outs = passes(dec, batch, head)
@@ -208,9 +233,10 @@ def load_data(args) -> dict:
     vocab = json.loads((tuned / "tokenizer.json").read_text())["model"]["vocab"]
     data = {"head": lm_head_weight(base).detach().float(),
             "twins": space_twins(vocab).to(args.device), "eos": base.config.eos_token_id}  # fmt: skip
+    point = any("point" in a.split("+") for a in args.arms.split(","))
     for split, name, limit in (("train", "train", args.train), ("held", "heldout", None)):
         recs = load_records(args.pair / "teacher" / f"{name}.jsonl", limit, args.max_answer)
-        data[split] = (recs, capture_rows(base, recs))
+        data[split] = (recs, *capture_rows(base, recs, point=point))
     return data
 
 

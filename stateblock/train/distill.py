@@ -21,6 +21,7 @@ from stateblock.model.capture import capture, lm_head_weight
 from stateblock.model.copy_head import space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
+from stateblock.model.pointer import attention_modules, capture_pointing
 from stateblock.train.batching import budget_batches
 from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.reference import StepPlan, lr_at
@@ -103,12 +104,16 @@ def _batch(records, idx, device, pad: int):
 
 
 def new_decoder(base, tok, lm_head: torch.Tensor, cfg: DistillConfig, device) -> ReadoutDecoder:
-    """A freshly initialised decoder (seeded by cfg.seed) for `base`'s width and vocabulary."""
+    """A freshly initialised decoder (seeded by cfg.seed) for `base`'s width and vocabulary;
+    `copy_point: -1` reads every one of the base's attention heads."""
+    shape = dict(cfg.decoder)
+    if shape.get("copy_point") == -1:
+        shape["copy_point"] = len(attention_modules(base)) * base.config.num_attention_heads
     dcfg = ReadoutConfig(
         d_base=base.config.hidden_size,
         vocab_size=lm_head.shape[0],
         eos_token_id=tok.eos_token_id,
-        **cfg.decoder,
+        **shape,
     )
     torch.manual_seed(cfg.seed)
     decoder = ReadoutDecoder(dcfg)
@@ -171,12 +176,16 @@ def train_step(
     (loss, stepped): a batch whose gradient is not finite is skipped, not applied; clipping a
     NaN norm would otherwise turn every weight into NaN for the rest of the run."""
     ids, mask, lens, tgt = batch
-    rows = capture(base, ids, mask)  # (K, P, d_base), frozen
+    point = None
+    if decoder.cfg.copy_point:  # right-padded: the maps read each lane's last position
+        rows, point = capture_pointing(base, ids, lens, mask)
+    else:
+        rows = capture(base, ids, mask)  # (K, P, d_base), frozen
     pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     with amp:
-        passes = decoder.pass_parts(rows, lens, pos, lm_head, ids)  # [(K, D, V) or a mixture]
+        passes = decoder.pass_parts(rows, lens, pos, lm_head, ids, point)  # [(K, D, V) or parts]
     eos = decoder.cfg.eos_token_id
     loss = sum(parts_loss(p, tgt, eos, eos_weight) for p in passes) / len(passes)
     opt.zero_grad(set_to_none=True)

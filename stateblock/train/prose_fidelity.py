@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.pointer import capture_pointing
 from stateblock.train import prose_tasks
 from stateblock.train.batching import budget_batches
 from stateblock.train.prose_eval import distinct
@@ -91,10 +92,15 @@ def readout_answers(base, decoder, records: list[dict], cap: int, pad: int, devi
     lengths = [len(r["prompt_ids"]) + cap for r in records]
     for batch in budget_batches(lengths, budget, max_batch=256):
         ids, lens = _padded([records[i]["prompt_ids"] for i in batch], pad)
-        rows = capture(base, ids.to(device))  # right-padded: causal rows need no mask
+        ids, lens = ids.to(device), lens.to(device)
+        point = None  # right-padded: causal rows need no mask
+        if decoder.cfg.copy_point:
+            rows, point = capture_pointing(base, ids, lens)
+        else:
+            rows = capture(base, ids)
         pos = torch.arange(cap, device=device).expand(len(batch), -1)
         depth = torch.full((len(batch),), cap, device=device)
-        out_ = decoder(rows, lens.to(device), pos, depth, lm_head, prompt_ids=ids.to(device))
+        out_ = decoder(rows, lens, pos, depth, lm_head, prompt_ids=ids, point=point)
         got = out_.tokens.cpu().tolist()
         for i, tokens in zip(batch, got, strict=True):
             out[i] = tokens

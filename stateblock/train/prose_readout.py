@@ -254,7 +254,8 @@ def distill_config(a, scale: Scale) -> DistillConfig:
         return cfg
     ids = {"copy": "" if a.copy == "none" else a.copy, "row_tokens": a.row_tokens,
            "copy_guess": a.copy_guess, "copy_follow": a.copy_follow, "copy_span": a.copy_span,
-           "copy_match": a.copy_match, "copy_match_ends": a.copy_match_ends}  # fmt: skip
+           "copy_match": a.copy_match, "copy_match_ends": a.copy_match_ends,
+           "copy_point": -1 if a.copy_point else 0}  # fmt: skip
     return replace(cfg, decoder={**cfg.decoder, **ids})
 
 
@@ -393,6 +394,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
              "span's start repeats in the prompt (runs up to N counted)")  # fmt: skip
     add("--copy-match-ends", action="store_true",
         help="with --copy-match: runs that stop before a span's start get bonuses of their own")  # fmt: skip
+    add("--copy-point", action="store_true",
+        help="with --copy: copy scores gain a learned mix of the base's attention from the "
+             "prompt's last position, every head (ReadoutConfig.copy_point)")  # fmt: skip
     add("--row-tokens", action="store_true",
         help="the readout's rows also carry their own tokens (ReadoutConfig.row_tokens)")  # fmt: skip
     add("--until", choices=("tasks", "all"), default="all",

@@ -1,6 +1,7 @@
 """The readout's copy head: the served top-k of the mixture is the dense one, the served answer
 is the training mixture's argmax pass by pass, and the head's table travels with the weights."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -320,3 +321,37 @@ def test_with_match_ends_a_saturated_quote_scores_its_end_alone():
     assert got.nonzero().flatten().tolist() == [6, 17]  # after each copy of the quote
     with pytest.raises(ValueError, match="copy_match_ends needs copy_match"):
         ReadoutConfig(d_base=8, vocab_size=9, eos_token_id=1, copy="twin", copy_match_ends=True)
+
+
+def test_the_point_bonus_reads_the_bases_attention_at_each_span_start():
+    """At answer position t, position p gains w0 . log A(p - t) + w1 . log A(p - t - 1), and
+    nothing where p - t is before the prompt."""
+    head = CopyHead(16, 8, "joint", point=2)
+    with torch.no_grad():
+        head.w_point.copy_(torch.tensor([[1.0, 0.5], [0.25, 0.0]]))
+    point = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]])  # (K=1, A=2, P=4)
+    pos = torch.arange(3).view(1, 3)
+    got = head.point_bonus(point, pos)[0]  # (D, P)
+    logp = point[0].log()
+    before = torch.cat([torch.full((2, 1), math.log(1e-6)), logp[:, :-1]], 1)
+    per = logp[0] + 0.5 * logp[1] + 0.25 * before[0]  # (P,)
+    for t in range(3):
+        for p in range(4):
+            want = per[p - t] if p >= t else 0.0
+            assert got[t, p].item() == pytest.approx(float(want), abs=1e-5)
+
+
+def test_a_pointing_decoder_needs_its_attention_maps():
+    cfg = ReadoutConfig(d_base=8, vocab_size=VOCAB, eos_token_id=2, d_r=16, n_heads=2, n_latent=4,
+                        copy="joint", copy_point=3)  # fmt: skip
+    dec = ReadoutDecoder(cfg)
+    rows, ids = torch.randn(1, 5, 8), torch.randint(3, VOCAB, (1, 5))
+    lens, pos, head = torch.tensor([5]), torch.arange(4).view(1, 4), torch.randn(VOCAB, 8)
+    with pytest.raises(ValueError, match="3 of the base's attention maps"):
+        dec.pass_parts(rows, lens, pos, head, ids)
+    with pytest.raises(ValueError, match="attention maps"):
+        dec.pass_parts(rows, lens, pos, head, ids, torch.rand(1, 2, 5))
+    parts = dec.pass_parts(rows, lens, pos, head, ids, torch.rand(1, 3, 5).softmax(-1))
+    assert parts[-1][2].shape == (1, 4, 5)
+    with pytest.raises(ValueError, match="copy_point"):
+        ReadoutConfig(d_base=8, vocab_size=VOCAB, eos_token_id=2, copy_point=2)

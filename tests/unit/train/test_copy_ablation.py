@@ -71,12 +71,13 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
 
     recs = [record(f) for f in ("repeat", "question") * 8]
     rows = [torch.randn(len(r["prompt_ids"]), D_BASE).half() for r in recs]
+    maps = [torch.rand(3, len(r["prompt_ids"])).softmax(-1).half() for r in recs]
     data = {"head": torch.randn(V, D_BASE), "twins": torch.full((V,), -1), "eos": EOS,
-            "train": (recs, rows), "held": (recs[:6], rows[:6])}  # fmt: skip
+            "train": (recs, rows, maps), "held": (recs[:6], rows[:6], maps[:6])}  # fmt: skip
     args = argparse.Namespace(seed=0, lr=1e-3, warmup=1, steps=2, batch=4, eos_weight=10.0,
                               eval_every=2, copy_bias=None, bonus_lr=1.0)  # fmt: skip
     arms = ("base", "tokens", "twin", "gatetwin", "twin+guess", "twin+guess+follow",
-            "twin+guess+match+ends+follow+span")  # fmt: skip
+            "twin+guess+match+ends+follow+span", "twin+guess+match+point+follow+span")  # fmt: skip
     for arm in arms:
         seen: list[list] = []
         log = ca.train_arm(arm, data, args, on_eval=seen.append)
@@ -86,6 +87,24 @@ def test_an_arm_trains_and_evaluates_on_a_copy_task():
         assert all(0.0 <= e["exact"] <= e["token_agreement"] <= 1.0 for e in ev.values())
         for e in ev.values():  # every answer that differs, counted once where it first does
             assert sum(e["first_miss"].values()) == pytest.approx(1.0 - e["exact"], abs=2e-3)
+        assert ("w_point" in log[0]["bonuses"]) == ("point" in arm)
+
+
+def test_the_rows_come_with_each_heads_map_from_the_prompts_last_position():
+    """capture_rows with point: each lane read at its own last position (lanes of unlike
+    length in one forward), rows as without."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    base = LlamaForCausalLM(cfg).eval()
+    recs = [{"prompt_ids": [random.Random(n).randrange(3, V) for _ in range(n)]} for n in (5, 9)]
+    rows, maps = ca.capture_rows(base, recs, point=True)
+    assert ca.capture_rows(base, recs)[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(rows, ca.capture_rows(base, recs)[0], strict=True))
+    assert [tuple(m.shape) for m in maps] == [(8, 5), (8, 9)]
+    assert all(torch.allclose(m.float().sum(-1), torch.ones(8), atol=1e-2) for m in maps)
 
 
 def test_first_miss_says_where_an_answer_departs_from_the_teachers():

@@ -160,8 +160,10 @@ def test_a_step_moves_the_copy_heads_bonuses_at_their_own_rate():
 
     base, tok = load_base(REFERENCE_BASE)
     lm_head = lm_head_weight(base)
-    copy = {"copy": "twin", "refine": 1, "copy_follow": True, "copy_match": 4}
+    copy = {"copy": "twin", "refine": 1, "copy_follow": True, "copy_match": 4, "copy_point": -1}
     decoder = new_decoder(base, tok, lm_head, DistillConfig(decoder={**TINY, **copy}), "cpu")
+    heads = base.config.num_hidden_layers * base.config.num_attention_heads
+    assert decoder.cfg.copy_point == heads  # -1: every head of the base
     opt = torch.optim.AdamW(param_groups(decoder, 30.0), lr=1e-3, weight_decay=0.0)
     records = [{"prompt_ids": tok.encode("copy: abcab"), "answer_ids": tok.encode("abcab")}] * 2
     before = {n: p.detach().clone() for n, p in decoder.named_parameters()}
@@ -171,4 +173,10 @@ def test_a_step_moves_the_copy_heads_bonuses_at_their_own_rate():
     moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in decoder.named_parameters()}
     assert max(v for n, v in moved.items() if not n.startswith("copy_head.w_")) < 1.01e-3
     assert moved["copy_head.w_follow"] > 0.02 and moved["copy_head.w_match"] > 0.02
-    assert set(bonuses(decoder)) == {"w_follow", "w_match"}
+    assert moved["copy_head.w_point"] > 0.02  # the base's attention maps reached the head
+    assert set(bonuses(decoder)) == {"w_follow", "w_match", "w_point"}
+    # served as evaluated: the maps are taken in the same forward as the rows
+    from stateblock.train.prose_fidelity import readout_answers
+
+    got = readout_answers(base, decoder.eval(), records, 6, tok.pad_token_id, "cpu")
+    assert [len(a) for a in got] == [6, 6]

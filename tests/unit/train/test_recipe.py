@@ -126,6 +126,9 @@ def test_the_bench_scale_reads_with_the_best_copy_head_unless_told_otherwise():
     assert cfg["copy"] == "" and not cfg["copy_match"] and not cfg["copy_match_ends"]
     cfg = pr.distill_config(ap.parse_args(["--work", "w", "--copy", "joint"]), bench).decoder
     assert cfg["copy"] == "joint" and cfg["copy_guess"] == 0 and not cfg["copy_follow"]
+    assert cfg["copy_point"] == 0
+    argv = ["--work", "w", "--copy", "twin", "--copy-point"]
+    assert pr.distill_config(ap.parse_args(argv), bench).decoder["copy_point"] == -1  # every head
     assert (
         "copy" not in pr.distill_config(ap.parse_args(["--work", "w"]), pr.SCALES["tiny"]).decoder
     )
