@@ -89,6 +89,12 @@ def create_engine(
     extra = set(options) - ENGINE_OPTIONS.get(name, frozenset())
     if extra:
         raise ValueError(f"readout engine {name!r} takes no setting {sorted(extra)}")
+    if points := model.manifest.get("decoder_config", {}).get("copy_point"):
+        raise UnservedDecoder(
+            f"the decoder at {model.decoder_dir} reads {points} of the base's attention maps "
+            "from the prompt's last position (copy_point), which the capture service does not "
+            "record into a block: no engine serves it; distil the readout without --copy-point"
+        )
     if model.reads_prompt_ids and name not in READS_PROMPT_IDS:
         cfg = model.manifest["decoder_config"]
         raise UnservedDecoder(

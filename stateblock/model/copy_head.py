@@ -41,11 +41,14 @@ the run ending two tokens back counts too. A function of the prompt and t alone.
 gets bonuses of its own: a quote longer than `match` tokens saturates the run over its last
 stretch, and only its end is followed by the copied text.
 
-With `point` A > 0, every pass's position scores gain a learned mix of where the base itself
-looks as it starts its answer: A maps of its attention from the prompt's last position (one a
-head, `stateblock.model.pointer`), read as log-probabilities at the span's start p - t and the token
-before it. A head that copies attends where its copy begins; on the prose base one head finds
-the span of `repeat` and `next_sentence` in 0.96 of held-out prompts.
+With `point` A > 0, every pass's position scores gain where the base itself looks as it starts
+its answer: A maps of its attention from the prompt's last position (one a head,
+`stateblock.model.pointer`), mixed by a learned softmax over the heads into one distribution,
+read as a log-probability at the span's start p - t (and a second mixture at the token before
+it), times a learned weight. A head that copies attends where its copy begins; on the prose
+base one head finds the span of `repeat` and `next_sentence` in 0.96 of held-out prompts. A
+weight a head would put the maps' log-probabilities on a scale of ten nats, which the
+bonuses' rate turns into noise; a mixture of distributions keeps one scalar for the scale.
 
 A pass's mixture is a `parts` tuple: ("base", logits) without a copy head, ("gate", logits,
 g, attention, ids) or ("joint", logits, scores, ids), with ids (K, C) the token each scored
@@ -204,8 +207,10 @@ class CopyHead(nn.Module):
             # with match_ends, a second row of them for the runs that stop there
             self.w_match = nn.Parameter(torch.zeros(2, (1 + match_ends) * (match + 1)))
         self.n_point = point
-        if point:  # the weight of each attention map at a span's start and the token before
+        if point:  # each map's share of the mixtures at a span's start and the token before,
+            # and each mixture's weight
             self.w_point = nn.Parameter(torch.zeros(2, point))
+            self.w_point_scale = nn.Parameter(torch.zeros(2))
 
     def scores(
         self, h, rows, ids, lens, head, positions, twins, guess=None, prev=None, runs=None,
@@ -289,12 +294,12 @@ class CopyHead(nn.Module):
         return along_span(self.w_match[0][idx] + self.w_match[1][two], positions)
 
     def point_bonus(self, point: Tensor, positions: Tensor) -> Tensor:
-        """(K, D, P): at answer position t, sum_a w[0, a] log A_a(p - t) + w[1, a] log
-        A_a(p - t - 1): the base's attention maps point (K, A, P) read at the span's start."""
-        logp = point.float().clamp_min(1e-6).log()  # (K, A, P)
-        before = torch.cat([torch.full_like(logp[..., :1], math.log(1e-6)), logp[..., :-1]], -1)
-        per = torch.einsum("a,kap->kp", self.w_point[0], logp)
-        per = per + torch.einsum("a,kap->kp", self.w_point[1], before)
+        """(K, D, P): at answer position t, s0 log M0(p - t) + s1 log M1(p - t - 1), M_i the
+        base's attention maps point (K, A, P) mixed by softmax(w_point[i]), s the scales."""
+        mix = torch.einsum("ia,kap->kip", self.w_point.softmax(-1), point.float())  # (K, 2, P)
+        logm = mix.clamp_min(1e-6).log()
+        before = torch.cat([torch.full_like(logm[:, 1, :1], math.log(1e-6)), logm[:, 1, :-1]], -1)
+        per = self.w_point_scale[0] * logm[:, 0] + self.w_point_scale[1] * before
         return along_span(per, positions)
 
     def guess_scores(self, h, head, positions, gids, glp, last) -> Tensor:

@@ -39,6 +39,16 @@ def test_a_decoder_that_reads_token_ids_is_refused_by_the_fast_engines(serving_m
         create_engine(name, copying, "cpu")
 
 
+@pytest.mark.parametrize("name", ["reference", "torch"])
+def test_a_decoder_that_reads_the_bases_attention_maps_is_refused(serving_model, name):
+    """copy_point: the blocks carry no attention maps, so every engine refuses at start-up."""
+    manifest = {**serving_model.manifest}
+    manifest["decoder_config"] = {**manifest["decoder_config"], "copy": "twin", "copy_point": 36}
+    pointing = dataclasses.replace(serving_model, manifest=manifest)
+    with pytest.raises(UnservedDecoder, match="36 of the base's attention maps"):
+        create_engine(name, pointing, "cpu")
+
+
 def test_blocks_storage_from_env():
     env = {"STATEBLOCK_BLOCKS_STORAGE": "memory"}
     assert ReadoutServiceConfig.from_env(env).blocks_storage == "memory"

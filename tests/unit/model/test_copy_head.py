@@ -324,21 +324,26 @@ def test_with_match_ends_a_saturated_quote_scores_its_end_alone():
 
 
 def test_the_point_bonus_reads_the_bases_attention_at_each_span_start():
-    """At answer position t, position p gains w0 . log A(p - t) + w1 . log A(p - t - 1), and
-    nothing where p - t is before the prompt."""
+    """At answer position t, position p gains s0 log M0(p - t) + s1 log M1(p - t - 1), M_i the
+    maps mixed by softmax(w_point[i]), and nothing where p - t is before the prompt."""
     head = CopyHead(16, 8, "joint", point=2)
     with torch.no_grad():
-        head.w_point.copy_(torch.tensor([[1.0, 0.5], [0.25, 0.0]]))
+        head.w_point.copy_(torch.tensor([[0.0, math.log(3.0)], [5.0, -5.0]]))
+        head.w_point_scale.copy_(torch.tensor([1.0, 0.5]))
     point = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]])  # (K=1, A=2, P=4)
     pos = torch.arange(3).view(1, 3)
     got = head.point_bonus(point, pos)[0]  # (D, P)
-    logp = point[0].log()
-    before = torch.cat([torch.full((2, 1), math.log(1e-6)), logp[:, :-1]], 1)
-    per = logp[0] + 0.5 * logp[1] + 0.25 * before[0]  # (P,)
+    m0 = 0.25 * point[0, 0] + 0.75 * point[0, 1]
+    w1 = torch.tensor([5.0, -5.0]).softmax(-1)
+    m1 = w1[0] * point[0, 0] + w1[1] * point[0, 1]
+    before = torch.cat([torch.tensor([math.log(1e-6)]), m1.log()[:-1]])
+    per = m0.log() + 0.5 * before  # (P,)
     for t in range(3):
         for p in range(4):
             want = per[p - t] if p >= t else 0.0
             assert got[t, p].item() == pytest.approx(float(want), abs=1e-5)
+    fresh = CopyHead(16, 8, "joint", point=2).point_bonus(point, pos)
+    assert (fresh == 0).all()  # from zero: the head starts as it would without the maps
 
 
 def test_a_pointing_decoder_needs_its_attention_maps():

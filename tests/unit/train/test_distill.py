@@ -173,8 +173,8 @@ def test_a_step_moves_the_copy_heads_bonuses_at_their_own_rate():
     moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in decoder.named_parameters()}
     assert max(v for n, v in moved.items() if not n.startswith("copy_head.w_")) < 1.01e-3
     assert moved["copy_head.w_follow"] > 0.02 and moved["copy_head.w_match"] > 0.02
-    assert moved["copy_head.w_point"] > 0.02  # the base's attention maps reached the head
-    assert set(bonuses(decoder)) == {"w_follow", "w_match", "w_point"}
+    assert moved["copy_head.w_point_scale"] > 0.02  # the base's attention maps reached the head
+    assert set(bonuses(decoder)) == {"w_follow", "w_match", "w_point", "w_point_scale"}
     # served as evaluated: the maps are taken in the same forward as the rows
     from stateblock.train.prose_fidelity import readout_answers
 
