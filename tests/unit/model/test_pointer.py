@@ -47,3 +47,17 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(TypeError, match="self_attn"):
         attention_modules(Bare())
+
+
+def test_the_probe_finds_a_copied_spans_start_and_counts_the_heads_that_peak_there():
+    from stateblock.train.pointer_probe import probe, span_start
+
+    assert span_start([9, 5, 6, 7, 8, 3], [5, 6, 7, 8, 2]) == 1
+    assert span_start([9, 5, 6, 7, 8, 6, 7, 8], [5, 6, 7, 8, 2]) is None  # not once
+    assert span_start([9, 5, 6], [5, 6]) is None  # too short to place
+    base = _base(4)
+    recs = [{"prompt_ids": [9, 5, 6, 7, 8, 3, 4], "answer_ids": [5, 6, 7, 8, 2]},
+            {"prompt_ids": [9, 4, 4], "answer_ids": [1, 2]}]  # fmt: skip
+    share, n = probe(base, recs)
+    _, maps = capture_pointing(base, torch.tensor([recs[0]["prompt_ids"]]), torch.tensor([7]))
+    assert n == 1 and torch.equal(share, (maps[0].argmax(-1) == 1).float())
