@@ -8,6 +8,12 @@ It is how the ablation log prices an architecture before a build stage buys it (
 refinement stacks, more latent slots: docs/QUALITY.md). Times: CUDA events, warm-up then the
 median of 20 (bench/machine.py), as `bench.gpu_smoke` times the engine (its
 `measure_readout`); the engine captures each shape on its first readout.
+
+A decoder that reads the prompt's token ids (a copy head: the prose readout's, issue 41) is
+served by the reference engine alone, so such an arm, or one that says `"engine":
+"reference"`, is timed there (eager, bf16, prompts of 500 random tokens), beside the shipped
+decoder on the same engine for the ratio: the copy head's (K, D, 2P) scores a pass are the
+cost the vocabulary's GEMM floor does not count.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ DEFAULT_ARMS = {
     "ref3": {"n_ref_mixer": 3},
     "latent128": {"n_latent": 128},
     "latent256": {"n_latent": 256},
-}
+    "shipped_reference": {"engine": "reference"},
+    # the prose readout's copy head (prose_readout.PROSE_COPY)
+    "prose_copy": {"copy": "twin", "copy_guess": 4, "copy_follow": True, "copy_span": True,
+                   "copy_match": 16, "copy_match_ends": True},
+}  # fmt: skip
 DEPTH = 8192
 
 
@@ -45,13 +55,52 @@ def parse_arm(text: str) -> tuple[str, dict]:
     return name, value
 
 
+def on_reference(overrides: dict) -> bool:
+    """Whether an arm is timed on the reference engine (it says so, or reads token ids)."""
+    return overrides.get("engine") == "reference" or bool(
+        overrides.get("copy") or overrides.get("row_tokens")
+    )
+
+
+def measure_reference(dec, lm_head, eos: int, rows: list[torch.Tensor], rate: float) -> dict:
+    """The reference engine at K=1 and K=8 lanes of depth DEPTH, each lane's prompt ids random
+    (never EOS), against the same GEMM floor, with the peak memory beyond the weights."""
+    from bench.gpu_checks import D_BASE, V
+    from bench.machine import cuda_ms
+    from stateblock.engines import LaneRequest
+    from stateblock.engines.reference import ReferenceEngine
+    from stateblock.protocol.envelope import ModelIdentity
+
+    dec = dec.to(lm_head.dtype)  # as ReferenceEngine.load builds it: in the lm_head's dtype
+    eng = ReferenceEngine(dec, lm_head, ModelIdentity("bench", b"", b"", b""), eos_token_id=eos,
+                          device="cuda")  # fmt: skip
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(eos + 1, V, (r.shape[0],), generator=gen) for r in rows]
+    out: dict = {"params": sum(p.numel() for p in dec.parameters()), "engine": "reference"}
+    for k in (1, 8):
+        lanes = [LaneRequest(rows=rows[i], depth=DEPTH, prompt_ids=ids[i]) for i in range(k)]
+        torch.cuda.reset_peak_memory_stats()
+        floor = 2 * k * DEPTH * D_BASE * V / (rate * 1e12) * 1e3
+        ms = cuda_ms(lambda lanes=lanes: eng.readout(lanes), iters=5, warmup=1)
+        out[f"K{k}_D{DEPTH}"] = {
+            "readout_ms": ms, "floor_ms": floor, "readout_over_floor": ms / floor,
+            "peak_extra_gib": (torch.cuda.max_memory_allocated() - weights) / 2**30,
+        }  # fmt: skip
+    return out
+
+
 def measure_arm(overrides: dict, rate_tflops: float, rows: list[torch.Tensor]) -> dict:
     import stateblock.engines.torch_engine as et
     from bench.gpu_checks import random_weights
     from bench.gpu_smoke import measure_readout
     from stateblock.train.recipe import DECODER_CONFIG
 
-    dec, lm_head, eos = random_weights({**DECODER_CONFIG, **overrides})
+    arch = {k: v for k, v in overrides.items() if k != "engine"}
+    dec, lm_head, eos = random_weights({**DECODER_CONFIG, **arch})
+    if on_reference(overrides):
+        return measure_reference(dec, lm_head, eos, rows, rate_tflops)
     ident = et.ModelIdentity("bench", b"", b"", b"")
     opts = et.TorchEngineOptions(device="cuda", warm_shapes=())
     eng = et.TorchEngine(dec, lm_head, ident, eos_token_id=eos, options=opts)

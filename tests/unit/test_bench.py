@@ -141,9 +141,12 @@ def test_arch_cost_reads_its_arms_and_says_it_needs_a_gpu(tmp_path):
     reason, and on a machine without CUDA exits 2 saying so rather than time the CPU."""
     import argparse
 
-    from bench.arch_cost import parse_arm
+    from bench.arch_cost import DEFAULT_ARMS, on_reference, parse_arm
 
     assert parse_arm('deep={"n_ref_mixer": 3}') == ("deep", {"n_ref_mixer": 3})
+    # a decoder reading token ids is served by the reference engine alone: it is timed there
+    assert on_reference(DEFAULT_ARMS["prose_copy"]) and on_reference({"row_tokens": True})
+    assert on_reference(DEFAULT_ARMS["shipped_reference"]) and not on_reference({})
     for bad in ("deep", '={"n_mixer": 3}', "deep=[3]", "deep={"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_arm(bad)
