@@ -58,6 +58,17 @@ ARMS = ("base", "tokens", *COPY_MODES, *(f"{m}+guess" for m in COPY_MODES),
         "twin+guess+match+ends+follow+span", "twin+guess+point+follow+span",
         "twin+guess+match+point+follow+span")  # fmt: skip
 GUESS, MATCH = 4, 16
+FLAGS = ("guess", "follow", "span", "match", "ends", "point", "ref2")
+
+
+def valid_arm(arm: str) -> bool:
+    """`base`, `tokens`, or a copy mode with flags (each once; `ends` with `match`, `follow`
+    and `span` need the refinement pass every shape here has)."""
+    mode, *flags = arm.split("+")
+    if mode in ("base", "tokens"):
+        return not flags
+    ok = mode in COPY_MODES and set(flags) <= set(FLAGS) and len(set(flags)) == len(flags)
+    return ok and ("ends" not in flags or "match" in flags)
 
 
 def new_decoder(arm: str, head: Tensor, twins: Tensor, eos: int, bias: float | None, maps: int = 0):
@@ -266,8 +277,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     arms = [a for a in args.arms.split(",") if a]
-    if unknown := set(arms) - set(ARMS):
-        p.error(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+    if unknown := [a for a in arms if not valid_arm(a)]:
+        p.error(f"unknown arms {unknown}: a copy mode {COPY_MODES} joined by + to any of "
+                f"{FLAGS}, or base, or tokens (e.g. {ARMS[-1]})")  # fmt: skip
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     data = load_data(args)

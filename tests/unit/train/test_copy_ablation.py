@@ -107,6 +107,13 @@ def test_the_rows_come_with_each_heads_map_from_the_prompts_last_position():
     assert all(torch.allclose(m.float().sum(-1), torch.ones(8), atol=1e-2) for m in maps)
 
 
+def test_an_arm_is_a_copy_mode_and_flags_in_any_combination():
+    assert all(ca.valid_arm(a) for a in ca.ARMS)
+    assert ca.valid_arm("twin+guess+match+ends+point+follow+span")
+    for bad in ("twin+guess+guess", "twin+ends", "base+guess", "copy+guess", "twin+fast"):
+        assert not ca.valid_arm(bad), bad
+
+
 def test_first_miss_says_where_an_answer_departs_from_the_teachers():
     want = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS]
     assert ca.first_miss(want, want, EOS) is None
