@@ -234,7 +234,8 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
   done
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
   # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
-  # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs)
+  # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs), yieldS
+  # (STATEBLOCK_CAPTURE_PART_YIELD_S: parts wait up to S seconds for busy cohorts)
   # (joined by +: sms66+tokens8192 sets both)
   for arm in ${ARMS:-sms66 tokens8192}; do  # two fit a call
     env=()
@@ -242,6 +243,7 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
       case "$part" in
         tokens*) env+=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${part#tokens}") ;;
         sms*) env+=(--env "STATEBLOCK_CAPTURE_PART_SMS=${part#sms}") ;;
+        yield*) env+=(--env "STATEBLOCK_CAPTURE_PART_YIELD_S=${part#yield}") ;;
       esac
     done
     tag=${arm//+/_}  # a name with + does not come back from a device call

@@ -18,6 +18,10 @@ the plan table assembles a request's rows once its last lane is in. On a GPU the
 on streams of the lowest priority and the cohorts on streams of the highest: a part's
 kernels fill the device only where a cohort's leave room, so a small request beside a
 maximal one waits for the blocks already running, not for the part's whole forward.
+Measured, a small forward beside a part still ran about six times as long as alone, with
+no wait to start (docs/BENCHMARKS.md): with `part_yield_s` (`STATEBLOCK_CAPTURE_PART_YIELD_S`)
+a part does not start while cohort forwards run or wait, for up to that long a part, so a
+small request's forward has the device to itself but for a part already running.
 
 Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal
@@ -46,7 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,8 +319,11 @@ class ForwardBatcher:
         on_cohort: Callable[[int], None] | None = None,
         in_flight: int = 1,
         forward_part: Callable[[Sequence[Pending]], None] | None = None,
+        part_yield_s: float = 0.0,
     ) -> None:
         self._forward = forward
+        self._part_yield = part_yield_s  # a part waits this long at most for busy cohorts
+        self._cohorts_idle = asyncio.Event()  # set whenever no cohort forward runs or waits
         self._forward_part = forward_part or forward  # a part of a request over the bound
         self._executor = executor
         # cohort forwards at once: with two, the next cohort's forward runs on the device
@@ -449,6 +456,7 @@ class ForwardBatcher:
                 self._forwards.add(task)
                 task.add_done_callback(self._forwards.discard)
                 task.add_done_callback(lambda _: free.release())
+                task.add_done_callback(lambda _: self._wake_parts())
             if held:
                 free.release()
 
@@ -458,6 +466,22 @@ class ForwardBatcher:
                 if not p.future.done():
                     p.future.set_result(None)
 
+    def _cohorts_busy(self) -> bool:
+        return bool(self._forwards or self._collected or not self._queue.empty())
+
+    def _wake_parts(self) -> None:
+        if not self._cohorts_busy():
+            self._cohorts_idle.set()
+
+    async def _yield_to_cohorts(self) -> None:
+        """With part_yield_s, wait while cohort forwards run or wait, up to that long."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._part_yield
+        while self._cohorts_busy() and (left := deadline - loop.time()) > 0:
+            self._cohorts_idle.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._cohorts_idle.wait(), left)
+
     async def _run_parts(self) -> None:
         """The requests over the token bound, a part a forward, one part of each in turn. A
         request whose caller went away (or that failed) runs none of its remaining parts."""
@@ -466,6 +490,8 @@ class ForwardBatcher:
                 self._rotation.append(self._split(await self._oversized.get()))
             while not self._oversized.empty():
                 self._rotation.append(self._split(self._oversized.get_nowait()))
+            if self._part_yield > 0:
+                await self._yield_to_cohorts()
             parts = self._rotation[0]  # kept there while it runs: a stop fails its caller
             part = parts[0]
             done = part.future.done() or not await self._run_forward([part], part=True)

@@ -81,6 +81,8 @@ class CaptureConfig(BlocksServiceConfig):
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
     part_tokens: int | None = declared(settings.CAPTURE_PART_TOKENS)  # None: cohort_tokens
     part_sms: int | None = declared(settings.CAPTURE_PART_SMS)  # None: every SM
+    # a part waits this long at most while cohort forwards run or wait; 0: it does not
+    part_yield_s: float = declared(settings.CAPTURE_PART_YIELD_S)
     # cohort forwards at once; None: 2 on a GPU, 1 on the CPU (forwards_in_flight)
     forwards: int | None = declared(settings.CAPTURE_FORWARDS)
     # compiled only: the shapes to warm up are these x the prompt-width buckets (the cohort's

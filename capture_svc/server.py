@@ -250,6 +250,7 @@ async def _batcher(
             on_cohort=metrics.cohort_lanes.observe,
             in_flight=in_flight,
             forward_part=forward.part,
+            part_yield_s=config.part_yield_s,
         )
     )
     return executor, batcher

@@ -413,6 +413,14 @@ CAPTURE_PART_SMS = _setting(
     "every answer right, p90 beside a maximal request lower, p99 not (docs/BENCHMARKS.md)",
     (CAPTURE,), minimum=1, unset="every SM, as the cohorts",
 )  # fmt: skip
+CAPTURE_PART_YIELD_S = _setting(
+    "CAPTURE_PART_YIELD_S", float, 0.0,
+    "a part of a request over `STATEBLOCK_CAPTURE_COHORT_TOKENS` does not start while cohort "
+    "forwards run or wait, for up to this long a part: a small request's forward then has "
+    "the device but for a part already running (beside a part it ran about six times as "
+    "long as alone, docs/BENCHMARKS.md); 0: parts run beside the cohorts", (CAPTURE,),
+    zero_ok=True,
+)  # fmt: skip
 CAPTURE_FORWARDS = _setting(
     "CAPTURE_FORWARDS", int, None,
     "cohort forwards the capture runs at once, each on a thread and CUDA stream of its own: "

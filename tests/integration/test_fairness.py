@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -151,6 +152,55 @@ async def test_a_request_that_fits_runs_beside_a_part_with_two_forward_threads()
             forward.release.set()
             await big
     assert forward.forwards == [[("big", 0, 2)], [("small", 0, 1)], [("big", 2, 1)]]
+
+
+@contextlib.asynccontextmanager
+async def cohort_held(pool, part_yield_s: float) -> AsyncIterator[tuple]:
+    """A batcher with `part_yield_s` whose cohort forward holds the first cohort (a small
+    request) until `cohorts.release`; then a request over the token bound is submitted."""
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    cohorts, parts = Gated(), Gated()
+    parts.release.set()
+    batcher = ForwardBatcher(cohorts, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32),
+                             forward_part=parts, part_yield_s=part_yield_s)  # fmt: skip
+    async with batcher:
+        small = asyncio.ensure_future(batcher.submit(register(plans, "small", (5,)), [[1] * 5]))
+        await asyncio.to_thread(cohorts.started.wait, 10)
+        big = asyncio.ensure_future(
+            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
+        )
+        yield cohorts, parts, small, big
+
+
+async def test_a_part_waits_for_the_cohorts_forward_with_a_yield():
+    """STATEBLOCK_CAPTURE_PART_YIELD_S: with two forward threads a part would run beside a
+    cohort's forward; with a yield it starts only once that forward is done."""
+    with ThreadPoolExecutor(2) as pool:
+        async with cohort_held(pool, part_yield_s=30.0) as (cohorts, parts, small, big):
+            await asyncio.sleep(0.3)
+            assert parts.forwards == [] and not small.done()  # held back by the cohort
+            cohorts.release.set()
+            await asyncio.wait_for(asyncio.gather(small, big), 10)
+    assert parts.forwards == [[("big", 0, 2)], [("big", 2, 1)]]
+
+
+async def test_a_part_waits_no_longer_than_its_yield():
+    """A cohort that does not finish holds a part back for part_yield_s, not for ever (a
+    stream of small requests never starves the big one)."""
+    with ThreadPoolExecutor(2) as pool:
+        async with cohort_held(pool, part_yield_s=0.4) as (cohorts, parts, small, big):
+            t0 = time.monotonic()
+            await until(lambda: parts.forwards, "a part ran beside the held cohort", 10.0)
+            assert time.monotonic() - t0 > 0.3  # after the yield, not at once
+            await until(lambda: len(parts.forwards) == 2, "the parts ran beside the cohort", 10.0)
+            assert not small.done()  # its forward is still held
+            cohorts.release.set()
+            await asyncio.wait_for(asyncio.gather(small, big), 10)
+    with ThreadPoolExecutor(2) as pool:  # without a yield the part does not wait at all
+        async with cohort_held(pool, part_yield_s=0.0) as (cohorts, parts, small, big):
+            await until(lambda: len(parts.forwards) == 2, "the parts ran beside the cohort", 2.0)
+            cohorts.release.set()
+            await asyncio.wait_for(asyncio.gather(small, big), 10)
 
 
 async def forwards_of(limits: CohortLimits, *requests: tuple[str, tuple[int, ...]]):
