@@ -79,15 +79,27 @@ def recording(model: nn.Module, last: Tensor) -> Iterator[list[Tensor]]:
             h.remove()
 
 
+def map_count(model: nn.Module) -> int:
+    """How many maps `capture_pointing` gives a lane: one per layer and attention head."""
+    return len(attention_modules(model)) * model.config.num_attention_heads
+
+
 @torch.no_grad()
 def capture_pointing(
-    model: nn.Module, input_ids: Tensor, prompt_lens: Tensor, attention_mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """One forward: the final hidden rows (B, P, d_base), as `capture` gives them, and the base's
-    attention maps from each prompt's last position (B, L * H, P) float32, zero past it.
-    input_ids right-padded, prompt_lens (B,)."""
-    with recording(model, (prompt_lens - 1).to(input_ids.device)) as maps:
+    model: nn.Module,
+    input_ids: Tensor,
+    prompt_lens: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    maps: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """One forward: the final hidden rows (B, P, d_base), as `capture` gives them, and with
+    `maps` the base's attention maps from each prompt's last position (B, L * H, P) float32,
+    zero past it (None without). input_ids right-padded, prompt_lens (B,)."""
+    if not maps:
+        return capture(model, input_ids, attention_mask), None
+    with recording(model, (prompt_lens - 1).to(input_ids.device)) as sink:
         rows = capture(model, input_ids, attention_mask)
-    if len(maps) != len(attention_modules(model)):
-        raise RuntimeError(f"{len(maps)} attention maps recorded for one forward")
-    return rows, torch.cat(maps, dim=1)
+    if len(sink) != len(attention_modules(model)):
+        raise RuntimeError(f"{len(sink)} attention maps recorded for one forward")
+    return rows, torch.cat(sink, dim=1)

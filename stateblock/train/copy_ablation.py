@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.capture import lm_head_weight
 from stateblock.model.copy_head import MODES as COPY_MODES
 from stateblock.model.copy_head import log_probs, space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
@@ -123,17 +123,13 @@ def capture_rows(
         ids = torch.zeros(len(idx), int(lens.max()), dtype=torch.long)
         for r, i in enumerate(idx):
             ids[r, : lens[r]] = torch.tensor(recs[i]["prompt_ids"])
-        ids = ids.to(base.device)
-        if point:  # causal: right padding needs no mask
-            rows, att = capture_pointing(base, ids, lens.to(base.device))
-            att = att.to("cpu", torch.float16)
-        else:
-            rows, att = capture(base, ids), None
+        # causal: right padding needs no mask
+        rows, att = capture_pointing(base, ids.to(base.device), lens.to(base.device), maps=point)
         rows = rows.to("cpu", torch.float16)
         for r, i in enumerate(idx):
             out[i] = rows[r, : lens[r]].clone()
             if att is not None:
-                maps[i] = att[r, :, : lens[r]].clone()
+                maps[i] = att[r, :, : lens[r]].to("cpu", torch.float16)
     return out, maps if point else None
 
 

@@ -17,11 +17,11 @@ from torch import nn
 from tqdm import tqdm
 
 from stateblock.model import checkpoint as ckpt
-from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.capture import lm_head_weight
 from stateblock.model.copy_head import space_twins
 from stateblock.model.decoder import ReadoutConfig, ReadoutDecoder
 from stateblock.model.loading import load_base
-from stateblock.model.pointer import attention_modules, capture_pointing
+from stateblock.model.pointer import capture_pointing, map_count
 from stateblock.train.batching import budget_batches
 from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.reference import StepPlan, lr_at
@@ -108,7 +108,7 @@ def new_decoder(base, tok, lm_head: torch.Tensor, cfg: DistillConfig, device) ->
     `copy_point: -1` reads every one of the base's attention heads."""
     shape = dict(cfg.decoder)
     if shape.get("copy_point") == -1:
-        shape["copy_point"] = len(attention_modules(base)) * base.config.num_attention_heads
+        shape["copy_point"] = map_count(base)
     dcfg = ReadoutConfig(
         d_base=base.config.hidden_size,
         vocab_size=lm_head.shape[0],
@@ -176,11 +176,8 @@ def train_step(
     (loss, stepped): a batch whose gradient is not finite is skipped, not applied; clipping a
     NaN norm would otherwise turn every weight into NaN for the rest of the run."""
     ids, mask, lens, tgt = batch
-    point = None
-    if decoder.cfg.copy_point:  # right-padded: the maps read each lane's last position
-        rows, point = capture_pointing(base, ids, lens, mask)
-    else:
-        rows = capture(base, ids, mask)  # (K, P, d_base), frozen
+    # (K, P, d_base), frozen; right-padded, so the maps read each lane's last position
+    rows, point = capture_pointing(base, ids, lens, mask, maps=bool(decoder.cfg.copy_point))
     pos = torch.arange(tgt.shape[1], device=tgt.device).expand(tgt.shape[0], -1)
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from stateblock.model.capture import capture, lm_head_weight
+from stateblock.model.capture import lm_head_weight
 from stateblock.model.pointer import capture_pointing
 from stateblock.train import prose_tasks
 from stateblock.train.batching import budget_batches
@@ -93,11 +93,8 @@ def readout_answers(base, decoder, records: list[dict], cap: int, pad: int, devi
     for batch in budget_batches(lengths, budget, max_batch=256):
         ids, lens = _padded([records[i]["prompt_ids"] for i in batch], pad)
         ids, lens = ids.to(device), lens.to(device)
-        point = None  # right-padded: causal rows need no mask
-        if decoder.cfg.copy_point:
-            rows, point = capture_pointing(base, ids, lens)
-        else:
-            rows = capture(base, ids)
+        # right-padded: causal rows need no mask
+        rows, point = capture_pointing(base, ids, lens, maps=bool(decoder.cfg.copy_point))
         pos = torch.arange(cap, device=device).expand(len(batch), -1)
         depth = torch.full((len(batch),), cap, device=device)
         out_ = decoder(rows, lens, pos, depth, lm_head, prompt_ids=ids, point=point)
