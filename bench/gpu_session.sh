@@ -235,7 +235,8 @@ elif [ "$STAGE" = forward ]; then  # the compiled forward as served, then autotu
 elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compiled capture
   # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
   # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs), yieldS
-  # (STATEBLOCK_CAPTURE_PART_YIELD_S: parts wait up to S seconds for busy cohorts)
+  # (STATEBLOCK_CAPTURE_PART_YIELD_S: parts wait up to S seconds for busy cohorts), chunkN
+  # (STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: a long lane N positions a turn)
   # (joined by +: sms66+tokens8192 sets both)
   for arm in ${ARMS:-sms66 tokens8192}; do  # two fit a call
     env=()
@@ -244,6 +245,7 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
         tokens*) env+=(--env "STATEBLOCK_CAPTURE_PART_TOKENS=${part#tokens}") ;;
         sms*) env+=(--env "STATEBLOCK_CAPTURE_PART_SMS=${part#sms}") ;;
         yield*) env+=(--env "STATEBLOCK_CAPTURE_PART_YIELD_S=${part#yield}") ;;
+        chunk*) env+=(--env "STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS=${part#chunk}") ;;
       esac
     done
     tag=${arm//+/_}  # a name with + does not come back from a device call

@@ -62,6 +62,7 @@ from capture_svc.config import CohortLimits
 from capture_svc.plans import CapturePlan, CohortStamp, PlanTable, Slot
 from stateblock import runtime
 from stateblock.model.capture import capture, graphs_compiled, warm_up
+from stateblock.model.chunked import ChunkedLane
 
 log = structlog.get_logger("capture_svc.batcher")
 MIN_BUCKET = 16
@@ -144,6 +145,7 @@ class Pending:
     future: asyncio.Future = field(repr=False)
     first_lane: int = 0
     timing: ForwardTiming = field(default_factory=ForwardTiming, repr=False)  # its parts' too
+    progress: Any = field(default=None, repr=False)  # a part's chunks run so far (ChunkedLane)
 
     @property
     def bucket(self) -> int:
@@ -173,6 +175,7 @@ class CohortForward:
         thread_streams: bool = False,
         on_compile: Callable[[], object] | None = None,
         part_sms: int | None = None,
+        part_chunk: int | None = None,
     ) -> None:
         self._model = model
         self._plans = plans
@@ -189,6 +192,7 @@ class CohortForward:
         # a part's kernels on this many SMs only (a green context), the rest the cohorts'
         self._part_sms = part_sms if on_cuda else None
         self._green: Any = None
+        self._part_chunk = part_chunk  # a lane longer than this: captured a chunk a turn
         # compiled: graphs compiled so far, counted from the warm-up's end; a forward after it
         # that compiles (a shape the warm-up missed, a guard it broke) is reported
         self._on_compile = on_compile
@@ -206,15 +210,39 @@ class CohortForward:
             log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
 
         warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
+        if self._part_chunk is not None:  # the chunks' eager path: its first-call cost here
+            ids = torch.full((1, 2 * self._part_chunk), self._pad_id, device=self._device)
+            lane = ChunkedLane(self._model, ids, self._part_chunk)
+            while lane.step() is None:
+                pass
         if self._on_compile is not None:
             self._graphs = graphs_compiled()
         total = time.perf_counter() - t0
         log.info("warm-up done", shapes=len(shapes), seconds=round(total, 3))
         return total
 
-    def part(self, cohort: Sequence[Pending]) -> None:
-        """A part of a request over the token bound: the forward behind the cohorts'."""
-        self(cohort, background=True)
+    def part(self, cohort: Sequence[Pending]) -> bool:
+        """A part of a request over the token bound: the forward behind the cohorts'. A
+        one-lane part longer than `part_chunk` runs a chunk a call (`ChunkedLane`, kept on
+        the part): False while chunks remain, True once its rows are recorded."""
+        if self._part_chunk is None or len(cohort) != 1:
+            self(cohort, background=True)
+            return True
+        (p,) = cohort
+        if len(p.lane_ids) != 1 or len(p.lane_ids[0]) <= self._part_chunk:  # runs whole
+            self(cohort, background=True)
+            return True
+        with self._thread_stream(background=True):
+            if p.progress is None:
+                ids = torch.tensor([p.lane_ids[0]], dtype=torch.long).to(self._device)
+                p.progress = ChunkedLane(self._model, ids, self._part_chunk)
+            lane: ChunkedLane = p.progress
+            rows = lane.step()  # (1, P, d) at the last chunk
+            if rows is None:
+                return False
+            slot = Slot(p.plan.request_id, p.plan.token, p.first_lane, 0)
+            self._plans.record(CohortStamp((slot,), self._mode), rows, [lane.length])
+        return True
 
     def __call__(self, cohort: Sequence[Pending], *, background: bool = False) -> None:
         width = max(p.bucket for p in cohort)
@@ -318,7 +346,7 @@ class ForwardBatcher:
         cohort: CohortLimits | None = None,
         on_cohort: Callable[[int], None] | None = None,
         in_flight: int = 1,
-        forward_part: Callable[[Sequence[Pending]], None] | None = None,
+        forward_part: Callable[[Sequence[Pending]], bool | None] | None = None,
         part_yield_s: float = 0.0,
     ) -> None:
         self._forward = forward
@@ -364,10 +392,12 @@ class ForwardBatcher:
         )
 
     def over_bound(self, lane_ids: Sequence[Sequence[int]]) -> bool:
-        """Whether a request's lanes at its bucket width are over the cohort's token bound:
-        it is captured in parts."""
-        width = bucket_width(max(len(ids) for ids in lane_ids))
-        return len(lane_ids) * width > self._cohort.tokens
+        """Whether a request's lanes at its bucket width are over the cohort's token bound,
+        or one is long enough to run in chunks: it is captured in parts."""
+        longest = max(len(ids) for ids in lane_ids)
+        return len(lane_ids) * bucket_width(longest) > self._cohort.tokens or (
+            self._cohort.chunked(longest)
+        )
 
     async def submit(self, plan: CapturePlan, lane_ids: Sequence[Sequence[int]]) -> ForwardTiming:
         """Resolves once the forwards that carried the request have recorded its rows."""
@@ -461,7 +491,7 @@ class ForwardBatcher:
                 free.release()
 
     async def _run_cohort(self, cohort: list[Pending]) -> None:
-        if cohort and await self._run_forward(cohort):
+        if cohort and await self._run_forward(cohort) is not None:
             for p in cohort:
                 if not p.future.done():
                     p.future.set_result(None)
@@ -484,7 +514,8 @@ class ForwardBatcher:
 
     async def _run_parts(self) -> None:
         """The requests over the token bound, a part a forward, one part of each in turn. A
-        request whose caller went away (or that failed) runs none of its remaining parts."""
+        part run in chunks (`CohortForward.part`) takes a turn a chunk. A request whose caller
+        went away (or that failed) runs none of its remaining parts."""
         while True:
             if not self._rotation:
                 self._rotation.append(self._split(await self._oversized.get()))
@@ -494,10 +525,13 @@ class ForwardBatcher:
                 await self._yield_to_cohorts()
             parts = self._rotation[0]  # kept there while it runs: a stop fails its caller
             part = parts[0]
-            done = part.future.done() or not await self._run_forward([part], part=True)
+            ran = None if part.future.done() else await self._run_forward([part], part=True)
             self._rotation.popleft()
+            if ran is False:  # chunks of this part remain: its next turn runs the next one
+                self._rotation.append(parts)
+                continue
             del parts[0]
-            if done:
+            if ran is None:
                 continue
             if parts:
                 self._rotation.append(parts)
@@ -507,20 +541,21 @@ class ForwardBatcher:
     def _split(self, pending: Pending) -> list[Pending]:
         return pending.parts(self._cohort.part_lanes_at(pending.bucket))
 
-    async def _run_forward(self, cohort: list[Pending], *, part: bool = False) -> bool:
-        """One forward on the executor (a part's through `forward_part`); False when it
-        failed (its requests' futures then carry the error)."""
+    async def _run_forward(self, cohort: list[Pending], *, part: bool = False) -> bool | None:
+        """One forward on the executor (a part's through `forward_part`): None when it failed
+        (its requests' futures then carry the error), False when a part's chunks remain,
+        True once done."""
         for p in cohort:  # from here on `drop` cannot take it back
             self._unstarted.pop(p.plan.request_id, None)
         forward = self._forward_part if part else self._forward
 
-        def timed() -> tuple[float, float]:
+        def timed() -> tuple[float, float, object]:
             started = time.perf_counter()
-            forward(cohort)
-            return started, time.perf_counter() - started
+            done = forward(cohort)
+            return started, time.perf_counter() - started, done
 
         try:
-            started, seconds = await asyncio.get_running_loop().run_in_executor(
+            started, seconds, done = await asyncio.get_running_loop().run_in_executor(
                 self._executor, timed
             )
         except Exception as e:  # the forward failed: every request in it fails
@@ -528,9 +563,11 @@ class ForwardBatcher:
             for p in cohort:
                 if not p.future.done():
                     p.future.set_exception(e)
-            return False
+            return None
         for p in cohort:
             p.timing.forward(started, seconds)
+        if done is False:
+            return False
         if self._on_cohort is not None:
             self._on_cohort(sum(len(p.lane_ids) for p in cohort))
         return True

@@ -41,6 +41,7 @@ class CohortLimits:
     lanes: int
     tokens: int
     part_tokens: int | None = None  # one part's bound; None: `tokens`
+    part_chunk: int | None = None  # a lane longer: a part of its own, run a chunk a turn
 
     def lanes_at(self, width: int) -> int:
         """The most lanes a forward of this bucket width carries: one at least (a lane over
@@ -49,10 +50,17 @@ class CohortLimits:
 
     def part_lanes_at(self, width: int) -> int:
         """The most lanes one part of a request over the token bound carries at this width:
-        one at least."""
+        one at least; one when a lane that wide runs in chunks."""
+        if self.chunked(width):
+            return 1
         return self._lanes_within(
             self.tokens if self.part_tokens is None else self.part_tokens, width
         )
+
+    def chunked(self, length: int) -> bool:
+        """Whether a lane this long is captured in chunks (its request then goes in parts,
+        whatever its size: a prompt's rows never depend on its company)."""
+        return self.part_chunk is not None and length > self.part_chunk
 
     def _lanes_within(self, tokens: int, width: int) -> int:
         return min(self.lanes, max(1, tokens // width))
@@ -81,6 +89,8 @@ class CaptureConfig(BlocksServiceConfig):
     cohort_tokens: int = declared(settings.CAPTURE_COHORT_TOKENS)
     part_tokens: int | None = declared(settings.CAPTURE_PART_TOKENS)  # None: cohort_tokens
     part_sms: int | None = declared(settings.CAPTURE_PART_SMS)  # None: every SM
+    # a part's lane longer than this runs a chunk of it a turn; None: a lane a forward
+    part_chunk_tokens: int | None = declared(settings.CAPTURE_PART_CHUNK_TOKENS)
     # a part waits this long at most while cohort forwards run or wait; 0: it does not
     part_yield_s: float = declared(settings.CAPTURE_PART_YIELD_S)
     # cohort forwards at once; None: 2 on a GPU, 1 on the CPU (forwards_in_flight)
@@ -144,7 +154,7 @@ class CaptureConfig(BlocksServiceConfig):
     def cohort(self) -> CohortLimits:
         """One forward's bounds; the lane bound never below a request's (max_lanes)."""
         lanes = max(self.cohort_lanes, self.limits.max_lanes)
-        return CohortLimits(lanes, self.cohort_tokens, self.part_tokens)
+        return CohortLimits(lanes, self.cohort_tokens, self.part_tokens, self.part_chunk_tokens)
 
     @property
     def replays_graphs(self) -> bool:

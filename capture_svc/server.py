@@ -41,6 +41,7 @@ from stateblock.model.capture import (
     compile_cache_counts,
     use_compile_cache,
 )
+from stateblock.model.chunked import new_cache
 from stateblock.model.loading import ServingModel, load_service_model, parse_dtype
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool
@@ -189,6 +190,11 @@ def _forward(
     (reduce-overhead) live until the process exits: releasing them at stop on the forward
     thread hung an in-process stack's stop on the H200 (the loop idle, waiting on that
     call), and a stack that never releases them stops cleanly."""
+    if config.part_chunk_tokens is not None:
+        try:
+            new_cache(model.model)
+        except ValueError as e:
+            raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: {e}") from None
     if config.compile != "off":
         if config.compile_cache is not None:
             use_compile_cache(config.compile_cache)
@@ -207,6 +213,7 @@ def _forward(
         min_lanes=config.cohort_min_lanes,
         thread_streams=not config.replays_graphs,  # a stream for each forward thread
         part_sms=config.part_sms,
+        part_chunk=config.part_chunk_tokens,
         on_compile=None if config.compile == "off" else metrics.compiled_after_warmup.inc,
     )
 

@@ -413,6 +413,17 @@ CAPTURE_PART_SMS = _setting(
     "every answer right, p90 beside a maximal request lower, p99 not (docs/BENCHMARKS.md)",
     (CAPTURE,), minimum=1, unset="every SM, as the cohorts",
 )  # fmt: skip
+CAPTURE_PART_CHUNK_TOKENS = _setting(
+    "CAPTURE_PART_CHUNK_TOKENS", int, None,
+    "a prompt lane longer than this many tokens is captured this many positions at a time "
+    "(chunked prefill through a KV cache, the backbone's eager forward), a chunk a turn of "
+    "the parts' runner, which `STATEBLOCK_CAPTURE_PART_YIELD_S` holds back for the cohorts: "
+    "a small request beside it then shares the device with one chunk, not a whole lane. The "
+    "rows are those of one forward up to rounding, and a long prompt runs in chunks whatever "
+    "its company, so its answer does not depend on it. Attention-only bases (a Mamba hybrid "
+    "is refused at start-up)", (CAPTURE,), minimum=1,
+    unset="a lane a forward",
+)  # fmt: skip
 CAPTURE_PART_YIELD_S = _setting(
     "CAPTURE_PART_YIELD_S", float, 0.0,
     "a part of a request over `STATEBLOCK_CAPTURE_COHORT_TOKENS` does not start while cohort "

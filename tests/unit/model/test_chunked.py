@@ -1,0 +1,81 @@
+"""A long lane captured a chunk at a time (stateblock.model.chunked) on the shipped base."""
+
+import pytest
+import torch
+
+from stateblock.model.capture import backbone, capture, use_unmasked_causal_attention
+from stateblock.model.chunked import ChunkedLane, cache_keyword, new_cache
+from stateblock.model.loading import load_base
+from tests.helpers import REFERENCE_BASE
+from tests.unit.model.test_capture import tiny_nemotron_h
+
+
+@pytest.fixture(scope="module")
+def base():
+    model, _ = load_base(REFERENCE_BASE, dtype=torch.float32)
+    use_unmasked_causal_attention(model)  # as served: no mask unless one is passed
+    return model
+
+
+def chunked_rows(model, ids, chunk: int):
+    lane = ChunkedLane(model, ids, chunk)
+    outs = [lane.step() for _ in range(lane.steps)]
+    assert all(o is None for o in outs[:-1]) and lane.finished
+    return outs[-1]
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 100, 299])
+def test_chunks_give_the_rows_of_one_forward(base, chunk):
+    """Every chunk size, a last chunk shorter than the rest included: the lane's rows equal
+    the one forward's up to rounding (the attention split otherwise); a chunk's queries see
+    the earlier positions through the cache and their own causally."""
+    ids = torch.randint(3, 60, (1, 300), generator=torch.Generator().manual_seed(1))
+    whole = capture(base, ids)  # (1, 300, d)
+    rows = chunked_rows(base, ids, chunk)
+    assert rows.shape == whole.shape
+    torch.testing.assert_close(rows, whole, atol=1e-3, rtol=1e-3)
+    # the same prompt in the same chunks: the same rows, bit for bit
+    assert torch.equal(rows, chunked_rows(base, ids, chunk))
+
+
+def test_a_chunk_needs_its_mask(base):
+    """What the chunk's all-ones mask is for: without one the served model's unmasked causal
+    path hands SDPA `is_causal`, which aligns a chunk's queries with the cache's first
+    positions; the rows then come out wrong."""
+    ids = torch.randint(3, 60, (1, 96), generator=torch.Generator().manual_seed(2))
+    whole = capture(base, ids)
+    forward, cache = backbone(base).forward, new_cache(base)
+    key = cache_keyword(forward)
+    with torch.no_grad():
+        first = forward(input_ids=ids[:, :48], use_cache=True, **{key: cache}).last_hidden_state
+        second = forward(input_ids=ids[:, 48:], use_cache=True, **{key: cache}).last_hidden_state
+    torch.testing.assert_close(first, whole[:, :48], atol=1e-3, rtol=1e-3)
+    assert (second - whole[:, 48:]).abs().max() > 0.1
+
+
+def test_a_lane_refuses_what_it_cannot_run(base):
+    ids = torch.ones(1, 10, dtype=torch.long)
+    with pytest.raises(ValueError, match="one lane"):
+        ChunkedLane(base, torch.ones(2, 10, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        ChunkedLane(base, ids, 0)
+    lane = ChunkedLane(base, ids, 16)
+    assert lane.steps == 1 and lane.step().shape == (1, 10, base.config.hidden_size)
+    with pytest.raises(RuntimeError, match="every chunk"):
+        lane.step()
+
+
+def test_a_hybrid_base_is_refused():
+    """NemotronH's Mamba layers carry a state no DynamicCache holds."""
+    with pytest.raises(ValueError, match="cannot be captured in chunks"):
+        new_cache(tiny_nemotron_h())
+
+
+def test_the_cache_keyword_follows_the_forward_s_signature():
+    def newer(input_ids=None, cache=None, **kwargs):
+        pass
+
+    def older(input_ids=None, past_key_values=None, **kwargs):
+        pass
+
+    assert cache_keyword(newer) == "cache" and cache_keyword(older) == "past_key_values"
