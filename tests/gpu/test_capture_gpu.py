@@ -160,3 +160,41 @@ def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode)
                 assert torch.equal(got[i], alone[i]), f"{lanes} lanes, prompt {i}"
     finally:
         uncompile_backbone(model)
+
+
+def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
+    """`part_chunk` (`STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS`) on the GPU, the backbone compiled
+    as served: a long lane's chunks (the eager forward, on the part's low-priority stream)
+    give the compiled one forward's rows up to bf16 rounding, a call a chunk, and the same
+    lane in chunks twice gives the same rows bit for bit."""
+    from stateblock.model.capture import compile_backbone, uncompile_backbone
+    from stateblock.model.loading import load_base
+
+    model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=60)
+    forward = CohortForward(
+        model, plans, pad_id=tok.pad_token_id or 0, capture_mode=MODE, thread_streams=True,
+        min_lanes=2, part_chunk=8,
+    )  # fmt: skip
+    compile_backbone(model, "default")
+    try:
+        forward.warm_up(((2, 16), (2, 24), (2, 32)))
+        ids = [tok(PROMPTS[9])["input_ids"]]
+        assert 16 < len(ids[0]) <= 24  # three chunks of 8 at most
+        rows, calls = [], []
+        for rid, run in (("whole", forward), ("chunked", forward.part), ("again", forward.part)):
+            layout = layouts.make_layout(
+                rid, [len(ids[0])], [4], hidden_size=model.config.hidden_size,
+                dtype=torch.bfloat16,
+            )  # fmt: skip
+            pending = Pending(plans.register(rid, layout), ids, None)
+            n = 1
+            while run([pending]) is False:
+                n += 1
+            calls.append(n)
+            rows.append(plans.consume(rid, pending.plan.layout_digest).cpu())
+        assert calls == [1, 3, 3]
+        torch.testing.assert_close(rows[1], rows[0], atol=0.1, rtol=0.05)
+        assert torch.equal(rows[1], rows[2])
+    finally:
+        uncompile_backbone(model)
