@@ -194,7 +194,12 @@ def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
             calls.append(n)
             rows.append(plans.consume(rid, pending.plan.layout_digest).cpu())
         assert calls == [1, 3, 3]
-        torch.testing.assert_close(rows[1], rows[0], atol=0.1, rtol=0.05)
+        # bf16, eager chunks against compiled kernels: about 1 % apart on average (measured on
+        # an H100); a chunk that attended wrongly is off by about the rows' own size
+        # (tests/unit/model/test_chunked.py)
+        diff = (rows[1].float() - rows[0].float()).abs()
+        scale = rows[0].float().abs().mean()
+        assert diff.mean() < 0.03 * scale and diff.max() < 0.5, (diff.mean(), scale, diff.max())
         assert torch.equal(rows[1], rows[2])
     finally:
         uncompile_backbone(model)
