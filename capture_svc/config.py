@@ -180,6 +180,13 @@ class CaptureConfig(BlocksServiceConfig):
         return self.compile != "off" and self.min_lanes == 1
 
     @property
+    def warm_width_max(self) -> int:
+        """The longest lane a compiled forward runs, whose width bucket the warm-up reaches:
+        the prompt limit, or the chunk bound where a longer lane runs in chunks (eager)."""
+        limit = self.limits.prompt_len_max
+        return limit if self.part_chunk_tokens is None else min(limit, self.part_chunk_tokens)
+
+    @property
     def warm_lane_buckets(self) -> tuple[int, ...] | None:
         """The lane counts the warm-up runs each width bucket at, compiled: the configured
         buckets below the cohort's lane limit, that limit, and min_lanes (the fewest a

@@ -138,10 +138,9 @@ async def _warm_up(
     on its own), or WARM_RUNS times where the forward records and replays CUDA graphs.
     Eager: one throwaway forward, its first-call cost."""
     buckets = config.warm_lane_buckets
-    limit = config.limits.prompt_len_max
     shapes = [(1, MIN_BUCKET)]
     if buckets is not None:
-        shapes = warm_shapes(buckets, limit, config.cohort)
+        shapes = warm_shapes(buckets, config.warm_width_max, config.cohort)
     log.info("warming up", shapes=len(shapes), compile=config.compile)
     loop = asyncio.get_running_loop()
     runs = WARM_RUNS if config.replays_graphs else 1

@@ -42,6 +42,10 @@ from stateblock.v1 import block_pb2, capture_pb2, commit_pb2
 
 log = structlog.get_logger("gateway")
 MAX_STREAM_CHUNKS = 64  # bounds the prefix re-decoding a stream costs
+# An answer this long is decoded on a thread (the tokenizers library lets go of the GIL): a
+# maximal one, 8 lanes of 8,192 tokens, takes 20-40 ms, which on the event loop would hold
+# up every other request this gateway serves; a short one costs less than the thread hop.
+OFF_LOOP_TOKENS = 4096
 # Rejection reasons that are not the request's own: its rows' object lost from the store,
 # its block expired before any worker could claim it, its rows lost from their slot or
 # region (the local and host data planes: freed, reused, gone). A fresh capture can be
@@ -319,10 +323,11 @@ class GatewayService:
             ) from e
         except RegistryError as e:
             raise Unavailable(f"request {request_id}: registry unavailable: {e}") from e
-        choices = tuple(
-            self._choice(lane, p.stop, p.sampling)
-            for lane in sorted(commit.lanes, key=lambda a: a.lane_index)
-        )
+        lanes = sorted(commit.lanes, key=lambda a: a.lane_index)
+        if sum(len(lane.token_ids) for lane in lanes) >= OFF_LOOP_TOKENS:
+            choices = await asyncio.to_thread(self._choices, lanes, p.stop, p.sampling)
+        else:
+            choices = self._choices(lanes, p.stop, p.sampling)
         prompt_tokens = sum(captured.prompt_tokens[i * p.n] for i in range(len(p.inputs)))
         return Generation(
             request_id=request_id,
@@ -332,6 +337,14 @@ class GatewayService:
             prompt_tokens=prompt_tokens,
             completion_tokens=sum(len(c.token_ids) for c in choices),
         )
+
+    def _choices(
+        self,
+        lanes: Sequence[commit_pb2.LaneAnswer],
+        stop: StopSpec,
+        params: block_pb2.SamplingParams,
+    ) -> tuple[ChoiceResult, ...]:
+        return tuple(self._choice(lane, stop, params) for lane in lanes)
 
     def _choice(
         self, lane: commit_pb2.LaneAnswer, stop: StopSpec, params: block_pb2.SamplingParams

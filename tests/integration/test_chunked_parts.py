@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, ForwardBatcher, Pending
+from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width, warm_shapes
 from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.server import running_capture
@@ -58,6 +58,18 @@ def test_a_long_lane_goes_in_parts_whatever_the_cohort_bound():
     assert batcher.over_bound([[1] * 9]) and not batcher.over_bound([[1] * 8, [1] * 8])
     assert CHUNKED.part_lanes_at(16) == 1 and CHUNKED.part_lanes_at(8) == 8
     assert not CohortLimits(8, 64).chunked(10_000)
+
+
+def test_the_compiled_warm_up_stops_at_the_chunk_bound():
+    """A lane over the chunk bound never runs compiled: the warm-up's widths stop at the
+    bucket that holds the bound, instead of the prompt limit's."""
+    env = {"STATEBLOCK_CAPTURE_COMPILE": "default", "STATEBLOCK_PROMPT_LEN_MAX": "4096"}
+    plain = CaptureConfig.from_env(env)
+    chunked = CaptureConfig.from_env({**env, "STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS": "1000"})
+    assert (plain.warm_width_max, chunked.warm_width_max) == (4096, 1000)
+    assert chunked.cohort.chunked(1001) and not plain.cohort.chunked(4096)
+    widths = {w for _, w in warm_shapes(chunked.warm_lane_buckets, 1000, chunked.cohort)}
+    assert max(widths) == bucket_width(1000) == 1024
 
 
 async def test_a_cohort_runs_between_a_long_lane_s_chunks():

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import pytest
 
+import gateway.service
 from gateway.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from gateway.params import GenerateParams, PromptSpec, check, make_sampling
 from gateway.service import RECAPTURED
@@ -101,6 +103,28 @@ async def test_generate_decodes_the_commit(service, fakes, detokenizer):
     assert [c.finish_reason for c in g.choices] == ["stop", "stop"]
     assert g.prompt_tokens == 3  # one input, counted once whatever n is
     assert g.completion_tokens == 4
+
+
+async def test_a_long_answer_is_decoded_off_the_event_loop(service, fakes, monkeypatch):
+    """An answer of OFF_LOOP_TOKENS or more is decoded on a thread (a maximal one takes tens
+    of ms, which would hold up the loop's other requests), a short one on the loop; the
+    texts are the same either way."""
+    _, commits = fakes
+    commits.answers = [[20, 21, 22], [23]]
+    decode, threads = service.decode, []
+
+    def spied(ids):
+        threads.append(threading.get_ident())
+        return decode(ids)
+
+    monkeypatch.setattr(service, "decode", spied)
+    short = await service.generate(request(n=2, max_tokens=8), api="test")
+    assert threads and set(threads) == {threading.get_ident()}
+    threads.clear()
+    monkeypatch.setattr(gateway.service, "OFF_LOOP_TOKENS", 4)
+    long = await service.generate(request(n=2, max_tokens=8), api="test")
+    assert threads and threading.get_ident() not in threads
+    assert [c.text for c in long.choices] == [c.text for c in short.choices]
 
 
 async def test_no_eos_is_finish_reason_length(service, fakes):
