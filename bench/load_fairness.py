@@ -10,7 +10,8 @@ After the levels, on the same stack (`bench.load_gpu --big-clients B`):
    each has sent its first, the small client sends the same small requests again. The big
    clients stop when it is done; their requests in flight finish and are counted.
 Reported: the small requests' p50/p90/p99 alone and beside, p99 beside / p99 alone (the
-target: <= 2), how many small requests were sent while a big one was in flight, every small
+target: <= 2), the slowest small requests beside and where they fell against the big
+requests' sends and replies, how many small requests were sent while a big one was in flight, every small
 answer compared with its prompt's reference answer, the big requests' count, latency and
 errors, and the services' stages over the beside phase.
 """
@@ -58,6 +59,27 @@ def overlapping(small: Level, big: Level) -> int:
     return sum(1 for r in small.results if any(s <= r[1] < e for s, e in spans))
 
 
+def slowest(small: Level, big: Level, k: int = 3) -> list[dict]:
+    """The k slowest small requests beside, each with where it fell against the big
+    requests: ms from the nearest big request's send and reply to its own send (negative:
+    before it). A stall that always follows a big reply points at that reply's path (its
+    block's publish, readout, commit and decode), one near a send at its forward."""
+
+    def nearest(t: float, marks: list[float]) -> float | None:
+        return round(1000 * min((t - m for m in marks), key=abs), 1) if marks else None
+
+    sends, replies = [r[1] for r in big.results], [r[2] for r in big.results]
+    worst = sorted(small.results, key=lambda r: r[2] - r[1], reverse=True)[:k]
+    return [
+        {
+            "ms": round(1000 * (r[2] - r[1]), 1),
+            "from_big_send_ms": nearest(r[1], sends),
+            "from_big_reply_ms": nearest(r[1], replies),
+        }
+        for r in worst
+    ]
+
+
 def ratio(num: dict, den: dict, key: str) -> float | None:
     a, b = num.get("latency_ms", {}).get(key), den.get("latency_ms", {}).get(key)
     return round(a / b, 2) if a and b else None
@@ -98,7 +120,11 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
     alone_row = summarize(alone, 1, a0, a1, refs)
     big = Level(url, big_prompts, shape["max_tokens"], 0, n=shape["n"])
     small, (s0, s1), (g0, g1), stages = beside_big(stack, url, prompts, depth, big, args)
-    beside_row = dict(summarize(small, 1, s0, s1, refs), beside_big=overlapping(small, big))
+    beside_row = dict(
+        summarize(small, 1, s0, s1, refs),
+        beside_big=overlapping(small, big),
+        slowest=slowest(small, big),
+    )
     big_row = summarize(big, args.big_clients, g0, g1, {})
     p99 = ratio(beside_row, alone_row, "p99")
     met = p99 is not None and p99 <= TARGET_P99_RATIO

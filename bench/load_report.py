@@ -129,6 +129,11 @@ def fairness_lines(f: dict) -> list[str]:
         f"every big answer {big['n']} x {big['max_tokens']:,} tokens: "
         f"{bigs['all_full_depth'] if bigs['n_ok'] else '-'}.",
     ]
+    if beside.get("slowest"):
+        lines.append("Slowest beside (ms; from the nearest big request's send / reply): " + ", ".join(
+            f"{w['ms']:,.1f} ({w['from_big_send_ms']} / {w['from_big_reply_ms']})"
+            for w in beside["slowest"]
+        ) + ".")  # fmt: skip
     st = f.get("stages_beside", {})
     cohort, forward, readout = (st.get(k) for k in
                                 ("capture.cohort_lanes", "capture.forward", "worker.readout"))  # fmt: skip

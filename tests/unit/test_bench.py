@@ -244,6 +244,9 @@ def test_load_bench_fairness_level_tiny(tmp_path):
         lat = row["latency_ms"]
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"], phase
     assert 0 <= f["beside"]["beside_big"] <= 8
+    worst = f["beside"]["slowest"]
+    assert len(worst) == 3 and worst[0]["ms"] == round(f["beside"]["latency_ms"]["max"], 1)
+    assert all(w["from_big_send_ms"] is not None for w in worst)
     big = f["big_requests"]
     assert big["n"] >= 1 and big["n_ok"] == big["n"] and big["errors_by_status"] == {}
     assert big["all_full_depth"]  # 8 lanes x 160 tokens each
@@ -260,6 +263,23 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     assert "waiting for a forward" in (out / "load.md").read_text()
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
+
+
+def test_the_slowest_small_requests_are_placed_against_the_big_ones():
+    """`slowest`: the k longest small requests, each with the signed ms from the nearest big
+    request's send and reply to its own send."""
+    from bench.load_fairness import slowest
+    from bench.load_gpu import Level
+
+    big, small = Level("u", ["p"], 1, 0), Level("u", ["p"], 1, 0)
+    big.results = [(0, 10.0, 12.0, "", 1, None), (0, 12.1, 14.0, "", 1, None)]
+    small.results = [(0, 11.0, 11.03, "", 1, None), (0, 12.05, 12.15, "", 1, None),
+                     (0, 13.9, 13.96, "", 1, None)]  # fmt: skip
+    assert slowest(small, big, k=2) == [
+        {"ms": 100.0, "from_big_send_ms": -50.0, "from_big_reply_ms": 50.0},
+        {"ms": 60.0, "from_big_send_ms": 1800.0, "from_big_reply_ms": -100.0},
+    ]
+    assert slowest(small, Level("u", ["p"], 1, 0), k=1)[0]["from_big_reply_ms"] is None
 
 
 def test_load_bench_fairness_shape_defaults_to_the_stack_limits():
