@@ -78,6 +78,8 @@ STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per requ
     ("worker", "stateblock_readout_stage_seconds",
      ("verify", "claim", "readout", "digest", "digest_wait", "commit", "ack")),
 )  # fmt: skip
+# the label sets beside `stage`: the capture's by route (a request in a cohort or in parts)
+ROUTES = {"capture": ({"route": "cohort"}, {"route": "parts"}), "worker": ({},)}
 
 
 def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
@@ -97,7 +99,9 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
     def stage_sums() -> dict[str, float]:
         """The services' own stage histograms (sum per stage), as `capture.forward`, ..."""
         return {
-            f"{svc}.{stage}": hist(f"{metric}_sum", {"stage": stage})
+            f"{svc}.{stage}": sum(
+                hist(f"{metric}_sum", {"stage": stage, **route}) for route in ROUTES[svc]
+            )
             for svc, metric, stages in STAGES
             for stage in stages
         }

@@ -144,6 +144,13 @@ def fairness_lines(f: dict) -> list[str]:
             f"{_forward_split(st)}; the readout {readout['mean_ms']:,.1f} ms a request (the big "
             f"requests' counted in)." + _alone_stages(f.get("stages_alone", {}))
         )
+    if st.get("capture.forward.cohort"):
+        lines.append(
+            "By route, beside: " + "; ".join(_route(st, route, what) for route, what in
+                                             (("cohort", "the small requests (in cohorts)"),
+                                              ("parts", "the maximal ones (in parts)"))
+                                             if st.get(f"capture.forward.{route}")) + "."
+        )  # fmt: skip
     if st.get("capture.allocator"):
         lines.append(f"Capture's CUDA allocator beside: {_events(st['capture.allocator'])}.")
     return lines
@@ -160,6 +167,15 @@ def _forward_split(st: dict) -> str:
     if not (wait and run):
         return ""
     return f" ({wait['mean_ms']:,.1f} waiting for a forward, {run['mean_ms']:,.1f} in forwards)"
+
+
+def _route(st: dict, route: str, what: str) -> str:
+    """One route's capture stages: its requests' forward stage (waiting, running) and sign."""
+    f, w, r, sign = (st.get(f"capture.{k}.{route}") for k in
+                     ("forward", "forward_wait", "forward_run", "sign"))  # fmt: skip
+    split = f" ({w['mean_ms']:,.1f} waiting, {r['mean_ms']:,.1f} in forwards)" if w and r else ""
+    signed = f", {sign['mean_ms']:,.1f} ms to sign" if sign else ""
+    return f"{what}: {f['n']} requests, {f['mean_ms']:,.1f} ms in the forward stage{split}{signed}"
 
 
 def _alone_stages(st: dict) -> str:

@@ -246,7 +246,8 @@ class ProcStack:
 
     def scrape(self, families: tuple[str, ...] = SCRAPED) -> dict[tuple[str, str], float]:
         """{(sample name, stage label or ''): value} of the histograms' _sum and _count and
-        the counters' _total, summed over the services (two readout processes: both)."""
+        the counters' _total, summed over the services (two readout processes: both) and over
+        routes, and by route too where a sample has one (stage `forward.cohort`)."""
         out: dict[tuple[str, str], float] = {}
         for url in self._metrics_urls:
             with urllib.request.urlopen(url, timeout=5) as r:
@@ -258,6 +259,9 @@ class ProcStack:
                     if s.name.endswith(("_sum", "_count", "_total")):  # summed over the processes
                         key = (s.name, s.labels.get("stage", s.labels.get("event", "")))
                         out[key] = out.get(key, 0.0) + s.value
+                        if "route" in s.labels:  # and by route: `forward.cohort`, ...
+                            key = (s.name, f"{key[1]}.{s.labels['route']}")
+                            out[key] = out.get(key, 0.0) + s.value
         return out
 
     @property

@@ -47,9 +47,11 @@ DEFAULT_READY_TIMEOUT_S = 2.0
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
-def stage_histogram(name: str, help_: str, registry: CollectorRegistry) -> Histogram:
-    """A service's time by stage (label `stage`), in STAGE_BUCKETS_S."""
-    return Histogram(name, help_, ["stage"], buckets=STAGE_BUCKETS_S, registry=registry)
+def stage_histogram(
+    name: str, help_: str, registry: CollectorRegistry, labels: tuple[str, ...] = ()
+) -> Histogram:
+    """A service's time by stage (label `stage`, then `labels`), in STAGE_BUCKETS_S."""
+    return Histogram(name, help_, ["stage", *labels], buckets=STAGE_BUCKETS_S, registry=registry)
 
 
 class ConfigError(ValueError):

@@ -229,7 +229,8 @@ def test_load_bench_fairness_level_tiny(tmp_path):
            "--scale", "tiny", "--device", "cpu", "--levels", "", "--depths", "16",
            "--prompts", "3", "--ar-batches", "", "--big-clients", "1",
            "--fairness-requests", "8", "--env", "STATEBLOCK_PROMPT_LEN_MAX=200",
-           "--env", "STATEBLOCK_ANSWER_DEPTH_MAX=160", "--budget-s", "240"]  # fmt: skip
+           "--env", "STATEBLOCK_ANSWER_DEPTH_MAX=160", "--env",
+           "STATEBLOCK_CAPTURE_COHORT_TOKENS=1024", "--budget-s", "240"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "load.json").read_text())
@@ -261,6 +262,12 @@ def test_load_bench_fairness_level_tiny(tmp_path):
         assert st["capture.forward_wait"]["n"] == st["capture.forward_run"]["n"] > 0
         assert st["capture.forward_run"]["mean_ms"] <= st["capture.forward"]["mean_ms"]
     assert "waiting for a forward" in (out / "load.md").read_text()
+    # by route: the small requests in cohorts, the maximal ones (8 x 256 > 1,024 tokens) in parts
+    beside = f["stages_beside"]
+    assert beside["capture.forward.cohort"]["n"] >= 8 and beside["capture.forward.parts"]["n"] >= 1
+    assert (beside["capture.forward.cohort"]["n"] + beside["capture.forward.parts"]["n"]
+            == beside["capture.forward"]["n"])  # fmt: skip
+    assert "the small requests (in cohorts): " in (out / "load.md").read_text()
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
 
