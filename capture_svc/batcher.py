@@ -18,10 +18,12 @@ the plan table assembles a request's rows once its last lane is in. On a GPU the
 on streams of the lowest priority and the cohorts on streams of the highest: a part's
 kernels fill the device only where a cohort's leave room, so a small request beside a
 maximal one waits for the blocks already running, not for the part's whole forward.
-Measured, a small forward beside a part still ran about six times as long as alone, with
-no wait to start (docs/BENCHMARKS.md): with `part_yield_s` (`STATEBLOCK_CAPTURE_PART_YIELD_S`)
-a part does not start while cohort forwards run or wait, for up to that long a part, so a
-small request's forward has the device to itself but for a part already running.
+A kernel in flight is not preempted, though: with `part_yield_s`
+(`STATEBLOCK_CAPTURE_PART_YIELD_S`) a part does not start while cohort forwards run or wait,
+for up to that long a part, so a small request's forward has the device to itself but for a
+part already running, and with `CohortLimits.part_chunk` (`STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS`)
+a long lane is captured a chunk of positions a turn (`stateblock.model.chunked`), so that
+part is short (docs/BENCHMARKS.md has the small requests' latency beside each).
 
 Lanes are right-padded to a bucket width (powers of two and 1.5x
 powers of two) and the forward runs without an attention mask: the base models are causal

@@ -428,8 +428,8 @@ CAPTURE_PART_YIELD_S = _setting(
     "CAPTURE_PART_YIELD_S", float, 0.0,
     "a part of a request over `STATEBLOCK_CAPTURE_COHORT_TOKENS` does not start while cohort "
     "forwards run or wait, for up to this long a part: a small request's forward then has "
-    "the device but for a part already running (beside a part it ran about six times as "
-    "long as alone, docs/BENCHMARKS.md); 0: parts run beside the cohorts", (CAPTURE,),
+    "the device but for a part already running (with `STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS`, "
+    "one chunk; docs/BENCHMARKS.md); 0: parts run beside the cohorts", (CAPTURE,),
     zero_ok=True,
 )  # fmt: skip
 CAPTURE_FORWARDS = _setting(
