@@ -16,9 +16,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from capture_svc.auth import CaptureTokenInterceptor
-from capture_svc.batcher import MIN_BUCKET, CohortForward, ForwardBatcher, warm_shapes
+from capture_svc.batcher import MIN_BUCKET, ForwardBatcher, warm_shapes
 from capture_svc.config import CaptureConfig
 from capture_svc.dataplane import Sealer, data_plane
+from capture_svc.forward import CohortForward
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.publisher import BlockPublisher
 from capture_svc.releases import serve_releases

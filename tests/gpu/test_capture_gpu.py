@@ -11,7 +11,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, Pending
+from capture_svc.batcher import Pending
+from capture_svc.forward import CohortForward
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from stateblock.protocol import layouts
 from stateblock.runtime import REFERENCE_BASE

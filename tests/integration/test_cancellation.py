@@ -21,7 +21,8 @@ import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from capture_svc.batcher import CohortForward, Dropped, ForwardBatcher
+from capture_svc.batcher import Dropped, ForwardBatcher
+from capture_svc.forward import CohortForward
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from readout_svc import cohorts, worker
 from stateblock import settings

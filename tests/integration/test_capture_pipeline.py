@@ -15,8 +15,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from capture_svc import plans as plan_table
-from capture_svc.batcher import CohortForward, ForwardBatcher, Pending
+from capture_svc.batcher import ForwardBatcher, Pending
 from capture_svc.config import CUDA_GRAPH_MODES, MIN_COMPILED_LANES, CaptureConfig, CohortLimits
+from capture_svc.forward import CohortForward
 from capture_svc.plans import CohortStamp, PlanTable, PlanTableMetrics, Slot
 from stateblock.model.capture import compile_backbone
 from stateblock.protocol import layouts

@@ -13,8 +13,9 @@ import torch
 from nats.js.api import StorageType
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width
+from capture_svc.batcher import ForwardBatcher, Pending, bucket_width
 from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.forward import CohortForward
 from capture_svc.plans import (
     CaptureIntegrityError,
     CohortStamp,

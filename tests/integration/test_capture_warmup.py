@@ -18,16 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from torch._dynamo.utils import counters
 
-import capture_svc.batcher
-from capture_svc.batcher import (
-    CohortForward,
-    Pending,
-    bucket_width,
-    lane_bucket,
-    warm_shapes,
-    width_buckets,
-)
+import capture_svc.forward
+from capture_svc.batcher import Pending, bucket_width, lane_bucket, warm_shapes, width_buckets
 from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.forward import CohortForward
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.server import CAPTURE_SERVICE, _forward, _warm_up, running_capture
 from capture_svc.service import CaptureMetrics
@@ -345,13 +339,13 @@ async def starting(capture, gate: threading.Event) -> AsyncIterator[asyncio.Task
 def gated_warm_up(monkeypatch) -> threading.Event:
     """The warm-up waits for the returned event, so a test sees the service while it warms."""
     gate = threading.Event()
-    real = capture_svc.batcher.warm_up
+    real = capture_svc.forward.warm_up
 
     def gated(*args, **kwargs):
         assert gate.wait(60), "the test never opened the warm-up gate"
         real(*args, **kwargs)
 
-    monkeypatch.setattr(capture_svc.batcher, "warm_up", gated)
+    monkeypatch.setattr(capture_svc.forward, "warm_up", gated)
     return gate
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, ForwardBatcher, Pending, bucket_width, warm_shapes
+from capture_svc.batcher import ForwardBatcher, Pending, bucket_width, warm_shapes
 from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.forward import CohortForward
 from capture_svc.plans import PlanTable, PlanTableMetrics
 from capture_svc.server import running_capture
 from readout_svc.config import ReadoutServiceConfig

@@ -18,8 +18,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import CohortForward, ForwardBatcher, Pending
+from capture_svc.batcher import ForwardBatcher, Pending
 from capture_svc.config import CaptureConfig, CohortLimits
+from capture_svc.forward import CohortForward
 from capture_svc.plans import (
     CaptureIntegrityError,
     CohortStamp,
