@@ -4,8 +4,9 @@ small ones, so a short request's p99 beside it stays within 2x its p99 alone.
 After the levels, on the same stack (`bench.load_gpu --big-clients B`):
 1. alone: one client sends --fairness-requests small requests back to back (the first
    depth's prompts and answer length, the scale's prompt length), nothing else in flight;
-2. beside: B clients send maximal requests back to back (a prompt of --big-prompt-len
-   tokens, `n` = --big-n lanes, max_tokens = --big-max-tokens; by default the limits the
+2. beside: B clients send maximal requests back to back (--big-n distinct prompts of
+   --big-prompt-len tokens a request, a lane each, max_tokens = --big-max-tokens; `n` of
+   one prompt would be one lane to the capture; by default the limits the
    stack runs with: STATEBLOCK_PROMPT_LEN_MAX, _MAX_LANES and _ANSWER_DEPTH_MAX), and once
    each has sent its first, the small client sends the same small requests again. The big
    clients stop when it is done; their requests in flight finish and are counted.
@@ -112,13 +113,18 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
     shape = big_shape(args)
     rng = random.Random(args.seed + 1)
     vocab = SCALES[args.scale].vocab_size
-    big_prompts = [bench_prompt(rng, shape["prompt_len"], vocab) for _ in range(args.big_clients)]
+    # a big request is n distinct prompts (n=1 each), not n of one: the capture runs one
+    # prompt's identical lanes forward once, so only distinct ones make it maximal
+    big_prompts = [
+        [bench_prompt(rng, shape["prompt_len"], vocab) for _ in range(shape["n"])]
+        for _ in range(args.big_clients)
+    ]
     alone = Level(url, prompts, depth, args.fairness_requests)
     time.sleep(0.2)  # the last reference request's stages observed before the phase begins
     with load_probes.stage_window(stack) as seen_alone:
         a0, a1 = alone.run(1, float("inf"))
     alone_row = summarize(alone, 1, a0, a1, refs)
-    big = Level(url, big_prompts, shape["max_tokens"], 0, n=shape["n"])
+    big = Level(url, big_prompts, shape["max_tokens"], 0)
     small, (s0, s1), (g0, g1), stages = beside_big(stack, url, prompts, depth, big, args)
     beside_row = dict(
         summarize(small, 1, s0, s1, refs),

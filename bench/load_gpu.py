@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--big-prompt-len", type=int, default=None,
                     help="default: the stack's STATEBLOCK_PROMPT_LEN_MAX")  # fmt: skip
     ap.add_argument("--big-n", type=int, default=None,
-                    help="lanes (`n`) of a big request; default: STATEBLOCK_MAX_LANES")  # fmt: skip
+                    help="lanes of a big request, a distinct prompt each; default: "
+                         "STATEBLOCK_MAX_LANES")  # fmt: skip
     ap.add_argument("--big-max-tokens", type=int, default=None,
                     help="default: the stack's STATEBLOCK_ANSWER_DEPTH_MAX")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=540.0, help="whole-run time budget")
@@ -131,7 +132,12 @@ class Level:
     kept. n: the OpenAI `n` field of every request (lanes a request), left out when None."""
 
     def __init__(
-        self, url: str, prompts: list[str], depth: int, max_requests: int, n: int | None = None
+        self,
+        url: str,
+        prompts: list[str] | list[list[str]],
+        depth: int,
+        max_requests: int,
+        n: int | None = None,
     ) -> None:
         self.url, self.prompts, self.depth, self.n = url, prompts, depth, n
         self.max_requests = max_requests
@@ -142,6 +148,12 @@ class Level:
         # (prompt index, sent, replied, answer text or None, completion tokens, error key)
         self.results: list[tuple[int, float, float, str | None, int, str | None]] = []
         self.error_examples: dict[str, str] = {}  # error key: its first message
+
+    def lanes(self, k: int) -> int:
+        """Answers a request of prompt k asks for: `n` for each of its prompts (a prompt may
+        be a list of them, as the OpenAI API takes)."""
+        prompt = self.prompts[k]
+        return (self.n or 1) * (len(prompt) if isinstance(prompt, list) else 1)
 
     def _client(self, stop_at: float) -> None:
         client = CompletionsClient(self.url, timeout=300.0)
@@ -227,7 +239,7 @@ def summarize(level: Level, clients: int, t0: float, t1: float, refs: dict) -> d
         "window_s": round(window, 3),
         "req_per_s": round(req_per_s, 2),
         "tok_per_s": round(tok_per_s, 1),
-        "all_full_depth": all(r[4] == level.depth * (level.n or 1) for r in ok),
+        "all_full_depth": all(r[4] == level.depth * level.lanes(r[0]) for r in ok),
         "invariance": {"checked": sum(1 for r in ok if r[0] in refs),
                        "differing": len(differing), "prompts": sorted(set(differing))[:8]},
     }  # fmt: skip

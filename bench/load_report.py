@@ -110,7 +110,8 @@ def fairness_lines(f: dict) -> list[str]:
     lim = f["limits"]
     lines = [
         f"**Fairness**: {f['big_clients']} client(s) sending maximal requests back to back "
-        f"(prompt {big['prompt_len']:,} tokens, `n` {big['n']}, max_tokens {big['max_tokens']:,}; "
+        f"({big['n']} distinct prompts of {big['prompt_len']:,} tokens a request, a lane each, "
+        f"max_tokens {big['max_tokens']:,}; "
         f"the stack's limits: `STATEBLOCK_PROMPT_LEN_MAX` {lim['prompt_len_max']}, `_MAX_LANES` "
         f"{lim['max_lanes']}, `_ANSWER_DEPTH_MAX` {lim['answer_depth_max']}), beside one client "
         f"sending small ones (prompt {small['prompt_len']} tokens, {small['depth']}-token "

@@ -116,8 +116,11 @@ class CompletionsClient:
         parts = urlsplit(url)
         self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
 
-    def complete(self, model: str, prompt: str, max_tokens: int, n: int | None = None) -> dict:
-        """One greedy completion of exactly max_tokens; `n` answers (lanes) only when given."""
+    def complete(
+        self, model: str, prompt: str | list[str], max_tokens: int, n: int | None = None
+    ) -> dict:
+        """One greedy completion of exactly max_tokens (of each prompt, given a list); `n`
+        answers (lanes) a prompt only when given."""
         fields = {
             "model": model,
             "prompt": prompt,

@@ -4,6 +4,10 @@ Requests queued while the previous forward ran (or within an optional window) ar
 by padded-length bucket and run as cohorts bounded by lanes and by padded tokens (lanes x
 the bucket width, `CohortLimits`), one forward each, the narrowest bucket first.
 
+A request's identical lanes (`n` > 1 of one prompt, each lane with its own seed) go forward
+as one: the plan table fills each of them from that lane's rows, which are the same whatever
+the company (below), so `n` costs the capture nothing.
+
 A request over the token bound (a maximal one: 8 lanes of 4,096 tokens) is captured in
 parts instead, as many of its lanes a forward as the bound allows (one lane when a single
 lane is over it), by a second runner beside the cohorts': its parts never hold up the
@@ -133,9 +137,23 @@ class ForwardTiming:
         self.ran += seconds
 
 
+def distinct(
+    lane_ids: Sequence[Sequence[int]],
+) -> tuple[list[Sequence[int]], list[tuple[int, ...]]]:
+    """A request's distinct lanes, in first-seen order, and the lane indices each one fills:
+    `n` > 1 of one prompt is one prompt to run forward (its rows are the same whatever the
+    lane: a forward's rows do not depend on the company a lane keeps)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(lane_ids):
+        groups.setdefault(tuple(ids), []).append(i)
+    return [list(ids) for ids in groups], [tuple(g) for g in groups.values()]
+
+
 @dataclass
 class Pending:
-    """Lanes of one request for a forward: all of them, or a part (lanes `first_lane` on)."""
+    """Lanes of one request for a forward: all of them, or a part (lanes `first_lane` on).
+    With `groups`, lane_ids are the request's distinct lanes and groups[k] the lane indices
+    lane_ids[k] fills."""
 
     plan: CapturePlan
     lane_ids: Sequence[Sequence[int]]
@@ -143,16 +161,30 @@ class Pending:
     first_lane: int = 0
     timing: ForwardTiming = field(default_factory=ForwardTiming, repr=False)  # its parts' too
     progress: Any = field(default=None, repr=False)  # a part's chunks run so far (ChunkedLane)
+    groups: Sequence[tuple[int, ...]] | None = None
 
     @property
     def bucket(self) -> int:
         return bucket_width(max(len(ids) for ids in self.lane_ids))
 
+    def indices(self) -> Sequence[tuple[int, ...]]:
+        """The lane indices each of lane_ids fills."""
+        if self.groups is not None:
+            return self.groups
+        return [(self.first_lane + k,) for k in range(len(self.lane_ids))]
+
     def parts(self, lanes: int) -> list[Pending]:
         """This request as parts of at most `lanes` lanes (at least one), in lane order."""
-        step = max(1, lanes)
+        step, groups = max(1, lanes), self.indices()
         return [
-            Pending(self.plan, self.lane_ids[i : i + step], self.future, i, self.timing)
+            Pending(
+                self.plan,
+                self.lane_ids[i : i + step],
+                self.future,
+                groups[i][0],
+                self.timing,
+                groups=groups[i : i + step],
+            )  # fmt: skip
             for i in range(0, len(self.lane_ids), step)
         ]
 
@@ -219,10 +251,11 @@ class ForwardBatcher:
         )
 
     def over_bound(self, lane_ids: Sequence[Sequence[int]]) -> bool:
-        """Whether a request's lanes at its bucket width are over the cohort's token bound,
-        or one is long enough to run in chunks: it is captured in parts."""
+        """Whether a request's distinct lanes at its bucket width are over the cohort's token
+        bound, or one is long enough to run in chunks: it is captured in parts."""
+        lanes = len(distinct(lane_ids)[0])
         longest = max(len(ids) for ids in lane_ids)
-        return len(lane_ids) * bucket_width(longest) > self._cohort.tokens or (
+        return lanes * bucket_width(longest) > self._cohort.tokens or (
             self._cohort.chunked(longest)
         )
 
@@ -233,7 +266,11 @@ class ForwardBatcher:
                 f"{len(lane_ids)} lanes exceed the per-request limit {self._max_lanes}"
             )
         future = asyncio.get_running_loop().create_future()
-        pending = Pending(plan, lane_ids, future)
+        unique, groups = distinct(lane_ids)
+        if len(unique) < len(lane_ids):  # one forward lane for each distinct prompt
+            pending = Pending(plan, unique, future, groups=groups)
+        else:
+            pending = Pending(plan, lane_ids, future)
         self._unstarted[plan.request_id] = pending
         try:
             await (self._oversized if self.over_bound(lane_ids) else self._queue).put(pending)

@@ -103,8 +103,8 @@ class CohortForward:
             rows = lane.step()  # (1, P, d) at the last chunk
             if rows is None:
                 return False
-            slot = Slot(p.plan.request_id, p.plan.token, p.first_lane, 0)
-            self._plans.record(CohortStamp((slot,), self._mode), rows, [lane.length])
+            slots = tuple(Slot(p.plan.request_id, p.plan.token, i, 0) for i in p.indices()[0])
+            self._plans.record(CohortStamp(slots, self._mode), rows, [lane.length])
         return True
 
     def __call__(self, cohort: Sequence[Pending], *, background: bool = False) -> None:
@@ -112,8 +112,8 @@ class CohortForward:
         slots: list[Slot] = []
         lanes: list[Sequence[int]] = []
         for p in cohort:
-            for i, ids in enumerate(p.lane_ids, start=p.first_lane):
-                slots.append(Slot(p.plan.request_id, p.plan.token, i, len(lanes)))
+            for ids, indices in zip(p.lane_ids, p.indices(), strict=True):
+                slots += [Slot(p.plan.request_id, p.plan.token, i, len(lanes)) for i in indices]
                 lanes.append(ids)
         real = len(lanes)
         padded = real if self._lane_buckets is None else lane_bucket(real, self._lane_buckets)

@@ -7,7 +7,10 @@ built from), total rows, the layout digest and the capture mode, and holds the r
 that request only. A request over the cohort's token budget is captured in parts, some of
 its lanes a forward (capture_svc.batcher): each lane is recorded exactly once, by whichever
 forward carried it, and the request's rows are assembled, in lane order, and checked once
-its last lane is in. `consume` hands them over exactly once, against the layout digest.
+its last lane is in. Lanes of one request with the same ids (`n` > 1 of one prompt), where
+its plan was given the lanes' ids, share a batch row, each lane stamped on it; a row stamped
+by two requests, or by two prompts of one, poisons them. `consume`
+hands the rows over exactly once, against the layout digest.
 
 `record` runs on the forward thread inside the hook, the rest on the event loop, so every
 method takes the lock. A failed check poisons only the request it concerns: the other
@@ -130,6 +133,9 @@ class CapturePlan:
     expires_at: float
     # each lane's prompt ids where the layout carries them (a decoder that reads them)
     prompt_ids: tuple[tuple[int, ...], ...] | None = None
+    # each lane's first lane of the same prompt, where the caller gave the prompts: lanes of
+    # one prompt may share a batch row; without them every lane has a row of its own
+    prompt_of: tuple[int, ...] | None = None
 
     @property
     def layout(self) -> pb.Layout:
@@ -166,8 +172,21 @@ class PlanTable:
         self._consumed: OrderedDict[str, None] = OrderedDict()
 
     # -- event-loop side ---------------------------------------------------------------
-    def register(self, request_id: str, layout: pb.Layout) -> CapturePlan:
+    def register(
+        self,
+        request_id: str,
+        layout: pb.Layout,
+        lane_prompts: Sequence[Sequence[int]] | None = None,
+    ) -> CapturePlan:
+        """The request's plan. `lane_prompts` (each lane's ids) lets lanes of one prompt be
+        recorded from one batch row (`n` > 1 goes forward once)."""
         layouts.check_layout(layout, request_id)
+        prompt_of = None
+        if lane_prompts is not None:
+            if len(lane_prompts) != len(layout.lanes):
+                raise ValueError(f"{len(lane_prompts)} prompts for {len(layout.lanes)} lanes")
+            first: dict[tuple[int, ...], int] = {}
+            prompt_of = tuple(first.setdefault(tuple(ids), i) for i, ids in enumerate(lane_prompts))
         plan = CapturePlan(
             request_id=request_id,
             token=secrets.token_hex(8),
@@ -183,6 +202,7 @@ class PlanTable:
             prompt_ids=tuple(tuple(lane.prompt_token_ids) for lane in layout.lanes)
             if layout.lanes[0].prompt_token_ids
             else None,
+            prompt_of=prompt_of,
         )
         with self._lock:
             self._sweep_locked()
@@ -237,23 +257,32 @@ class PlanTable:
         assembled: list[_Entry] = []
         with self._lock:
             rows_of: dict[str, list[Slot]] = {}
-            seen_rows: set[int] = set()
+            row_owner: dict[int, tuple[str, int]] = {}  # lanes of one prompt may share a row
             for slot in stamp.slots:
                 rows_of.setdefault(slot.request_id, []).append(slot)
-                if slot.batch_row in seen_rows or not 0 <= slot.batch_row < rows.shape[0]:
-                    # Two requests stamped on one batch row, or a row the forward lacks:
-                    # whatever was there would reach the wrong request.
+                claim = self._row_claim(slot)
+                owner = row_owner.setdefault(slot.batch_row, claim)
+                if owner != claim or not 0 <= slot.batch_row < rows.shape[0]:
+                    # Two requests (or two prompts) stamped on one batch row, or a row the
+                    # forward lacks: whatever was there would reach the wrong lane.
                     self._m.cross_request_events.inc()
                     for rid in {s.request_id for s in stamp.slots}:
                         self._fail(rid, "cross_request_events", f"batch row {slot.batch_row}")
                     return
-                seen_rows.add(slot.batch_row)
             for request_id, slots in rows_of.items():
                 entry = self._record_one(request_id, slots, stamp.capture_mode, rows, lane_lengths)
                 if entry is not None:
                     assembled.append(entry)
         if self._host_rows:
             self._to_host(assembled)
+
+    def _row_claim(self, slot: Slot) -> tuple[str, int]:
+        """Whose a batch row's rows are: the request, and the prompt (its first lane) where
+        its plan lets lanes of one prompt share a row, else the lane itself."""
+        entry = self._entries.get(slot.request_id)
+        shared = None if entry is None else entry.plan.prompt_of
+        lane = slot.lane_index
+        return slot.request_id, shared[lane] if shared and 0 <= lane < len(shared) else lane
 
     def _to_host(self, assembled: list[_Entry]) -> None:
         """Each assembled request's rows to the host, outside the lock. Its consume waits

@@ -281,7 +281,7 @@ class CaptureService:
             prompt_ids=lane_ids if self._model.reads_prompt_ids else None,
         )
         try:
-            plan = self._plans.register(request_id, layout)
+            plan = self._plans.register(request_id, layout, lane_ids)
         except PlanError as e:
             raise InvalidCapture(str(e), "request_id") from e
         stage = RouteStages(

@@ -46,6 +46,12 @@ D = 8
 MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
 
 
+def distinct_lanes(lengths) -> list[list[int]]:
+    """Lanes of these lengths, each a prompt of its own (identical lanes share one forward
+    lane, test_shared_lanes.py)."""
+    return [[k + 1] * n for k, n in enumerate(lengths)]
+
+
 def register(plans: PlanTable, rid: str, lengths, hidden: int = D):
     layout = layouts.make_layout(
         rid, list(lengths), [4] * len(lengths), hidden_size=hidden, dtype=torch.float32
@@ -116,7 +122,7 @@ async def big_part_held(
     batcher = ForwardBatcher(forward, pool, window_s=0.0, max_lanes=8, cohort=CohortLimits(8, 32))
     async with batcher:
         big = asyncio.ensure_future(
-            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
+            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9, [2] * 9, [3] * 9])
         )
         await asyncio.to_thread(forward.started.wait, 10)
         yield batcher, plans, forward, big
@@ -168,7 +174,7 @@ async def cohort_held(pool, part_yield_s: float) -> AsyncIterator[tuple]:
         small = asyncio.ensure_future(batcher.submit(register(plans, "small", (5,)), [[1] * 5]))
         await asyncio.to_thread(cohorts.started.wait, 10)
         big = asyncio.ensure_future(
-            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9] * 3)
+            batcher.submit(register(plans, "big", (9, 9, 9)), [[1] * 9, [2] * 9, [3] * 9])
         )
         yield cohorts, parts, small, big
 
@@ -217,7 +223,7 @@ async def forwards_of(limits: CohortLimits, *requests: tuple[str, tuple[int, ...
         )
         async with batcher:
             await asyncio.gather(*(
-                batcher.submit(register(plans, rid, lengths), [[1] * n for n in lengths])
+                batcher.submit(register(plans, rid, lengths), distinct_lanes(lengths))
                 for rid, lengths in requests
             ))  # fmt: skip
     return parts.forwards, cohorts.forwards
@@ -313,10 +319,11 @@ async def test_a_big_request_and_small_ones_all_get_their_answers_alone(
     nc, decoder_dir, serving_model
 ):
     """Through the real capture, readout and gateway with the official openai client: a
-    big request (n=4, over the capture's 32-token bound and the readout's 64-position part)
-    sent with small ones; each answer equals its prompt's answer alone, the big request's
-    lanes went a forward each and its readout in parts of 2 lanes (the torch engine's: its
-    cohort key lets a block be read in parts; the reference engine reads a block whole)."""
+    big request (4 distinct prompts, over the capture's 32-token bound and the readout's
+    64-position part) sent with small ones; each answer equals its prompt's answer alone,
+    the big request's lanes went a forward each and its readout in parts of 2 lanes (the
+    torch engine's: its cohort key lets a block be read in parts; the reference engine reads
+    a block whole)."""
     from stateblock.engines.torch_engine import TorchEngine
 
     engine = TorchEngine.load(serving_model)
@@ -344,28 +351,30 @@ async def test_a_big_request_and_small_ones_all_get_their_answers_alone(
     gateway = gateway_for(
         gateway_config(decoder_dir, f"127.0.0.1:{port}", timeout_s=60.0), nc, serving_model
     )
-    big, smalls = "reverse: abcdefghijklmnopqrs", ["copy: ab", "sort: cba", "add: 1+2", "copy: xyz"]
+    bigs = [f"reverse: {'abcdefghijklmnopqrstuvwxyz'[i : i + 19]}" for i in range(4)]
+    smalls = ["copy: ab", "sort: cba", "add: 1+2", "copy: xyz"]
     async with capture, readout, gateway as gw:
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="unused", max_retries=0
         )
 
-        async def ask(prompt: str, n: int = 1, max_tokens: int = 8) -> list[str]:
+        async def ask(prompt: str | list[str], n: int = 1, max_tokens: int = 8) -> list[str]:
             answer = await client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=max_tokens, n=n, temperature=0
             )
             return [choice.text for choice in sorted(answer.choices, key=lambda c: c.index)]
 
         alone = {p: (await ask(p))[0] for p in smalls}
-        big_alone = (await ask(big, max_tokens=32))[0]
+        big_alone = [(await ask(p, max_tokens=32))[0] for p in bigs]
         recording.executions.clear()
         together = await asyncio.wait_for(
-            asyncio.gather(ask(big, n=4, max_tokens=32), *(ask(p) for p in smalls * 2)), 120
+            asyncio.gather(ask(bigs, max_tokens=32), *(ask(p) for p in smalls * 2)), 120
         )
         await client.close()
-    assert together[0] == [big_alone] * 4
+    assert together[0] == big_alone
     assert together[1:] == [[alone[p]] for p in smalls * 2]
-    # the big request's 4 lanes x 24 wide are over the 32-token bound: a lane a forward
+    # the big request's 4 distinct lanes x 24 wide are over the 32-token bound: a lane a
+    # forward
     records = capture_metrics.get_sample_value("stateblock_capture_records_total")
-    assert records == len(smalls) + 1 + (4 + 2 * len(smalls))
+    assert records == len(smalls) + len(bigs) + (4 + 2 * len(smalls))
     assert (2, 32) in recording.executions and (4, 32) not in recording.executions
