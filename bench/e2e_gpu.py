@@ -78,8 +78,9 @@ STAGES = (  # (prefix, histogram, stages): the services' stage metrics, per requ
     ("worker", "stateblock_readout_stage_seconds",
      ("verify", "claim", "readout", "digest", "digest_wait", "commit", "ack")),
 )  # fmt: skip
-# the label sets beside `stage`: the capture's by route (a request in a cohort or in parts)
-ROUTES = {"capture": ({"route": "cohort"}, {"route": "parts"}), "worker": ({},)}
+# the label sets beside `stage`: by route (a request in a cohort or in parts, a block read
+# whole or in parts)
+ROUTES = dict.fromkeys(("capture", "worker"), ({"route": "cohort"}, {"route": "parts"}))
 
 
 def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
@@ -107,7 +108,10 @@ def run_e2e(args, scale, client, serving, engine, metrics, probe) -> dict:
         }
 
     def acked() -> float:  # the worker observes its stages after the ack, past the reply
-        return hist("stateblock_readout_stage_seconds_count", {"stage": "ack"})
+        return sum(
+            hist("stateblock_readout_stage_seconds_count", {"stage": "ack", **route})
+            for route in ROUTES["worker"]
+        )
 
     rng = random.Random(args.seed)
     prompt_len, depth = args.prompt_len, args.max_tokens

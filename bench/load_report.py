@@ -171,12 +171,16 @@ def _forward_split(st: dict) -> str:
 
 
 def _route(st: dict, route: str, what: str) -> str:
-    """One route's capture stages: its requests' forward stage (waiting, running) and sign."""
+    """One route's stages: its requests' capture forward stage (waiting, running), sign, and
+    its blocks' readout (a block read in parts is the readout's `parts` route)."""
     f, w, r, sign = (st.get(f"capture.{k}.{route}") for k in
                      ("forward", "forward_wait", "forward_run", "sign"))  # fmt: skip
     split = f" ({w['mean_ms']:,.1f} waiting, {r['mean_ms']:,.1f} in forwards)" if w and r else ""
     signed = f", {sign['mean_ms']:,.1f} ms to sign" if sign else ""
-    return f"{what}: {f['n']} requests, {f['mean_ms']:,.1f} ms in the forward stage{split}{signed}"
+    read = st.get(f"worker.readout.{route}")
+    blocks = f"; {read['n']} blocks read in {read['mean_ms']:,.1f} ms" if read else ""
+    return (f"{what}: {f['n']} requests, {f['mean_ms']:,.1f} ms in the capture's forward "
+            f"stage{split}{signed}{blocks}")  # fmt: skip
 
 
 def _alone_stages(st: dict) -> str:

@@ -95,8 +95,11 @@ class WorkerMetrics:
             "Worker time per committed block by stage: verify (parse, signature, rows), "
             "claim, readout (begun beside the claim), digest (the rows' hash, in a thread "
             "beside claim and readout), digest_wait (what the commit waited for it), "
-            "commit, ack.",
+            "commit, ack. Label `route`: `parts` for a long block read in parts (more answer "
+            "positions than one part), `cohort` for the rest, so the small blocks' time reads "
+            "apart from the maximal ones'.",
             metrics,
+            labels=("route",),
         )
         counter = functools.partial(Counter, registry=metrics)
         self.rejected = counter(
@@ -257,8 +260,9 @@ class ReadoutWorker:
         stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
                   "digest": digest_s, "digest_wait": t_digest - t1, "commit": t2 - t_digest,
                   "ack": time.perf_counter() - t2}  # fmt: skip
+        route = "parts" if self._readouts.is_long(lanes) else "cohort"
         for name, seconds in stages.items():
-            self._m.stage_seconds.labels(name).observe(seconds)
+            self._m.stage_seconds.labels(name, route).observe(seconds)
         self._m.committed.inc()
         self._rows.free(header)
         await self._rows.cleanup(block)

@@ -132,7 +132,7 @@ async def test_a_slot_block_is_read_from_its_slot_and_its_slot_freed(
         assert commit.forward_state_digest == rows_digest(rows, algorithm)
         await until(lambda: pool.held() == 0)
         digests = "stateblock_readout_stage_seconds_count"
-        assert metrics.get_sample_value(digests, {"stage": "digest"}) == 1
+        assert metrics.get_sample_value(digests, {"stage": "digest", "route": "cohort"}) == 1
 
 
 async def test_a_bus_block_never_reaches_the_placement_s_workers(nc, engine, serving_model):

@@ -123,8 +123,8 @@ async def test_block_committed_with_the_engine_answer(nc, readout, engine, servi
     assert await settled(metrics, "stateblock_blocks_committed_total", 1) == 1
     # the rows' digest was checked (in its thread) before this commit, once
     count = "stateblock_readout_stage_seconds_count"
-    assert value(metrics, count, stage="digest") == 1
-    assert value(metrics, count, stage="digest_wait") == 1
+    assert value(metrics, count, stage="digest", route="cohort") == 1
+    assert value(metrics, count, stage="digest_wait", route="cohort") == 1
 
 
 def _flip_payload(block: pb.StateBlock) -> None:

@@ -268,6 +268,7 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     assert (beside["capture.forward.cohort"]["n"] + beside["capture.forward.parts"]["n"]
             == beside["capture.forward"]["n"])  # fmt: skip
     assert "the small requests (in cohorts): " in (out / "load.md").read_text()
+    assert beside["worker.readout.cohort"]["n"] >= 8
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
 
