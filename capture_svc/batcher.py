@@ -184,7 +184,7 @@ class Pending:
                 groups[i][0],
                 self.timing,
                 groups=groups[i : i + step],
-            )  # fmt: skip
+            )
             for i in range(0, len(self.lane_ids), step)
         ]
 
