@@ -131,12 +131,18 @@ def answer_nll(base, prompts: list[list[int]], answers: list[list[int]], pad: in
 
 def compare(teacher: list[int], tokens: list[int], eos: int) -> dict:
     """One answer's figures: exact, token agreement over the teacher's positions, EOS
-    agreement (the first `<eos>` at the same position, or none in either)."""
+    agreement (the first `<eos>` at the same position, or none in either), and where they
+    disagree which way: `ends` "early" (the readout stops first) or "late" (after the
+    teacher's `<eos>`, or not at all), None where they agree."""
     served = cut(tokens, eos)
     agree = sum(a == b for a, b in zip(teacher, tokens, strict=False)) / max(1, len(teacher))
     t_end = teacher.index(eos) if eos in teacher else None
     r_end = served.index(eos) if eos in served else None
-    return {"exact": served == teacher, "tokens": agree, "eos": t_end == r_end}
+    ends = None
+    if t_end != r_end:
+        early = r_end is not None and (t_end is None or r_end < t_end)
+        ends = "early" if early else "late"
+    return {"exact": served == teacher, "tokens": agree, "eos": t_end == r_end, "ends": ends}
 
 
 def fidelity(base, decoder, records: list[dict], cap: int, eos: int, pad: int, device) -> dict:
@@ -172,6 +178,8 @@ def _figures(rows: list[dict]) -> dict:
     return {"n": len(rows), "exact": _mean(x["exact"] for x in rows),
             "token_agreement": _mean(x["tokens"] for x in rows),
             "eos_agreement": _mean(x["eos"] for x in rows),
+            "ends_early": _mean(x["ends"] == "early" for x in rows),
+            "ends_late": _mean(x["ends"] == "late" for x in rows),
             "differ": len(gaps), "nll_gap_per_token": _mean(gaps)}  # fmt: skip
 
 
@@ -190,9 +198,11 @@ def markdown(summary: dict) -> str:
              _row(["task", "base exact vs truth"]), "|---|---:|"]  # fmt: skip
     lines += [_row([f, v]) for f, v in base["exact_vs_truth"].items()]
     for by in ("family", "bucket"):
-        lines += ["", _row([by, "n", "exact", "token agreement", "EOS agreement", "differ",
-                            "NLL gap / token"]), "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["", _row([by, "n", "exact", "token agreement", "EOS agreement",
+                            "ends early / late", "differ", "NLL gap / token"]),
+                  "|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
         for k, f in summary["readout"][by].items():
+            ends = f"{f.get('ends_early', '-')} / {f.get('ends_late', '-')}"
             lines.append(_row([k, f["n"], f["exact"], f["token_agreement"], f["eos_agreement"],
-                               f["differ"], f["nll_gap_per_token"]]))  # fmt: skip
+                               ends, f["differ"], f["nll_gap_per_token"]]))  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -70,9 +70,12 @@ def test_too_few_documents_is_a_clear_error():
 def test_the_figures_of_one_answer():
     eos = 2
     assert prose_fidelity.compare([5, 6, eos], [5, 6, eos, 9], eos) == {
-        "exact": True, "tokens": 1.0, "eos": True}  # fmt: skip
+        "exact": True, "tokens": 1.0, "eos": True, "ends": None}  # fmt: skip
     wrong = prose_fidelity.compare([5, 6, eos], [5, 7, 8, eos], eos)
-    assert wrong == {"exact": False, "tokens": pytest.approx(1 / 3), "eos": False}
+    assert wrong == {"exact": False, "tokens": pytest.approx(1 / 3), "eos": False, "ends": "late"}
+    assert prose_fidelity.compare([5, 6, eos], [5, eos], eos)["ends"] == "early"
+    assert prose_fidelity.compare([5, 6, eos], [5, 6, 7], eos)["ends"] == "late"  # no end
+    assert prose_fidelity.compare([5, 6], [5, eos], eos)["ends"] == "early"  # the cap's answer
     assert prose_fidelity.compare([5, 6], [5, 6, 7], eos)["exact"] is False  # cap: all 3 read
     report = prose_fidelity.base_report(
         [{"family": "repeat", "answer_ids": [5, eos], "truth_ids": [5]},
