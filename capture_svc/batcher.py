@@ -62,7 +62,7 @@ from typing import Any
 import structlog
 
 from capture_svc.config import CohortLimits
-from capture_svc.plans import CapturePlan
+from capture_svc.plans import CapturePlan, distinct
 from stateblock import runtime
 
 log = structlog.get_logger("capture_svc.batcher")
@@ -135,18 +135,6 @@ class ForwardTiming:
     def forward(self, started: float, seconds: float) -> None:
         self.started = started if self.started is None else self.started
         self.ran += seconds
-
-
-def distinct(
-    lane_ids: Sequence[Sequence[int]],
-) -> tuple[list[Sequence[int]], list[tuple[int, ...]]]:
-    """A request's distinct lanes, in first-seen order, and the lane indices each one fills:
-    `n` > 1 of one prompt is one prompt to run forward (its rows are the same whatever the
-    lane: a forward's rows do not depend on the company a lane keeps)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, ids in enumerate(lane_ids):
-        groups.setdefault(tuple(ids), []).append(i)
-    return [list(ids) for ids in groups], [tuple(g) for g in groups.values()]
 
 
 @dataclass
@@ -253,9 +241,12 @@ class ForwardBatcher:
     def over_bound(self, lane_ids: Sequence[Sequence[int]]) -> bool:
         """Whether a request's distinct lanes at its bucket width are over the cohort's token
         bound, or one is long enough to run in chunks: it is captured in parts."""
-        lanes = len(distinct(lane_ids)[0])
-        longest = max(len(ids) for ids in lane_ids)
-        return lanes * bucket_width(longest) > self._cohort.tokens or (
+        return self._over_bound(distinct(lane_ids)[0])
+
+    def _over_bound(self, unique: Sequence[Sequence[int]]) -> bool:
+        """`over_bound` of a request's distinct lanes."""
+        longest = max(len(ids) for ids in unique)
+        return len(unique) * bucket_width(longest) > self._cohort.tokens or (
             self._cohort.chunked(longest)
         )
 
@@ -273,7 +264,7 @@ class ForwardBatcher:
             pending = Pending(plan, lane_ids, future)
         self._unstarted[plan.request_id] = pending
         try:
-            await (self._oversized if self.over_bound(lane_ids) else self._queue).put(pending)
+            await (self._oversized if self._over_bound(unique) else self._queue).put(pending)
             await future
         finally:
             self._unstarted.pop(plan.request_id, None)

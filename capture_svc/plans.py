@@ -38,6 +38,18 @@ from stateblock.v1 import block_pb2 as pb
 _REMEMBERED_CONSUMED = 4096  # request ids kept to tell a double consume from an unknown id
 
 
+def distinct(
+    lane_ids: Sequence[Sequence[int]],
+) -> tuple[list[Sequence[int]], list[tuple[int, ...]]]:
+    """A request's distinct lanes, in first-seen order, and the lane indices each one fills:
+    `n` > 1 of one prompt is one prompt to run forward (its rows are the same whatever the
+    lane: a forward's rows do not depend on the company a lane keeps)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(lane_ids):
+        groups.setdefault(tuple(ids), []).append(i)
+    return [list(ids) for ids in groups], [tuple(g) for g in groups.values()]
+
+
 def to_host(rows: Tensor) -> Tensor:
     """A request's rows in host memory (the forward's device synchronised for a GPU's)."""
     return rows if rows.device.type == "cpu" else rows.to("cpu")
@@ -185,8 +197,8 @@ class PlanTable:
         if lane_prompts is not None:
             if len(lane_prompts) != len(layout.lanes):
                 raise ValueError(f"{len(lane_prompts)} prompts for {len(layout.lanes)} lanes")
-            first: dict[tuple[int, ...], int] = {}
-            prompt_of = tuple(first.setdefault(tuple(ids), i) for i, ids in enumerate(lane_prompts))
+            first = {i: group[0] for group in distinct(lane_prompts)[1] for i in group}
+            prompt_of = tuple(first[i] for i in range(len(lane_prompts)))
         plan = CapturePlan(
             request_id=request_id,
             token=secrets.token_hex(8),

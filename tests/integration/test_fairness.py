@@ -210,8 +210,8 @@ async def test_a_part_waits_no_longer_than_its_yield():
             await asyncio.wait_for(asyncio.gather(small, big), 10)
 
 
-async def forwards_of(limits: CohortLimits, *requests: tuple[str, tuple[int, ...]]):
-    """The parts' and the cohorts' forwards when `requests` (id, lane lengths) are submitted
+async def forwards_of(limits: CohortLimits, *requests: tuple[str, list[list[int]]]):
+    """The parts' and the cohorts' forwards when `requests` (id, lanes' ids) are submitted
     together to a batcher of `limits` with two forward threads."""
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
     cohorts, parts = Gated(), Gated()
@@ -223,8 +223,8 @@ async def forwards_of(limits: CohortLimits, *requests: tuple[str, tuple[int, ...
         )
         async with batcher:
             await asyncio.gather(*(
-                batcher.submit(register(plans, rid, lengths), distinct_lanes(lengths))
-                for rid, lengths in requests
+                batcher.submit(register(plans, rid, [len(x) for x in lanes]), lanes)
+                for rid, lanes in requests
             ))  # fmt: skip
     return parts.forwards, cohorts.forwards
 
@@ -233,7 +233,9 @@ async def test_parts_run_through_the_background_forward_and_cohorts_through_the_
     """The parts of a request over the token bound go to `forward_part` (on a GPU: a stream
     of the lowest priority, `CohortForward.part`), the cohorts of requests that fit to
     `forward`; neither sees the other's."""
-    parts, cohorts = await forwards_of(CohortLimits(8, 32), ("big", (9, 9, 9)), ("small", (5,)))
+    parts, cohorts = await forwards_of(
+        CohortLimits(8, 32), ("big", distinct_lanes((9, 9, 9))), ("small", distinct_lanes((5,)))
+    )
     assert parts == [[("big", 0, 2)], [("big", 2, 1)]]
     assert cohorts == [[("small", 0, 1)]]
 
@@ -244,7 +246,9 @@ async def test_parts_carry_their_own_token_bound_and_cohorts_keep_theirs():
     (the cohort bound, 32, would make parts of 2 and 1), and a request that fits the
     cohort bound still goes whole."""
     limits = CohortLimits(8, 32, 16)
-    parts, cohorts = await forwards_of(limits, ("big", (9, 9, 9)), ("fits", (9, 9)))
+    parts, cohorts = await forwards_of(
+        limits, ("big", distinct_lanes((9, 9, 9))), ("fits", distinct_lanes((9, 9)))
+    )
     assert parts == [[("big", 0, 1)], [("big", 1, 1)], [("big", 2, 1)]]
     assert cohorts == [[("fits", 0, 2)]]
     assert [limits.part_lanes_at(w) for w in (8, 16, 32)] == [2, 1, 1]

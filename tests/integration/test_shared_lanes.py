@@ -4,14 +4,13 @@ prompt alone, and a row two requests claim still poisons both."""
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from capture_svc.batcher import ForwardBatcher, Pending, distinct
+from capture_svc.batcher import ForwardBatcher, Pending
 from capture_svc.config import CohortLimits
 from capture_svc.forward import CohortForward
 from capture_svc.plans import (
@@ -20,9 +19,10 @@ from capture_svc.plans import (
     PlanTable,
     PlanTableMetrics,
     Slot,
+    distinct,
 )
 from stateblock.protocol import layouts
-from tests.integration.test_fairness import MODE, Gated, register
+from tests.integration.test_fairness import MODE, forwards_of, register
 
 D = 8
 
@@ -76,29 +76,13 @@ def test_lanes_of_one_prompt_share_a_row_and_nothing_else_does():
         plans.register("z", plan_of_lanes, [[1], [1]])
 
 
-async def forwards(limits: CohortLimits, lanes) -> tuple[list, list]:
-    """The cohorts' and the parts' forwards (request, first lane, forward lanes) when one
-    request of `lanes` is submitted."""
-    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    cohorts, parts = Gated(), Gated()
-    cohorts.release.set()
-    parts.release.set()
-    with ThreadPoolExecutor(2) as pool:
-        batcher = ForwardBatcher(cohorts, pool, window_s=0.0, max_lanes=8, cohort=limits,
-                                 forward_part=parts)  # fmt: skip
-        async with batcher:
-            plan = register(plans, "r", [len(x) for x in lanes])
-            await asyncio.wait_for(batcher.submit(plan, lanes), 10)
-    return cohorts.forwards, parts.forwards
-
-
 async def test_identical_lanes_go_forward_once():
     """8 lanes of one 9-token prompt: one lane of 16 wide, within a 32-token bound that 8
     lanes would be over; 3 distinct prompts of 4 lanes: parts of one distinct lane each."""
-    cohorts, parts = await forwards(CohortLimits(8, 32), [[1] * 9] * 8)
+    parts, cohorts = await forwards_of(CohortLimits(8, 32), ("r", [[1] * 9] * 8))
     assert cohorts == [[("r", 0, 1)]] and parts == []
     lanes = [[1] * 9, [2] * 9, [1] * 9, [3] * 9]
-    cohorts, parts = await forwards(CohortLimits(8, 16), lanes)
+    parts, cohorts = await forwards_of(CohortLimits(8, 16), ("r", lanes))
     assert cohorts == [] and parts == [[("r", 0, 1)], [("r", 1, 1)], [("r", 3, 1)]]
 
 
