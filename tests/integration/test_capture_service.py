@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -25,6 +26,7 @@ from capture_svc.plans import (
     Slot,
 )
 from capture_svc.server import running_capture
+from capture_svc import service as capture_service_module
 from capture_svc.service import CaptureFailed, InvalidCapture
 from stateblock.model.capture import UNMASKED_SDPA
 from stateblock.model.rows import block_lanes
@@ -331,6 +333,31 @@ async def test_capture_rejects_bad_requests_before_planning(capture_service, mod
     assert info.value.param == param
     assert running.plans.active() == 0
     assert (await nc.jetstream().stream_info(streams.BLOCKS_STREAM)).state.last_seq == 0
+
+
+async def test_a_long_input_is_tokenized_off_the_event_loop(capture_service, monkeypatch):
+    """Over the bound, every lane is tokenized on a thread (the loop serves others meanwhile),
+    to the same block and the same errors as on the loop."""
+    running, nc, _ = capture_service
+    threads: list[int] = []
+    tokenize = running.service.tokenize
+
+    def recording(lane, index):
+        threads.append(threading.get_ident())
+        return tokenize(lane, index)
+
+    monkeypatch.setattr(running.service, "tokenize", recording)
+    lanes = [lane(prompt="copy: abc", max_tokens=4), lane(prompt="copy: xy", max_tokens=4)]
+    on_loop = await running.service.capture("on-loop", MODEL, lanes)
+    assert set(threads) == {threading.get_ident()}
+    monkeypatch.setattr(capture_service_module, "OFF_LOOP_INPUT", 16)  # both lanes: 17 chars
+    threads.clear()
+    off_loop = await running.service.capture("off-loop", MODEL, lanes)
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert off_loop.prompt_tokens == on_loop.prompt_tokens
+    with pytest.raises(InvalidCapture) as info:  # raised on the thread, the same as on the loop
+        await running.service.capture(None, MODEL, [*lanes, lane(prompt="", max_tokens=4)])
+    assert info.value.param == "prompt" and running.plans.active() == 0
 
 
 async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
