@@ -88,7 +88,7 @@ def ratio(num: dict, den: dict, key: str) -> float | None:
 
 def beside_big(stack, url: str, prompts: list[str], depth: int, big: Level, args) -> tuple:
     """The small requests while B big clients send back to back: (small level, its start
-    and stop, the big clients' start and stop, the stage histograms over the phase)."""
+    and stop, the big clients' start and stop, what `stage_window` saw over the phase)."""
     clients, requests = args.big_clients, args.fairness_requests
     window: list[tuple[float, float]] = []
     runner = threading.Thread(
@@ -104,7 +104,7 @@ def beside_big(stack, url: str, prompts: list[str], depth: int, big: Level, args
         s1 = time.perf_counter()
         big.stop.set()
         runner.join()  # the big requests in flight finish (each within the client's timeout)
-    return small, (s0, s1), window[0] if window else (w0, w0), seen["stages"]
+    return small, (s0, s1), window[0] if window else (w0, w0), seen
 
 
 def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -> dict:
@@ -125,7 +125,7 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
         a0, a1 = alone.run(1, float("inf"))
     alone_row = summarize(alone, 1, a0, a1, refs)
     big = Level(url, big_prompts, shape["max_tokens"], 0)
-    small, (s0, s1), (g0, g1), stages = beside_big(stack, url, prompts, depth, big, args)
+    small, (s0, s1), (g0, g1), seen = beside_big(stack, url, prompts, depth, big, args)
     beside_row = dict(
         summarize(small, 1, s0, s1, refs),
         beside_big=overlapping(small, big),
@@ -151,5 +151,7 @@ def measure(stack, url: str, prompts: list[str], refs: dict, depth: int, args) -
         "target_p99_ratio": TARGET_P99_RATIO,
         "meets_target": met and beside_row["n_errors"] == 0 and big_row["n_errors"] == 0,
         "stages_alone": seen_alone["stages"],
-        "stages_beside": stages,  # the big requests' stages counted in
+        "stages_beside": seen["stages"],  # the big requests' stages counted in
+        "loop_lag_alone": seen_alone["loop_lag"],
+        "loop_lag_beside": seen["loop_lag"],
     }

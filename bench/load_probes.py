@@ -167,11 +167,33 @@ def stage_window(stack) -> Iterator[dict]:
     "stages" once the block is over (a worker observes its stages just after its ack, past
     the reply: read 0.2 s later)."""
     seen: dict = {}
-    before, t0 = stack.scrape(FAMILIES), time.perf_counter()
+    lags = getattr(stack, "loop_lag", dict)  # the in-process bench stack has no processes
+    lag_before, before, t0 = lags(), stack.scrape(FAMILIES), time.perf_counter()
     yield seen
     wall = time.perf_counter() - t0
     time.sleep(0.2)
     seen["stages"] = stages(before, stack.scrape(FAMILIES), wall)
+    seen["loop_lag"] = loop_stalls(lag_before, lags())
+
+
+def loop_stalls(before: dict, after: dict) -> dict:
+    """{process: {wakeups, over_10ms, over_50ms, worst_ms}} of its event loop between two
+    `ProcStack.loop_lag` readings: how often it woke over 10 and 50 ms late, and the bucket
+    bound the latest wake-up stayed within (inf: over the last bound)."""
+    out = {}
+    for name, buckets in after.items():
+        seen = {le: n - before.get(name, {}).get(le, 0.0) for le, n in buckets.items()}
+        total = seen.get(float("inf"), 0.0)
+        if total <= 0:
+            continue
+        worst = min(le for le, n in seen.items() if n >= total)
+        out[name] = {
+            "wakeups": int(total),
+            "over_10ms": int(total - seen.get(0.01, total)),
+            "over_50ms": int(total - seen.get(0.05, total)),
+            "worst_ms": worst * 1000 if worst != float("inf") else "inf",
+        }
+    return out
 
 
 def compiled(before: dict, after: dict) -> int:

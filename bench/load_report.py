@@ -154,7 +154,20 @@ def fairness_lines(f: dict) -> list[str]:
         )  # fmt: skip
     if st.get("capture.allocator"):
         lines.append(f"Capture's CUDA allocator beside: {_events(st['capture.allocator'])}.")
+    lags = [(what, f.get(f"loop_lag_{what}")) for what in ("alone", "beside")]
+    if any(lag for _, lag in lags):
+        lines.append("Event loops woken late (a 10 ms sleep; runtime.loop_lag): " + "; ".join(
+            f"{what}: {_stalls(lag)}" for what, lag in lags if lag) + ".")  # fmt: skip
     return lines
+
+
+def _stalls(lag: dict) -> str:
+    """Each process's late wake-ups over one phase."""
+    return ", ".join(
+        f"{name} {s['over_10ms']} over 10 ms, {s['over_50ms']} over 50 ms of {s['wakeups']:,} "
+        f"(worst <= {s['worst_ms']} ms)"
+        for name, s in sorted(lag.items())
+    )
 
 
 def _events(alloc: dict) -> str:

@@ -69,6 +69,7 @@ def engine_options(args) -> dict[str, str]:
 
 REPO = Path(__file__).resolve().parent.parent
 # the histograms whose per-request sums the bench reads (what a dashboard would plot)
+LOOP_LAG = "stateblock_event_loop_lag_seconds"  # runtime.loop_lag
 SCRAPED = (
     "stateblock_capture_seconds",
     "stateblock_capture_stage_seconds",
@@ -151,6 +152,7 @@ class ProcStack:
         self._specs: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._ready: dict[str, Callable[[], bool]] = {}
         self._metrics_urls: list[str] = []
+        self._lag_urls: dict[str, str] = {}  # {process: its /metrics}, for its loop's lag
         self.nats_monitor_url: str | None = None  # http://127.0.0.1:PORT, with nats_monitor
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
@@ -195,6 +197,15 @@ class ProcStack:
         self._metrics_urls = [
             f"http://127.0.0.1:{port}/metrics" for port in (*p.capture_metrics, *p.readout_metrics)
         ]
+        self._lag_urls = {
+            **{
+                f"capture{i}": u for i, u in enumerate(self._metrics_urls[: len(p.capture_metrics)])
+            },
+            **{
+                f"readout{i}": u for i, u in enumerate(self._metrics_urls[len(p.capture_metrics) :])
+            },
+            "gateway": f"http://127.0.0.1:{p.http}/metrics",
+        }
         # the capture's gRPC port opens before its warm-up; its health says SERVING after it
         for name, ready in self._ready.items():
             self._wait(ready, name)
@@ -213,6 +224,7 @@ class ProcStack:
         url = f"http://{LOOPBACK}:{p.http}"
         self._wait(lambda: _http_ok(f"{url}/health"), UP_PROCESS)
         self._metrics_urls = [f"{url}/metrics"]
+        self._lag_urls = {UP_PROCESS: f"{url}/metrics"}
         return url
 
     def _start_nats(self) -> int:
@@ -262,6 +274,25 @@ class ProcStack:
                         if "route" in s.labels:  # and by route: `forward.cohort`, ...
                             key = (s.name, f"{key[1]}.{s.labels['route']}")
                             out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def loop_lag(self) -> dict[str, dict[float, float]]:
+        """{process: {bucket bound in seconds: its loop's wake-ups at most that late so far,
+        inf: all of them}} (runtime.loop_lag); a process that does not answer is left out."""
+        out: dict[str, dict[float, float]] = {}
+        for name, url in self._lag_urls.items():
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name == LOOP_LAG:
+                    out[name] = {
+                        float(s.labels["le"]): s.value
+                        for s in family.samples
+                        if s.name.endswith("_bucket")
+                    }
         return out
 
     @property

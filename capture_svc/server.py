@@ -352,6 +352,7 @@ async def main() -> None:
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )
+        await stack.enter_async_context(runtime.loop_lag(metrics))
         await stack.enter_async_context(
             running_capture(
                 config, nc=nc, model=model, signer=signer, metrics=metrics, nats_state=state

@@ -131,6 +131,7 @@ async def main() -> None:
     async with AsyncExitStack() as stack:
         # drained after the servers have stopped
         nc, state = await connected(stack, config.nats_url, "gateway", metrics)
+        await stack.enter_async_context(runtime.loop_lag(metrics))
         await stack.enter_async_context(
             running_gateway(config, nc=nc, metrics=metrics, tokenizer=tokenizer, nats_state=state)
         )

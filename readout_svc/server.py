@@ -267,6 +267,7 @@ async def main() -> None:
         await stack.enter_async_context(
             runtime.metrics_server(metrics, config.metrics_port, config.metrics_host)
         )
+        await stack.enter_async_context(runtime.loop_lag(metrics))
         engine_health = EngineHealth()
         readiness = await stack.enter_async_context(
             probing(

@@ -45,6 +45,10 @@ DEFAULT_READY_TIMEOUT_S = 2.0
 # The capture's and the worker's stage histograms share buckets, so one request's stages
 # read side by side (from sub-millisecond: a block's digest, claim and ack are that short).
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+# The event loop is asked to wake every LOOP_LAG_PERIOD_S; how late it wakes is how long
+# something held it (a synchronous call on the loop, the GIL held by another thread).
+LOOP_LAG_PERIOD_S = 0.01
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 def stage_histogram(
@@ -385,6 +389,36 @@ def shutdown_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, event.set)
     return event
+
+
+@asynccontextmanager
+async def loop_lag(
+    metrics: CollectorRegistry, period_s: float = LOOP_LAG_PERIOD_S
+) -> AsyncIterator[Histogram]:
+    """`stateblock_event_loop_lag_seconds` of this process's event loop, observed every
+    `period_s` while the block runs: a request's latency beside a stall it did not cause
+    shows up here as one late wake-up."""
+    lag = Histogram(
+        "stateblock_event_loop_lag_seconds",
+        f"How late the event loop woke from a {period_s * 1000:g} ms sleep: how long it was "
+        "held (a synchronous call on the loop, or the GIL held by another thread).",
+        buckets=LOOP_LAG_BUCKETS_S,
+        registry=metrics,
+    )
+
+    async def watch() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(period_s)
+            lag.observe(max(0.0, loop.time() - t0 - period_s))
+
+    task = asyncio.create_task(watch(), name="loop-lag")
+    try:
+        yield lag
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @asynccontextmanager

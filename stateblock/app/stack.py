@@ -347,6 +347,7 @@ async def running_stack(
         own_nats = plan.nats_url is None  # its users: one per service
         logins = creds.nats_passwords if own_nats else None
         connection = _Connections(stack, nats_url, metrics, config.connection_per_service, logins)
+        await stack.enter_async_context(runtime.loop_lag(metrics))  # the services' one loop
         nc, state = await connection(CAPTURE)
         capture = await stack.enter_async_context(
             running_capture(

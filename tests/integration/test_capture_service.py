@@ -14,6 +14,7 @@ import torch
 from nats.js.api import StorageType
 from prometheus_client import CollectorRegistry
 
+from capture_svc import service as capture_service_module
 from capture_svc.batcher import ForwardBatcher, Pending, bucket_width
 from capture_svc.config import CaptureConfig, CohortLimits
 from capture_svc.forward import CohortForward
@@ -26,7 +27,6 @@ from capture_svc.plans import (
     Slot,
 )
 from capture_svc.server import running_capture
-from capture_svc import service as capture_service_module
 from capture_svc.service import CaptureFailed, InvalidCapture
 from stateblock.model.capture import UNMASKED_SDPA
 from stateblock.model.rows import block_lanes

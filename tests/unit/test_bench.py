@@ -271,6 +271,11 @@ def test_load_bench_fairness_level_tiny(tmp_path):
     assert beside["worker.readout.cohort"]["n"] >= 8
     table = (out / "load.md").read_text()
     assert "**Fairness**" in table and "| small, beside 1 big | 8 |" in table
+    # every process's event loop watched over both phases (a 10 ms sleep: many wake-ups)
+    for phase in ("loop_lag_alone", "loop_lag_beside"):
+        assert set(f[phase]) == {"capture0", "readout0", "gateway"}, phase
+        assert all(lag["wakeups"] >= 5 for lag in f[phase].values()), f[phase]
+    assert "Event loops woken late" in table
 
 
 def test_the_slowest_small_requests_are_placed_against_the_big_ones():
@@ -288,6 +293,24 @@ def test_the_slowest_small_requests_are_placed_against_the_big_ones():
         {"ms": 60.0, "from_big_send_ms": 1800.0, "from_big_reply_ms": -100.0},
     ]
     assert slowest(small, Level("u", ["p"], 1, 0), k=1)[0]["from_big_reply_ms"] is None
+
+
+def test_loop_stalls_count_the_late_wakeups_between_two_readings():
+    """`loop_stalls`: per process, wake-ups over the window, those over 10 and 50 ms late,
+    and the bucket bound the latest stayed within."""
+    from bench.load_probes import loop_stalls
+
+    inf = float("inf")
+    before = {"capture0": {0.005: 10, 0.01: 10, 0.05: 10, inf: 10}}
+    after = {
+        "capture0": {0.005: 100, 0.01: 105, 0.05: 107, inf: 108},  # 98: 3 over 10, 1 over 50
+        "gateway": {0.005: 4, 0.01: 4, 0.05: 4, inf: 4},  # no earlier reading: all counted
+        "readout0": {0.005: 0, 0.01: 0, 0.05: 0, inf: 0},  # nothing seen: left out
+    }
+    assert loop_stalls(before, after) == {
+        "capture0": {"wakeups": 98, "over_10ms": 3, "over_50ms": 1, "worst_ms": "inf"},
+        "gateway": {"wakeups": 4, "over_10ms": 0, "over_50ms": 0, "worst_ms": 5.0},
+    }
 
 
 def test_load_bench_fairness_shape_defaults_to_the_stack_limits():

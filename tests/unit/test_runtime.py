@@ -137,3 +137,24 @@ async def test_probing_stops_even_when_wait_for_loses_its_cancel():
             gate.set_result(None)  # the probe answers in the turn its cancel arrives
 
     await asyncio.wait_for(leave(), 10)
+
+
+async def test_a_held_event_loop_shows_as_one_late_wakeup():
+    """`loop_lag`: a synchronous 60 ms on the loop is one wake-up at least 50 ms late (the
+    watcher sleeps 10 ms at a time); the watcher stops with the block."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    metrics = CollectorRegistry()
+    name = "stateblock_event_loop_lag_seconds"
+    async with runtime.loop_lag(metrics):
+        await asyncio.sleep(0.05)
+        time.sleep(0.06)  # the loop held
+        await asyncio.sleep(0.03)
+    total = metrics.get_sample_value(f"{name}_count")
+    within_25ms = metrics.get_sample_value(f"{name}_bucket", {"le": "0.025"})
+    assert total >= 3 and total - within_25ms >= 1
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "loop-lag"]
+    await asyncio.sleep(0.03)
+    assert metrics.get_sample_value(f"{name}_count") == total
