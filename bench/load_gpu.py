@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=64,
                     help="distinct prompts, each sent alone once a depth (the reference)")  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=None, help="default: the scale's")
+    ap.add_argument("--n", type=int, default=None,
+                    help="the OpenAI `n` of every load-level request: its prompt's answers, "
+                         "lanes the capture runs forward once (default: left out, one)")  # fmt: skip
     ap.add_argument("--workers", type=int, default=None,
                     help="readout workers a process (default: the readout's, by its engine)")  # fmt: skip
     ap.add_argument("--readout-procs", type=int, default=1, help="readout processes")
@@ -125,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", type=Path, default=None, help="models; default a /tmp dir")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+# what a request's answer counts as when its `n` greedy answers of one prompt differ
+DIFFERING_CHOICES = "<the request's answers of one prompt differ>"
 
 
 class Level:
@@ -178,6 +185,8 @@ class Level:
         try:
             r = client.complete(MODEL_NAME, self.prompts[k], self.depth, self.n)
             text, tokens = r["choices"][0]["text"], r["usage"]["completion_tokens"]
+            if isinstance(self.prompts[k], str) and len({c["text"] for c in r["choices"]}) > 1:
+                text = DIFFERING_CHOICES  # greedy answers of one prompt: never its reference
         except CompletionError as e:
             error, message = str(e.status), str(e)
         except Exception as e:  # noqa: BLE001 - counted by kind, the run goes on
@@ -260,7 +269,7 @@ def reference_pass(url: str, prompts: list[str], depth: int) -> tuple[dict[int, 
 
 def measure_level(stack: ProcStack, gpu, url, prompts, depth, clients, args, refs) -> dict:
     """One level with the probes read around it."""
-    level = Level(url, prompts, depth, args.max_requests)
+    level = Level(url, prompts, depth, args.max_requests, n=args.n)
     pids = {**stack.pids(), "bench-clients": os.getpid()}
     profiles = None
     if clients == args.profile_clients and depth == args.depths[0]:

@@ -218,7 +218,9 @@ def markdown(doc: dict) -> str:
                  f"processes of {workers} workers")  # fmt: skip
     lines = [
         f"### Load, {where} ({c['scale']}, {c['device_name']})",
-        f"prompt {c['prompt_len']} tokens, temperature 0, ignore_eos; capture compile "
+        f"prompt {c['prompt_len']} tokens"
+        + (f", `n` {c['n']} (a request's answers of its prompt)" if c.get("n") else "")
+        + ", temperature 0, ignore_eos; capture compile "
         f"`{c['capture_compile']}`, {shape}, blocks storage "
         f"`{c['blocks_storage']}`, {c['level_s']} s a level"
         + (", under CUDA MPS" if c.get("mps") else "")

@@ -176,11 +176,12 @@ def test_load_bench_tiny_end_to_end(tmp_path):
            "--work-dir", str(work), "--scale", "tiny", "--device", "cpu", "--levels", "1,2",
            "--depths", "16", "--level-s", "1", "--max-requests", "8", "--prompts", "3",
            "--ar-batches", "2,1", "--ar-new-tokens", "16", "--ar-repeats", "1",
-           "--ratio-clients", "2", "--budget-s", "240"]  # fmt: skip
+           "--ratio-clients", "2", "--n", "2", "--budget-s", "240"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((out / "load.json").read_text())
     assert doc["config"]["stack"] == "processes" and doc["skipped"] == []
+    assert doc["config"]["n"] == 2  # two answers a request: all_full_depth counts 2 x 16
     # unset, the capture's compile is the service's on this device; no MPS daemon here
     assert doc["config"]["capture_compile"] == "off" and doc["config"]["mps"] is False
     assert doc["setup"]["stack_start_s"] > 0
@@ -216,6 +217,7 @@ def test_load_bench_tiny_end_to_end(tmp_path):
     assert doc["ratio"]["clients"] == 2 and doc["ratio"]["stack_over_ar"] > 0
     table = (out / "load.md").read_text()
     assert "| clients | requests | req/s |" in table and "differing / checked" in table
+    assert "`n` 2 (a request's answers of its prompt)" in table
     assert 0 < (out / "load.png").stat().st_size < 100_000
 
 
