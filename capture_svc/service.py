@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from capture_svc.batcher import Dropped, ForwardBatcher
 from capture_svc.config import CaptureConfig
 from capture_svc.dataplane import DataPlane
-from capture_svc.plans import PlanError, PlanTable
+from capture_svc.plans import CapturePlan, PlanError, PlanTable
 from capture_svc.publisher import PublishError
 from stateblock import runtime
 from stateblock.model.loading import ServingModel
@@ -247,6 +247,24 @@ class CaptureService:
             return run()
         return await asyncio.to_thread(run)
 
+    def _plan(
+        self, request_id: str, lanes: Sequence[capture_pb2.CaptureLane], lane_ids: list[list[int]]
+    ) -> tuple[pb.Layout, CapturePlan]:
+        """The request's layout, and its plan registered in the capture registry."""
+        layout = layouts.make_layout(
+            request_id,
+            [len(ids) for ids in lane_ids],
+            [lane.max_tokens for lane in lanes],
+            hidden_size=self._model.hidden_size,
+            dtype=self._model.dtype,
+            capture_mode=CAPTURE_MODE,
+            prompt_ids=lane_ids if self._model.reads_prompt_ids else None,
+        )
+        try:
+            return layout, self._plans.register(request_id, layout, lane_ids)
+        except PlanError as e:
+            raise InvalidCapture(str(e), "request_id") from e
+
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
         vocab = int(self._model.lm_head.shape[0])
         if not ids:
@@ -297,19 +315,7 @@ class CaptureService:
         request_id = request_id or uuid7()
         self._check(model, lanes)
         lane_ids = await self._tokenize_lanes(lanes)
-        layout = layouts.make_layout(
-            request_id,
-            [len(ids) for ids in lane_ids],
-            [lane.max_tokens for lane in lanes],
-            hidden_size=self._model.hidden_size,
-            dtype=self._model.dtype,
-            capture_mode=CAPTURE_MODE,
-            prompt_ids=lane_ids if self._model.reads_prompt_ids else None,
-        )
-        try:
-            plan = self._plans.register(request_id, layout, lane_ids)
-        except PlanError as e:
-            raise InvalidCapture(str(e), "request_id") from e
+        layout, plan = self._plan(request_id, lanes, lane_ids)
         stage = RouteStages(
             self._metrics.stage_seconds, "parts" if self._batcher.over_bound(lane_ids) else "cohort"
         )
