@@ -570,3 +570,21 @@ def test_the_captures_allocator_events_over_a_level_are_reported():
     row = {"clients": 4, "req_per_s": 1.0, "gpu_busy_pct": None, "cpu_cores": {}, "nats": {},
            "stages": got}  # fmt: skip
     assert "4 device_sync, 0 oom, 1 retry" in "\n".join(saturation(row))
+
+
+def test_chunk_cost_times_a_lane_whole_and_in_chunks(tmp_path):
+    """`bench.chunk_cost` on the tiny scale: a chunk's launch and finish times each step, the
+    lane's total, and rows that match the whole forward's."""
+    from bench import chunk_cost
+
+    argv = ["--out", str(tmp_path), "--scale", "tiny", "--prompt-len", "40", "--chunks",
+            "16,40", "--repeats", "1", "--device", "cpu"]  # fmt: skip
+    assert chunk_cost.main(argv) == 0
+    doc = json.loads((tmp_path / "chunk_cost.json").read_text())
+    assert doc["whole"]["ms"] > 0
+    three, one = doc["chunked"]
+    assert (three["steps"], one["steps"]) == (3, 1)  # 16 + 16 + 8 positions; one of 40
+    for c in (three, one):
+        assert len(c["launch_ms"]) == len(c["done_ms"]) == c["steps"]
+        assert all(0 < a <= d for a, d in zip(c["launch_ms"], c["done_ms"], strict=True))
+        assert c["rows_mean_abs_diff"] < 1e-4
