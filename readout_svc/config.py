@@ -84,6 +84,14 @@ class ReadoutServiceConfig(BlocksServiceConfig):
             options["greedy_dtype"] = self.greedy_dtype
         return options
 
+    def engine_kwargs(self) -> dict[str, object]:
+        """What the engine is created with: the settings above and, for the torch engine,
+        the request limits its warm-up records every graph up to (no request records one)."""
+        kwargs: dict[str, object] = dict(self.engine_options())
+        if self.engine == "torch":
+            kwargs["warm_up_to"] = (self.limits.prompt_len_max, self.limits.answer_depth_max)
+        return kwargs
+
     def combines(self, engine: object) -> bool:
         """Whether this process reads several blocks in one execution of `engine` (one that
         says which blocks read the same together as alone: its `cohort_key`)."""

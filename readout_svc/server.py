@@ -260,7 +260,7 @@ async def main() -> None:
     trust = TrustStore.from_dir(config.trusted_keys_dir)
     signer = load_or_generate_signer(config.signing_key_dir)
     model = await load_service_model(config, lm_head_only=True)
-    engine = create_engine(config.engine, model, config.device, **config.engine_options())
+    engine = create_engine(config.engine, model, config.device, **config.engine_kwargs())
     async with AsyncExitStack() as stack:
         # drained after the servers have stopped
         nc, state = await connected(stack, config.nats_url, "readout_svc", metrics)

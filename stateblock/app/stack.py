@@ -253,7 +253,7 @@ async def _served(
             device=readout.device, dtype=dtype,
         )  # fmt: skip
     if engine is None:
-        engine = create_engine(readout.engine, model, readout.device, **readout.engine_options())
+        engine = create_engine(readout.engine, model, readout.device, **readout.engine_kwargs())
     return model, engine
 
 

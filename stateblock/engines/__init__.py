@@ -71,7 +71,7 @@ def require_engine(name: str) -> Callable[..., ReadoutEngine]:
 # The settings each engine takes beyond the model and device (the readout service's
 # STATEBLOCK_MATMUL_PRECISION, _READOUT_HEAD and _GREEDY_DTYPE); any other is refused.
 ENGINE_OPTIONS: dict[str, frozenset[str]] = {
-    "torch": frozenset({"matmul_precision", "head", "greedy_dtype"})
+    "torch": frozenset({"matmul_precision", "head", "greedy_dtype", "warm_up_to"})
 }
 
 

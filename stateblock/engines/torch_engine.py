@@ -10,8 +10,10 @@ shapes, as the reference), so CI imports and tests it against the reference engi
 device="cuda" without a GPU raises EngineUnavailable. The shape buckets and the options
 live in `torch_options`; the step every graph records, and the sampling, in `torch_step`.
 
-Graphs. Captured lazily on the first cohort of a shape, and for the common shapes (each
-depth bucket's execution lanes, prompt bucket 512) in warm_up(). Every graph reads one set of
+Graphs. Recorded in warm_up(): with `warm_up_to` (the readout service passes its request
+limits) every bucketed shape and precision path a request within them can take, so no
+request records one; without it the common shapes (each depth bucket's execution lanes,
+prompt bucket 512), and any other on the first cohort of its shape. Every graph reads one set of
 static input buffers (views of one allocation sized for the largest bucket) and all share
 one memory pool, which is safe because replays never overlap (one lock) and each
 replay's outputs are read before the next replay starts. `beside()` is a second such set
@@ -59,6 +61,7 @@ from stateblock.engines.torch_options import (
     TorchEngineOptions,
     bucket,
     execution_lanes,
+    reachable_shapes,
     require_device,
 )
 from stateblock.engines.torch_step import (
@@ -251,14 +254,18 @@ class TorchEngine:
             raise EngineUnavailable("CUDA graphs need a CUDA device")
         if self._use_graphs and not (self._lane_b and self._prompt_b and self._depth_b):
             raise ValueError("CUDA graphs need lane, prompt and depth buckets")
-        self._warm = tuple(
-            opts.warm_shapes
-            if opts.warm_shapes is not None
-            else (
+        if opts.warm_shapes is not None:
+            self._warm = tuple(opts.warm_shapes)
+        elif opts.warm_up_to is not None:
+            self._warm = reachable_shapes(
+                *opts.warm_up_to, self._lane_b, self._prompt_b, self._depth_b
+            )
+        else:
+            self._warm = tuple(
                 Shape(execution_lanes(d, self._lane_b), bucket(WARM_PROMPT, self._prompt_b) or 1, d)
                 for d in self._depth_b
             )
-        )
+        self._warm_every_path = opts.warm_up_to is not None
 
     def _set_top2(self, top2_config: Top2Config | None) -> None:
         """One top-2 function per dot precision the cohorts run at."""
@@ -421,6 +428,8 @@ class TorchEngine:
         with self._lock, self._on_stream():
             if self._use_graphs:
                 warm = [self._kernel_precision] + ([GREEDY] if self._greedy else [])
+                if self._warm_every_path and self._logprob_precision not in warm:
+                    warm.append(self._logprob_precision)  # a cohort asking log-probabilities
                 for shape in self._warm:
                     for p in warm:
                         if (shape, p) not in self._graphs:

@@ -51,6 +51,24 @@ def bucket(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def reachable_shapes(
+    prompt_max: int, depth_max: int, lane_b: Sequence[int], prompt_b: Sequence[int],
+    depth_b: Sequence[int],
+) -> tuple[Shape, ...]:  # fmt: skip
+    """Every bucketed shape a lane of at most `prompt_max` rows and `depth_max` answer
+    positions can run at: each prompt bucket up to prompt_max's, each depth bucket up to
+    depth_max's, at that depth's execution lanes (longer lanes run eagerly, unbucketed)."""
+    top_p = bucket(prompt_max, prompt_b) or max(prompt_b, default=0)
+    top_d = bucket(depth_max, depth_b) or max(depth_b, default=0)
+    return tuple(
+        Shape(execution_lanes(d, lane_b), p, d)
+        for d in depth_b
+        if d <= top_d
+        for p in prompt_b
+        if p <= top_p
+    )
+
+
 def execution_lanes(depth_bucket: int, lane_buckets: Sequence[int]) -> int:
     """The lanes every execution at `depth_bucket` runs with: the largest lane bucket whose
     lanes x depth stay within LANE_POSITIONS (the smallest when none does). It depends on
@@ -87,6 +105,9 @@ class TorchEngineOptions:
     depth_buckets: Sequence[int] | None = None
     cuda_graphs: bool | None = None
     warm_shapes: Sequence[Shape] | None = None
+    # (prompt rows, answer depth) at most a request brings: warm_up then records every
+    # bucketed shape up to them at every precision path, so no request records a graph
+    warm_up_to: tuple[int, int] | None = None
     top2_config: Top2Config | None = None
     decoder_dtype: torch.dtype = torch.float32
     autocast: torch.dtype | None = None

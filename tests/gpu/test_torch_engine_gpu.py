@@ -120,3 +120,26 @@ def test_gpu_beside_reads_as_its_engine_while_both_run(served, captured):
     from bench.gpu_checks import check_beside
 
     check_beside(served, captured)
+
+
+@needs_cuda
+def test_gpu_warmed_up_to_the_limits_no_request_records_a_graph(served, captured):
+    """With `warm_up_to` (the readout service's request limits), warm_up records every shape
+    and precision path a request can take: readouts at the limits, greedy, sampled and with
+    log-probabilities, record nothing more."""
+    from stateblock.engines import LaneRequest
+    from stateblock.protocol.sampling import sampling_params
+
+    eng = TorchEngine.load(served, device="cuda", warm_up_to=(1000, 300))
+    eng.warm_up()
+    recorded = set(eng._graphs)
+    assert len(recorded) >= 2 * 8  # 4 prompt buckets x 2 depth buckets, two paths at least
+    rows = captured[0].to("cuda")
+    long_rows = rows.repeat(1000 // rows.shape[0] + 1, 1)[:1000]
+    for lane_rows, depth in ((rows, 16), (long_rows, 300), (long_rows[:300], 200)):
+        for sampling in (sampling_params(0.0, None), sampling_params(0.7, 3)):
+            eng.readout([LaneRequest(rows=lane_rows, depth=depth, sampling=sampling)])
+        logprobs = sampling_params(0.0, None)
+        logprobs.logprobs.SetInParent()
+        eng.readout([LaneRequest(rows=lane_rows, depth=depth, sampling=logprobs)])
+    assert set(eng._graphs) == recorded

@@ -67,6 +67,11 @@ def test_torch_engine_settings_from_env(serving_model):
         "matmul_precision": "high", "head": "fused", "greedy_dtype": "bfloat16"
     }  # fmt: skip
     assert ReadoutServiceConfig.from_env({"STATEBLOCK_ENGINE": "torch"}).engine_options() == {}
+    # the torch engine is created with the request limits, which its warm-up records up to
+    limited = {**env, "STATEBLOCK_PROMPT_LEN_MAX": "1000", "STATEBLOCK_ANSWER_DEPTH_MAX": "300"}
+    kwargs = ReadoutServiceConfig.from_env(limited).engine_kwargs()
+    assert kwargs == {**config.engine_options(), "warm_up_to": (1000, 300)}
+    assert "warm_up_to" not in ReadoutServiceConfig.from_env({}).engine_kwargs()  # reference
     with pytest.raises(ConfigError, match="MATMUL_PRECISION"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_MATMUL_PRECISION": "medium"})
     with pytest.raises(ConfigError, match="READOUT_HEAD"):
@@ -78,7 +83,7 @@ def test_torch_engine_settings_from_env(serving_model):
     with pytest.raises(ConfigError, match="ENGINE=torch only"):
         ReadoutServiceConfig.from_env({**env, "STATEBLOCK_ENGINE": "reference"})
     # the CPU engine takes them (its numerics stay the reference's) ...
-    eng = create_engine("torch", serving_model, "cpu", **config.engine_options())
+    eng = create_engine("torch", serving_model, "cpu", **config.engine_kwargs())
     assert eng.head == "fused" and eng._greedy[1].dtype == torch.bfloat16
     # ... and no engine takes a setting it does not know
     with pytest.raises(ValueError, match="takes no setting"):

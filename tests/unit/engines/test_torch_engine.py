@@ -20,6 +20,7 @@ from stateblock.engines.torch_engine import (
     execution_lanes,
     fused_head,
     matmul_precision,
+    reachable_shapes,
 )
 from stateblock.model.kernels.top2 import (
     Top2Config,
@@ -98,6 +99,22 @@ def test_depth_and_prompt_bucket_padding_is_exact(served, engine, captured):
     assert shape.prompt > max(lane.rows.shape[0] for lane in lanes)
     worst = assert_same(engine.readout(lanes), padded.readout(lanes))
     print(f"bucket padding: max margin diff {worst:.2e}")
+
+
+def test_reachable_shapes_are_every_bucket_a_request_within_the_limits_can_hit():
+    """The served warm-up's shapes: each prompt bucket up to the prompt limit's, each depth
+    bucket up to the depth limit's, at that depth's execution lanes; limits beyond the
+    buckets stop at the largest (longer lanes run eagerly)."""
+    lanes, prompts, depths = (1, 2, 4, 8), (64, 256, 512, 1024, 2048, 4096), (256, 1024, 8192)
+    every = reachable_shapes(4096, 8192, lanes, prompts, depths)
+    assert len(every) == 18 and len(set(every)) == 18
+    assert {(s.prompt, s.depth) for s in every} == {(p, d) for p in prompts for d in depths}
+    assert all(s.lanes == execution_lanes(s.depth, lanes) for s in every)
+    assert reachable_shapes(600, 300, lanes, prompts, depths) == tuple(
+        Shape(8, p, d) for d in (256, 1024) for p in (64, 256, 512, 1024)
+    )
+    assert reachable_shapes(10_000, 10_000, lanes, prompts, depths) == every
+    assert reachable_shapes(4096, 8192, (), (), ()) == ()  # the CPU: no buckets, no graphs
 
 
 def test_a_lanes_shape_and_answer_do_not_depend_on_its_company(served, captured):
