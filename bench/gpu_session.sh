@@ -237,7 +237,9 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
   # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs), yieldS
   # (STATEBLOCK_CAPTURE_PART_YIELD_S: parts wait up to S seconds for busy cohorts), chunkN
   # (STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: a long lane N positions a turn)
-  # (joined by +: sms66+tokens8192 sets both)
+  # (joined by +: sms66+tokens8192 sets both); 160 small requests a phase, so those beside
+  # span a maximal request's capture, readout and reply (with 40 they covered its capture
+  # only, and p99 was the slowest one or two)
   for arm in ${ARMS:-sms66 tokens8192}; do  # two fit a call
     env=()
     for part in ${arm//+/ }; do
@@ -250,7 +252,8 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
     done
     tag=${arm//+/_}  # a name with + does not come back from a device call
     timeout 230 python3 -m bench.load_gpu --out "$OUT/fair-$tag" --levels '' --depths 256 \
-      --prompts 32 --big-clients 1 --ar-batches '' --ar-reserve-s 0 --capture-compile default \
+      --prompts 32 --big-clients 1 --fairness-requests 160 --ar-batches '' --ar-reserve-s 0 \
+      --capture-compile default \
       --env STATEBLOCK_DATA_PLANE=host --env STATEBLOCK_CAPTURE_LANE_BUCKETS=2,8,32 \
       "${env[@]}" --budget-s 215 "${@:2}" > "$OUT/fair-$tag.log" 2>&1
     echo "fairness, $arm: rc=$?"
