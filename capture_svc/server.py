@@ -192,7 +192,7 @@ def _forward(
     call), and a stack that never releases them stops cleanly."""
     if config.part_chunk_tokens is not None:
         try:
-            new_cache(model.model)
+            new_cache(model.model, config.part_chunk_tokens)
         except ValueError as e:
             raise runtime.ConfigError(f"STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: {e}") from None
     if config.compile != "off":

@@ -13,6 +13,13 @@ a cache, and a chunk of a few thousand tokens is bound by its GEMMs, not by laun
 A chunk passes an all-ones attention mask: without one the unmasked causal path
 (`use_unmasked_causal_attention`) would hand SDPA `is_causal`, which aligns a chunk's
 queries with the cache's first positions instead of its last.
+
+The cache is static (transformers' StaticCache): allocated once a lane, its length the lane's
+rounded up to whole chunks, and written in place at each chunk's positions (`cache_position`),
+where a growing cache would allocate every layer's keys and values anew each chunk. Lanes of
+one rounded length ask the allocator for the same blocks, which it then hands back from its
+cache. Each chunk attends over the whole static length, the positions not yet written masked
+out by causality.
 """
 
 from __future__ import annotations
@@ -39,11 +46,11 @@ def cache_keyword(forward: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def new_cache(model: nn.Module) -> Any:
-    """An empty KV cache for this model (transformers' DynamicCache, laid out from its config).
-    A model whose layers are not all attention (a Mamba hybrid) needs a state no
-    DynamicCache holds: refused here, before a request relies on it."""
-    from transformers import DynamicCache
+def new_cache(model: nn.Module, max_len: int) -> Any:
+    """An empty KV cache of `max_len` positions for this model (transformers' StaticCache,
+    laid out from its config). A model whose layers are not all attention (a Mamba hybrid)
+    needs a state no KV cache holds: refused here, before a request relies on it."""
+    from transformers import StaticCache
 
     config = model.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -52,7 +59,7 @@ def new_cache(model: nn.Module) -> Any:
             f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) has layers a KV "
             "cache does not hold: its long lanes cannot be captured in chunks"
         )
-    return DynamicCache(config=config)
+    return StaticCache(config=config, max_cache_len=max_len)
 
 
 class ChunkedLane:
@@ -69,7 +76,8 @@ class ChunkedLane:
         self._keyword = cache_keyword(self._forward)
         self._ids = input_ids  # (1, P)
         self._chunk = chunk
-        self._cache = new_cache(model)
+        self._cache_len = self.steps * chunk  # whole chunks: few distinct sizes to allocate
+        self._cache = new_cache(model, self._cache_len)
         self._rows: list[Tensor] = []  # (1, chunk, d) each
         self.seen = 0  # positions captured so far
 
@@ -92,9 +100,14 @@ class ChunkedLane:
         apply_compile_settings(backbone(self._model))
         end = min(self.seen + self._chunk, self.length)
         ids = self._ids[:, self.seen : end]  # (1, C)
-        mask = torch.ones(1, end, dtype=torch.long, device=ids.device)  # (1, seen + C)
+        mask = torch.ones(1, self._cache_len, dtype=torch.long, device=ids.device)  # (1, L)
+        positions = torch.arange(self.seen, end, device=ids.device)  # (C,)
         out = self._forward(
-            input_ids=ids, attention_mask=mask, use_cache=True, **{self._keyword: self._cache}
+            input_ids=ids,
+            attention_mask=mask,
+            cache_position=positions,
+            use_cache=True,
+            **{self._keyword: self._cache},
         )
         self._rows.append(out.last_hidden_state)
         self.seen = end

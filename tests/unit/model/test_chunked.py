@@ -44,7 +44,7 @@ def test_a_chunk_needs_its_mask(base):
     positions; the rows then come out wrong."""
     ids = torch.randint(3, 60, (1, 96), generator=torch.Generator().manual_seed(2))
     whole = capture(base, ids)
-    forward, cache = backbone(base).forward, new_cache(base)
+    forward, cache = backbone(base).forward, new_cache(base, 96)
     key = cache_keyword(forward)
     with torch.no_grad():
         first = forward(input_ids=ids[:, :48], use_cache=True, **{key: cache}).last_hidden_state
@@ -66,9 +66,9 @@ def test_a_lane_refuses_what_it_cannot_run(base):
 
 
 def test_a_hybrid_base_is_refused():
-    """NemotronH's Mamba layers carry a state no DynamicCache holds."""
+    """NemotronH's Mamba layers carry a state no KV cache holds."""
     with pytest.raises(ValueError, match="cannot be captured in chunks"):
-        new_cache(tiny_nemotron_h())
+        new_cache(tiny_nemotron_h(), 64)
 
 
 def test_the_cache_keyword_follows_the_forward_s_signature():
@@ -79,3 +79,18 @@ def test_the_cache_keyword_follows_the_forward_s_signature():
         pass
 
     assert cache_keyword(newer) == "cache" and cache_keyword(older) == "past_key_values"
+
+
+def test_a_lane_s_cache_is_allocated_once_and_written_in_place(base):
+    """The static cache: every chunk writes its keys and values into the same tensors, whose
+    length is the lane's rounded up to whole chunks."""
+    ids = torch.randint(3, 60, (1, 90), generator=torch.Generator().manual_seed(3))
+    lane = ChunkedLane(base, ids, 32)  # 32 + 32 + 26 positions, a cache of 96
+    lane.step()
+    layer = lane._cache.layers[0]
+    keys, values = layer.keys, layer.values
+    assert keys.shape[-2] == 96
+    lane.step()
+    assert layer.keys is keys and layer.values is values
+    rows = lane.step()
+    torch.testing.assert_close(rows, capture(base, ids), atol=1e-3, rtol=1e-3)
