@@ -105,7 +105,8 @@ class ChunkedLane:
         out = self._forward(
             input_ids=ids,
             attention_mask=mask,
-            cache_position=positions,
+            position_ids=positions[None],  # (1, C): where transformers reads the positions
+            cache_position=positions,  # and where older releases read them
             use_cache=True,
             **{self._keyword: self._cache},
         )
