@@ -244,6 +244,23 @@ class ReadoutWorker:
             await self._nak(READOUT_FAILED, msg)
             return READOUT_FAILED
         self._m.readout_seconds.observe(readout_s)
+        stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
+                  "digest": digest_s, "digest_wait": t_digest - t1}  # fmt: skip
+        route = "parts" if self._readouts.is_long(lanes) else "cohort"
+        return await self._commit(msg, block, header, (claim, results), stages, route)
+
+    async def _commit(
+        self,
+        msg: Msg,
+        block: block_pb.StateBlock,
+        header: block_pb.StateBlockHeader,
+        read: tuple[Claim, list[LaneResult]],
+        stages: dict[str, float],
+        route: str,
+    ) -> str:
+        """The answer committed under the claim, the delivery acked, the block's stages
+        observed and its rows let go; "claim_lost" when the lease went to another first."""
+        (claim, results), t_commit = read, time.perf_counter()
         record = commit_record(header, results, self.worker_id)
         outcomes.sign(record, self._signer)
         try:
@@ -255,12 +272,9 @@ class ReadoutWorker:
             await self._nak("claim_lost", msg)
             log.warning("claim lost before commit")
             return "claim_lost"
-        t2 = time.perf_counter()
+        t_ack = time.perf_counter()
         await msg.ack_sync()
-        stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
-                  "digest": digest_s, "digest_wait": t_digest - t1, "commit": t2 - t_digest,
-                  "ack": time.perf_counter() - t2}  # fmt: skip
-        route = "parts" if self._readouts.is_long(lanes) else "cohort"
+        stages.update(commit=t_ack - t_commit, ack=time.perf_counter() - t_ack)
         for name, seconds in stages.items():
             self._m.stage_seconds.labels(name, route).observe(seconds)
         self._m.committed.inc()
