@@ -68,6 +68,11 @@
 #       # DATA: prose_shards' folder with corpus/train.txt.gz and readout/tasks (--until
 #       # tasks) beside (docs/QUALITY.md "To run"); ARGS go to prose_readout. DATA stays on
 #       # the machine while it is held, for:
+#   bash bench/gpu_session.sh prose-base [DATA [ARGS]]  # a larger base than prose-chain's, in
+#       # a call of its own (about 9 minutes; ARGS to prose_stage, e.g. --dim 512 --n-layers
+#       # 10 --mlp-dim 2048 --n-heads 8 --epochs 7): its weights stay on the machine as
+#       # DATA/base.part* (too large to come back), so prose-chain on the same warm machine,
+#       # called at once, skips its own base and builds the pair on this one
 #   bash bench/gpu_session.sh prose-more [DATA [MINUTES [ARGS]]]  # on the same warm machine,
 #       # carrying .whl-prose alone: the last decoder goes on distilling MINUTES (default 7;
 #       # ARGS to prose_readout, e.g. --distill-lr 3e-4) and is evaluated;
@@ -87,10 +92,10 @@
 # e2e-procs times the stack per service first.
 # Outputs go to $OUT as each step ends; the logs end up in $OUT/logs.tgz.
 set -uo pipefail
-STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, lone, startup, invariance, prose, prose-readout, prose-chain, prose-arms, prose-more, e2e, e2e-both or e2e-procs}
+STAGE=${1:?checks, smoke, measure, final, load, planes, compiled, lanes-mps, forward, fairness, served-eval, lone, startup, invariance, prose, prose-base, prose-readout, prose-chain, prose-arms, prose-more, e2e, e2e-both or e2e-procs}
 case "$STAGE" in  # the prose stages carry no service wheels: the readout's needs blake3 alone
   prose) ;;
-  prose-readout|prose-chain|prose-arms|prose-more)
+  prose-base|prose-readout|prose-chain|prose-arms|prose-more)
     if [ -d "${WHL:-.whl}" ]; then source bench/gpu_env.sh || exit 1; fi ;;
   *) source bench/gpu_env.sh || exit 1 ;;
 esac
@@ -290,6 +295,16 @@ elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetens
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
+elif [ "$STAGE" = prose-base ]; then  # a larger base, kept on the machine for prose-chain
+  DATA=${2:-.gpu_prose}; t0=$SECONDS
+  python3 -m bench.unpack "$DATA" || exit 1
+  rm -f "$DATA"/base.part*.safetensors
+  timeout 545 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
+    --minutes 8.5 --epochs 7 --max-checkpoint-mb 1000 "${@:3}" > "$OUT/prose.log" 2>&1
+  echo "prose base rc=$? ($((SECONDS - t0)) s)"
+  cp "$DATA/stage/summary.json" "$DATA/stage/summary.md" "$OUT/" 2>/dev/null
+  cat "$DATA/stage/summary.md"; cp "$DATA"/stage/base.part*.safetensors "$DATA/"
+  ls -la "$DATA"/base.part*.safetensors
 elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for prose-more
   DATA=${2:-.gpu_prose}; t0=$SECONDS
   python3 -m bench.unpack "$DATA" || exit 1
