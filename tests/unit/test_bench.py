@@ -248,7 +248,8 @@ def test_load_bench_fairness_level_tiny(tmp_path):
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"], phase
     assert 0 <= f["beside"]["beside_big"] <= 8
     worst = f["beside"]["slowest"]
-    assert len(worst) == 3 and worst[0]["ms"] == round(f["beside"]["latency_ms"]["max"], 1)
+    assert len(worst) == 3  # the slowest is the max, each rounded on its own
+    assert abs(worst[0]["ms"] - f["beside"]["latency_ms"]["max"]) <= 0.1
     assert all(w["from_big_send_ms"] is not None for w in worst)
     big = f["big_requests"]
     assert big["n"] >= 1 and big["n_ok"] == big["n"] and big["errors_by_status"] == {}
