@@ -16,13 +16,10 @@ from pathlib import Path
 
 import torch
 
+from bench.load_gpu import ints
 from bench.models import SCALES, build_llama, sync
 from stateblock.model.capture import capture
 from stateblock.model.chunked import ChunkedLane
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def whole(model, ids: torch.Tensor, device: str, repeats: int) -> dict:

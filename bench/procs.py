@@ -141,6 +141,12 @@ def _declared(name: str) -> settings.Setting:
     return settings.BY_NAME[name]
 
 
+def _families(url: str) -> list:
+    """The metric families a service's /metrics gives now."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return list(text_string_to_metric_families(r.read().decode()))
+
+
 class ProcStack:
     """`start()` launches the processes of the config's plan (nats-server, capture, the
     readout processes, gateway) and returns the gateway's URL; `stop()` ends them (SIGTERM:
@@ -262,9 +268,7 @@ class ProcStack:
         routes, and by route too where a sample has one (stage `forward.cohort`)."""
         out: dict[tuple[str, str], float] = {}
         for url in self._metrics_urls:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-            for family in text_string_to_metric_families(text):
+            for family in _families(url):
                 if family.name not in families:
                     continue
                 for s in family.samples:
@@ -282,11 +286,10 @@ class ProcStack:
         out: dict[str, dict[float, float]] = {}
         for name, url in self._lag_urls.items():
             try:
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    text = r.read().decode()
+                families = _families(url)
             except OSError:
                 continue
-            for family in text_string_to_metric_families(text):
+            for family in families:
                 if family.name == LOOP_LAG:
                     out[name] = {
                         float(s.labels["le"]): s.value

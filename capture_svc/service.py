@@ -40,14 +40,18 @@ CAPTURE_MODE = pb.CAPTURE_MODE_FINAL_HIDDEN
 OFF_LOOP_INPUT = 8192
 
 
+def lane_text(lane: capture_pb2.CaptureLane) -> str:
+    """A text or chat lane's text: the prompt, or its messages' contents."""
+    if lane.WhichOneof("input") == "chat":
+        return "".join(m.content for m in lane.chat.messages)
+    return lane.prompt
+
+
 def input_size(lane: capture_pb2.CaptureLane) -> int:
     """A lane's input in characters (its text or chat) or ids (given as token ids)."""
-    kind = lane.WhichOneof("input")
-    if kind == "tokens":
+    if lane.WhichOneof("input") == "tokens":
         return len(lane.tokens.ids)
-    if kind == "chat":
-        return sum(len(m.content) for m in lane.chat.messages)
-    return len(lane.prompt)
+    return len(lane_text(lane))
 
 
 class CaptureError(Exception):
@@ -208,7 +212,7 @@ class CaptureService:
         if lane.WhichOneof("input") == "tokens":  # read as given, as vLLM reads prompt ids
             return self._check_ids(list(lane.tokens.ids), index)
         is_chat = lane.WhichOneof("input") == "chat"
-        text = "".join(m.content for m in lane.chat.messages) if is_chat else lane.prompt
+        text = lane_text(lane)
         try:  # before tokenising: an oversized text costs nothing
             sampling.check_prompt_text(
                 text, self._config.limits, "messages" if is_chat else "prompt"

@@ -247,20 +247,21 @@ class ReadoutWorker:
         stages = {"verify": t_verified - t_start, "claim": claimed_s, "readout": readout_s,
                   "digest": digest_s, "digest_wait": t_digest - t1}  # fmt: skip
         route = "parts" if self._readouts.is_long(lanes) else "cohort"
-        return await self._commit(msg, block, header, (claim, results), stages, route)
+        return await self._commit(msg, block, header, claim, results, stages, route)
 
     async def _commit(
         self,
         msg: Msg,
         block: block_pb.StateBlock,
         header: block_pb.StateBlockHeader,
-        read: tuple[Claim, list[LaneResult]],
+        claim: Claim,
+        results: list[LaneResult],
         stages: dict[str, float],
         route: str,
     ) -> str:
         """The answer committed under the claim, the delivery acked, the block's stages
         observed and its rows let go; "claim_lost" when the lease went to another first."""
-        (claim, results), t_commit = read, time.perf_counter()
+        t_commit = time.perf_counter()
         record = commit_record(header, results, self.worker_id)
         outcomes.sign(record, self._signer)
         try:

@@ -78,6 +78,8 @@ class ChunkedLane:
         self._chunk = chunk
         self._cache_len = self.steps * chunk  # whole chunks: few distinct sizes to allocate
         self._cache = new_cache(model, self._cache_len)
+        # every chunk attends over the whole cache; causality masks what is not written yet
+        self._mask = torch.ones(1, self._cache_len, dtype=torch.long, device=input_ids.device)
         self._rows: list[Tensor] = []  # (1, chunk, d) each
         self.seen = 0  # positions captured so far
 
@@ -100,11 +102,10 @@ class ChunkedLane:
         apply_compile_settings(backbone(self._model))
         end = min(self.seen + self._chunk, self.length)
         ids = self._ids[:, self.seen : end]  # (1, C)
-        mask = torch.ones(1, self._cache_len, dtype=torch.long, device=ids.device)  # (1, L)
         positions = torch.arange(self.seen, end, device=ids.device)  # (C,)
         out = self._forward(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=self._mask,  # (1, L)
             position_ids=positions[None],  # (1, C): where transformers reads the positions
             cache_position=positions,  # and where older releases read them
             use_cache=True,
