@@ -177,9 +177,10 @@ class ClaimSniper(BusClient):
     `aims` ({process: signal}, taken in turn) at once, while that worker holds the claim and
     its readout runs: SIGKILL, then `restart(process)`; SIGSTOP, then SIGCONT after
     `hold_s` (past its lease and ack_wait, so the block is taken over and its own commit
-    loses). `lock` keeps a kill and its restart apart from the test's other kills (a
-    ProcStack restart fails while another service is down); a claim seen while it is held
-    is let go."""
+    loses). `lock` keeps each shot, a kill to its restart or a stop to its SIGCONT, apart
+    from the test's other kills: a ProcStack restart fails while another service is down,
+    and a recovery timed from a nats-server kill would count the stopped worker's hold; a
+    claim seen while it is held is let go."""
 
     subjects = (streams.blocks_subject(">"), KV_SUBJECT)
 
@@ -210,8 +211,7 @@ class ClaimSniper(BusClient):
         if self._busy or not aimed or time.monotonic() - self._last < self.every_s:
             return
         name, sig = self.aims[aimed[0]]
-        # a stopped process is still running to ProcStack: only a kill waits for its restart
-        if sig == signal.SIGKILL and not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(blocking=False):
             self.count("let_go")
             return
         self.aims.pop(aimed[0])
@@ -224,14 +224,12 @@ class ClaimSniper(BusClient):
     async def _after(self, name: str, sig: int) -> None:
         try:
             if sig == signal.SIGKILL:
-                try:
-                    await asyncio.to_thread(self._restart, name)
-                finally:
-                    self._lock.release()
+                await asyncio.to_thread(self._restart, name)
             else:
                 await asyncio.sleep(self.hold_s)
                 self._send(name, signal.SIGCONT)
         finally:
+            self._lock.release()
             self._busy = False
 
     async def closing(self) -> None:
