@@ -1,6 +1,7 @@
 """What one long lane costs captured whole and in chunks (`stateblock.model.chunked`), on the
 bench-scale base: per chunk the host time to launch it (until `step` returns) and the device
-time to finish it, beside the whole lane's one eager forward. Answers whether a chunked part
+time to finish it, beside the whole lane's one eager forward; eagerly and, on CUDA, replayed
+from the runner's CUDA graph. Answers whether a chunked part
 is bound by the device or by the Python that launches its kernels (issue 38's fairness).
 
     python -m bench.chunk_cost --out DIR [--scale full] [--prompt-len 4096] [--chunks 512,1024]
@@ -19,7 +20,7 @@ import torch
 from bench.load_gpu import ints
 from bench.models import SCALES, build_llama, sync
 from stateblock.model.capture import capture
-from stateblock.model.chunked import ChunkedLane
+from stateblock.model.chunked import ChunkedLane, ChunkRunner
 
 
 def whole(model, ids: torch.Tensor, device: str, repeats: int) -> dict:
@@ -35,16 +36,18 @@ def whole(model, ids: torch.Tensor, device: str, repeats: int) -> dict:
     return {"ms": round(statistics.median(runs), 2)}
 
 
-def chunked(model, ids: torch.Tensor, chunk: int, device: str, repeats: int) -> dict:
-    """The lane in chunks: per chunk the launch (host) and finish (host + device) ms, median
-    over repeats, and the whole lane's ms; the rows' mean abs difference from the whole
-    forward's."""
-    ChunkedLane(model, ids, chunk).step()  # first-call costs out of the timings
+def chunked(model, ids: torch.Tensor, chunk: int, device: str, repeats: int,
+            graph: bool = False) -> dict:  # fmt: skip
+    """The lane in chunks through one runner (with `graph`, its CUDA graph replayed): per
+    chunk the launch (host) and finish (host + device) ms, median over repeats, and the whole
+    lane's ms; the rows' mean abs difference from the whole forward's."""
+    runner = ChunkRunner(model, chunk, ids.shape[1], graph=graph)
+    ChunkedLane(model, ids, runner=runner).step()  # first-call costs out of the timings
     launch: list[list[float]] = []
     done: list[list[float]] = []
     totals, rows = [], None
     for _ in range(repeats):
-        lane, la, do = ChunkedLane(model, ids, chunk), [], []
+        lane, la, do = ChunkedLane(model, ids, runner=runner), [], []
         sync(device)
         t_start = time.perf_counter()
         while not lane.finished:
@@ -59,6 +62,7 @@ def chunked(model, ids: torch.Tensor, chunk: int, device: str, repeats: int) -> 
     ref = capture(model, ids)
     return {
         "chunk": chunk,
+        "graphed": runner.graphed,
         "steps": len(launch[0]),
         "launch_ms": [round(statistics.median(c), 2) for c in zip(*launch, strict=True)],
         "done_ms": [round(statistics.median(c), 2) for c in zip(*done, strict=True)],
@@ -87,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "whole": whole(model, ids, args.device, args.repeats),
             "chunked": [chunked(model, ids, c, args.device, args.repeats) for c in args.chunks],
+            "graphed": [
+                chunked(model, ids, c, args.device, args.repeats, graph=True)
+                for c in args.chunks
+                if args.device == "cuda"
+            ],
         }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "chunk_cost.json").write_text(json.dumps(doc, indent=1))

@@ -18,7 +18,7 @@ from torch import nn
 from capture_svc.batcher import MIN_BUCKET, Pending, lane_bucket
 from capture_svc.plans import CohortStamp, PlanTable, Slot
 from stateblock.model.capture import capture, graphs_compiled, warm_up
-from stateblock.model.chunked import ChunkedLane
+from stateblock.model.chunked import ChunkedLane, ChunkRunner
 
 log = structlog.get_logger("capture_svc.forward")
 
@@ -39,6 +39,7 @@ class CohortForward:
         on_compile: Callable[[], object] | None = None,
         part_sms: int | None = None,
         part_chunk: int | None = None,
+        part_chunk_len: int = 4096,
     ) -> None:
         self._model = model
         self._plans = plans
@@ -56,6 +57,8 @@ class CohortForward:
         self._part_sms = part_sms if on_cuda else None
         self._green: Any = None
         self._part_chunk = part_chunk  # a lane longer than this: captured a chunk a turn
+        self._part_chunk_len = part_chunk_len  # ... and no longer than this
+        self._chunks: ChunkRunner | None = None  # made (and on CUDA recorded) at the warm-up
         # compiled: graphs compiled so far, counted from the warm-up's end; a forward after it
         # that compiles (a shape the warm-up missed, a guard it broke) is reported
         self._on_compile = on_compile
@@ -73,9 +76,8 @@ class CohortForward:
             log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
 
         warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
-        if self._part_chunk is not None:  # the chunks' eager path: its first-call cost here
-            ids = torch.full((1, 2 * self._part_chunk), self._pad_id, device=self._device)
-            lane = ChunkedLane(self._model, ids, self._part_chunk)
+        if self._part_chunk is not None:  # the chunks' graph recorded here, not on a request
+            lane = ChunkedLane(self._model, self._ids(2 * self._part_chunk), runner=self._runner())
             while lane.step() is None:
                 pass
         if self._on_compile is not None:
@@ -98,7 +100,7 @@ class CohortForward:
         with self._thread_stream(background=True):
             if p.progress is None:
                 ids = torch.tensor([p.lane_ids[0]], dtype=torch.long).to(self._device)
-                p.progress = ChunkedLane(self._model, ids, self._part_chunk)
+                p.progress = ChunkedLane(self._model, ids, runner=self._runner())
             lane: ChunkedLane = p.progress
             rows = lane.step()  # (1, P, d) at the last chunk
             if rows is None:
@@ -106,6 +108,29 @@ class CohortForward:
             slots = tuple(Slot(p.plan.request_id, p.plan.token, i, 0) for i in p.indices()[0])
             self._plans.record(CohortStamp(slots, self._mode), rows, [lane.length])
         return True
+
+    @property
+    def chunk_runner(self) -> ChunkRunner | None:
+        """The chunked lanes' runner once the warm-up (or a first chunk) made it."""
+        return self._chunks
+
+    def _ids(self, length: int) -> torch.Tensor:
+        return torch.full((1, length), self._pad_id, dtype=torch.long, device=self._device)
+
+    def _runner(self) -> ChunkRunner:
+        """The chunks' runner, shared by every chunked lane: on CUDA one CUDA graph, recorded
+        here once; a recording that fails is reported and the chunks run eagerly."""
+        if self._chunks is not None:
+            return self._chunks
+        assert self._part_chunk is not None
+        args = (self._model, self._part_chunk, self._part_chunk_len)
+        try:
+            self._chunks = ChunkRunner(*args, pad_id=self._pad_id,
+                                       graph=self._device.type == "cuda")  # fmt: skip
+        except RuntimeError as e:
+            log.warning("chunk graph not recorded: chunks run eagerly", error=str(e))
+            self._chunks = ChunkRunner(*args, pad_id=self._pad_id)
+        return self._chunks
 
     def __call__(self, cohort: Sequence[Pending], *, background: bool = False) -> None:
         width = max(p.bucket for p in cohort)

@@ -214,6 +214,7 @@ def _forward(
         thread_streams=not config.replays_graphs,  # a stream for each forward thread
         part_sms=config.part_sms,
         part_chunk=config.part_chunk_tokens,
+        part_chunk_len=config.limits.prompt_len_max,
         on_compile=None if config.compile == "off" else metrics.compiled_after_warmup.inc,
     )
 

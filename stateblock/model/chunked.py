@@ -20,11 +20,21 @@ where a growing cache would allocate every layer's keys and values anew each chu
 one rounded length ask the allocator for the same blocks, which it then hands back from its
 cache. Each chunk attends over the whole static length, the positions not yet written masked
 out by causality.
+
+A chunk runs at one fixed shape (`ChunkRunner`): `chunk` positions (the last chunk padded,
+its pad rows dropped) against a cache of a fixed length, so on CUDA its forward is one CUDA
+graph recorded at start-up and replayed. Launched eagerly, a chunk of 512 positions of the
+2.9 B bench base spent about 41 ms in Python launching kernels that ran in a fraction of
+that (`bench.chunk_cost`, docs/BENCHMARKS.md): the part was bound by the host, and it held
+the capture process's interpreter lock against the cohorts' forwards all that time. Lanes
+share a runner; one whose chunks interleave with another's has its written keys and values
+put aside when the other takes the cache, and put back when its turn comes.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -62,25 +72,138 @@ def new_cache(model: nn.Module, max_len: int) -> Any:
     return StaticCache(config=config, max_cache_len=max_len)
 
 
-class ChunkedLane:
-    """One lane (1, P) captured `chunk` positions a step; `step` returns the lane's rows
-    (1, P, d_base) at its last step and None before."""
+def kv_tensors(cache: Any) -> list[Tensor]:
+    """Every layer's keys and values tensors of a static cache, (1, kv_heads, L, head_dim)
+    each, once its first update has laid them out."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
-    def __init__(self, model: nn.Module, input_ids: Tensor, chunk: int) -> None:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"a chunked lane is one lane (1, P), got {tuple(input_ids.shape)}")
+
+def seek(cache: Any, start: Tensor) -> None:
+    """Each layer's write position set to `start` (a 0-d tensor): transformers' StaticCache
+    of 5.2x writes a chunk's keys where its own counter (`cumulative_length`) says, not at
+    `cache_position`; a cache shared by lanes, or rewound, must be told where. Done on the
+    device, so a recorded chunk does it too. Earlier layers without the counter write at
+    `cache_position` and need nothing."""
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, Tensor):
+            counter.copy_(start)
+
+
+class ChunkRunner:
+    """A chunk's forward at one fixed shape: (1, chunk) ids at positions start.. against a
+    static cache of `cache_len` (`max_len` rounded up to whole chunks). With `graph` (CUDA
+    only) it is recorded once as a CUDA graph and each chunk replays it: one launch instead
+    of every layer's kernels. One lane at a time owns the cache (`owner`)."""
+
+    def __init__(self, model: nn.Module, chunk: int, max_len: int, *, pad_id: int = 0,
+                 graph: bool = False) -> None:  # fmt: skip
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1 position, got {chunk}")
+        self.chunk = chunk
+        self.cache_len = -(-max_len // chunk) * chunk
         self._model = model
         self._forward = eager_backbone(model)
         self._keyword = cache_keyword(self._forward)
-        self._ids = input_ids  # (1, P)
-        self._chunk = chunk
-        self._cache_len = self.steps * chunk  # whole chunks: few distinct sizes to allocate
-        self._cache = new_cache(model, self._cache_len)
+        device = next(model.parameters()).device
+        self._cache = new_cache(model, self.cache_len)
+        self._ids = torch.full((1, chunk), pad_id, dtype=torch.long, device=device)  # (1, C)
+        self._offsets = torch.arange(chunk, device=device)  # (C,)
+        self._positions = self._offsets.clone()  # (C,): start + offsets
         # every chunk attends over the whole cache; causality masks what is not written yet
-        self._mask = torch.ones(1, self._cache_len, dtype=torch.long, device=input_ids.device)
+        self._mask = torch.ones(1, self.cache_len, dtype=torch.long, device=device)  # (1, L)
+        self._owner: weakref.ref | None = None
+        self._graph: Any = None
+        self._out: Tensor | None = None  # (1, C, d): the graph's output buffer
+        if graph:
+            self._record(device)
+
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+    @property
+    def owner(self) -> Any:
+        return None if self._owner is None else self._owner()
+
+    @owner.setter
+    def owner(self, lane: Any) -> None:
+        self._owner = None if lane is None else weakref.ref(lane)
+
+    @property
+    def kv(self) -> list[Tensor]:
+        return kv_tensors(self._cache)
+
+    @torch.no_grad()
+    def _run(self) -> Tensor:
+        seek(self._cache, self._positions[0])
+        out = self._forward(
+            input_ids=self._ids,
+            attention_mask=self._mask,  # (1, L)
+            position_ids=self._positions[None],  # (1, C): where transformers reads positions
+            cache_position=self._positions,  # and where older releases read them
+            use_cache=True,
+            **{self._keyword: self._cache},
+        )
+        return out.last_hidden_state  # (1, C, d)
+
+    def _record(self, device: torch.device) -> None:
+        """Warm the forward on a side stream (the cache's layout, cuBLAS's workspaces), then
+        record it; other threads' work on the device stays out of the graph."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._out = self._run()
+        self._graph = graph
+
+    @torch.no_grad()
+    def step(self, ids: Tensor, start: int) -> Tensor:
+        """The rows (1, n, d) of ids (1, n), n <= chunk, at positions start..start + n - 1,
+        their keys and values written into the cache; a short chunk's pad rows dropped."""
+        n = ids.shape[1]
+        if n > self.chunk or start + self.chunk > self.cache_len:
+            raise ValueError(
+                f"a chunk of {n} at {start} does not fit chunks of {self.chunk} in a cache "
+                f"of {self.cache_len}"
+            )
+        self._ids[:, :n].copy_(ids)
+        torch.add(self._offsets, start, out=self._positions)
+        if self._graph is not None:
+            self._graph.replay()
+            out = self._out
+        else:
+            apply_compile_settings(backbone(self._model))
+            out = self._run()
+        return out[:, :n].clone()
+
+
+class ChunkedLane:
+    """One lane (1, P) captured a chunk of positions a step through a `ChunkRunner` (shared,
+    or the lane's own, sized to it); `step` returns the lane's rows (1, P, d_base) at its
+    last step and None before."""
+
+    def __init__(self, model: nn.Module, input_ids: Tensor, chunk: int | None = None, *,
+                 runner: ChunkRunner | None = None) -> None:  # fmt: skip
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"a chunked lane is one lane (1, P), got {tuple(input_ids.shape)}")
+        if runner is None:
+            if chunk is None or chunk < 1:
+                raise ValueError(f"chunk must be at least 1 position, got {chunk}")
+            runner = ChunkRunner(model, chunk, input_ids.shape[1])
+        if input_ids.shape[1] > runner.cache_len:
+            raise ValueError(
+                f"a lane of {input_ids.shape[1]} positions is longer than the chunk runner's "
+                f"cache ({runner.cache_len})"
+            )
+        self._runner = runner
+        self._ids = input_ids  # (1, P)
         self._rows: list[Tensor] = []  # (1, chunk, d) each
+        self._saved: list[Tensor] | None = None  # its keys and values while another lane ran
         self.seen = 0  # positions captured so far
 
     @property
@@ -89,32 +212,38 @@ class ChunkedLane:
 
     @property
     def steps(self) -> int:
-        return -(-self.length // self._chunk)
+        return -(-self.length // self._runner.chunk)
 
     @property
     def finished(self) -> bool:
         return self.seen >= self.length
 
+    def _take_cache(self) -> None:
+        """The runner's cache for this lane: the owner's written prefix put aside (if it has
+        chunks left), this lane's put back."""
+        runner = self._runner
+        other = runner.owner
+        if other is self:
+            return
+        if other is not None and not other.finished and other.seen:
+            other._saved = [t[:, :, : other.seen].clone() for t in runner.kv]
+        if self._saved is not None:
+            for t, saved in zip(runner.kv, self._saved, strict=True):
+                t[:, :, : self.seen].copy_(saved)
+            self._saved = None
+        runner.owner = self
+
     @torch.no_grad()
     def step(self) -> Tensor | None:
         if self.finished:
             raise RuntimeError("every chunk of this lane has run")
-        apply_compile_settings(backbone(self._model))
-        end = min(self.seen + self._chunk, self.length)
-        ids = self._ids[:, self.seen : end]  # (1, C)
-        positions = torch.arange(self.seen, end, device=ids.device)  # (C,)
-        out = self._forward(
-            input_ids=ids,
-            attention_mask=self._mask,  # (1, L)
-            position_ids=positions[None],  # (1, C): where transformers reads the positions
-            cache_position=positions,  # and where older releases read them
-            use_cache=True,
-            **{self._keyword: self._cache},
-        )
-        self._rows.append(out.last_hidden_state)
+        self._take_cache()
+        end = min(self.seen + self._runner.chunk, self.length)
+        self._rows.append(self._runner.step(self._ids[:, self.seen : end], self.seen))
         self.seen = end
         if not self.finished:
             return None
+        self._runner.owner = None
         rows = torch.cat(self._rows, dim=1)  # (1, P, d)
-        self._rows, self._cache = [], None  # the cache's memory goes back now, not at GC
+        self._rows = []
         return rows

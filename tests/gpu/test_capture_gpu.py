@@ -165,7 +165,8 @@ def test_a_compiled_forward_gives_each_prompt_its_rows_alone_in_any_cohort(mode)
 
 def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
     """`part_chunk` (`STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS`) on the GPU, the backbone compiled
-    as served: a long lane's chunks (the eager forward, on the part's low-priority stream)
+    as served: a long lane's chunks (the eager forward recorded as a CUDA graph at the
+    warm-up, replayed on the part's low-priority stream)
     give the compiled one forward's rows up to bf16 rounding, a call a chunk, and the same
     lane in chunks twice gives the same rows bit for bit."""
     from stateblock.model.capture import compile_backbone, uncompile_backbone
@@ -180,6 +181,7 @@ def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
     compile_backbone(model, "default")
     try:
         forward.warm_up(((2, 16), (2, 24), (2, 32)))
+        assert forward.chunk_runner is not None and forward.chunk_runner.graphed
         ids = [tok(PROMPTS[9])["input_ids"]]
         assert 16 < len(ids[0]) <= 24  # three chunks of 8 at most
         rows, calls = [], []
@@ -204,3 +206,29 @@ def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
         assert torch.equal(rows[1], rows[2])
     finally:
         uncompile_backbone(model)
+
+
+def test_a_recorded_chunk_gives_the_eager_chunk_s_rows():
+    """The chunk runner's CUDA graph against the same forward run eagerly: every lane's rows
+    bit for bit, lanes one after another and with their chunks interleaved."""
+    from stateblock.model.capture import use_unmasked_causal_attention
+    from stateblock.model.chunked import ChunkedLane, ChunkRunner
+    from stateblock.model.loading import load_base
+
+    model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
+    use_unmasked_causal_attention(model)
+    lanes = [torch.tensor([tok(p)["input_ids"]], device="cuda") for p in PROMPTS[8:12]]
+    graphed, eager = ChunkRunner(model, 8, 64, graph=True), ChunkRunner(model, 8, 64)
+    assert graphed.graphed and not eager.graphed
+
+    def rows(runner: ChunkRunner) -> list[torch.Tensor]:
+        running = [ChunkedLane(model, ids, runner=runner) for ids in lanes]
+        out: list = [None] * len(lanes)
+        while not all(lane.finished for lane in running):
+            for i, lane in enumerate(running):
+                if not lane.finished:
+                    out[i] = lane.step()
+        return out
+
+    for a, b in zip(rows(graphed), rows(eager), strict=True):
+        assert torch.equal(a, b)

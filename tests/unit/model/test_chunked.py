@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stateblock.model.capture import backbone, capture, use_unmasked_causal_attention
-from stateblock.model.chunked import ChunkedLane, cache_keyword, new_cache
+from stateblock.model.chunked import ChunkedLane, ChunkRunner, cache_keyword, new_cache
 from stateblock.model.loading import load_base
 from tests.helpers import REFERENCE_BASE
 from tests.unit.model.test_capture import tiny_nemotron_h
@@ -17,8 +17,8 @@ def base():
     return model
 
 
-def chunked_rows(model, ids, chunk: int):
-    lane = ChunkedLane(model, ids, chunk)
+def chunked_rows(model, ids, chunk: int | None = None, runner: ChunkRunner | None = None):
+    lane = ChunkedLane(model, ids, chunk, runner=runner)
     outs = [lane.step() for _ in range(lane.steps)]
     assert all(o is None for o in outs[:-1]) and lane.finished
     return outs[-1]
@@ -87,10 +87,42 @@ def test_a_lane_s_cache_is_allocated_once_and_written_in_place(base):
     ids = torch.randint(3, 60, (1, 90), generator=torch.Generator().manual_seed(3))
     lane = ChunkedLane(base, ids, 32)  # 32 + 32 + 26 positions, a cache of 96
     lane.step()
-    layer = lane._cache.layers[0]
+    layer = lane._runner._cache.layers[0]
     keys, values = layer.keys, layer.values
     assert keys.shape[-2] == 96
     lane.step()
     assert layer.keys is keys and layer.values is values
     rows = lane.step()
     torch.testing.assert_close(rows, capture(base, ids), atol=1e-3, rtol=1e-3)
+
+
+def test_lanes_sharing_a_runner_get_their_rows_alone_bit_for_bit(base):
+    """One runner (a fixed shape: chunks of 16 against a cache of 128) for lanes of several
+    lengths, run one after another and with their chunks interleaved: each lane's rows are
+    those it gets through a runner of its own, bit for bit, whatever ran before it or between
+    its chunks (its keys and values are put aside and back)."""
+    gen = torch.Generator().manual_seed(4)
+    lanes = [torch.randint(3, 60, (1, n), generator=gen) for n in (100, 37, 128, 16)]
+    runner = ChunkRunner(base, 16, 120)
+    assert runner.cache_len == 128  # whole chunks
+    alone = [chunked_rows(base, ids, runner=ChunkRunner(base, 16, 128)) for ids in lanes]
+    after = [chunked_rows(base, ids, runner=runner) for ids in lanes]
+    torch.testing.assert_close(alone[0], capture(base, lanes[0]), atol=1e-3, rtol=1e-3)
+    running = [ChunkedLane(base, ids, runner=runner) for ids in lanes]
+    interleaved: list = [None] * len(lanes)
+    while not all(lane.finished for lane in running):
+        for i, lane in enumerate(running):
+            if not lane.finished:
+                interleaved[i] = lane.step()
+    for a, b, c in zip(alone, after, interleaved, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_runner_refuses_a_lane_longer_than_its_cache(base):
+    runner = ChunkRunner(base, 16, 40)  # a cache of 48
+    with pytest.raises(ValueError, match="longer than the chunk runner's cache"):
+        ChunkedLane(base, torch.ones(1, 49, dtype=torch.long), runner=runner)
+    with pytest.raises(ValueError, match="does not fit"):
+        runner.step(torch.ones(1, 17, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        ChunkRunner(base, 0, 40)
