@@ -54,6 +54,17 @@ def input_size(lane: capture_pb2.CaptureLane) -> int:
     return len(lane_text(lane))
 
 
+def input_key(lane: capture_pb2.CaptureLane) -> tuple[str | None, object]:
+    """What a lane's ids depend on: lanes of one key tokenize to the same ids (`n` > 1 of one
+    prompt is one tokenization)."""
+    which = lane.WhichOneof("input")
+    if which == "prompt":
+        return which, lane.prompt
+    if which is None:
+        return None, None
+    return which, getattr(lane, which).SerializeToString(deterministic=True)
+
+
 class CaptureError(Exception):
     """Base of the capture service's failures."""
 
@@ -242,12 +253,20 @@ class CaptureService:
         return ids
 
     async def _tokenize_lanes(self, lanes: Sequence[capture_pb2.CaptureLane]) -> list[list[int]]:
-        """Every lane's ids, on a thread where the request's input is long (OFF_LOOP_INPUT)."""
+        """Every lane's ids, each distinct input tokenized once (its first lane's errors), on
+        a thread where the request's input is long (OFF_LOOP_INPUT)."""
 
         def run() -> list[list[int]]:
-            return [self.tokenize(lane, i) for i, lane in enumerate(lanes)]
+            done: dict[tuple[str | None, object], list[int]] = {}
+            for i, lane in enumerate(lanes):
+                key = input_key(lane)
+                if key not in done:
+                    done[key] = self.tokenize(lane, i)
+            return [list(done[input_key(lane)]) for lane in lanes]
 
-        if sum(input_size(lane) for lane in lanes) < OFF_LOOP_INPUT:
+        if sum(input_size(lane) for lane in {input_key(x): x for x in lanes}.values()) < (
+            OFF_LOOP_INPUT
+        ):
             return run()
         return await asyncio.to_thread(run)
 

@@ -360,6 +360,26 @@ async def test_a_long_input_is_tokenized_off_the_event_loop(capture_service, mon
     assert info.value.param == "prompt" and running.plans.active() == 0
 
 
+async def test_lanes_of_one_input_are_tokenized_once(capture_service, monkeypatch):
+    """`n` > 1 of one prompt (or chat, or ids): one tokenization a distinct input, every lane
+    its ids; the block is the one a tokenization a lane gives."""
+    running, nc, _ = capture_service
+    seen: list[int] = []
+    tokenize = running.service.tokenize
+
+    def recording(lane, index):
+        seen.append(index)
+        return tokenize(lane, index)
+
+    lanes = [lane(prompt="copy: abc", max_tokens=4), lane(prompt="copy: xy", max_tokens=4)]
+    lanes += [lane(prompt="copy: abc", max_tokens=6), lane(prompt="copy: xy", max_tokens=4)]
+    each = [tokenize(x, i) for i, x in enumerate(lanes)]
+    monkeypatch.setattr(running.service, "tokenize", recording)
+    got = await running.service.capture("n-lanes", MODEL, lanes)
+    assert seen == [0, 1]
+    assert got.prompt_tokens == tuple(len(ids) for ids in each)
+
+
 async def test_a_broken_capture_publishes_nothing(capture_service, monkeypatch):
     running, nc, _ = capture_service
 
