@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import threading
 import time
 
 import nats
@@ -125,6 +126,35 @@ async def test_block_committed_with_the_engine_answer(nc, readout, engine, servi
     count = "stateblock_readout_stage_seconds_count"
     assert value(metrics, count, stage="digest", route="cohort") == 1
     assert value(metrics, count, stage="digest_wait", route="cohort") == 1
+
+
+async def test_a_long_answer_s_commit_is_built_off_the_event_loop(
+    nc, readout, engine, serving_model, monkeypatch
+):
+    """Over OFF_LOOP_TOKENS, the commit record is built and signed on a thread (the loop
+    serves the worker's other blocks meanwhile); under it, on the loop; the same commit."""
+    from readout_svc import worker as worker_module
+
+    threads: list[int] = []
+    build = worker_module.commit_record
+
+    def recording(*args):
+        threads.append(threading.get_ident())
+        return build(*args)
+
+    monkeypatch.setattr(worker_module, "commit_record", recording)
+    registry = await Registry.open(nc.jetstream())
+    commits = []
+    for seed, bound in ((11, 10_000), (12, 8)):  # 2 lanes x 8 tokens: under, then over
+        monkeypatch.setattr(worker_module, "OFF_LOOP_TOKENS", bound)
+        block = make_block(serving_model, seed=seed, rows_per_lane=(5, 9), depth=8)
+        await publish(nc, block)
+        commit = await registry.watch_commit(block.header.block_id, timeout=20)
+        outcomes.verify(commit, READOUT_TRUST, block.header.block_id)  # signed either way
+        commits.append(commit)
+    loop_thread = threading.get_ident()
+    assert threads[0] == loop_thread and threads[1] != loop_thread
+    assert [sum(len(lane.token_ids) for lane in c.lanes) > 0 for c in commits] == [True, True]
 
 
 def _flip_payload(block: pb.StateBlock) -> None:
