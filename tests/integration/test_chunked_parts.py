@@ -155,6 +155,47 @@ async def test_a_chunked_lane_has_the_rows_of_one_forward_whatever_its_company(s
     assert records == [1, 1, 1]  # a forward's lanes counted once a part is whole
 
 
+async def test_two_long_requests_interleaved_chunk_by_chunk_keep_their_rows(serving_model):
+    """Two requests of long lanes at once: their parts go round-robin, a chunk each a turn,
+    through the one chunk runner (its cache handed from lane to lane); each lane's rows are
+    bit for bit those of the same lane captured alone."""
+    tok = serving_model.tokenizer
+    hidden = serving_model.hidden_size
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = CohortForward(serving_model.model, plans, pad_id=tok.pad_token_id,
+                            capture_mode=MODE, part_chunk=8, part_chunk_len=64)  # fmt: skip
+    prompts = ["reverse: abcdefghijklmnopqrs", "sort: zyxwvutsrqponmlkjihgf", "copy: qwertyuiopasd"]
+    lanes = [tok(p)["input_ids"] for p in prompts]
+    assert all(len(ids) > 16 for ids in lanes)
+    steps: list[str] = []
+    part = forward.part
+
+    def recording(cohort):
+        steps.append(cohort[0].plan.request_id)
+        return part(cohort)
+
+    with ThreadPoolExecutor(2) as pool:
+        batcher = ForwardBatcher(forward, pool, window_s=0.0, max_lanes=8, cohort=CHUNKED,
+                                 forward_part=recording)  # fmt: skip
+        async with batcher:
+            alone = []
+            for i, ids in enumerate(lanes):
+                plan = register(plans, f"alone-{i}", [len(ids)], hidden)
+                await batcher.submit(plan, [ids])
+                alone.append(plans.consume(f"alone-{i}", plan.layout_digest))
+            both = [register(plans, "a", [len(lanes[0]), len(lanes[1])], hidden),
+                    register(plans, "b", [len(lanes[2])], hidden)]  # fmt: skip
+            steps.clear()
+            await asyncio.gather(batcher.submit(both[0], lanes[:2]),
+                                 batcher.submit(both[1], lanes[2:]))  # fmt: skip
+    assert steps[:4] == ["a", "b", "a", "b"]  # the chunks took turns
+    a = plans.consume("a", both[0].layout_digest)
+    b = plans.consume("b", both[1].layout_digest)
+    n = len(lanes[0])
+    assert torch.equal(a[:n], alone[0]) and torch.equal(a[n:], alone[1])
+    assert torch.equal(b, alone[2])
+
+
 @pytest.fixture(scope="module")
 def shipped():
     return load_serving_model(MODEL, REFERENCE_BASE, REFERENCE_DECODER)
