@@ -118,7 +118,7 @@ class CohortForward:
         return torch.full((1, length), self._pad_id, dtype=torch.long, device=self._device)
 
     def _runner(self) -> ChunkRunner:
-        """The chunks' runner, shared by every chunked lane: on CUDA one CUDA graph, recorded
+        """The chunks' runner, shared by every chunked lane: on CUDA its CUDA graphs, recorded
         here once; a recording that fails is reported and the chunks run eagerly."""
         if self._chunks is not None:
             return self._chunks

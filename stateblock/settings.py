@@ -416,8 +416,8 @@ CAPTURE_PART_SMS = _setting(
 CAPTURE_PART_CHUNK_TOKENS = _setting(
     "CAPTURE_PART_CHUNK_TOKENS", int, None,
     "a prompt lane longer than this many tokens is captured this many positions at a time "
-    "(chunked prefill through a KV cache, the backbone's eager forward at one shape, on CUDA "
-    "one CUDA graph recorded at the warm-up), a chunk a turn of "
+    "(chunked prefill through a KV cache, the backbone's eager forward at fixed shapes, on a GPU "
+    "replayed from CUDA graphs recorded at the warm-up), a chunk a turn of "
     "the parts' runner, which `STATEBLOCK_CAPTURE_PART_YIELD_S` holds back for the cohorts: "
     "a small request beside it then shares the device with one chunk, not a whole lane. The "
     "rows are those of one forward up to rounding, and a long prompt runs in chunks whatever "

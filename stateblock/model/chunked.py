@@ -21,9 +21,11 @@ one rounded length ask the allocator for the same blocks, which it then hands ba
 cache. Each chunk attends over the whole static length, the positions not yet written masked
 out by causality.
 
-A chunk runs at one fixed shape (`ChunkRunner`): `chunk` positions (the last chunk padded,
-its pad rows dropped) against a cache of a fixed length, so on CUDA its forward is one CUDA
-graph recorded at start-up and replayed. Launched eagerly, a chunk of 512 positions of the
+A chunk runs at fixed shapes (`ChunkRunner`): `chunk` positions (the last chunk padded, its
+pad rows dropped) against the shortest of a few static caches (the chunk, twice it, ... up to
+the longest lane) that holds them, so on CUDA its forward is one of a few CUDA graphs
+recorded at start-up and replayed, and a chunk attends over at most twice the positions
+written so far. Launched eagerly, a chunk of 512 positions of the
 2.9 B bench base spent about 41 ms in Python launching kernels that ran in a fraction of
 that (`bench.chunk_cost`, docs/BENCHMARKS.md): the part was bound by the host, and it held
 the capture process's interpreter lock against the cohorts' forwards all that time. Lanes
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,11 +93,33 @@ def seek(cache: Any, start: Tensor) -> None:
             counter.copy_(start)
 
 
+@dataclass
+class _Span:
+    """One cache length a chunk can run against: its static cache, the all-ones mask of
+    that length, and on CUDA its recorded forward and that forward's output buffer."""
+
+    cache: Any
+    mask: Tensor  # (1, L)
+    graph: Any = None
+    out: Tensor | None = None  # (1, C, d)
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def kv(self) -> list[Tensor]:
+        return kv_tensors(self.cache)
+
+
 class ChunkRunner:
-    """A chunk's forward at one fixed shape: (1, chunk) ids at positions start.. against a
-    static cache of `cache_len` (`max_len` rounded up to whole chunks). With `graph` (CUDA
-    only) it is recorded once as a CUDA graph and each chunk replays it: one launch instead
-    of every layer's kernels. One lane at a time owns the cache (`owner`)."""
+    """A chunk's forward at fixed shapes: (1, chunk) ids at positions start.. against a
+    static cache of the shortest span (chunk x 1, 2, 4, ... up to `max_len` rounded up to
+    whole chunks) that holds them, so a chunk attends over at most twice the positions written
+    so far. With `graph` (CUDA only) each span's forward is recorded once as a CUDA graph and
+    each chunk replays one: one launch instead of every layer's kernels. One lane at a time
+    holds the caches; `step` hands them over (a lane's written keys and values put aside,
+    another's put back, or moved to a longer span)."""
 
     def __init__(self, model: nn.Module, chunk: int, max_len: int, *, pad_id: int = 0,
                  graph: bool = False) -> None:  # fmt: skip
@@ -106,80 +131,104 @@ class ChunkRunner:
         self._forward = eager_backbone(model)
         self._keyword = cache_keyword(self._forward)
         device = next(model.parameters()).device
-        self._cache = new_cache(model, self.cache_len)
         self._ids = torch.full((1, chunk), pad_id, dtype=torch.long, device=device)  # (1, C)
         self._offsets = torch.arange(chunk, device=device)  # (C,)
         self._positions = self._offsets.clone()  # (C,): start + offsets
-        # every chunk attends over the whole cache; causality masks what is not written yet
-        self._mask = torch.ones(1, self.cache_len, dtype=torch.long, device=device)  # (1, L)
-        self._owner: weakref.ref | None = None
-        self._graph: Any = None
-        self._out: Tensor | None = None  # (1, C, d): the graph's output buffer
-        if graph:
-            self._record(device)
+        self._spans = [
+            _Span(new_cache(model, n), torch.ones(1, n, dtype=torch.long, device=device))
+            for n in span_lengths(chunk, self.cache_len)
+        ]
+        self._holder: tuple[weakref.ref, _Span] | None = None
+        for span in self._spans:  # lays each cache out (transformers makes it at first use)
+            if graph:
+                self._record(span, device)
+            else:
+                self._run(span)
 
     @property
     def graphed(self) -> bool:
-        return self._graph is not None
+        return all(span.graph is not None for span in self._spans)
 
     @property
-    def owner(self) -> Any:
-        return None if self._owner is None else self._owner()
-
-    @owner.setter
-    def owner(self, lane: Any) -> None:
-        self._owner = None if lane is None else weakref.ref(lane)
-
-    @property
-    def kv(self) -> list[Tensor]:
-        return kv_tensors(self._cache)
+    def spans(self) -> tuple[int, ...]:
+        return tuple(span.length for span in self._spans)
 
     @torch.no_grad()
-    def _run(self) -> Tensor:
-        seek(self._cache, self._positions[0])
+    def _run(self, span: _Span) -> Tensor:
+        seek(span.cache, self._positions[0])
         out = self._forward(
             input_ids=self._ids,
-            attention_mask=self._mask,  # (1, L)
+            attention_mask=span.mask,  # (1, L): causality masks what is not written yet
             position_ids=self._positions[None],  # (1, C): where transformers reads positions
             cache_position=self._positions,  # and where older releases read them
             use_cache=True,
-            **{self._keyword: self._cache},
+            **{self._keyword: span.cache},
         )
         return out.last_hidden_state  # (1, C, d)
 
-    def _record(self, device: torch.device) -> None:
+    def _record(self, span: _Span, device: torch.device) -> None:
         """Warm the forward on a side stream (the cache's layout, cuBLAS's workspaces), then
         record it; other threads' work on the device stays out of the graph."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._run()
+                self._run(span)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self._run()
-        self._graph = graph
+            span.out = self._run(span)
+        span.graph = graph
+
+    def _hand_over(self, lane: Any, span: _Span, start: int) -> None:
+        """`span`'s cache made to hold `lane`'s first `start` positions."""
+        held = (None, None) if self._holder is None else (self._holder[0](), self._holder[1])
+        other, other_span = held
+        if other is lane:
+            if other_span is not span and start:  # a longer span: the prefix moves up
+                for t, src in zip(span.kv, other_span.kv, strict=True):
+                    t[:, :, :start].copy_(src[:, :, :start])
+        else:
+            if other is not None and not other.finished and other.seen:
+                other._saved = [t[:, :, : other.seen].clone() for t in other_span.kv]
+            if lane._saved is not None:
+                for t, saved in zip(span.kv, lane._saved, strict=True):
+                    t[:, :, :start].copy_(saved)
+                lane._saved = None
+        self._holder = (weakref.ref(lane), span)
 
     @torch.no_grad()
-    def step(self, ids: Tensor, start: int) -> Tensor:
-        """The rows (1, n, d) of ids (1, n), n <= chunk, at positions start..start + n - 1,
-        their keys and values written into the cache; a short chunk's pad rows dropped."""
+    def step(self, lane: Any, ids: Tensor, start: int) -> Tensor:
+        """`lane`'s rows (1, n, d) of ids (1, n), n <= chunk, at positions start..start +
+        n - 1, their keys and values written into the cache; a short chunk's pad rows
+        dropped. The lane has run its first `start` positions through this runner."""
         n = ids.shape[1]
         if n > self.chunk or start + self.chunk > self.cache_len:
             raise ValueError(
                 f"a chunk of {n} at {start} does not fit chunks of {self.chunk} in a cache "
                 f"of {self.cache_len}"
             )
+        span = next(s for s in self._spans if s.length >= start + self.chunk)
+        self._hand_over(lane, span, start)
         self._ids[:, :n].copy_(ids)
         torch.add(self._offsets, start, out=self._positions)
-        if self._graph is not None:
-            self._graph.replay()
-            out = self._out
+        if span.graph is not None:
+            span.graph.replay()
+            out = span.out
         else:
             apply_compile_settings(backbone(self._model))
-            out = self._run()
+            out = self._run(span)
+        assert out is not None
         return out[:, :n].clone()
+
+
+def span_lengths(chunk: int, cache_len: int) -> list[int]:
+    """chunk, 2 chunk, 4 chunk, ... below cache_len, then cache_len."""
+    lengths, n = [], chunk
+    while n < cache_len:
+        lengths.append(n)
+        n *= 2
+    return [*lengths, cache_len]
 
 
 class ChunkedLane:
@@ -218,32 +267,15 @@ class ChunkedLane:
     def finished(self) -> bool:
         return self.seen >= self.length
 
-    def _take_cache(self) -> None:
-        """The runner's cache for this lane: the owner's written prefix put aside (if it has
-        chunks left), this lane's put back."""
-        runner = self._runner
-        other = runner.owner
-        if other is self:
-            return
-        if other is not None and not other.finished and other.seen:
-            other._saved = [t[:, :, : other.seen].clone() for t in runner.kv]
-        if self._saved is not None:
-            for t, saved in zip(runner.kv, self._saved, strict=True):
-                t[:, :, : self.seen].copy_(saved)
-            self._saved = None
-        runner.owner = self
-
     @torch.no_grad()
     def step(self) -> Tensor | None:
         if self.finished:
             raise RuntimeError("every chunk of this lane has run")
-        self._take_cache()
         end = min(self.seen + self._runner.chunk, self.length)
-        self._rows.append(self._runner.step(self._ids[:, self.seen : end], self.seen))
+        self._rows.append(self._runner.step(self, self._ids[:, self.seen : end], self.seen))
         self.seen = end
         if not self.finished:
             return None
-        self._runner.owner = None
         rows = torch.cat(self._rows, dim=1)  # (1, P, d)
         self._rows = []
         return rows

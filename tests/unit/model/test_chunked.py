@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from stateblock.model.capture import backbone, capture, use_unmasked_causal_attention
-from stateblock.model.chunked import ChunkedLane, ChunkRunner, cache_keyword, new_cache
+from stateblock.model.chunked import (
+    ChunkedLane,
+    ChunkRunner,
+    cache_keyword,
+    new_cache,
+    span_lengths,
+)
 from stateblock.model.loading import load_base
 from tests.helpers import REFERENCE_BASE
 from tests.unit.model.test_capture import tiny_nemotron_h
@@ -81,18 +87,17 @@ def test_the_cache_keyword_follows_the_forward_s_signature():
     assert cache_keyword(newer) == "cache" and cache_keyword(older) == "past_key_values"
 
 
-def test_a_lane_s_cache_is_allocated_once_and_written_in_place(base):
-    """The static cache: every chunk writes its keys and values into the same tensors, whose
-    length is the lane's rounded up to whole chunks."""
+def test_a_runner_s_caches_are_allocated_once_and_written_in_place(base):
+    """The static caches: one a span (the chunk, twice it, ... up to the lane rounded up to
+    whole chunks), laid out when the runner is made; every chunk writes its keys and values
+    into the same tensors, against the shortest span holding it."""
     ids = torch.randint(3, 60, (1, 90), generator=torch.Generator().manual_seed(3))
-    lane = ChunkedLane(base, ids, 32)  # 32 + 32 + 26 positions, a cache of 96
-    lane.step()
-    layer = lane._runner._cache.layers[0]
-    keys, values = layer.keys, layer.values
-    assert keys.shape[-2] == 96
-    lane.step()
-    assert layer.keys is keys and layer.values is values
-    rows = lane.step()
+    runner = ChunkRunner(base, 32, 90)  # 32 + 32 + 26 positions, spans of 32, 64 and 96
+    assert runner.spans == (32, 64, 96) and span_lengths(32, 512) == [32, 64, 128, 256, 512]
+    tensors = [[id(t) for t in span.kv] for span in runner._spans]
+    assert [span.kv[0].shape[-2] for span in runner._spans] == [32, 64, 96]
+    rows = chunked_rows(base, ids, runner=runner)
+    assert [[id(t) for t in span.kv] for span in runner._spans] == tensors
     torch.testing.assert_close(rows, capture(base, ids), atol=1e-3, rtol=1e-3)
 
 
@@ -104,7 +109,7 @@ def test_lanes_sharing_a_runner_get_their_rows_alone_bit_for_bit(base):
     gen = torch.Generator().manual_seed(4)
     lanes = [torch.randint(3, 60, (1, n), generator=gen) for n in (100, 37, 128, 16)]
     runner = ChunkRunner(base, 16, 120)
-    assert runner.cache_len == 128  # whole chunks
+    assert runner.cache_len == 128 and runner.spans == (16, 32, 64, 128)  # whole chunks
     alone = [chunked_rows(base, ids, runner=ChunkRunner(base, 16, 128)) for ids in lanes]
     after = [chunked_rows(base, ids, runner=runner) for ids in lanes]
     torch.testing.assert_close(alone[0], capture(base, lanes[0]), atol=1e-3, rtol=1e-3)
@@ -123,6 +128,6 @@ def test_a_runner_refuses_a_lane_longer_than_its_cache(base):
     with pytest.raises(ValueError, match="longer than the chunk runner's cache"):
         ChunkedLane(base, torch.ones(1, 49, dtype=torch.long), runner=runner)
     with pytest.raises(ValueError, match="does not fit"):
-        runner.step(torch.ones(1, 17, dtype=torch.long), 0)
+        runner.step(object(), torch.ones(1, 17, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="at least 1"):
         ChunkRunner(base, 0, 40)
