@@ -76,8 +76,10 @@ class CohortForward:
             log.info("warm-up shape", lanes=lanes, width=width, seconds=round(seconds, 3))
 
         warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
-        if self._part_chunk is not None:  # the chunks' graph recorded here, not on a request
-            lane = ChunkedLane(self._model, self._ids(2 * self._part_chunk), runner=self._runner())
+        if self._part_chunk is not None:  # the chunks' graphs recorded here, not on a request
+            runner = self._runner()
+            ids = self._ids(min(2 * self._part_chunk, runner.cache_len))
+            lane = ChunkedLane(self._model, ids, runner=runner)
             while lane.step() is None:
                 pass
         if self._on_compile is not None:

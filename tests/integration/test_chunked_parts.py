@@ -155,6 +155,21 @@ async def test_a_chunked_lane_has_the_rows_of_one_forward_whatever_its_company(s
     assert records == [1, 1, 1]  # a forward's lanes counted once a part is whole
 
 
+@pytest.mark.parametrize("chunk, longest", [(8, 64), (64, 64), (80, 64)])
+def test_the_warm_up_makes_the_chunk_runner_for_the_longest_prompt(serving_model, chunk, longest):
+    """The warm-up makes the chunks' runner (on CUDA, records its graphs) and runs a lane
+    through it, whether the chunk is a small part of the longest prompt, all of it, or
+    longer; a lane of the longest prompt then fits it."""
+    tok = serving_model.tokenizer
+    plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
+    forward = CohortForward(serving_model.model, plans, pad_id=tok.pad_token_id,
+                            capture_mode=MODE, part_chunk=chunk, part_chunk_len=longest)  # fmt: skip
+    forward.warm_up()
+    runner = forward.chunk_runner
+    assert runner is not None and runner.chunk == chunk and runner.cache_len >= longest
+    assert runner.cache_len % chunk == 0 and runner.spans[-1] == runner.cache_len
+
+
 async def test_two_long_requests_interleaved_chunk_by_chunk_keep_their_rows(serving_model):
     """Two requests of long lanes at once: their parts go round-robin, a chunk each a turn,
     through the one chunk runner (its cache handed from lane to lane); each lane's rows are
