@@ -214,6 +214,7 @@ def test_a_recorded_chunk_gives_the_eager_chunk_s_rows():
     from stateblock.model.capture import use_unmasked_causal_attention
     from stateblock.model.chunked import ChunkedLane, ChunkRunner
     from stateblock.model.loading import load_base
+    from tests.unit.model.test_chunked import interleaved
 
     model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
     use_unmasked_causal_attention(model)
@@ -222,13 +223,7 @@ def test_a_recorded_chunk_gives_the_eager_chunk_s_rows():
     assert graphed.graphed and not eager.graphed
 
     def rows(runner: ChunkRunner) -> list[torch.Tensor]:
-        running = [ChunkedLane(model, ids, runner=runner) for ids in lanes]
-        out: list = [None] * len(lanes)
-        while not all(lane.finished for lane in running):
-            for i, lane in enumerate(running):
-                if not lane.finished:
-                    out[i] = lane.step()
-        return out
+        return interleaved([ChunkedLane(model, ids, runner=runner) for ids in lanes])
 
     for a, b in zip(rows(graphed), rows(eager), strict=True):
         assert torch.equal(a, b)

@@ -30,6 +30,16 @@ def chunked_rows(model, ids, chunk: int | None = None, runner: ChunkRunner | Non
     return outs[-1]
 
 
+def interleaved(lanes: list[ChunkedLane]) -> list[torch.Tensor]:
+    """Each lane's rows, their chunks run in turn: a chunk of each unfinished lane a round."""
+    out: list = [None] * len(lanes)
+    while not all(lane.finished for lane in lanes):
+        for i, lane in enumerate(lanes):
+            if not lane.finished:
+                out[i] = lane.step()
+    return out
+
+
 @pytest.mark.parametrize("chunk", [7, 64, 100, 299])
 def test_chunks_give_the_rows_of_one_forward(base, chunk):
     """Every chunk size, a last chunk shorter than the rest included: the lane's rows equal
@@ -102,7 +112,7 @@ def test_a_runner_s_caches_are_allocated_once_and_written_in_place(base):
 
 
 def test_lanes_sharing_a_runner_get_their_rows_alone_bit_for_bit(base):
-    """One runner (a fixed shape: chunks of 16 against a cache of 128) for lanes of several
+    """One runner (chunks of 16 against caches of 16, 32, 64 and 128) for lanes of several
     lengths, run one after another and with their chunks interleaved: each lane's rows are
     those it gets through a runner of its own, bit for bit, whatever ran before it or between
     its chunks (its keys and values are put aside and back)."""
@@ -113,13 +123,8 @@ def test_lanes_sharing_a_runner_get_their_rows_alone_bit_for_bit(base):
     alone = [chunked_rows(base, ids, runner=ChunkRunner(base, 16, 128)) for ids in lanes]
     after = [chunked_rows(base, ids, runner=runner) for ids in lanes]
     torch.testing.assert_close(alone[0], capture(base, lanes[0]), atol=1e-3, rtol=1e-3)
-    running = [ChunkedLane(base, ids, runner=runner) for ids in lanes]
-    interleaved: list = [None] * len(lanes)
-    while not all(lane.finished for lane in running):
-        for i, lane in enumerate(running):
-            if not lane.finished:
-                interleaved[i] = lane.step()
-    for a, b, c in zip(alone, after, interleaved, strict=True):
+    mixed = interleaved([ChunkedLane(base, ids, runner=runner) for ids in lanes])
+    for a, b, c in zip(alone, after, mixed, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
