@@ -8,29 +8,24 @@ cache, so the rows are those of the one forward up to rounding (the attention is
 differently), and the same prompt always runs the same chunks, so its rows do not depend on
 what ran beside it.
 
-The chunks run the backbone's eager forward: a compiled backbone's graph was traced without
-a cache, and a chunk of a few thousand tokens is bound by its GEMMs, not by launching them.
+The chunks run the backbone's eager forward (a compiled backbone's graph was traced
+without a cache), at fixed shapes (`ChunkRunner`): `chunk` positions (the last chunk padded,
+its pad rows dropped) against the shortest of a few static caches (transformers'
+StaticCache; the chunk, twice it, ... up to the longest lane rounded up to whole chunks) that
+holds them, so a chunk attends over at most twice the positions written so far, the ones not
+yet written masked out by causality. On CUDA each of those forwards is recorded once as a
+CUDA graph and a chunk replays one: launched eagerly, a chunk of 512 positions of the 2.9 B
+bench base spent about 41 ms in Python launching kernels that ran in a fraction of that
+(`bench.chunk_cost`, docs/BENCHMARKS.md), holding the capture process's interpreter lock
+against the cohorts' forwards all that time. The caches are allocated once and written in
+place, where a growing cache would allocate every layer's keys and values anew each chunk.
+Lanes share a runner: a lane whose chunks interleave with another's has its written keys and
+values put aside when the other takes the caches and put back at its turn, and a lane's
+prefix moves to the next cache when it outgrows one.
+
 A chunk passes an all-ones attention mask: without one the unmasked causal path
 (`use_unmasked_causal_attention`) would hand SDPA `is_causal`, which aligns a chunk's
 queries with the cache's first positions instead of its last.
-
-The cache is static (transformers' StaticCache): allocated once a lane, its length the lane's
-rounded up to whole chunks, and written in place at each chunk's positions (`cache_position`),
-where a growing cache would allocate every layer's keys and values anew each chunk. Lanes of
-one rounded length ask the allocator for the same blocks, which it then hands back from its
-cache. Each chunk attends over the whole static length, the positions not yet written masked
-out by causality.
-
-A chunk runs at fixed shapes (`ChunkRunner`): `chunk` positions (the last chunk padded, its
-pad rows dropped) against the shortest of a few static caches (the chunk, twice it, ... up to
-the longest lane) that holds them, so on CUDA its forward is one of a few CUDA graphs
-recorded at start-up and replayed, and a chunk attends over at most twice the positions
-written so far. Launched eagerly, a chunk of 512 positions of the
-2.9 B bench base spent about 41 ms in Python launching kernels that ran in a fraction of
-that (`bench.chunk_cost`, docs/BENCHMARKS.md): the part was bound by the host, and it held
-the capture process's interpreter lock against the cohorts' forwards all that time. Lanes
-share a runner; one whose chunks interleave with another's has its written keys and values
-put aside when the other takes the cache, and put back when its turn comes.
 """
 
 from __future__ import annotations
