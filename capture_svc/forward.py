@@ -77,11 +77,7 @@ class CohortForward:
 
         warm_up(self._model, shapes, pad_id=self._pad_id, runs=runs, on_shape=done)
         if self._part_chunk is not None:  # the chunks' graphs recorded here, not on a request
-            runner = self._runner()
-            ids = self._ids(min(2 * self._part_chunk, runner.cache_len))
-            lane = ChunkedLane(self._model, ids, runner=runner)
-            while lane.step() is None:
-                pass
+            self._runner()  # (made, it has run each of its shapes once)
         if self._on_compile is not None:
             self._graphs = graphs_compiled()
         total = time.perf_counter() - t0
@@ -115,9 +111,6 @@ class CohortForward:
     def chunk_runner(self) -> ChunkRunner | None:
         """The chunked lanes' runner once the warm-up (or a first chunk) made it."""
         return self._chunks
-
-    def _ids(self, length: int) -> torch.Tensor:
-        return torch.full((1, length), self._pad_id, dtype=torch.long, device=self._device)
 
     def _runner(self) -> ChunkRunner:
         """The chunks' runner, shared by every chunked lane: on CUDA its CUDA graphs, recorded

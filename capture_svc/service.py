@@ -256,17 +256,16 @@ class CaptureService:
         """Every lane's ids, each distinct input tokenized once (its first lane's errors), on
         a thread where the request's input is long (OFF_LOOP_INPUT)."""
 
-        def run() -> list[list[int]]:
-            done: dict[tuple[str | None, object], list[int]] = {}
-            for i, lane in enumerate(lanes):
-                key = input_key(lane)
-                if key not in done:
-                    done[key] = self.tokenize(lane, i)
-            return [list(done[input_key(lane)]) for lane in lanes]
+        keys = [input_key(lane) for lane in lanes]
+        first: dict[tuple[str | None, object], int] = {}  # each input's first lane, in order
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
 
-        if sum(input_size(lane) for lane in {input_key(x): x for x in lanes}.values()) < (
-            OFF_LOOP_INPUT
-        ):
+        def run() -> list[list[int]]:
+            ids = {key: self.tokenize(lanes[i], i) for key, i in first.items()}
+            return [list(ids[key]) for key in keys]
+
+        if sum(input_size(lanes[i]) for i in first.values()) < OFF_LOOP_INPUT:
             return run()
         return await asyncio.to_thread(run)
 

@@ -133,7 +133,9 @@ class ChunkRunner:
             _Span(new_cache(model, n), torch.ones(1, n, dtype=torch.long, device=device))
             for n in span_lengths(chunk, self.cache_len)
         ]
-        self._holder: tuple[weakref.ref, _Span] | None = None
+        self._holder: tuple[weakref.ref, _Span] | None = None  # the lane the caches hold
+        # other lanes' written keys and values, set aside while another held the caches
+        self._saved: weakref.WeakKeyDictionary[Any, list[Tensor]] = weakref.WeakKeyDictionary()
         for span in self._spans:  # lays each cache out (transformers makes it at first use)
             if graph:
                 self._record(span, device)
@@ -185,11 +187,11 @@ class ChunkRunner:
                     t[:, :, :start].copy_(src[:, :, :start])
         else:
             if other is not None and not other.finished and other.seen:
-                other._saved = [t[:, :, : other.seen].clone() for t in other_span.kv]
-            if lane._saved is not None:
-                for t, saved in zip(span.kv, lane._saved, strict=True):
-                    t[:, :, :start].copy_(saved)
-                lane._saved = None
+                self._saved[other] = [t[:, :, : other.seen].clone() for t in other_span.kv]
+            saved = self._saved.pop(lane, None)
+            if saved is not None:
+                for t, prefix in zip(span.kv, saved, strict=True):
+                    t[:, :, :start].copy_(prefix)
         self._holder = (weakref.ref(lane), span)
 
     @torch.no_grad()
@@ -247,7 +249,6 @@ class ChunkedLane:
         self._runner = runner
         self._ids = input_ids  # (1, P)
         self._rows: list[Tensor] = []  # (1, chunk, d) each
-        self._saved: list[Tensor] | None = None  # its keys and values while another lane ran
         self.seen = 0  # positions captured so far
 
     @property
