@@ -311,8 +311,10 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
   DATA=${2:-.gpu_prose}; t0=$SECONDS
   python3 -m bench.unpack "$DATA" || exit 1
   if ! ls "$DATA"/base.part*.safetensors > /dev/null 2>&1; then
+    # BASE_ARGS: the base's shape and arms, as prose-base's ARGS (e.g. "--dim 512 --n-layers
+    # 10 --mlp-dim 2048 --n-heads 8"), for a larger base in the chain's own call
     timeout 200 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
-      --minutes 3 --epochs 7 > "$OUT/prose.log" 2>&1
+      --minutes 3 --epochs 7 --max-checkpoint-mb 1000 ${BASE_ARGS:-} > "$OUT/prose.log" 2>&1
     echo "prose base rc=$? ($((SECONDS - t0)) s)"; cat "$DATA/stage/summary.md"
     cp "$DATA"/stage/base.part*.safetensors "$DATA/" || exit 1
   fi
