@@ -157,8 +157,8 @@ async def test_a_chunked_lane_has_the_rows_of_one_forward_whatever_its_company(s
 
 @pytest.mark.parametrize("chunk, longest", [(8, 64), (64, 64), (80, 64)])
 def test_the_warm_up_makes_the_chunk_runner_for_the_longest_prompt(serving_model, chunk, longest):
-    """The warm-up makes the chunks' runner (on CUDA, records its graphs) and runs a lane
-    through it, whether the chunk is a small part of the longest prompt, all of it, or
+    """The warm-up makes the chunks' runner (each of its spans run once; on CUDA, its
+    graphs recorded), whether the chunk is a small part of the longest prompt, all of it, or
     longer; a lane of the longest prompt then fits it."""
     tok = serving_model.tokenizer
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
