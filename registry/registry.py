@@ -49,6 +49,12 @@ DEFAULT_BUCKET = "STATEBLOCK_REGISTRY"
 FINAL_STATES = (pb.CLAIM_STATE_COMMITTED, pb.CLAIM_STATE_REJECTED)
 # A race is lost only to another writer that made progress, so a few rounds suffice.
 _MAX_RACES = 8
+# The watch's heartbeat. Its consumer lives in the server's memory and is gone after a
+# nats-server restart; nats-py checks every two heartbeats and makes a new one after a
+# check that saw none, so the watch is back within about four times this. With nats-py's
+# default, 5 s, every answer for 10-20 s after a restart waited for its waiter's
+# once-a-second re-read of the registry.
+WATCH_HEARTBEAT_S = 0.5
 # JetStream's "wrong last sequence" codes: the revision we compared against moved on.
 _WRONG_LAST = (10071, 10164)
 _KEY = re.compile(r"^[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*$")
@@ -337,6 +343,7 @@ class Registry:
                 cb=on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
+                idle_heartbeat=WATCH_HEARTBEAT_S,
             )
         return sub.unsubscribe
 

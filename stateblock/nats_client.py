@@ -56,7 +56,9 @@ class NatsOptions:
     servers: tuple[str, ...]
     connect_timeout_s: float = 2.0
     start_attempts: int = 3  # per server, at start-up only; then reconnect forever
-    reconnect_wait_s: float = 1.0
+    # between attempts at one server: a restarted nats-server is back in a fraction of a
+    # second, and every client's first attempt comes too soon for it
+    reconnect_wait_s: float = 0.5
     creds_file: Path | None = None  # a NATS .creds file (JWT + NKey seed)
     user: str | None = None  # a NATS user, with the password in password_file
     password_file: Path | None = field(default=None, repr=False)
@@ -342,6 +344,25 @@ async def follow_in_health(servicer, names: tuple[str, ...], readiness: Readines
     await follow(readiness is None or readiness.ready)
 
 
+def fail_requests_in_flight(nc: nats.NATS) -> int:
+    """Fail every request waiting for a reply when the connection drops, as its timeout
+    would (nats.errors.TimeoutError: its outcome unknown), and return how many. Their
+    replies were addressed to the lost connection and never come, yet nats-py keeps each
+    waiting its whole timeout (a JetStream call's is 5 s): a readout worker whose claim was
+    in flight at a nats-server restart sat idle that long. Every caller already treats a
+    timeout as "maybe landed"; the retried ones go out once the connection is back.
+    nats-py (2.12 to 2.16) keeps the waiting replies in `_resp_map`; the test of a request
+    in flight at a server kill (tests/integration/test_nats_client.py) fails if a later one
+    does not."""
+    waiting = getattr(nc, "_resp_map", None) or {}
+    failed = 0
+    for future in list(waiting.values()):
+        if not future.done():
+            future.set_exception(nats.errors.TimeoutError())
+            failed += 1
+    return failed
+
+
 async def connect(options: NatsOptions, name: str, state: NatsState | None = None) -> nats.NATS:
     """A connection that reconnects forever once made; NatsUnreachable if none can be made."""
     state = state or NatsState(name)
@@ -357,6 +378,7 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
         if nc.is_closed or nc.is_draining:  # our own shutdown, not an outage
             return
         log.warning("nats disconnected", client=name)
+        fail_requests_in_flight(nc)
         await state.set(False)
 
     async def on_reconnected() -> None:

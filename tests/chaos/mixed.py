@@ -163,6 +163,29 @@ class MixedLoad:
             time.sleep(0.3)
 
 
+def probe_until_answered(url: str, model: str, key: str, expected: str,
+                         within_s: float = 60.0) -> float | None:  # fmt: skip
+    """A short request (SHORT[0]) sent again under its key until answered; the monotonic
+    time of its answer, None if none came within_s. Sent once a killed service is back, it
+    says when requests succeed again, which the load's own clients may not: both can be
+    held at that moment by faults aimed at them (a sniped deep block waits out its lease, a
+    long one whose payload was deleted is captured again)."""
+    body = {"model": model, "prompt": SHORT[0], "max_tokens": 8}
+    deadline = time.monotonic() + within_s
+    with httpx.Client(base_url=url, timeout=within_s) as http:
+        while time.monotonic() < deadline:
+            try:
+                r = http.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
+            except httpx.HTTPError:
+                r = None
+            if r is not None and r.status_code == 200:
+                assert texts(r.json()) == [expected], r.text
+                return time.monotonic()
+            assert r is None or r.status_code in (503, 504), r.text
+            time.sleep(0.1)
+    return None
+
+
 def texts(response: dict | None) -> list[str] | None:
     if response is None:
         return None

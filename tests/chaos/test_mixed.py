@@ -31,6 +31,7 @@ from tests.chaos.mixed import (
     SHORT,
     MixedLoad,
     client_figures,
+    probe_until_answered,
     registry_figures,
 )
 from tests.integration.test_request_path import in_process_answer
@@ -94,6 +95,8 @@ def _kill_and_restart(stack: ProcStack, name: str, lock: threading.Lock) -> tupl
 def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     n, nats_kills = scale(70, 1000), scale(1, 3)
     shots = scale(1, 6)  # of each: SIGKILL readout-0, SIGSTOP readout-1, mid-readout
+    expected = expected_texts(serving_model, engine)
+    probe_text = expected({"prompt": SHORT[0], "max_tokens": 8})[0]
     stack = _stack(tmp_path, decoder_dir)
     url = stack.start()
     lock = threading.Lock()
@@ -111,6 +114,7 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
         injector.start()
     load = MixedLoad(url, MODEL, limit=n, threads=2).start()
     kills: dict[str, list[tuple[float, float]]] = {"nats": [], "capture": []}
+    probed: dict[str, list[float | None]] = {"nats": [], "capture": []}
     t_start = time.monotonic()
     try:
         steps = [("nats", (i + 1) / (nats_kills + 2)) for i in range(nats_kills)]
@@ -118,6 +122,8 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
         for name, at in sorted(steps, key=lambda s: s[1]):
             load.wait_for(int(n * at), timeout_s=600)
             kills[name].append(_kill_and_restart(stack, name, lock))
+            key = f"probe-{name}-{len(kills[name])}"
+            probed[name].append(probe_until_answered(url, MODEL, key, probe_text))
         answers = load.join()
         done = {k: v.stop() for k, v in injectors.items()}
         metrics = stack.scrape(METRICS)
@@ -128,10 +134,17 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
             injector.stop()
         stack.stop()
     forged_text = serving_model.tokenizer.decode([7, 7, 7], skip_special_tokens=True)
-    figures = client_figures(answers, expected_texts(serving_model, engine), forged_text)
+    figures = client_figures(answers, expected, forged_text)
     figures["duration_s"] = round(time.monotonic() - t_start, 1)
     figures["faults"] = done | {k: len(v) for k, v in kills.items()}
+    # requests succeed again: a request sent once the service is back is answered
     figures["recovery_s"] = {
+        name: [
+            None if a is None else round(a - t[0], 3) for t, a in zip(ts, probed[name], strict=True)
+        ]
+        for name, ts in kills.items()
+    }
+    figures["first_load_answer_s"] = {
         name: [_first_answer_after(answers, *t) for t in ts] for name, ts in kills.items()
     }
     figures["registry"] = {k: v for k, v in registry.items() if k != "shots"}
@@ -142,7 +155,8 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
         for s in registry["shots"]
     ]
     figures["metrics"] = {k[0]: v for k, v in metrics.items()}
-    answered = figures["requests"] - figures["lost"]
+    probes = sum(a is not None for a in (*probed["nats"], *probed["capture"]))
+    answered = figures["requests"] - figures["lost"] + probes
     figures["double_committed"] = registry["committed_blocks"] - answered
     report("mixed_faults", figures)
     assert figures["requests"] == n, figures
@@ -154,7 +168,8 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     assert registry["commits_in_one_key"] <= 1, figures
     # one committed block per answered request: none lost, none read out twice
     assert figures["double_committed"] == 0, figures
-    assert all(r is not None and r <= RECOVERY_S for r in figures["recovery_s"]["nats"]), figures
+    recovery = figures["recovery_s"]
+    assert all(r is not None and r <= RECOVERY_S for r in recovery["nats"]), recovery
     # the sniper's faults landed mid-readout: another worker took the lease over and committed
     assert sum(s["taken_over"] for s in figures["shots"]) >= 1, figures
     assert figures["faults"]["payloads"]["deleted"] >= 1, figures

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+import nats
 import pytest
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
@@ -81,6 +82,41 @@ async def test_reconnects_after_more_attempts_than_start_up_allows(tmp_path):
         sub = await nc.subscribe("after.outage")
         await nc.publish("after.outage", b"x")
         assert (await sub.next_msg(timeout=5)).data == b"x"
+    finally:
+        await nc.close()
+        stop_nats_server(server)
+
+
+async def test_a_request_in_flight_when_the_server_dies_fails_at_once(tmp_path):
+    """Its reply went to the old connection and can never come: it fails as soon as the
+    connection drops, as a timeout would (its outcome unknown), not after its whole timeout.
+    A readout's claim sent just before a nats-server kill used to hold its worker 5 s."""
+    server = start_nats_server(tmp_path / "n")
+    nc = await connect(NatsOptions.of(server.url, reconnect_wait_s=0.05), "t")
+    try:
+        await nc.subscribe("never.answered")  # a responder that never replies
+        await nc.flush()
+        pending = asyncio.ensure_future(nc.request("never.answered", b"", timeout=30))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        t0 = time.monotonic()
+        server.proc.kill()
+        with pytest.raises(nats.errors.TimeoutError):
+            await asyncio.wait_for(pending, 10)
+        assert time.monotonic() - t0 < 5
+        server = start_nats_server(tmp_path / "n", port=server.port)
+        for _ in range(300):
+            if nc.is_connected:
+                break
+            await asyncio.sleep(0.05)
+
+        # a request sent after the reconnect is answered as usual
+        async def respond(msg) -> None:
+            await msg.respond(b"ok")
+
+        sub = await nc.subscribe("answered", cb=respond)
+        assert (await nc.request("answered", b"", timeout=5)).data == b"ok"
+        await sub.unsubscribe()
     finally:
         await nc.close()
         stop_nats_server(server)

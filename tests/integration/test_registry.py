@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import nats
 import pytest
@@ -16,6 +17,9 @@ from registry import (
     Registry,
     RegistryUnavailable,
 )
+from stateblock.app.nats_server import start_nats_server as start_nats_server_process
+from stateblock.app.nats_server import stop_nats_server
+from stateblock.nats_client import NatsOptions, connect
 from stateblock.v1 import commit_pb2 as pb
 
 
@@ -207,3 +211,37 @@ async def test_nats_failure_is_registry_unavailable(start_nats_server):
     await conn.close()
     with pytest.raises(RegistryUnavailable):
         await reg.claim("b1", "w1", lease_s=1)
+
+
+async def test_the_watch_is_back_soon_after_a_nats_server_restart(tmp_path):
+    """The watch's consumer lives in the server's memory: after a restart on the same store
+    it must be made again, and a write after the restart reaches the watch within seconds
+    (nats-py's default heartbeat left it blind for 10-20 s)."""
+    server = start_nats_server_process(tmp_path / "n")
+    nc = await connect(NatsOptions.of(server.url, reconnect_wait_s=0.05), "t")
+    seen: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_stored(block_id: str, entry) -> None:
+        seen.put_nowait(block_id)
+
+    try:
+        registry = await Registry.open(nc.jetstream())
+        stop = await registry.watch_stored(on_stored)
+        await registry.claim("before", "w1", lease_s=30)
+        assert await asyncio.wait_for(seen.get(), 5) == "before"
+        killed = time.monotonic()
+        server.proc.kill()
+        server.proc.wait()
+        server = start_nats_server_process(tmp_path / "n", port=server.port)
+        while True:  # the first claim that lands once the client is back
+            try:
+                await registry.claim("after", "w1", lease_s=30)
+                break
+            except RegistryUnavailable:
+                await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(seen.get(), 15) == "after"
+        assert time.monotonic() - killed < 7
+        await stop()
+    finally:
+        await nc.close()
+        stop_nats_server(server)
