@@ -113,17 +113,9 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     for injector in injectors.values():
         injector.start()
     load = MixedLoad(url, MODEL, limit=n, threads=2).start()
-    kills: dict[str, list[tuple[float, float]]] = {"nats": [], "capture": []}
-    probed: dict[str, list[float | None]] = {"nats": [], "capture": []}
     t_start = time.monotonic()
     try:
-        steps = [("nats", (i + 1) / (nats_kills + 2)) for i in range(nats_kills)]
-        steps.insert(len(steps) // 2 + 1, ("capture", (nats_kills + 1) / (nats_kills + 2) - 0.05))
-        for name, at in sorted(steps, key=lambda s: s[1]):
-            load.wait_for(int(n * at), timeout_s=600)
-            kills[name].append(_kill_and_restart(stack, name, lock))
-            key = f"probe-{name}-{len(kills[name])}"
-            probed[name].append(probe_until_answered(url, MODEL, key, probe_text))
+        kills, probed = _kills_under_load(stack, load, lock, nats_kills, probe_text)
         answers = load.join()
         done = {k: v.stop() for k, v in injectors.items()}
         metrics = stack.scrape(METRICS)
@@ -137,16 +129,7 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     figures = client_figures(answers, expected, forged_text)
     figures["duration_s"] = round(time.monotonic() - t_start, 1)
     figures["faults"] = done | {k: len(v) for k, v in kills.items()}
-    # requests succeed again: a request sent once the service is back is answered
-    figures["recovery_s"] = {
-        name: [
-            None if a is None else round(a - t[0], 3) for t, a in zip(ts, probed[name], strict=True)
-        ]
-        for name, ts in kills.items()
-    }
-    figures["first_load_answer_s"] = {
-        name: [_first_answer_after(answers, *t) for t in ts] for name, ts in kills.items()
-    }
+    figures |= _recovery_figures(answers, kills, probed)
     figures["registry"] = {k: v for k, v in registry.items() if k != "shots"}
     # a shot landed mid-readout when the block's commit came under a takeover (attempt > 1):
     # by the other process, or by the killed one restarted (the same worker id)
@@ -174,6 +157,44 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
     assert sum(s["taken_over"] for s in figures["shots"]) >= 1, figures
     assert figures["faults"]["payloads"]["deleted"] >= 1, figures
     assert figures["faults"]["poisoner"]["garbage_before_claim"] >= 1, figures
+
+
+Kills = dict[str, list[tuple[float, float]]]  # service -> (killed, back) for each kill
+Probed = dict[str, list[float | None]]  # service -> when each kill's probe was answered
+
+
+def _kills_under_load(stack: ProcStack, load: MixedLoad, lock: threading.Lock,
+                      nats_kills: int, probe_text: str) -> tuple[Kills, Probed]:  # fmt: skip
+    """nats-server SIGKILLed `nats_kills` times and the capture once, spread over the load,
+    each started again at once and probed with a request of its own once it is back."""
+    kills: Kills = {"nats": [], "capture": []}
+    probed: Probed = {"nats": [], "capture": []}
+    steps = [("nats", (i + 1) / (nats_kills + 2)) for i in range(nats_kills)]
+    steps.insert(len(steps) // 2 + 1, ("capture", (nats_kills + 1) / (nats_kills + 2) - 0.05))
+    for name, at in sorted(steps, key=lambda s: s[1]):
+        load.wait_for(int(load.limit * at), timeout_s=600)
+        kills[name].append(_kill_and_restart(stack, name, lock))
+        key = f"probe-{name}-{len(kills[name])}"
+        probed[name].append(probe_until_answered(load.url, MODEL, key, probe_text))
+    return kills, probed
+
+
+def _recovery_figures(answers, kills: Kills, probed: Probed) -> dict:
+    """recovery_s: seconds from each kill until a request sent once the service was back
+    was answered (requests succeed again); first_load_answer_s: until the load's first
+    answer after it, reported only (the load's clients may be held by other faults)."""
+    return {
+        "recovery_s": {
+            name: [
+                None if a is None else round(a - t[0], 3)
+                for t, a in zip(ts, probed[name], strict=True)
+            ]  # fmt: skip
+            for name, ts in kills.items()
+        },
+        "first_load_answer_s": {
+            name: [_first_answer_after(answers, *t) for t in ts] for name, ts in kills.items()
+        },
+    }
 
 
 def _first_answer_after(answers, killed: float, back: float) -> float | None:
