@@ -51,9 +51,9 @@ FINAL_STATES = (pb.CLAIM_STATE_COMMITTED, pb.CLAIM_STATE_REJECTED)
 _MAX_RACES = 8
 # The watch's heartbeat. Its consumer lives in the server's memory and is gone after a
 # nats-server restart; nats-py checks every two heartbeats and makes a new one after a
-# check that saw none, so the watch is back within about four times this. With nats-py's
-# default, 5 s, every answer for 10-20 s after a restart waited for its waiter's
-# once-a-second re-read of the registry.
+# check that saw none, so the watch is back within about four times this. At nats-py's
+# default, 5 s, that is 10-20 s, in which every answer waits for its waiter's once-a-second
+# re-read of the registry.
 WATCH_HEARTBEAT_S = 0.5
 # JetStream's "wrong last sequence" codes: the revision we compared against moved on.
 _WRONG_LAST = (10071, 10164)

@@ -89,8 +89,9 @@ async def test_reconnects_after_more_attempts_than_start_up_allows(tmp_path):
 
 async def test_a_request_in_flight_when_the_server_dies_fails_at_once(tmp_path):
     """Its reply went to the old connection and can never come: it fails as soon as the
-    connection drops, as a timeout would (its outcome unknown), not after its whole timeout.
-    A readout's claim sent just before a nats-server kill used to hold its worker 5 s."""
+    connection drops, as a timeout would (its outcome unknown), not after its whole timeout
+    (5 s for a JetStream call, all of which a readout worker whose claim is in flight at a
+    nats-server kill would sit idle)."""
     server = start_nats_server(tmp_path / "n")
     nc = await connect(NatsOptions.of(server.url, reconnect_wait_s=0.05), "t")
     try:
