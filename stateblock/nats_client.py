@@ -377,8 +377,8 @@ async def connect(options: NatsOptions, name: str, state: NatsState | None = Non
     async def on_disconnected() -> None:
         if nc.is_closed or nc.is_draining:  # our own shutdown, not an outage
             return
-        log.warning("nats disconnected", client=name)
-        fail_requests_in_flight(nc)
+        failed = fail_requests_in_flight(nc)
+        log.warning("nats disconnected", client=name, requests_failed=failed)
         await state.set(False)
 
     async def on_reconnected() -> None:

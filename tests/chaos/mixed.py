@@ -123,6 +123,22 @@ class MixedLoad:
                 with self._lock:
                     self.answers.append(answer)
 
+    def probe(self, key: str, expected: str) -> float | None:
+        """A short request (SHORT[0]) under its own key, sent again every 0.1 s while it is
+        safe to, and checked against `expected`; the monotonic time of its answer, None if
+        none came within retry_for_s. Sent once a killed service is back, it says when
+        requests succeed again, which the load's own clients may not: both can be held at
+        that moment by faults aimed at them (a sniped deep block waits out its lease, a long
+        one whose payload was deleted is captured again)."""
+        body = {"model": self.model, "prompt": SHORT[0], "max_tokens": 8}
+        with httpx.Client(base_url=self.url, timeout=self.timeout_s) as http:
+            answer = self._send(http, -1, "probe", body, key, pause_s=0.1)
+        assert answer.status in (0, 200, 503, 504), answer.errors[-1:]  # only the safe ones
+        if answer.status != 200:
+            return None
+        assert texts(answer.response) == [expected], answer.response
+        return answer.done
+
     def _burst(self, i: int, body: dict, key: str) -> Answer:
         def one(_: int) -> Answer:
             with httpx.Client(base_url=self.url, timeout=self.timeout_s) as http:
@@ -132,7 +148,7 @@ class MixedLoad:
         return Answer(**{**first.__dict__, "twins": tuple(a.response for a in rest)})
 
     def _send(self, http: httpx.Client, i: int, kind: str, body: dict, key: str,
-              disconnect_after_s: float | None = None) -> Answer:  # fmt: skip
+              disconnect_after_s: float | None = None, pause_s: float = 0.3) -> Answer:  # fmt: skip
         headers = {"Idempotency-Key": key}
         t0 = time.monotonic()
         statuses: list[int] = []
@@ -160,30 +176,7 @@ class MixedLoad:
             if not safe or time.monotonic() - t0 > self.retry_for_s:
                 return Answer(i, kind, key, body, statuses[-1], None, t0, time.monotonic(),
                               tuple(statuses), tuple(errors))  # fmt: skip
-            time.sleep(0.3)
-
-
-def probe_until_answered(url: str, model: str, key: str, expected: str,
-                         within_s: float = 60.0) -> float | None:  # fmt: skip
-    """A short request (SHORT[0]) sent again under its key until answered; the monotonic
-    time of its answer, None if none came within_s. Sent once a killed service is back, it
-    says when requests succeed again, which the load's own clients may not: both can be
-    held at that moment by faults aimed at them (a sniped deep block waits out its lease, a
-    long one whose payload was deleted is captured again)."""
-    body = {"model": model, "prompt": SHORT[0], "max_tokens": 8}
-    deadline = time.monotonic() + within_s
-    with httpx.Client(base_url=url, timeout=within_s) as http:
-        while time.monotonic() < deadline:
-            try:
-                r = http.post("/v1/completions", json=body, headers={"Idempotency-Key": key})
-            except httpx.HTTPError:
-                r = None
-            if r is not None and r.status_code == 200:
-                assert texts(r.json()) == [expected], r.text
-                return time.monotonic()
-            assert r is None or r.status_code in (503, 504), r.text
-            time.sleep(0.1)
-    return None
+            time.sleep(pause_s)
 
 
 def texts(response: dict | None) -> list[str] | None:

@@ -31,7 +31,6 @@ from tests.chaos.mixed import (
     SHORT,
     MixedLoad,
     client_figures,
-    probe_until_answered,
     registry_figures,
 )
 from tests.integration.test_request_path import in_process_answer
@@ -138,7 +137,7 @@ def test_mixed_faults_under_load(decoder_dir, serving_model, engine, tmp_path):
         for s in registry["shots"]
     ]
     figures["metrics"] = {k[0]: v for k, v in metrics.items()}
-    probes = sum(a is not None for a in (*probed["nats"], *probed["capture"]))
+    probes = sum(a is not None for answered in probed.values() for a in answered)
     answered = figures["requests"] - figures["lost"] + probes
     figures["double_committed"] = registry["committed_blocks"] - answered
     report("mixed_faults", figures)
@@ -175,7 +174,7 @@ def _kills_under_load(stack: ProcStack, load: MixedLoad, lock: threading.Lock,
         load.wait_for(int(load.limit * at), timeout_s=600)
         kills[name].append(_kill_and_restart(stack, name, lock))
         key = f"probe-{name}-{len(kills[name])}"
-        probed[name].append(probe_until_answered(load.url, MODEL, key, probe_text))
+        probed[name].append(load.probe(key, probe_text))
     return kills, probed
 
 
