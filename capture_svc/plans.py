@@ -50,6 +50,12 @@ def distinct(
     return [list(ids) for ids in groups], [tuple(g) for g in groups.values()]
 
 
+def first_lanes(lane_ids: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Each lane's first lane of the same prompt (its own index where it is the first)."""
+    first = {i: group[0] for group in distinct(lane_ids)[1] for i in group}
+    return tuple(first[i] for i in range(len(lane_ids)))
+
+
 def to_host(rows: Tensor) -> Tensor:
     """A request's rows in host memory (the forward's device synchronised for a GPU's)."""
     return rows if rows.device.type == "cpu" else rows.to("cpu")
@@ -145,9 +151,12 @@ class CapturePlan:
     expires_at: float
     # each lane's prompt ids where the layout carries them (a decoder that reads them)
     prompt_ids: tuple[tuple[int, ...], ...] | None = None
-    # each lane's first lane of the same prompt, where the caller gave the prompts: lanes of
-    # one prompt may share a batch row; without them every lane has a row of its own
+    # each lane's first lane of the same prompt, where the caller gave the prompts or the
+    # layout shares rows: lanes of one prompt may share a batch row; else a row each
     prompt_of: tuple[int, ...] | None = None
+    # each lane's owner of its rows in the block (layouts.row_owners): only owners' rows are
+    # packed
+    row_owners: tuple[int, ...] = ()
 
     @property
     def layout(self) -> pb.Layout:
@@ -193,12 +202,14 @@ class PlanTable:
         """The request's plan. `lane_prompts` (each lane's ids) lets lanes of one prompt be
         recorded from one batch row (`n` > 1 goes forward once)."""
         layouts.check_layout(layout, request_id)
-        prompt_of = None
+        owners = layouts.row_owners(layout)
+        prompt_of = None if owners == tuple(range(len(owners))) else owners
         if lane_prompts is not None:
             if len(lane_prompts) != len(layout.lanes):
                 raise ValueError(f"{len(lane_prompts)} prompts for {len(layout.lanes)} lanes")
-            first = {i: group[0] for group in distinct(lane_prompts)[1] for i in group}
-            prompt_of = tuple(first[i] for i in range(len(lane_prompts)))
+            prompt_of = first_lanes(lane_prompts)
+            if any(prompt_of[i] != prompt_of[o] for i, o in enumerate(owners)):
+                raise ValueError(f"lanes of one row owner {owners} differ in prompt {prompt_of}")
         plan = CapturePlan(
             request_id=request_id,
             token=secrets.token_hex(8),
@@ -215,6 +226,7 @@ class PlanTable:
             if layout.lanes[0].prompt_token_ids
             else None,
             prompt_of=prompt_of,
+            row_owners=owners,
         )
         with self._lock:
             self._sweep_locked()
@@ -366,8 +378,9 @@ class PlanTable:
         plan, on the forward's device (`record` copies them to the host after the lock);
         False when a check failed."""
         plan = entry.plan
+        owned = [rows for i, rows in enumerate(lanes) if plan.row_owners[i] == i]
         # cat copies: the request owns its rows, whatever becomes of the cohort tensor
-        packed = torch.cat(lanes).detach()  # (total_rows, d)
+        packed = torch.cat(owned).detach()  # (total_rows, d)
         actual = list(plan.lane_lengths)
         if packed.shape[0] != plan.total_rows:
             self._m.row_count_mismatch.inc()
@@ -383,6 +396,7 @@ class PlanTable:
                 dtype=packed.dtype,
                 capture_mode=mode,
                 prompt_ids=plan.prompt_ids,
+                row_owners=plan.row_owners,
             )
             digest_ok = layouts.layout_digest(seen) == plan.layout_digest
         except layouts.LayoutError:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from capture_svc.batcher import Dropped, ForwardBatcher
 from capture_svc.config import CaptureConfig
 from capture_svc.dataplane import DataPlane
-from capture_svc.plans import CapturePlan, PlanError, PlanTable
+from capture_svc.plans import CapturePlan, PlanError, PlanTable, first_lanes
 from capture_svc.publisher import PublishError
 from stateblock import runtime
 from stateblock.model.loading import ServingModel
@@ -281,6 +281,7 @@ class CaptureService:
             dtype=self._model.dtype,
             capture_mode=CAPTURE_MODE,
             prompt_ids=lane_ids if self._model.reads_prompt_ids else None,
+            row_owners=first_lanes(lane_ids),
         )
         try:
             return layout, self._plans.register(request_id, layout, lane_ids)

@@ -54,28 +54,61 @@ def make_layout(
     dtype: object,  # a name or a torch dtype, see dtype_code
     capture_mode: int = pb.CAPTURE_MODE_FINAL_HIDDEN,
     prompt_ids: Sequence[Sequence[int]] | None = None,
+    row_owners: Sequence[int] | None = None,
 ) -> pb.Layout:
-    """One lane per row count, offsets as the cumulative sum, in lane order; with
-    `prompt_ids`, each lane's prompt tokens (a decoder that reads them)."""
-    if len(row_counts) != len(answer_depths):
-        raise LayoutError(f"{len(row_counts)} row counts but {len(answer_depths)} answer depths")
-    if prompt_ids is not None and len(prompt_ids) != len(row_counts):
-        raise LayoutError(f"{len(row_counts)} row counts but {len(prompt_ids)} prompts' ids")
+    """One lane per row count, in lane order; with `prompt_ids`, each lane's prompt tokens (a
+    decoder that reads them). `row_owners[i]` is the lane whose rows lane i reads: itself
+    (rows of its own, at the cumulative offset) or an earlier lane of the same rows (`n` > 1
+    of one prompt: its rows are in the block once). Without it every lane owns its rows."""
+    k = len(row_counts)
+    if len(answer_depths) != k:
+        raise LayoutError(f"{k} row counts but {len(answer_depths)} answer depths")
+    if prompt_ids is not None and len(prompt_ids) != k:
+        raise LayoutError(f"{k} row counts but {len(prompt_ids)} prompts' ids")
+    owners = list(range(k)) if row_owners is None else list(row_owners)
+    if len(owners) != k or any(not 0 <= o <= i or owners[o] != o for i, o in enumerate(owners)):
+        raise LayoutError(f"row owners {owners} for {k} lanes: each an earlier owner or itself")
     layout = pb.Layout(hidden_size=hidden_size, dtype=dtype_code(dtype), capture_mode=capture_mode)
     offset = 0
     for i, (count, depth) in enumerate(zip(row_counts, answer_depths, strict=True)):
+        owner = owners[i]
         layout.lanes.add(
             request_id=request_id,
             lane_index=i,
-            row_offset=offset,
+            row_offset=offset if owner == i else layout.lanes[owner].row_offset,
             row_count=count,
             answer_depth=depth,
             prompt_token_ids=() if prompt_ids is None else prompt_ids[i],
         )
-        offset += count
+        offset += count if owner == i else 0
     layout.total_rows = offset
     check_layout(layout, request_id)
     return layout
+
+
+def row_owners(layout: pb.Layout) -> tuple[int, ...]:
+    """Each lane's owner of its rows: itself where its rows are its own (at the cumulative
+    offset), else the first earlier lane with the same rows. Raises LayoutError where a lane
+    is neither (check_layout's offset rule)."""
+    owners: list[int] = []
+    spans: dict[tuple[int, int], int] = {}  # (offset, count) -> the lane that owns it
+    offset = 0
+    for i, lane in enumerate(layout.lanes):
+        if lane.row_offset == offset:
+            spans[(offset, lane.row_count)] = i
+            owners.append(i)
+            offset += lane.row_count
+            continue
+        owner = spans.get((lane.row_offset, lane.row_count))
+        if owner is None:
+            raise LayoutError(
+                f"lane {i} row_offset {lane.row_offset} is neither the cumulative {offset} nor "
+                f"an earlier lane's rows of {lane.row_count}"
+            )
+        if lane.prompt_token_ids != layout.lanes[owner].prompt_token_ids:
+            raise LayoutError(f"lane {i} shares lane {owner}'s rows but not its prompt ids")
+        owners.append(owner)
+    return tuple(owners)
 
 
 def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
@@ -87,7 +120,6 @@ def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
     itemsize(layout.dtype)
     if layout.capture_mode == pb.CAPTURE_MODE_UNSPECIFIED:
         raise LayoutError("capture_mode is unspecified")
-    offset = 0
     for i, lane in enumerate(layout.lanes):
         if request_id is not None and lane.request_id != request_id:
             raise LayoutError(f"lane {i} belongs to {lane.request_id!r}, not {request_id!r}")
@@ -95,17 +127,16 @@ def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
             raise LayoutError(f"lane {i} has lane_index {lane.lane_index}")
         if lane.row_count <= 0 or lane.answer_depth <= 0:
             raise LayoutError(f"lane {i} has row_count {lane.row_count}, depth {lane.answer_depth}")
-        if lane.row_offset != offset:
-            raise LayoutError(f"lane {i} row_offset {lane.row_offset} != cumulative {offset}")
         if len(lane.prompt_token_ids) not in (0, lane.row_count):
             raise LayoutError(
                 f"lane {i} has {len(lane.prompt_token_ids)} prompt ids for {lane.row_count} rows"
             )
         if bool(lane.prompt_token_ids) != bool(layout.lanes[0].prompt_token_ids):
             raise LayoutError(f"lane {i} differs from lane 0 in carrying its prompt ids")
-        offset += lane.row_count
-    if layout.total_rows != offset:
-        raise LayoutError(f"total_rows {layout.total_rows} != sum(row_count) {offset}")
+    owners = row_owners(layout)
+    rows = sum(lane.row_count for i, lane in enumerate(layout.lanes) if owners[i] == i)
+    if layout.total_rows != rows:
+        raise LayoutError(f"total_rows {layout.total_rows} != the owned lanes' row_count {rows}")
 
 
 def layout_digest(layout: pb.Layout) -> bytes:

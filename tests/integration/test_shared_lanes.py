@@ -20,7 +20,9 @@ from capture_svc.plans import (
     PlanTableMetrics,
     Slot,
     distinct,
+    first_lanes,
 )
+from stateblock.model.rows import split_lanes
 from stateblock.protocol import layouts
 from tests.integration.test_fairness import MODE, forwards_of, register
 
@@ -33,23 +35,29 @@ def test_distinct_lanes_and_the_lanes_each_fills():
     assert distinct([[5]]) == ([[5]], [(0,)])
 
 
-def plan_of(plans: PlanTable, rid: str, prompts, hidden: int = D):
-    """A plan given its lanes' ids, as the capture service registers one."""
+def plan_of(plans: PlanTable, rid: str, prompts, hidden: int = D, *, shared: bool = True):
+    """A plan given its lanes' ids, as the capture service registers one: lanes of one
+    prompt read its rows, which the block holds once (`shared`), or a copy each."""
     layout = layouts.make_layout(
         rid, [len(x) for x in prompts], [4] * len(prompts), hidden_size=hidden,
-        dtype=torch.float32,
+        dtype=torch.float32, row_owners=first_lanes(prompts) if shared else None,
     )  # fmt: skip
     return plans.register(rid, layout, prompts)
 
 
-def test_lanes_of_one_prompt_share_a_row_and_nothing_else_does():
+@pytest.mark.parametrize("shared", [True, False])
+def test_lanes_of_one_prompt_share_a_row_and_nothing_else_does(shared):
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
-    p = plan_of(plans, "r", [[1, 2, 3], [4, 5], [1, 2, 3]])
+    p = plan_of(plans, "r", [[1, 2, 3], [4, 5], [1, 2, 3]], shared=shared)
     rows = torch.randn(2, 4, D)
     slots = (Slot("r", p.token, 0, 0), Slot("r", p.token, 1, 1), Slot("r", p.token, 2, 0))
     plans.record(CohortStamp(slots, MODE), rows, [3, 2])
     got = plans.consume("r", p.layout_digest)
-    assert torch.equal(got, torch.cat([rows[0, :3], rows[1, :2], rows[0, :3]]))
+    once = [rows[0, :3], rows[1, :2]]
+    assert torch.equal(got, torch.cat(once if shared else [*once, rows[0, :3]]))
+    lanes = split_lanes(got, p.layout)
+    assert [lane.tolist() for lane in lanes] == [r.tolist() for r in [*once, rows[0, :3]]]
+    assert p.layout.total_rows == (5 if shared else 8)
 
     def refused(rid: str, plan, slots) -> None:
         plans.record(CohortStamp(slots, MODE), rows, [3, 3])
@@ -88,7 +96,8 @@ async def test_identical_lanes_go_forward_once():
 
 async def test_every_lane_gets_its_prompt_s_rows_alone(serving_model):
     """The real forward: a request of lanes a, a, b, a (and, in parts, a, b, a) runs 2
-    forward lanes, and each lane's rows equal its prompt's captured alone, bit for bit."""
+    forward lanes, its block holds each prompt's rows once, and each lane's rows equal its
+    prompt's captured alone, bit for bit."""
     tok = serving_model.tokenizer
     hidden = serving_model.hidden_size
     plans = PlanTable(PlanTableMetrics(CollectorRegistry()), plan_ttl_s=10)
@@ -109,6 +118,7 @@ async def test_every_lane_gets_its_prompt_s_rows_alone(serving_model):
                 lanes = [a if n == "a" else b for n in names]
                 plan = plan_of(plans, names, lanes, hidden)
                 await batcher.submit(plan, lanes)
-        rows = plans.consume(names, plan.layout_digest)
-        assert torch.equal(rows, torch.cat([alone[n] for n in names])), names
+        rows = split_lanes(plans.consume(names, plan.layout_digest), plan.layout)
+        assert all(torch.equal(r, alone[n]) for r, n in zip(rows, names, strict=True)), names
+        assert plan.layout.total_rows == len(a) + len(b)  # each prompt's rows once
     assert lanes_run == [2, 1, 1]  # one cohort of 2 distinct lanes; then 2 parts of 1
