@@ -311,8 +311,9 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
   DATA=${2:-.gpu_prose}; t0=$SECONDS
   python3 -m bench.unpack "$DATA" || exit 1
   if ! ls "$DATA"/base.part*.safetensors > /dev/null 2>&1; then
-    # BASE_ARGS: the base's shape and arms, as prose-base's ARGS (e.g. "--dim 512 --n-layers
-    # 10 --mlp-dim 2048 --n-heads 8"), for a larger base in the chain's own call
+    # BASE_ARGS: the base's shape (e.g. "--dim 512 --n-layers 10 --mlp-dim 2048 --n-heads
+    # 8"), for a larger base in the chain's own call; the readout stage is given it too
+    # (--base-shape), so only the shape options base_ddp takes belong there
     timeout 200 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
       --minutes 3 --epochs 7 --max-checkpoint-mb 1000 ${BASE_ARGS:-} > "$OUT/prose.log" 2>&1
     echo "prose base rc=$? ($((SECONDS - t0)) s)"; cat "$DATA/stage/summary.md"
@@ -322,7 +323,7 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
     --tokenizer "$DATA/tokenizer" --base-weights "$DATA/base" --work "$DATA/readout" \
     --scale bench --device cuda --corpus "$DATA/corpus" --task-workers "$(nproc)" \
     --tune-prompts 250000 --train-prompts 50000 --tune-minutes 1.5 --distill-minutes 2.5 \
-    "${@:3}" > "$OUT/prose-readout.log" 2>&1
+    ${BASE_ARGS:+--base-shape "$BASE_ARGS"} "${@:3}" > "$OUT/prose-readout.log" 2>&1
   echo "prose-readout rc=$? ($((SECONDS - t0)) s)"
   cp "$DATA/readout/summary.json" "$DATA/readout/summary.md" "$OUT/" 2>/dev/null
   pack_pair "$DATA/readout"  # the pair comes back even when no prose-more call follows

@@ -120,7 +120,7 @@ def stage_base(a, work: Path, scale: Scale) -> Path:
     tok = stage_tokenizer(a, work, scale)
     if a.base_weights:
         log("base: from the stage weights", a.base_weights)
-        from_stage_weights(Path(a.base_weights), tok, out, scale)
+        from_stage_weights(Path(a.base_weights), tok, out, a.base_shape or scale.base_args)
         return out
     need_corpus(a, "the base")
     cmd = recipe.prose_base(Path(a.corpus), tok, work, 0 if a.device == "cpu" else 1,
@@ -133,9 +133,9 @@ def stage_base(a, work: Path, scale: Scale) -> Path:
     return out
 
 
-def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> None:
+def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, shape_args: str) -> None:
     """A base directory from a `prose_stage` checkpoint (bf16 parts at `prefix`) and its
-    tokenizer, in the shape of the scale."""
+    tokenizer, in the shape base_ddp's `shape_args` give."""
     import torch
     from transformers import AutoTokenizer
 
@@ -144,7 +144,7 @@ def from_stage_weights(prefix: Path, tok_dir: Path, out: Path, scale: Scale) -> 
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     shape = base_ddp.parse_args(["--out", "-", "--corpus", "-", "--tokenizer", "-",
-                                 *scale.base_args.split()])  # fmt: skip
+                                 *shape_args.split()])  # fmt: skip
     model = base_ddp.build_model(tok, shape)
     model.load_state_dict({k: v.float() for k, v in init_weights(prefix).items()})
     tmp = out.with_name(out.name + ".tmp")
@@ -360,6 +360,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--base", default="", help="a document-trained base directory (skips the base stage)")
     add("--base-weights", default="",
         help="a prose_stage checkpoint prefix (DIR/base): the base, in the scale's shape")  # fmt: skip
+    add("--base-shape", default="",
+        help="base_ddp's shape arguments of --base-weights where not the scale's, e.g. "
+             "'--dim 512 --n-layers 10 --mlp-dim 2048 --n-heads 8'")  # fmt: skip
     add("--device", default="cpu", help="cpu or cuda")
     add("--seed", type=int, default=0, help="tasks, tuning and the readout's seed")
     add("--train-prompts", type=int, default=0,

@@ -208,9 +208,12 @@ def test_a_chunked_part_on_a_compiled_backbone_keeps_the_rows():
         uncompile_backbone(model)
 
 
-def test_a_recorded_chunk_gives_the_eager_chunk_s_rows():
-    """The chunk runner's CUDA graph against the same forward run eagerly: every lane's rows
-    bit for bit, lanes one after another and with their chunks interleaved."""
+def test_a_recorded_chunk_gives_its_rows_whatever_the_company():
+    """The chunk runner's CUDA graph: every lane's rows bit for bit the same run alone through
+    a runner of its own and with its chunks interleaved with other lanes' through a shared
+    one, and near the same forward run eagerly. Not bit for bit the eager chunk's: on an H100
+    (torch 2.11) the recorded GEMMs round otherwise than the eager ones (docs/BENCHMARKS.md);
+    every chunk of every lane replays a graph, so a lane's rows never mix the two."""
     from stateblock.model.capture import use_unmasked_causal_attention
     from stateblock.model.chunked import ChunkedLane, ChunkRunner
     from stateblock.model.loading import load_base
@@ -219,11 +222,15 @@ def test_a_recorded_chunk_gives_the_eager_chunk_s_rows():
     model, tok = load_base(REFERENCE_BASE, device="cuda", dtype=torch.bfloat16)
     use_unmasked_causal_attention(model)
     lanes = [torch.tensor([tok(p)["input_ids"]], device="cuda") for p in PROMPTS[8:12]]
-    graphed, eager = ChunkRunner(model, 8, 64, graph=True), ChunkRunner(model, 8, 64)
-    assert graphed.graphed and not eager.graphed
-
-    def rows(runner: ChunkRunner) -> list[torch.Tensor]:
-        return interleaved([ChunkedLane(model, ids, runner=runner) for ids in lanes])
-
-    for a, b in zip(rows(graphed), rows(eager), strict=True):
+    shared, eager = ChunkRunner(model, 8, 64, graph=True), ChunkRunner(model, 8, 64)
+    assert shared.graphed and not eager.graphed
+    together = interleaved([ChunkedLane(model, ids, runner=shared) for ids in lanes])
+    alone = [
+        interleaved([ChunkedLane(model, ids, runner=ChunkRunner(model, 8, 64, graph=True))])[0]
+        for ids in lanes
+    ]
+    by_eager = interleaved([ChunkedLane(model, ids, runner=eager) for ids in lanes])
+    for a, b, e in zip(together, alone, by_eager, strict=True):
         assert torch.equal(a, b)
+        diff, scale = (a.float() - e.float()).abs(), e.float().abs().mean()
+        assert diff.mean() < 0.03 * scale and diff.max() < 0.5, (diff.mean(), scale, diff.max())

@@ -111,15 +111,23 @@ def test_a_stage_checkpoint_becomes_a_base_and_tasks_stop_alone(tmp_path, split)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    # a stage base of another shape than the scale's: its shape arguments say which
+    shape_args = scale.base_args + " --n-layers 3 --dim 96"
     shape = base_ddp.parse_args(["--out", "-", "--corpus", "-", "--tokenizer", "-",
-                                 *scale.base_args.split()])  # fmt: skip
+                                 *shape_args.split()])  # fmt: skip
     model = base_ddp.build_model(tok, shape)
     sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     (tmp_path / "stage").mkdir()
     weights.save_split(sd, tmp_path / "stage" / "base", max_bytes=100_000)  # several parts
-    prose_readout.from_stage_weights(tmp_path / "stage" / "base", tok_dir, tmp_path / "b", scale)
+    with pytest.raises(RuntimeError, match="size mismatch"):  # in the scale's shape
+        prose_readout.from_stage_weights(tmp_path / "stage" / "base", tok_dir, tmp_path / "a",
+                                         scale.base_args)  # fmt: skip
+    assert not (tmp_path / "a").exists()
+    prose_readout.from_stage_weights(tmp_path / "stage" / "base", tok_dir, tmp_path / "b",
+                                     shape_args)  # fmt: skip
     loaded, ltok = load_base(tmp_path / "b")
     assert len(ltok) == len(tok) and loaded.config.vocab_size == scale.vocab_size
+    assert (loaded.config.num_hidden_layers, loaded.config.hidden_size) == (3, 96)
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, sd[k].float()), k
 
