@@ -193,12 +193,16 @@ def train_tasks(tasks: Path, n: int) -> list[prose_tasks.Example]:
     return examples[:n]
 
 
-def stage_tune(a, work: Path, scale: Scale, base: Path | None, tasks: Path) -> Path:
+def stage_tune(a, work: Path, scale: Scale, base: Path | None, tasks: Path) -> Path | None:
+    """The tuned base; None where `--tune-call-minutes` stopped the tuning first (its state
+    left in WORK/tuned.resume for the next run)."""
     out = work / "tuned"
     if not tuned_done(work):
         examples = train_tasks(tasks, scale.train_examples)
         stats = prose_tune.tune(base, examples, out, replace(scale.tune, seed=a.seed), a.device)
         log("tune:", json.dumps({k: v for k, v in stats.items() if k != "config"}))
+        if not stats["finished"]:
+            return None
     return out
 
 
@@ -307,6 +311,8 @@ def with_overrides(scale: Scale, a: argparse.Namespace) -> Scale:
         scale = replace(scale, tune=replace(scale.tune, max_minutes=a.tune_minutes))
     if a.tune_steps:
         scale = replace(scale, tune=replace(scale.tune, steps=a.tune_steps))
+    if a.tune_call_minutes:
+        scale = replace(scale, tune=replace(scale.tune, call_minutes=a.tune_call_minutes))
     if a.distill_minutes:
         scale = replace(scale, distill=replace(scale.distill, max_minutes=a.distill_minutes))
     if a.distill_init:
@@ -331,6 +337,10 @@ def build(a: argparse.Namespace) -> dict:
         return {}
     base = None if tuned_done(work) else timed("base", stage_base, a, work, scale)  # what tunes
     tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
+    if tuned is None:
+        log("tuning stopped for this run; run again to go on from", prose_tune.resume_dir(
+            work / "tuned"))  # fmt: skip
+        return {}
     teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
     decoder = timed("distil", stage_distil, a, work, scale, tuned, teacher)
     summary = timed("eval", stage_eval, a, work, scale, tuned, teacher, decoder)
@@ -372,6 +382,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--task-workers", type=int, default=1,
         help="processes making the tasks (more than one: generate_sharded's prompts)")  # fmt: skip
     add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
+    add("--tune-call-minutes", type=float, default=0.0,
+        help="this run tunes at most this long, then leaves the tuning's state in "
+             "WORK/tuned.resume and stops; the next run goes on from it (a tuning longer than "
+             "one device call: --tune-minutes is then the whole tuning's budget)")  # fmt: skip
     add("--tune-steps", type=int, default=0,
         help="tuning's steps at most (0: the scale's; the minutes may stop it sooner)")  # fmt: skip
     add("--distill-minutes", type=float, default=0.0, help="the readout's (0: the scale's)")
