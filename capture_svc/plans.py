@@ -154,8 +154,8 @@ class CapturePlan:
     # each lane's first lane of the same prompt, where the caller gave the prompts or the
     # layout shares rows: lanes of one prompt may share a batch row; else a row each
     prompt_of: tuple[int, ...] | None = None
-    # each lane's owner of its rows in the block (layouts.row_owners): only owners' rows are
-    # packed
+    # each lane's lane whose rows it reads (layouts.row_owners): only lanes that read their
+    # own are packed
     row_owners: tuple[int, ...] = ()
 
     @property
@@ -202,7 +202,7 @@ class PlanTable:
         """The request's plan. `lane_prompts` (each lane's ids) lets lanes of one prompt be
         recorded from one batch row (`n` > 1 goes forward once)."""
         layouts.check_layout(layout, request_id)
-        owners = layouts.row_owners(layout)
+        owners, holders = layouts.row_owners(layout), layouts.lane_rows(layout)
         prompt_of = None if owners == tuple(range(len(owners))) else owners
         if lane_prompts is not None:
             if len(lane_prompts) != len(layout.lanes):
@@ -215,14 +215,14 @@ class PlanTable:
             token=secrets.token_hex(8),
             layout_bytes=layout.SerializeToString(deterministic=True),
             layout_digest=layouts.layout_digest(layout),
-            lane_lengths=tuple(lane.row_count for lane in layout.lanes),
+            lane_lengths=tuple(held.row_count for held in holders),
             answer_depths=tuple(lane.answer_depth for lane in layout.lanes),
             total_rows=layout.total_rows,
             hidden_size=layout.hidden_size,
             dtype=layout.dtype,
             capture_mode=layout.capture_mode,
             expires_at=self._clock() + self._ttl,
-            prompt_ids=tuple(tuple(lane.prompt_token_ids) for lane in layout.lanes)
+            prompt_ids=tuple(tuple(held.prompt_token_ids) for held in holders)
             if layout.lanes[0].prompt_token_ids
             else None,
             prompt_of=prompt_of,

@@ -16,7 +16,7 @@ from torch import Tensor
 from stateblock.model.rows import block_lanes, split_lanes
 from stateblock.model.slots import SlotVerified
 from stateblock.model.vocab import Filters
-from stateblock.protocol import envelope
+from stateblock.protocol import envelope, layouts
 from stateblock.protocol.envelope import ModelIdentity
 from stateblock.protocol.sampling import NO_EOS, TOP_K_SAMPLE, SamplingParams, seed_of
 
@@ -144,14 +144,17 @@ def lane_requests(
         lanes = split_lanes(block.rows, header.layout)
     else:
         lanes = block_lanes(block)
+    holders = layouts.lane_rows(header.layout)  # the lanes whose rows and prompt ids each reads
     return [
         LaneRequest(
             rows=rows,
             depth=lane.answer_depth,
             sampling=s,
-            prompt_ids=torch.tensor(lane.prompt_token_ids, dtype=torch.int64)
-            if lane.prompt_token_ids
+            prompt_ids=torch.tensor(held.prompt_token_ids, dtype=torch.int64)
+            if held.prompt_token_ids
             else None,
         )
-        for rows, lane, s in zip(lanes, header.layout.lanes, header.sampling, strict=True)
+        for rows, lane, held, s in zip(
+            lanes, header.layout.lanes, holders, header.sampling, strict=True
+        )  # fmt: skip
     ]

@@ -55,8 +55,9 @@ def rows_from_bytes(data: bytes | memoryview, layout: pb.Layout) -> Tensor:
 
 
 def split_lanes(rows: Tensor, layout: pb.Layout) -> list[Tensor]:
-    """Per-lane views [(row_count, hidden_size)] of packed rows."""
-    return [rows[lane.row_offset : lane.row_offset + lane.row_count] for lane in layout.lanes]
+    """Per-lane views [(row_count, hidden_size)] of packed rows (a lane that reads another
+    lane's rows, `rows_of_lane`, gets that lane's view)."""
+    return [rows[at.row_offset : at.row_offset + at.row_count] for at in layouts.lane_rows(layout)]
 
 
 def block_rows(block: envelope.VerifiedBlock | envelope.HeaderVerified) -> Tensor:

@@ -56,10 +56,11 @@ def make_layout(
     prompt_ids: Sequence[Sequence[int]] | None = None,
     row_owners: Sequence[int] | None = None,
 ) -> pb.Layout:
-    """One lane per row count, in lane order; with `prompt_ids`, each lane's prompt tokens (a
-    decoder that reads them). `row_owners[i]` is the lane whose rows lane i reads: itself
-    (rows of its own, at the cumulative offset) or an earlier lane of the same rows (`n` > 1
-    of one prompt: its rows are in the block once). Without it every lane owns its rows."""
+    """One lane per row count (each lane's prompt length), offsets as the cumulative sum, in
+    lane order; with `prompt_ids`, each lane's prompt tokens (a decoder that reads them).
+    `row_owners[i]` is the lane whose rows lane i reads: itself, or an earlier lane of the
+    same prompt (`n` > 1: the block holds its rows once, and lane i none of its own,
+    `rows_of_lane` set). Without it every lane holds its own rows."""
     k = len(row_counts)
     if len(answer_depths) != k:
         raise LayoutError(f"{k} row counts but {len(answer_depths)} answer depths")
@@ -71,44 +72,34 @@ def make_layout(
     layout = pb.Layout(hidden_size=hidden_size, dtype=dtype_code(dtype), capture_mode=capture_mode)
     offset = 0
     for i, (count, depth) in enumerate(zip(row_counts, answer_depths, strict=True)):
-        owner = owners[i]
-        layout.lanes.add(
-            request_id=request_id,
-            lane_index=i,
-            row_offset=offset if owner == i else layout.lanes[owner].row_offset,
-            row_count=count,
-            answer_depth=depth,
-            prompt_token_ids=() if prompt_ids is None else prompt_ids[i],
-        )
-        offset += count if owner == i else 0
+        lane = layout.lanes.add(request_id=request_id, lane_index=i, row_offset=offset,
+                                answer_depth=depth)  # fmt: skip
+        if owners[i] != i:
+            if count != row_counts[owners[i]]:
+                raise LayoutError(
+                    f"lane {i} has {count} rows, its rows' lane {row_counts[owners[i]]}"
+                )
+            lane.rows_of_lane = owners[i]
+            continue
+        lane.row_count = count
+        lane.prompt_token_ids.extend(() if prompt_ids is None else prompt_ids[i])
+        offset += count
     layout.total_rows = offset
     check_layout(layout, request_id)
     return layout
 
 
 def row_owners(layout: pb.Layout) -> tuple[int, ...]:
-    """Each lane's owner of its rows: itself where its rows are its own (at the cumulative
-    offset), else the first earlier lane with the same rows. Raises LayoutError where a lane
-    is neither (check_layout's offset rule)."""
-    owners: list[int] = []
-    spans: dict[tuple[int, int], int] = {}  # (offset, count) -> the lane that owns it
-    offset = 0
-    for i, lane in enumerate(layout.lanes):
-        if lane.row_offset == offset:
-            spans[(offset, lane.row_count)] = i
-            owners.append(i)
-            offset += lane.row_count
-            continue
-        owner = spans.get((lane.row_offset, lane.row_count))
-        if owner is None:
-            raise LayoutError(
-                f"lane {i} row_offset {lane.row_offset} is neither the cumulative {offset} nor "
-                f"an earlier lane's rows of {lane.row_count}"
-            )
-        if lane.prompt_token_ids != layout.lanes[owner].prompt_token_ids:
-            raise LayoutError(f"lane {i} shares lane {owner}'s rows but not its prompt ids")
-        owners.append(owner)
-    return tuple(owners)
+    """Each lane's lane whose rows it reads: itself, or its `rows_of_lane`."""
+    return tuple(
+        lane.rows_of_lane if lane.HasField("rows_of_lane") else i
+        for i, lane in enumerate(layout.lanes)
+    )
+
+
+def lane_rows(layout: pb.Layout) -> list[pb.Lane]:
+    """Each lane's lane that holds its rows and prompt ids (itself, or its rows_of_lane)."""
+    return [layout.lanes[o] for o in row_owners(layout)]
 
 
 def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
@@ -120,23 +111,39 @@ def check_layout(layout: pb.Layout, request_id: str | None = None) -> None:
     itemsize(layout.dtype)
     if layout.capture_mode == pb.CAPTURE_MODE_UNSPECIFIED:
         raise LayoutError("capture_mode is unspecified")
+    offset = 0
     for i, lane in enumerate(layout.lanes):
         if request_id is not None and lane.request_id != request_id:
             raise LayoutError(f"lane {i} belongs to {lane.request_id!r}, not {request_id!r}")
         if lane.lane_index != i:
             raise LayoutError(f"lane {i} has lane_index {lane.lane_index}")
-        if lane.row_count <= 0 or lane.answer_depth <= 0:
-            raise LayoutError(f"lane {i} has row_count {lane.row_count}, depth {lane.answer_depth}")
+        if lane.answer_depth <= 0:
+            raise LayoutError(f"lane {i} has answer depth {lane.answer_depth}")
+        if lane.row_offset != offset:
+            raise LayoutError(f"lane {i} row_offset {lane.row_offset} != cumulative {offset}")
+        if lane.HasField("rows_of_lane"):
+            _check_reader(layout, i)
+            continue
+        if lane.row_count <= 0:
+            raise LayoutError(f"lane {i} has row_count {lane.row_count}")
         if len(lane.prompt_token_ids) not in (0, lane.row_count):
             raise LayoutError(
                 f"lane {i} has {len(lane.prompt_token_ids)} prompt ids for {lane.row_count} rows"
             )
         if bool(lane.prompt_token_ids) != bool(layout.lanes[0].prompt_token_ids):
             raise LayoutError(f"lane {i} differs from lane 0 in carrying its prompt ids")
-    owners = row_owners(layout)
-    rows = sum(lane.row_count for i, lane in enumerate(layout.lanes) if owners[i] == i)
-    if layout.total_rows != rows:
-        raise LayoutError(f"total_rows {layout.total_rows} != the owned lanes' row_count {rows}")
+        offset += lane.row_count
+    if layout.total_rows != offset:
+        raise LayoutError(f"total_rows {layout.total_rows} != sum(row_count) {offset}")
+
+
+def _check_reader(layout: pb.Layout, i: int) -> None:
+    """Lane i reads an earlier lane's rows: one that holds its own, and none of i's own."""
+    lane, j = layout.lanes[i], layout.lanes[i].rows_of_lane
+    if j >= i or layout.lanes[j].HasField("rows_of_lane"):
+        raise LayoutError(f"lane {i} reads lane {j}'s rows: not an earlier lane with rows")
+    if lane.row_count or lane.prompt_token_ids:
+        raise LayoutError(f"lane {i} reads lane {j}'s rows and has rows or prompt ids of its own")
 
 
 def layout_digest(layout: pb.Layout) -> bytes:

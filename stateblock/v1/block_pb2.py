@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stateblock/v1/block.proto\x12\rstateblock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xff\x01\n\x0b\x43udaIpcRows\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0c\n\x04pool\x18\t \x01(\t\x12\x19\n\x11rows_offset_bytes\x18\n \x01(\x04\"\x99\x01\n\x0bRowsLocator\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.stateblock.v1.Transport\x12\x11\n\tplacement\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x0e\n\x06region\x18\x04 \x01(\t\x12,\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x1a.stateblock.v1.CudaIpcRows\"\x85\x01\n\x04Lane\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nlane_index\x18\x02 \x01(\r\x12\x12\n\nrow_offset\x18\x03 \x01(\x04\x12\x11\n\trow_count\x18\x04 \x01(\r\x12\x14\n\x0c\x61nswer_depth\x18\x05 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\"\xac\x01\n\x06Layout\x12\"\n\x05lanes\x18\x01 \x03(\x0b\x32\x13.stateblock.v1.Lane\x12\x12\n\ntotal_rows\x18\x02 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12#\n\x05\x64type\x18\x04 \x01(\x0e\x32\x14.stateblock.v1.Dtype\x12\x30\n\x0c\x63\x61pture_mode\x18\x05 \x01(\x0e\x32\x1a.stateblock.v1.CaptureMode\"\xdb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x08\n\x06_top_pB\x0b\n\t_logprobsJ\x04\x08\x03\x10\x04R\nmax_tokens\"\x90\x04\n\x10StateBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.stateblock.v1.Layout\x12\x15\n\rlayout_digest\x18\x05 \x01(\x0c\x12\x1c\n\x14\x66orward_state_digest\x18\x06 \x01(\x0c\x12\x19\n\x11\x62\x61se_model_digest\x18\x07 \x01(\x0c\x12\x16\n\x0elm_head_digest\x18\x08 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63oder_digest\x18\t \x01(\x0c\x12/\n\x08sampling\x18\n \x03(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\r \x01(\t\x12\x11\n\tsignature\x18\x0e \x01(\x0c\x12?\n\x17\x66orward_state_algorithm\x18\x0f \x01(\x0e\x32\x1e.stateblock.v1.DigestAlgorithm\x12+\n\x07locator\x18\x10 \x01(\x0b\x32\x1a.stateblock.v1.RowsLocator\"G\n\tObjectRef\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\\\n\x07Payload\x12\x15\n\x0binline_rows\x18\x01 \x01(\x0cH\x00\x12.\n\nobject_ref\x18\x02 \x01(\x0b\x32\x18.stateblock.v1.ObjectRefH\x00\x42\n\n\x08location\"f\n\nStateBlock\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.stateblock.v1.StateBlockHeader\x12\'\n\x07payload\x18\x02 \x01(\x0b\x32\x16.stateblock.v1.Payload*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*J\n\x0b\x43\x61ptureMode\x12\x1c\n\x18\x43\x41PTURE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PTURE_MODE_FINAL_HIDDEN\x10\x01*\x91\x01\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IGEST_ALGORITHM_SHA256\x10\x01\x12\x1b\n\x17\x44IGEST_ALGORITHM_BLAKE3\x10\x02\x12\"\n\x1e\x44IGEST_ALGORITHM_SLOT_CHECKSUM\x10\x03*z\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_BUS\x10\x01\x12\x13\n\x0fTRANSPORT_LOCAL\x10\x02\x12\x12\n\x0eTRANSPORT_HOST\x10\x03\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stateblock/v1/block.proto\x12\rstateblock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xff\x01\n\x0b\x43udaIpcRows\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0c\n\x04pool\x18\t \x01(\t\x12\x19\n\x11rows_offset_bytes\x18\n \x01(\x04\"\x99\x01\n\x0bRowsLocator\x12+\n\ttransport\x18\x01 \x01(\x0e\x32\x18.stateblock.v1.Transport\x12\x11\n\tplacement\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\x0e\n\x06region\x18\x04 \x01(\t\x12,\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x1a.stateblock.v1.CudaIpcRows\"\xb1\x01\n\x04Lane\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nlane_index\x18\x02 \x01(\r\x12\x12\n\nrow_offset\x18\x03 \x01(\x04\x12\x11\n\trow_count\x18\x04 \x01(\r\x12\x14\n\x0c\x61nswer_depth\x18\x05 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x19\n\x0crows_of_lane\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_rows_of_lane\"\xac\x01\n\x06Layout\x12\"\n\x05lanes\x18\x01 \x03(\x0b\x32\x13.stateblock.v1.Lane\x12\x12\n\ntotal_rows\x18\x02 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12#\n\x05\x64type\x18\x04 \x01(\x0e\x32\x14.stateblock.v1.Dtype\x12\x30\n\x0c\x63\x61pture_mode\x18\x05 \x01(\x0e\x32\x1a.stateblock.v1.CaptureMode\"\xdb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x08\n\x06_top_pB\x0b\n\t_logprobsJ\x04\x08\x03\x10\x04R\nmax_tokens\"\x90\x04\n\x10StateBlockHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.stateblock.v1.Layout\x12\x15\n\rlayout_digest\x18\x05 \x01(\x0c\x12\x1c\n\x14\x66orward_state_digest\x18\x06 \x01(\x0c\x12\x19\n\x11\x62\x61se_model_digest\x18\x07 \x01(\x0c\x12\x16\n\x0elm_head_digest\x18\x08 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63oder_digest\x18\t \x01(\x0c\x12/\n\x08sampling\x18\n \x03(\x0b\x32\x1d.stateblock.v1.SamplingParams\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\r \x01(\t\x12\x11\n\tsignature\x18\x0e \x01(\x0c\x12?\n\x17\x66orward_state_algorithm\x18\x0f \x01(\x0e\x32\x1e.stateblock.v1.DigestAlgorithm\x12+\n\x07locator\x18\x10 \x01(\x0b\x32\x1a.stateblock.v1.RowsLocator\"G\n\tObjectRef\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\\\n\x07Payload\x12\x15\n\x0binline_rows\x18\x01 \x01(\x0cH\x00\x12.\n\nobject_ref\x18\x02 \x01(\x0b\x32\x18.stateblock.v1.ObjectRefH\x00\x42\n\n\x08location\"f\n\nStateBlock\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.stateblock.v1.StateBlockHeader\x12\'\n\x07payload\x18\x02 \x01(\x0b\x32\x16.stateblock.v1.Payload*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*J\n\x0b\x43\x61ptureMode\x12\x1c\n\x18\x43\x41PTURE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PTURE_MODE_FINAL_HIDDEN\x10\x01*\x91\x01\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IGEST_ALGORITHM_SHA256\x10\x01\x12\x1b\n\x17\x44IGEST_ALGORITHM_BLAKE3\x10\x02\x12\"\n\x1e\x44IGEST_ALGORITHM_SLOT_CHECKSUM\x10\x03*z\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_BUS\x10\x01\x12\x13\n\x0fTRANSPORT_LOCAL\x10\x02\x12\x12\n\x0eTRANSPORT_HOST\x10\x03\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stateblock.v1.block_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1826
-  _globals['_DTYPE']._serialized_end=1914
-  _globals['_CAPTUREMODE']._serialized_start=1916
-  _globals['_CAPTUREMODE']._serialized_end=1990
-  _globals['_DIGESTALGORITHM']._serialized_start=1993
-  _globals['_DIGESTALGORITHM']._serialized_end=2138
-  _globals['_TRANSPORT']._serialized_start=2140
-  _globals['_TRANSPORT']._serialized_end=2262
+  _globals['_DTYPE']._serialized_start=1870
+  _globals['_DTYPE']._serialized_end=1958
+  _globals['_CAPTUREMODE']._serialized_start=1960
+  _globals['_CAPTUREMODE']._serialized_end=2034
+  _globals['_DIGESTALGORITHM']._serialized_start=2037
+  _globals['_DIGESTALGORITHM']._serialized_end=2182
+  _globals['_TRANSPORT']._serialized_start=2184
+  _globals['_TRANSPORT']._serialized_end=2306
   _globals['_CUDAIPCROWS']._serialized_start=78
   _globals['_CUDAIPCROWS']._serialized_end=333
   _globals['_ROWSLOCATOR']._serialized_start=336
   _globals['_ROWSLOCATOR']._serialized_end=489
   _globals['_LANE']._serialized_start=492
-  _globals['_LANE']._serialized_end=625
-  _globals['_LAYOUT']._serialized_start=628
-  _globals['_LAYOUT']._serialized_end=800
-  _globals['_SAMPLINGPARAMS']._serialized_start=803
-  _globals['_SAMPLINGPARAMS']._serialized_end=1022
-  _globals['_STATEBLOCKHEADER']._serialized_start=1025
-  _globals['_STATEBLOCKHEADER']._serialized_end=1553
-  _globals['_OBJECTREF']._serialized_start=1555
-  _globals['_OBJECTREF']._serialized_end=1626
-  _globals['_PAYLOAD']._serialized_start=1628
-  _globals['_PAYLOAD']._serialized_end=1720
-  _globals['_STATEBLOCK']._serialized_start=1722
-  _globals['_STATEBLOCK']._serialized_end=1824
+  _globals['_LANE']._serialized_end=669
+  _globals['_LAYOUT']._serialized_start=672
+  _globals['_LAYOUT']._serialized_end=844
+  _globals['_SAMPLINGPARAMS']._serialized_start=847
+  _globals['_SAMPLINGPARAMS']._serialized_end=1066
+  _globals['_STATEBLOCKHEADER']._serialized_start=1069
+  _globals['_STATEBLOCKHEADER']._serialized_end=1597
+  _globals['_OBJECTREF']._serialized_start=1599
+  _globals['_OBJECTREF']._serialized_end=1670
+  _globals['_PAYLOAD']._serialized_start=1672
+  _globals['_PAYLOAD']._serialized_end=1764
+  _globals['_STATEBLOCK']._serialized_start=1766
+  _globals['_STATEBLOCK']._serialized_end=1868
 # @@protoc_insertion_point(module_scope)

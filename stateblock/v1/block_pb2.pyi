@@ -91,20 +91,22 @@ class RowsLocator(_message.Message):
     def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., placement: _Optional[str] = ..., slot: _Optional[int] = ..., region: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcRows, _Mapping]] = ...) -> None: ...
 
 class Lane(_message.Message):
-    __slots__ = ("request_id", "lane_index", "row_offset", "row_count", "answer_depth", "prompt_token_ids")
+    __slots__ = ("request_id", "lane_index", "row_offset", "row_count", "answer_depth", "prompt_token_ids", "rows_of_lane")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_OF_LANE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lane_index: int
     row_offset: int
     row_count: int
     answer_depth: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., lane_index: _Optional[int] = ..., row_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., answer_depth: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    rows_of_lane: int
+    def __init__(self, request_id: _Optional[str] = ..., lane_index: _Optional[int] = ..., row_offset: _Optional[int] = ..., row_count: _Optional[int] = ..., answer_depth: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., rows_of_lane: _Optional[int] = ...) -> None: ...
 
 class Layout(_message.Message):
     __slots__ = ("lanes", "total_rows", "hidden_size", "dtype", "capture_mode")

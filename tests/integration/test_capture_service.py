@@ -306,8 +306,8 @@ async def test_capture_publishes_a_verifiable_block(capture_service, serving_mod
     assert header.forward_state_algorithm == pb.DIGEST_ALGORITHM_BLAKE3  # the default
     a, b = block_lanes(verified)
     assert torch.equal(a, b)  # the chat template renders a lone user turn like the prompt
-    # ... so the two lanes read one copy of the rows
-    assert [lane.row_offset for lane in header.layout.lanes] == [0, 0]
+    # ... so the second lane reads the first's rows, which the block holds once
+    assert header.layout.lanes[1].rows_of_lane == 0 and header.layout.lanes[1].row_count == 0
     assert header.layout.total_rows == a.shape[0]
     assert (
         captured.prompt_tokens
