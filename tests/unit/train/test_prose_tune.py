@@ -68,3 +68,23 @@ def test_a_stopped_tuning_goes_on_to_the_weights_of_one_run(base, tmp_path):
     assert second["final_loss"] == whole["final_loss"]
     a, b = weights(tmp_path / "one" / "tuned"), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_chain_whose_tuning_stopped_goes_no_further(tmp_path, monkeypatch):
+    """The chain's later stages wait for the tuned base: a run whose tuning stopped for its
+    call budget ends there, as a success, and leaves the rest to the next run."""
+    from stateblock.train import prose_readout
+
+    monkeypatch.setattr(prose_readout, "stage_tasks", lambda *a: tmp_path / "tasks")
+    monkeypatch.setattr(prose_readout, "stage_base", lambda *a: tmp_path / "base")
+    monkeypatch.setattr(prose_readout, "stage_tune", lambda *a: None)
+
+    def not_yet(*a):
+        raise AssertionError("a stage after a stopped tuning ran")
+
+    for stage in ("stage_teacher", "stage_distil", "stage_eval"):
+        monkeypatch.setattr(prose_readout, stage, not_yet)
+    args = ["--work", str(tmp_path / "w"), "--scale", "tiny", "--tune-call-minutes", "4.5"]
+    assert prose_readout.main(args) == 0
+    a = prose_readout.parser().parse_args(args)
+    assert prose_readout.with_overrides(SCALES["tiny"], a).tune.call_minutes == 4.5
