@@ -68,6 +68,7 @@ from stateblock.engines.torch_step import (
     MATMUL_PRECISIONS,
     fused_head,
     greedy_path,
+    lanes_on,
     matmul_precision,
     readout_step,
     sample_lanes,
@@ -460,7 +461,7 @@ class TorchEngine:
         precision = self._path(lanes)
         # rows in host memory reach the device before the lock: their copy waits on the
         # device's queue, and meanwhile another caller's execution holds the lock and runs
-        lanes = [replace(lane, rows=lane.rows.to(self._device)) for lane in lanes]
+        lanes = lanes_on(lanes, self._device)
         with self._lock:  # static buffers and graph outputs are shared by all callers
             if self._use_graphs and bucketed:
                 h, top_v, top_i, eos, lse = self._replay(shape, precision, lanes)

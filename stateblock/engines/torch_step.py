@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -73,6 +74,19 @@ def greedy_path(
     head = fused_head(lm_head, decoder.out.weight, dtype) if fused else lm_head.to(dtype)
     table = fused_head(lm_head, decoder.guess_in.weight.t(), dtype) if decoder.cfg.refine else None
     return fast, head, table
+
+
+def lanes_on(lanes: Sequence[LaneRequest], device: torch.device | str) -> list[LaneRequest]:
+    """The lanes with their rows on `device`, each distinct rows moved once: lanes of one
+    prompt (`n` > 1) read the same rows of their block (`Lane.rows_of_lane`)."""
+    moved: dict[tuple[int, tuple[int, ...]], Tensor] = {}
+    out = []
+    for lane in lanes:
+        key = (lane.rows.data_ptr(), tuple(lane.rows.shape))
+        if key not in moved:
+            moved[key] = lane.rows.to(device)
+        out.append(replace(lane, rows=moved[key]))
+    return out
 
 
 def stage_lanes(lanes: Sequence[LaneRequest], rows: Tensor, lens: Tensor, depths: Tensor) -> None:

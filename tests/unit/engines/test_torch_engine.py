@@ -452,3 +452,18 @@ def test_the_parity_check_excuses_a_real_mismatch_only_after_a_first_guess_near_
             compare_near_ties(ref, real, first=lambda i, f=first: f)
         assert f"'first_guess_splits': {first.splits(1)}" in str(failed.value)
     assert FirstGuess(guess, [0.01, 0.9, 3.0], [4, 4, 3]).splits(1) == [(0, 0.01), (1, 0.9)]
+
+
+def test_lanes_of_one_prompt_move_their_rows_once():
+    """Lanes that read the same rows of a block (`n` > 1 of one prompt) get one copy of them
+    on the device; other lanes' rows, equal or not, are moved apart."""
+    from stateblock.engines.torch_step import lanes_on
+
+    block = torch.randn(7, 4)
+    shared = [LaneRequest(rows=block[0:3], depth=5), LaneRequest(rows=block[0:3], depth=9)]
+    other = [LaneRequest(rows=block[3:6], depth=5), LaneRequest(rows=block[0:3].clone(), depth=5)]
+    moved = lanes_on([*shared, *other], "meta")
+    assert all(lane.rows.device.type == "meta" for lane in moved)
+    assert moved[0].rows is moved[1].rows
+    assert len({id(lane.rows) for lane in moved}) == 3
+    assert [lane.depth for lane in moved] == [5, 9, 5, 5]
