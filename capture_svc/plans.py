@@ -365,9 +365,12 @@ class PlanTable:
         if len(indices) == len(plan.lane_lengths):  # the whole request in one forward
             return entry if self._assemble(request_id, entry, mode, views) else None
         # a part is copied at record time, where it is: a compiled forward's next replay
-        # overwrites it
-        for i, view in zip(indices, views, strict=True):
-            entry.lanes[i] = view.detach().clone()
+        # overwrites it; lanes of one prompt share its batch row, so one copy a row
+        copies: dict[int, Tensor] = {}
+        for s, view in zip(slots, views, strict=True):
+            if s.batch_row not in copies:
+                copies[s.batch_row] = view.detach().clone()
+            entry.lanes[s.lane_index] = copies[s.batch_row]
         if len(entry.lanes) < len(plan.lane_lengths):
             return None
         parts = [entry.lanes.pop(i) for i in range(len(plan.lane_lengths))]
