@@ -195,7 +195,7 @@ def train_tasks(tasks: Path, n: int) -> list[prose_tasks.Example]:
 
 def stage_tune(a, work: Path, scale: Scale, base: Path | None, tasks: Path) -> Path | None:
     """The tuned base; None where `--tune-call-minutes` stopped the tuning first (its state
-    left in WORK/tuned.resume for the next run)."""
+    left in WORK/tuned.resume.pt for the next run)."""
     out = work / "tuned"
     if not tuned_done(work):
         examples = train_tasks(tasks, scale.train_examples)
@@ -338,7 +338,7 @@ def build(a: argparse.Namespace) -> dict:
     base = None if tuned_done(work) else timed("base", stage_base, a, work, scale)  # what tunes
     tuned = timed("tune", stage_tune, a, work, scale, base, tasks)
     if tuned is None:
-        log("tuning stopped for this run; run again to go on from", prose_tune.resume_dir(
+        log("tuning stopped for this run; run again to go on from", prose_tune.resume_path(
             work / "tuned"))  # fmt: skip
         return {}
     teacher = timed("teacher", stage_teacher, a, work, scale, tuned, tasks)
@@ -384,7 +384,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add("--tune-minutes", type=float, default=0.0, help="tuning's budget (0: the scale's)")
     add("--tune-call-minutes", type=float, default=0.0,
         help="this run tunes at most this long, then leaves the tuning's state in "
-             "WORK/tuned.resume and stops; the next run goes on from it (a tuning longer than "
+             "WORK/tuned.resume.pt and stops; the next run goes on from it (a tuning longer than "
              "one device call: --tune-minutes is then the whole tuning's budget)")  # fmt: skip
     add("--tune-steps", type=int, default=0,
         help="tuning's steps at most (0: the scale's; the minutes may stop it sooner)")  # fmt: skip

@@ -34,7 +34,7 @@ class TuneConfig:
     warmup: int = 50
     seed: int = 0
     max_minutes: float = 0.0  # >0: the step count shrinks to fit (decided at step 30)
-    # >0: this run stops after this long and leaves its state beside `out` (`resume_dir`);
+    # >0: this run stops after this long and leaves its state beside `out` (`resume_path`);
     # the next run goes on from it to the same step count, batch for batch
     call_minutes: float = 0.0
 
@@ -58,15 +58,15 @@ def batch_of(pairs, idx: list[int], pad: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, lab
 
 
-def resume_dir(out: Path) -> Path:
+def resume_path(out: Path) -> Path:
     """Where a tuning stopped by `call_minutes` leaves its state: weights, optimizer, step."""
-    return out.with_name(out.name + ".resume")
+    return out.with_name(out.name + ".resume.pt")
 
 
 def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: TuneConfig,
          device: str = "cpu", clock=time.perf_counter) -> dict:  # fmt: skip
     """Fine-tune the base at base_dir on `examples`; the tuned base goes to out. A run that
-    `cfg.call_minutes` stops first leaves its state in resume_dir(out) (stats' `finished`
+    `cfg.call_minutes` stops first leaves its state in resume_path(out) (stats' `finished`
     False), and the next run with the same examples and config goes on from it."""
     model, tok = load_base(base_dir, device)
     model.train().requires_grad_(True)
@@ -75,13 +75,13 @@ def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: Tu
     batches = budget_batches(lengths, cfg.token_budget, max_batch=cfg.max_lanes, seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
-    state = _resume(resume_dir(out), model, opt, device)
+    state = _resume(resume_path(out), model, opt, device)
     step, steps, losses = state["step"], state["steps"] or cfg.steps, state["losses"]
     t0 = clock()
     plan = StepPlan(steps, 30, cfg.max_minutes, start=step, clock=clock)
     while step < steps:
         if cfg.call_minutes and clock() - t0 >= 60 * cfg.call_minutes:
-            _pause(resume_dir(out), model, opt, step, steps, losses)
+            _pause(resume_path(out), model, opt, step, steps, losses)
             return {"finished": False, "step": step, "steps": steps, "device": device}
         steps = plan.plan(step)
         ids, lab = (t.to(device) for t in batch_of(pairs, batches[step % len(batches)],
@@ -104,16 +104,16 @@ def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: Tu
              "config": asdict(cfg), "device": device}  # fmt: skip
     save(model, base_dir, out)
     (out / "tune_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    shutil.rmtree(resume_dir(out), ignore_errors=True)
+    resume_path(out).unlink(missing_ok=True)
     return stats
 
 
 def _resume(where: Path, model, opt, device: str) -> dict:
     """A stopped run's step, step count and losses, its weights and optimizer loaded; a
     fresh run's zeros."""
-    if not (where / "state.pt").is_file():
+    if not where.is_file():
         return {"step": 0, "steps": 0, "losses": []}
-    state = torch.load(where / "state.pt", map_location=device, weights_only=True)
+    state = torch.load(where, map_location=device, weights_only=True)
     model.load_state_dict(state.pop("model"))
     opt.load_state_dict(state.pop("opt"))
     return state
@@ -122,13 +122,11 @@ def _resume(where: Path, model, opt, device: str) -> dict:
 def _pause(where: Path, model, opt, step: int, steps: int, losses: list[float]) -> None:
     """The run's state written beside and renamed into place: whole or absent."""
     tmp = where.with_name(where.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    where.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
              "steps": steps, "losses": losses}  # fmt: skip
-    torch.save(state, tmp / "state.pt")
-    shutil.rmtree(where, ignore_errors=True)
-    tmp.rename(where)
+    torch.save(state, tmp)
+    tmp.replace(where)
 
 
 def save(model, base_dir: Path, out: Path) -> None:

@@ -61,10 +61,10 @@ def test_a_stopped_tuning_goes_on_to_the_weights_of_one_run(base, tmp_path):
     stopped = prose_tune.TuneConfig(**{**cfg.__dict__, "call_minutes": 4 / 60})
     first = prose_tune.tune(base_dir, examples, out, stopped, clock=ticks())
     assert not first["finished"] and 0 < first["step"] < 9
-    assert not out.exists() and (prose_tune.resume_dir(out) / "state.pt").is_file()
+    assert not out.exists() and prose_tune.resume_path(out).is_file()
     second = prose_tune.tune(base_dir, examples, out, cfg, clock=ticks())
     assert second["finished"] and second["resumed_at"] == first["step"]
-    assert not prose_tune.resume_dir(out).exists()
+    assert not prose_tune.resume_path(out).exists()
     assert second["final_loss"] == whole["final_loss"]
     a, b = weights(tmp_path / "one" / "tuned"), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
