@@ -156,8 +156,9 @@ class CaptureMetrics:
             "but for a local data plane's; of it forward_wait, until its first forward began "
             "on a thread, and forward_run, its forwards' time there), reserve (a place for "
             "the rows: a slot or region, "
-            "waited for while every one is held; none on the bus), sign (digest + signature), "
-            "publish (JetStream ack). Label `route`: `cohort` for a request that went in a "
+            "waited for while every one is held; none on the bus), sign (digest + signature; "
+            "of it, on the host plane, rows_copy, rows_digest and rows_write, the rows "
+            "leaving the GPU in pieces, hashed and written), publish (JetStream ack). Label `route`: `cohort` for a request that went in a "
             "cohort's forward, `parts` for one captured in parts (over the token bound, or a "
             "lane long enough for chunks), so the small requests' time reads apart from the "
             "maximal ones'.",

@@ -6,6 +6,8 @@ so it needs no torch; this module is the one place rows cross between the two.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,64 @@ def rows_view(rows: Tensor) -> memoryview:
     they are contiguous on the CPU already. The rows must not change while it is in use."""
     flat = rows.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
     return memoryview(flat.numpy()).toreadonly()
+
+
+# The host data plane's pieces: a few milliseconds of copy each, so a small block's copy
+# queued behind a maximal one (176 MB) waits for one piece, not for the whole of it.
+HOST_CHUNK_BYTES = 16 << 20
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def host_chunks(rows: Tensor, chunk_bytes: int = HOST_CHUNK_BYTES) -> Iterator[memoryview]:
+    """The bytes `rows_view` gives, in order, as read-only views of at most `chunk_bytes`,
+    each valid until the next is asked for. Rows on the CPU are sliced, not copied. Rows on
+    a GPU are copied piece by piece into two pinned host buffers on a copy stream of their
+    own (`copy_stream`), the next piece's copy running while the caller reads this one."""
+    flat = rows.detach().contiguous().view(-1).view(torch.uint8)  # (N,) the rows' bytes
+    if flat.device.type == "cuda":
+        yield from _device_chunks(flat, chunk_bytes)
+        return
+    view = memoryview(flat.to("cpu").numpy()).toreadonly()
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
+
+
+def _device_chunks(flat: Tensor, chunk_bytes: int) -> Iterator[memoryview]:
+    stream = copy_stream(flat.device)
+    stream.wait_stream(torch.cuda.current_stream(flat.device))  # the rows' writer
+    size = min(chunk_bytes, flat.numel())
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    starts = list(range(0, flat.numel(), chunk_bytes))
+
+    def copy(i: int) -> tuple[Tensor, torch.cuda.Event]:
+        piece = flat[starts[i] : starts[i] + chunk_bytes]
+        host = buffers[i % 2][: piece.numel()]  # the buffer of piece i - 2, read by now
+        with torch.cuda.stream(stream):
+            host.copy_(piece, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return host, done
+
+    try:
+        pending = copy(0) if starts else None
+        for i in range(len(starts)):
+            assert pending is not None
+            host, done = pending
+            pending = copy(i + 1) if i + 1 < len(starts) else None
+            done.synchronize()
+            yield memoryview(host.numpy()).toreadonly()
+    finally:  # a caller that stops early leaves no copy reading the rows or a buffer
+        stream.synchronize()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """This process's stream for rows copied to the host, one per GPU: its copies run
+    beside the forwards' streams, not queued among their kernels."""
+    device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    return stream
 
 
 def check_rows(rows: Tensor, layout: pb.Layout) -> None:

@@ -23,7 +23,7 @@ import mmap
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -176,8 +176,14 @@ class HostRegions:
 
     def write(self, name: str, data: bytes | memoryview) -> None:
         """The rows' bytes (stateblock.model.rows.rows_view) into their new region, once."""
+        self.write_chunks(name, (data,))
+
+    def write_chunks(self, name: str, chunks: Iterable[bytes | memoryview]) -> None:
+        """The rows' bytes, in order, as pieces (stateblock.model.rows.host_chunks), into
+        their new region, once."""
         with open(region_path(name, self._dir), "xb") as f:
-            f.write(data)
+            for chunk in chunks:
+                f.write(chunk)
         if name in self._out:  # not expired meanwhile
             self._written.add(name)
 

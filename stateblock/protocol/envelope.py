@@ -95,16 +95,25 @@ def forward_state_algorithm(name: str) -> int:
         raise ValueError(f"forward-state digest {name!r} is not one of: {known}") from None
 
 
-def forward_state_digest(data: bytes | memoryview, algorithm: int = _DEFAULT_ALGORITHM) -> bytes:
-    """The captured rows' bytes in layout order under `algorithm` (a DigestAlgorithm;
-    UNSPECIFIED is SHA-256, what headers from before the field carry). Both hashes release
-    the GIL, so a worker may run this in a thread beside its claim and readout."""
+def forward_state_hasher(algorithm: int = _DEFAULT_ALGORITHM, nbytes: int = 0) -> Any:
+    """A hasher (`update(chunk)`, `digest()`) of the rows' bytes under `algorithm` (a
+    DigestAlgorithm; UNSPECIFIED is SHA-256, what headers from before the field carry),
+    for rows of `nbytes` that arrive in pieces: fed in order, it gives forward_state_digest
+    of their whole. Both hashes release the GIL, so this may run in a thread beside the
+    event loop."""
     if algorithm == pb.DIGEST_ALGORITHM_BLAKE3:
-        threads = blake3.blake3.AUTO if len(data) >= _BLAKE3_THREADS_FROM else 1
-        return blake3.blake3(data, max_threads=threads).digest()
+        threads = blake3.blake3.AUTO if nbytes >= _BLAKE3_THREADS_FROM else 1
+        return blake3.blake3(max_threads=threads)
     if algorithm in (pb.DIGEST_ALGORITHM_SHA256, pb.DIGEST_ALGORITHM_UNSPECIFIED):
-        return hashlib.sha256(data).digest()
+        return hashlib.sha256()
     raise ValueError(f"unknown forward-state digest algorithm {algorithm}")
+
+
+def forward_state_digest(data: bytes | memoryview, algorithm: int = _DEFAULT_ALGORITHM) -> bytes:
+    """The captured rows' bytes in layout order under `algorithm` (forward_state_hasher)."""
+    hasher = forward_state_hasher(algorithm, len(data))
+    hasher.update(data)
+    return hasher.digest()
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,19 @@ def test_a_checksum_after_the_copys_event_waits_for_the_copy_alone():
     ready.record(side)
     assert rows_checksum(copy, ready) == rows_checksum(rows)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1_000_003, 64 << 20])
+def test_rows_copied_in_pieces_from_the_gpu_are_their_bytes(chunk_bytes):
+    """The host plane's copy: pinned pieces on the copy stream, two buffers taking turns,
+    the rows written just before on another stream; the pieces are the rows' bytes."""
+    from stateblock.model.rows import host_chunks, rows_view
+
+    rows = torch.randn(700, 2688, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    writer = torch.cuda.Stream()
+    with torch.cuda.stream(writer):
+        on_device = torch.empty_like(rows, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the copy must wait for this stream's write
+        on_device.copy_(rows.cuda(non_blocking=False))
+        pieces = b"".join(bytes(p) for p in host_chunks(on_device, chunk_bytes))
+    assert pieces == bytes(rows_view(rows))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.procs import ProcStack, ProcStackConfig
 from capture_svc.config import CaptureConfig
-from capture_svc.dataplane import LocalPlane, Sealer
+from capture_svc.dataplane import HostPlane, LocalPlane, Sealer
 from capture_svc.publisher import BlockPublisher
 from capture_svc.server import running_capture, status_of
 from capture_svc.service import CaptureUnavailable
@@ -32,7 +32,8 @@ from registry import Registry
 from stateblock.app.plan import IN_PROCESS
 from stateblock.app.stack import StackThread, UpConfig
 from stateblock.engines import LaneRequest
-from stateblock.model.shm import SHM_DIR, host_placement
+from stateblock.model.rows import rows_view
+from stateblock.model.shm import SHM_DIR, HostRegions, host_placement, open_region, region_name
 from stateblock.model.slots import SlotPool, SlotPoolFull, rows_digest
 from stateblock.protocol import envelope, layouts, locator, outcomes, streams
 from stateblock.protocol.keys import Signer, TrustStore
@@ -268,6 +269,34 @@ async def test_a_full_pool_fails_the_capture_with_nothing_published(nc, serving_
     assert stage.seen["reserve"][0] >= 0.2  # the failed one waited its bound
     assert stage.seen["reserve"][1] >= 0.1  # and this one until the slot was freed
     assert len(stage.seen["sign"]) == len(stage.seen["publish"]) == 1
+
+
+async def test_the_host_plane_signs_the_rows_it_wrote_and_times_each_part(
+    nc, serving_model, tmp_path
+):
+    """The host plane's region holds the rows, written piece by piece, and the header signs
+    their digest; the copy, the hash and the write are timed apart, inside `sign`."""
+    regions = HostRegions(2, 60.0, shm_dir=tmp_path)
+    await streams.ensure_streams(nc.jetstream())
+    publisher = await BlockPublisher.open(nc, model=MODEL, timeout_s=5.0)
+    plane = HostPlane(publisher, Sealer(SIGNER, serving_model.identity, 60.0), regions, wait_s=1)
+    stage = _Stage()
+    layout, rows = captured(serving_model, 9, rows_per_lane=(6, 3))
+    delivered = await plane.deliver(
+        layout, rows, request_id="req-9", sampling=[pb.SamplingParams()] * 2, stage=stage
+    )
+    name = region_name(delivered.block_id)
+    assert torch.equal(open_region(name, layout, tmp_path), rows)
+    msg = await nc.jetstream().get_last_msg(
+        streams.BLOCKS_STREAM, streams.placement_subject(MODEL, regions.placement)
+    )
+    header = pb.StateBlock.FromString(msg.data).header
+    assert header.block_id == delivered.block_id and locator.on_host(header)
+    assert header.forward_state_digest == envelope.forward_state_digest(
+        rows_view(rows), header.forward_state_algorithm
+    )
+    parts = [stage.seen[name][0] for name in ("rows_copy", "rows_digest", "rows_write")]
+    assert all(seconds >= 0 for seconds in parts) and sum(parts) <= stage.seen["sign"][0]
 
 
 class _Stage:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from stateblock.model.rows import rows_view
+from stateblock.model.rows import host_chunks, rows_view
 from stateblock.model.shm import (
     HostRegions,
     host_placement,
@@ -130,3 +130,28 @@ async def test_other_files_and_other_captures_regions_do_not_count(tmp_path):
     await regions.reserve("b2", time.time() + 60, 1.0)
     with pytest.raises(SlotPoolFull):
         await regions.reserve("b3", time.time() + 60, 0.05)
+
+
+async def test_a_region_written_in_pieces_holds_the_rows(tmp_path):
+    regions = HostRegions(4, 60.0, shm_dir=tmp_path)
+    rows = torch.randn(5, 8).to(torch.bfloat16)
+    name = await regions.reserve("b1", time.time() + 60, 1.0)
+    regions.write_chunks(name, host_chunks(rows, 7))
+    assert torch.equal(open_region(name, layout_of(rows), tmp_path), rows)
+    assert regions.held() == 1
+
+
+async def test_a_write_that_fails_midway_is_released_with_nothing_left(tmp_path):
+    """The pieces stop with an error (the copy failed): the region given back is gone."""
+    regions = HostRegions(1, 60.0, shm_dir=tmp_path)
+    name = await regions.reserve("b1", time.time() + 60, 1.0)
+
+    def failing():
+        yield b"\0" * 16
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        regions.write_chunks(name, failing())
+    regions.release(name)
+    assert not region_path(name, tmp_path).exists() and regions.held() == 0
+    assert await regions.reserve("b2", time.time() + 60, 0.1) == region_name("b2")
