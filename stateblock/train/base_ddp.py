@@ -40,7 +40,7 @@ from stateblock.train.ddp import (
     ranks_agree,
 )
 from stateblock.train.tokenizer import save_tokenizer
-from stateblock.train.weights import init_weights, save_split
+from stateblock.train.weights import init_weights, read_state, restore, save_split, save_state
 
 
 class FastEnc:
@@ -254,11 +254,10 @@ def evaluate(a: argparse.Namespace, model, enc, device, tok_dir: Path) -> dict:
 def resume(a: argparse.Namespace, model, opt, device) -> tuple[int, int | None]:
     """The step and planned total of the run `a.state` saved (0, None: a fresh run), its
     model and optimizer state loaded; --reschedule plans the total anew."""
-    if not (a.state and Path(a.state).exists()):
+    saved = read_state(a.state, device)
+    if saved is None:
         return 0, None
-    st = torch.load(a.state, map_location=device)
-    model.load_state_dict(st["model"])
-    opt.load_state_dict(st["opt"])
+    st = restore(saved, {"model": model, "opt": opt})
     step, total = st["step"], st["total"]
     log(f"resumed state at step {step}/{total}")
     return step, None if a.reschedule else total
@@ -270,8 +269,7 @@ def save(a: argparse.Namespace, model, opt, step: int, total: int | None, out: P
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     save_split(sd, out / "fp32")
     if a.state:
-        state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "total": total}
-        torch.save(state, a.state)
+        save_state(a.state, {"model": model, "opt": opt}, step=step, total=total)
     model.to(torch.bfloat16).save_pretrained(str(out / "base"), safe_serialization=True)
     model.float()
 

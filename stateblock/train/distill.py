@@ -26,6 +26,7 @@ from stateblock.train.batching import budget_batches
 from stateblock.train.readout_ddp import parts_loss
 from stateblock.train.reference import StepPlan, lr_at
 from stateblock.train.teacher import greedy_answers, load_cache, save_cache
+from stateblock.train.weights import read_state, restore, save_state
 
 MAX_SKIPPED = 10  # non-finite steps a run absorbs (or a twentieth of its steps) before failing
 
@@ -125,11 +126,10 @@ def new_decoder(base, tok, lm_head: torch.Tensor, cfg: DistillConfig, device) ->
 def resume_state(resume: Path, decoder: ReadoutDecoder, opt, steps: int, device) -> tuple:
     """(start, steps): a saved run's step and plan, loaded into decoder and optimizer, or
     (0, steps). Resumable: same batches, same step index, same optimizer state."""
-    if not resume.exists():
+    saved = read_state(resume, device)
+    if saved is None:
         return 0, steps
-    state = torch.load(resume, map_location=device)
-    decoder.load_state_dict(state["decoder"])
-    opt.load_state_dict(state["opt"])
+    state = restore(saved, {"decoder": decoder, "opt": opt})
     return state["step"], state["steps"]
 
 
@@ -270,8 +270,7 @@ def fit(
         bar.update(1)
         cut = cfg.stop_after is not None and step >= cfg.stop_after
         if (step % cfg.ckpt_every == 0 or cut) and step < steps:
-            state = {"decoder": decoder.state_dict(), "opt": opt.state_dict()}
-            torch.save({**state, "step": step, "steps": steps}, resume)
+            save_state(resume, {"decoder": decoder, "opt": opt}, step=step, steps=steps)
         if cut and step < steps:
             return {"stopped_at": step, "steps": steps}
     stats = {

@@ -23,6 +23,7 @@ from stateblock.model.loading import load_base
 from stateblock.train import prose_data, prose_tasks
 from stateblock.train.batching import budget_batches
 from stateblock.train.reference import StepPlan, lr_at
+from stateblock.train.weights import read_state, restore, save_state
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,13 @@ def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: Tu
     plan = StepPlan(steps, 30, cfg.max_minutes, start=step, clock=clock)
     while step < steps:
         if cfg.call_minutes and clock() - t0 >= 60 * cfg.call_minutes:
-            _pause(resume_path(out), model, opt, step, steps, losses)
+            save_state(
+                resume_path(out),
+                {"model": model, "opt": opt},
+                step=step,
+                steps=steps,
+                losses=losses,
+            )
             return {"finished": False, "step": step, "steps": steps, "device": device}
         steps = plan.plan(step)
         ids, lab = (t.to(device) for t in batch_of(pairs, batches[step % len(batches)],
@@ -111,22 +118,10 @@ def tune(base_dir: Path, examples: list[prose_tasks.Example], out: Path, cfg: Tu
 def _resume(where: Path, model, opt, device: str) -> dict:
     """A stopped run's step, step count and losses, its weights and optimizer loaded; a
     fresh run's zeros."""
-    if not where.is_file():
+    saved = read_state(where, device)
+    if saved is None:
         return {"step": 0, "steps": 0, "losses": []}
-    state = torch.load(where, map_location=device, weights_only=True)
-    model.load_state_dict(state.pop("model"))
-    opt.load_state_dict(state.pop("opt"))
-    return state
-
-
-def _pause(where: Path, model, opt, step: int, steps: int, losses: list[float]) -> None:
-    """The run's state written beside and renamed into place: whole or absent."""
-    tmp = where.with_name(where.name + ".tmp")
-    where.parent.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-             "steps": steps, "losses": losses}  # fmt: skip
-    torch.save(state, tmp)
-    tmp.replace(where)
+    return restore(saved, {"model": model, "opt": opt})
 
 
 def save(model, base_dir: Path, out: Path) -> None:

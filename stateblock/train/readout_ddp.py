@@ -44,6 +44,7 @@ from stateblock.train.base_ddp import FastEnc, Stream
 from stateblock.train.batching import budget_batches
 from stateblock.train.ddp import log
 from stateblock.train.step_profile import StepProfile
+from stateblock.train.weights import read_state, restore, save_state
 
 FORMAT_NOTE = "fresh prompts per step, teacher = verified truth prefix (readout_ddp)"
 
@@ -345,8 +346,7 @@ def resume(
     total = None
     origin = step
     if st:
-        decoder.load_state_dict(st["decoder"])
-        opt.load_state_dict(st["opt"])
+        st = restore(st, {"decoder": decoder, "opt": opt})
         step, total, seen = st["step"], st["total"], st.get("seen", 0)
         origin = st.get("origin", step)  # older states: the schedule restarts (as it did)
         log(f"resumed at step {step}/{total}")
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     lm_head = base.lm_head.weight  # (V, d_base), frozen
 
     state_file = out / "state.pt"
-    st = torch.load(state_file, map_location=device) if state_file.exists() else None
+    st = read_state(state_file, device)
     decoder, overrides, step, seen = start_decoder(a, base, tok, st, device)
     n_params = sum(p.numel() for p in decoder.parameters())
     log(f"decoder params {n_params} ({n_params * 2 / 1e6:.1f} MB bf16) config {overrides}")
@@ -447,10 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     agree = ddp.ranks_agree(decoder, r)  # every rank, before rank 0 alone saves
     if rank == 0:
         decoder.eval()
-        torch.save(
-            {"decoder": decoder.state_dict(), "opt": opt.state_dict(), "step": step,
-             "total": total, "seen": seen, "origin": origin, "decoder_config": overrides},
-            state_file,
+        save_state(
+            state_file, {"decoder": decoder, "opt": opt}, step=step, total=total, seen=seen,
+            origin=origin, decoder_config=overrides,
         )  # fmt: skip
         stats = {
             "steps": step,
