@@ -51,7 +51,8 @@
 #                                         # rows at 1-32 lanes, eager and compiled (minutes)
 #   bash bench/gpu_session.sh prose [DATA [ARGS]]  # the prose base (issue 41): arms of
 #       # stateblock.train.prose_stage on DATA (default .gpu_prose, written here by
-#       # `python -m stateblock.train.prose_shards`; no wheels needed), about 7 minutes;
+#       # bench/prose_prepare.sh; its train ids made there from its corpus text, `train_ids`;
+#       # no wheels needed), about 7 minutes;
 #       # ARGS go to the trainer (e.g. --init DATA/base --epochs 6)
 #   bash bench/gpu_session.sh prose-readout [DATA [ARGS]]  # the prose pair after the base
 #       # (issue 41): stateblock.train.prose_readout --scale bench on DATA/base.part* (a prose
@@ -100,6 +101,11 @@ case "$STAGE" in  # the prose stages carry no service wheels: the readout's need
   *) source bench/gpu_env.sh || exit 1 ;;
 esac
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+train_ids() {  # DATA's train ids from its corpus text, unless there (bench/prose_prepare.sh)
+  [ -f "$1/train.npy" ] || python3 -m stateblock.train.prose_shards --corpus "$1/corpus" \
+    --tokenizer "$1/tokenizer" --out "$1" --splits train > "$OUT/train_ids.log" 2>&1 \
+    || { tail -5 "$OUT/train_ids.log"; return 1; }
+}
 pack_pair() {  # WORK's pair (tuned base, decoder, the teacher's answers when they fit) in
   # $OUT/pair.tar.xz.NN, parts a call returns (15 MiB a file; 8 files, 64 MiB in all)
   local w=$1
@@ -293,13 +299,14 @@ elif [ "$STAGE" = invariance ]; then  # is the compiled capture batch-invariant?
   echo "invariance rc=$?"
   tail -c 3000 "$OUT/invariance.log"
 elif [ "$STAGE" = prose ]; then  # summary.json, summary.md, base.part*.safetensors in $OUT
+  python3 -m bench.unpack "${2:-.gpu_prose}" && train_ids "${2:-.gpu_prose}" || exit 1
   timeout 500 python3 -m stateblock.train.prose_stage --data "${2:-.gpu_prose}" --out "$OUT" \
     --minutes 6.5 "${@:3}" > "$OUT/prose.log" 2>&1
   echo "prose rc=$?"
   tail -c 3000 "$OUT/prose.log"; cat "$OUT/summary.md"
 elif [ "$STAGE" = prose-base ]; then  # a larger base, kept on the machine for prose-chain
   DATA=${2:-.gpu_prose}; t0=$SECONDS
-  python3 -m bench.unpack "$DATA" || exit 1
+  python3 -m bench.unpack "$DATA" && train_ids "$DATA" || exit 1
   rm -f "$DATA"/base.part*.safetensors
   timeout 545 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
     --minutes 8.5 --epochs 7 --max-checkpoint-mb 1000 "${@:3}" > "$OUT/prose.log" 2>&1
@@ -309,7 +316,7 @@ elif [ "$STAGE" = prose-base ]; then  # a larger base, kept on the machine for p
   ls -la "$DATA"/base.part*.safetensors
 elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for prose-more
   DATA=${2:-.gpu_prose}; t0=$SECONDS
-  python3 -m bench.unpack "$DATA" || exit 1
+  python3 -m bench.unpack "$DATA" && train_ids "$DATA" || exit 1
   if ! ls "$DATA"/base.part*.safetensors > /dev/null 2>&1; then
     # BASE_ARGS: the base's shape (e.g. "--dim 512 --n-layers 10 --mlp-dim 2048 --n-heads
     # 8"), for a larger base in the chain's own call; the readout stage is given it too

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The folder a `prose-chain` device call carries (issue 41), made here from nothing: Debian's
 # documentation packages installed and turned into the corpus (data/prose, docs/CORPUS.md),
-# its BPE tokenizer (data/prose-tokenizer), the base's id streams and the tokenizer
-# (prose_shards), the corpus's train text gzipped (the train prompts are made on the
-# machine) and the held-out prompts alone (the train prompts there are more than a call
-# carries). Each step is skipped when its output is there. About 2 minutes on 2 cores (39 MB).
+# its BPE tokenizer (data/prose-tokenizer), the tokenizer, the held-out ids and both splits'
+# counts (prose_shards), the corpus's train text gzipped (its ids and the train prompts are
+# made on the machine) and the held-out prompts alone (the train prompts there are more than
+# a call carries). Each step is skipped when its output is there. About 5 minutes on 2 cores.
 #
 # Also .whl-prose: the wheels the prose stages need beyond the GPU image (5 MB): blake3 (the
 # model loader's digests) and cryptography with cffi and pycparser (the loader imports the
@@ -28,9 +28,12 @@ fi
 if [ ! -f data/prose-tokenizer/tokenizer.json ]; then
   $PY -m stateblock.train.prose_tokenizer --corpus data/prose --out data/prose-tokenizer
 fi
-if [ ! -f "$DATA/train.npy" ]; then
+if [ ! -f "$DATA/meta.json" ]; then
   $PY -m stateblock.train.prose_shards --corpus data/prose --tokenizer data/prose-tokenizer \
     --out "$DATA"
+  # made again on the machine from corpus/train.txt.gz (gpu_session.sh: prose_shards --splits
+  # train, checked against meta.json's counts): ids and text together do not fit a call
+  rm -f "$DATA/train.npy"
 fi
 mkdir -p "$DATA/corpus"
 if [ ! -f "$DATA/corpus/train.txt.gz" ]; then

@@ -61,6 +61,33 @@ def test_the_shards_are_the_documents_as_uint16_ids(shards):
     assert tok.decode(first) == docs[0]
 
 
+def test_the_train_ids_made_again_on_the_machine_are_the_ones_counted(shards, tmp_path):
+    """A folder that travels without train.npy: `--splits train` with its own tokenizer
+    makes the same ids from the text; another tokenizer, or other text, is refused."""
+    import shutil
+
+    folder = tmp_path / "carried"
+    shutil.copytree(shards, folder)
+    (folder / "train.npy").unlink()
+    args = ["--corpus", str(shards.parent), "--tokenizer", str(folder / "tokenizer"),
+            "--out", str(folder), "--splits", "train"]  # fmt: skip
+    prose_shards.main(args)
+    assert np.array_equal(np.load(folder / "train.npy"), np.load(shards / "train.npy"))
+    assert (folder / "meta.json").read_text() == (shards / "meta.json").read_text()
+    other = tmp_path / "other"
+    other.mkdir()
+    docs = corpus.read_documents(shards.parent / "train.txt")
+    corpus.write_documents([corpus.Doc("x", [d]) for d in docs[1:]], other / "train.txt")
+    with pytest.raises(ValueError, match="against meta.json's"):
+        prose_shards.main([*args[:1], str(other), *args[2:]])
+    assert np.array_equal(np.load(folder / "train.npy"), np.load(shards / "train.npy"))
+    tok = json.loads((folder / "tokenizer" / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zz-not-a-token"] = VOCAB + 7
+    (folder / "tokenizer" / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="not the one meta.json counted with"):
+        prose_shards.main(args)
+
+
 def test_the_stage_trains_scores_and_saves(shards, tmp_path):
     s = _stage(shards, tmp_path / "one", "--epochs", "0.2,0.4")
     assert abs(s["start"]["nll"] - math.log(VOCAB)) < 0.5  # about uniform before training
