@@ -321,7 +321,7 @@ elif [ "$STAGE" = prose-chain ]; then  # the base, then the pair; DATA kept for 
     # BASE_ARGS: the base's shape (e.g. "--dim 512 --n-layers 10 --mlp-dim 2048 --n-heads
     # 8"), for a larger base in the chain's own call; the readout stage is given it too
     # (--base-shape), so only the shape options base_ddp takes belong there
-    timeout 200 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
+    timeout 230 python3 -m stateblock.train.prose_stage --data "$DATA" --out "$DATA/stage" \
       --minutes 3 --epochs 7 --max-checkpoint-mb 1000 ${BASE_ARGS:-} > "$OUT/prose.log" 2>&1
     echo "prose base rc=$? ($((SECONDS - t0)) s)"; cat "$DATA/stage/summary.md"
     cp "$DATA"/stage/base.part*.safetensors "$DATA/" || exit 1
