@@ -4,7 +4,7 @@ the uint16 shards of `prose_shards.py` within a wall-clock budget, on one device
     python -m stateblock.train.prose_stage --data .gpu_prose --out OUT [--minutes 6.5]
         [--epochs 4,12,30] [--init OUT/base] [--compile auto|on|off] [--device cuda|cpu]
 
-The train split (about 11 M tokens) is small beside what a GPU does in minutes, so the stage
+The train split (19.65 M tokens) is small beside what a GPU does in minutes, so the stage
 runs arms: each starts from the same weights (a fresh init, or `--init`), has a warm-up and a
 cosine over its number of passes over the train split (capped by its share of the budget)
 and is scored on the whole held-out split at every half pass; the best weights of any arm
