@@ -64,8 +64,9 @@ def _device_chunks(flat: Tensor, chunk_bytes: int) -> Iterator[memoryview]:
     stream = copy_stream(flat.device)
     stream.wait_stream(torch.cuda.current_stream(flat.device))  # the rows' writer
     size = min(chunk_bytes, flat.numel())
-    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     starts = list(range(0, flat.numel(), chunk_bytes))
+    # one buffer for rows of one piece (every small block), two to take turns otherwise
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in starts[:2]]
 
     def copy(i: int) -> tuple[Tensor, torch.cuda.Event]:
         piece = flat[starts[i] : starts[i] + chunk_bytes]
