@@ -247,7 +247,8 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
   # an arm each: cohort (parts at the cohort bound), tokensN (STATEBLOCK_CAPTURE_PART_TOKENS),
   # smsN (STATEBLOCK_CAPTURE_PART_SMS: parts in a green context of N SMs), yieldS
   # (STATEBLOCK_CAPTURE_PART_YIELD_S: parts wait up to S seconds for busy cohorts), chunkN
-  # (STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: a long lane N positions a turn)
+  # (STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS: a long lane N positions a turn), planeX
+  # (STATEBLOCK_DATA_PLANE=X instead of host: planeipc keeps the rows on the GPU)
   # (joined by +: sms66+tokens8192 sets both); 160 small requests a phase, so those beside
   # span a maximal request's capture, readout and reply (with 40 they covered its capture
   # only, and p99 was the slowest one or two)
@@ -261,6 +262,7 @@ elif [ "$STAGE" = fairness ]; then  # a maximal request beside small ones, compi
         sms*) env+=(--env "STATEBLOCK_CAPTURE_PART_SMS=${part#sms}") ;;
         yield*) env+=(--env "STATEBLOCK_CAPTURE_PART_YIELD_S=${part#yield}") ;;
         chunk*) env+=(--env "STATEBLOCK_CAPTURE_PART_CHUNK_TOKENS=${part#chunk}") ;;
+        plane*) env+=(--env "STATEBLOCK_DATA_PLANE=${part#plane}") ;;  # after host: it wins
       esac
     done
     tag=${arm//+/_}  # a name with + does not come back from a device call

@@ -26,7 +26,7 @@ from torch import Tensor
 from capture_svc.config import CaptureConfig
 from capture_svc.publisher import BlockPublisher
 from stateblock.model.arena import DeviceArena, ipc_placement, rows_nbytes, share
-from stateblock.model.rows import host_chunks, rows_view
+from stateblock.model.rows import HOST_CHUNK_BYTES, host_chunks, rows_view
 from stateblock.model.shm import HostRegions
 from stateblock.model.slots import SlotPool, rows_digest, slot_algorithm
 from stateblock.protocol import envelope, layouts, locator
@@ -178,14 +178,18 @@ class HostPlane(DataPlane):
         return Placed(digest, algorithm, where, spans=spans)
 
     def _write(self, held: str, rows: Tensor, algorithm: int, spans: dict[str, float]) -> bytes:
-        """The rows' bytes (a GPU's copied to the host in pieces) hashed and written into
-        their region piece by piece, in one trip off the event loop; returns their digest
-        and adds each part's seconds to `spans` (rows_copy, rows_digest, rows_write)."""
-        hasher = envelope.forward_state_hasher(algorithm, rows.numel() * rows.element_size())
+        """The rows' bytes hashed and written into their region piece by piece (a GPU's
+        copied to the host in pieces, a CPU's one piece), in one trip off the event loop;
+        returns their digest and adds each part's seconds to `spans` (rows_copy,
+        rows_digest, rows_write)."""
+        nbytes = rows.numel() * rows.element_size()
+        hasher = envelope.forward_state_hasher(algorithm, nbytes)
         totals = dict.fromkeys(("rows_copy", "rows_digest", "rows_write"), 0.0)
+        # rows already in host memory go whole: in pieces 176 MB took 86 ms against 77 (2 cores)
+        size = HOST_CHUNK_BYTES if rows.device.type == "cuda" else max(1, nbytes)
 
         def hashed() -> Iterator[memoryview]:
-            pieces = host_chunks(rows)
+            pieces = host_chunks(rows, size)
             while True:
                 t0 = time.perf_counter()
                 piece = next(pieces, None)
