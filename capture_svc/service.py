@@ -158,10 +158,10 @@ class CaptureMetrics:
             "the rows: a slot or region, "
             "waited for while every one is held; none on the bus), sign (digest + signature; "
             "of it, on the host plane, rows_copy, rows_digest and rows_write, the rows "
-            "leaving the GPU in pieces, hashed and written), publish (JetStream ack). Label `route`: `cohort` for a request that went in a "
-            "cohort's forward, `parts` for one captured in parts (over the token bound, or a "
-            "lane long enough for chunks), so the small requests' time reads apart from the "
-            "maximal ones'.",
+            "leaving the GPU in pieces, hashed and written), publish (JetStream ack). "
+            "Label `route`: `cohort` for a request that went in a cohort's forward, `parts` "
+            "for one captured in parts (over the token bound, or a lane long enough for "
+            "chunks), so the small requests' time reads apart from the maximal ones'.",
             metrics,
             labels=("route",),
         )

@@ -111,7 +111,7 @@ def forward_state_hasher(algorithm: int = _DEFAULT_ALGORITHM, nbytes: int = 0) -
 
 def forward_state_digest(data: bytes | memoryview, algorithm: int = _DEFAULT_ALGORITHM) -> bytes:
     """The captured rows' bytes in layout order under `algorithm` (forward_state_hasher)."""
-    hasher = forward_state_hasher(algorithm, len(data))
+    hasher = forward_state_hasher(algorithm, memoryview(data).nbytes)
     hasher.update(data)
     return hasher.digest()
 
