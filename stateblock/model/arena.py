@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from stateblock.model.rows import torch_dtype
-from stateblock.model.slots import Waiting, rows_stream, seconds_to_next
+from stateblock.model.rows import rows_stream, torch_dtype
+from stateblock.model.slots import Waiting, seconds_to_next
 from stateblock.v1 import block_pb2 as pb
 
 ALIGN = 512  # bytes: every span starts on it (any dtype's alignment, and then some)

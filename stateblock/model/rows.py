@@ -43,14 +43,14 @@ def rows_view(rows: Tensor) -> memoryview:
 # The host data plane's pieces: a few milliseconds of copy each, so a small block's copy
 # queued behind a maximal one (176 MB) waits for one piece, not for the whole of it.
 HOST_CHUNK_BYTES = 16 << 20
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_ROWS_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def host_chunks(rows: Tensor, chunk_bytes: int = HOST_CHUNK_BYTES) -> Iterator[memoryview]:
     """The bytes `rows_view` gives, in order, as read-only views of at most `chunk_bytes`,
     each valid until the next is asked for. Rows on the CPU are sliced, not copied. Rows on
-    a GPU are copied piece by piece into two pinned host buffers on a copy stream of their
-    own (`copy_stream`), the next piece's copy running while the caller reads this one."""
+    a GPU are copied piece by piece into two pinned host buffers on the rows stream
+    (`rows_stream`), the next piece's copy running while the caller reads this one."""
     flat = rows.detach().contiguous().view(-1).view(torch.uint8)  # (N,) the rows' bytes
     if flat.device.type == "cuda":
         yield from _device_chunks(flat, chunk_bytes)
@@ -61,7 +61,7 @@ def host_chunks(rows: Tensor, chunk_bytes: int = HOST_CHUNK_BYTES) -> Iterator[m
 
 
 def _device_chunks(flat: Tensor, chunk_bytes: int) -> Iterator[memoryview]:
-    stream = copy_stream(flat.device)
+    stream = rows_stream(flat.device)
     stream.wait_stream(torch.cuda.current_stream(flat.device))  # the rows' writer
     size = min(chunk_bytes, flat.numel())
     starts = list(range(0, flat.numel(), chunk_bytes))
@@ -89,13 +89,15 @@ def _device_chunks(flat: Tensor, chunk_bytes: int) -> Iterator[memoryview]:
         stream.synchronize()
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """This process's stream for rows copied to the host, one per GPU: its copies run
-    beside the forwards' streams, not queued among their kernels."""
+def rows_stream(device: torch.device) -> torch.cuda.Stream:
+    """This process's stream for the rows' copies (into and out of an arena, and to the
+    host in pieces) and their checksums, one per GPU, at the highest priority: their few
+    small kernels go ahead of the forwards and readouts queued on the other streams instead
+    of behind them, and no copy sits among those streams' kernels."""
     device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream = _ROWS_STREAMS.get(device)
+    if stream is None:  # a priority past the range is the range's highest
+        stream = _ROWS_STREAMS.setdefault(device, torch.cuda.Stream(device, priority=-(1 << 10)))
     return stream
 
 

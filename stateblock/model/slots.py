@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from stateblock.model.kernels import checksum
-from stateblock.model.rows import rows_view
+from stateblock.model.rows import rows_stream, rows_view
 from stateblock.protocol import envelope
 from stateblock.v1 import block_pb2 as pb
 
@@ -74,20 +74,6 @@ def _checksum_sums(words: Tensor) -> Tensor:
     words = (words.to(torch.int64) & 0xFFFF) + 1
     index = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
     return torch.stack([(words * ((index * a + b) % p)).sum() for a, b, p in _LANES])
-
-
-_ROWS_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def rows_stream(device: torch.device) -> torch.cuda.Stream:
-    """This process's stream for the rows' copies into and out of an arena and their
-    checksums, one per GPU, at the highest priority: their few small kernels go ahead of
-    the forwards and readouts queued on the other streams instead of behind them."""
-    device = torch.device("cuda", torch.cuda._get_device_index(device, optional=True))
-    stream = _ROWS_STREAMS.get(device)
-    if stream is None:  # a priority past the range is the range's highest
-        stream = _ROWS_STREAMS.setdefault(device, torch.cuda.Stream(device, priority=-(1 << 10)))
-    return stream
 
 
 def slot_algorithm(rows: Tensor, host_algorithm: int) -> int:

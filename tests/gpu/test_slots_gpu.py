@@ -49,7 +49,7 @@ def test_the_one_kernel_checksum_is_the_reference_sums(n):
 def test_a_checksum_after_the_copys_event_waits_for_the_copy_alone():
     """Rows copied on the rows stream with an event: the checksum after that event is the
     rows' own, while a long matmul is still queued on the caller's stream."""
-    from stateblock.model.slots import rows_stream
+    from stateblock.model.rows import rows_stream
 
     rows = torch.randn(512, 2688, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     source = rows.cuda()
@@ -70,7 +70,7 @@ def test_a_checksum_after_the_copys_event_waits_for_the_copy_alone():
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 1_000_003, 64 << 20])
 def test_rows_copied_in_pieces_from_the_gpu_are_their_bytes(chunk_bytes):
-    """The host plane's copy: pinned pieces on the copy stream, two buffers taking turns,
+    """The host plane's copy: pinned pieces on the rows stream, two buffers taking turns,
     the rows written just before on another stream; the pieces are the rows' bytes."""
     from stateblock.model.rows import host_chunks, rows_view
 
