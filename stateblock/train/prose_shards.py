@@ -55,7 +55,7 @@ def write_shards(corpus: Path, tokenizer: Path, out: Path, splits=SPLITS) -> dic
         raise ValueError(f"{out}: the tokenizer is not the one meta.json counted with")
     for split in splits:
         ids, counts = _encode_split(tok, corpus / f"{split}.txt")
-        counted = (before or {}).get("splits", {}).get(split)
+        counted = before["splits"].get(split) if before else None
         if counted is not None and counted != counts:
             raise ValueError(f"{split}: {counts} against meta.json's {counted}")
         np.save(out / f"{split}.npy", ids)
